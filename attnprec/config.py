@@ -1,0 +1,94 @@
+"""Architecture config: what a `gin/models/*.gin` file binds. No precision here.
+
+Precision (dtypes, matmul precision, attention flags) is per phase and lives in
+`attnprec.precision.Precision`, never in the architecture.
+"""
+import dataclasses
+import json
+from typing import Optional, Tuple
+
+import gin
+
+from attnprec.errors import UserError, choice_error
+
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+LAYER_KINDS = ("global", "local")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """A decoder-only transformer. Covers Llama, Qwen2, Gemma, Gemma 2 and Gemma 3."""
+  vocab_size: int                       # V
+  d_model: int                          # D
+  num_layers: int                       # L
+  num_heads: int                        # N
+  num_kv_heads: int                     # K (N % K == 0; K == 1 is MQA)
+  head_dim: int                         # H
+  mlp_hidden: int                       # F, hidden width of the gated MLP
+  activation: str = "silu"              # gate activation: silu (SwiGLU) / gelu_tanh (GeGLU)
+  norm_eps: float = 1e-6                # RMSNorm epsilon
+  norm_plus_one: bool = False           # RMSNorm scales by (1 + w) (Gemma)
+  embed_scale: bool = False             # multiply embeddings by sqrt(D) (Gemma)
+  tie_embeddings: bool = True           # unembedding = embedding^T
+  qkv_bias: bool = False                # bias on q/k/v projections (Qwen2)
+  qk_norm: bool = False                 # RMSNorm on q and k per head (Gemma 3)
+  post_attn_norm: bool = False          # norm after attention, before residual (Gemma 2/3)
+  post_mlp_norm: bool = False           # norm after the MLP, before residual (Gemma 2/3)
+  query_scale: Optional[float] = None   # None -> H ** -0.5
+  attn_logit_soft_cap: Optional[float] = None   # Gemma 2
+  final_logit_soft_cap: Optional[float] = None  # Gemma 2
+  rope_base: float = 10_000.0           # RoPE base of global layers
+  rope_base_local: Optional[float] = None  # RoPE base of local layers (None -> rope_base)
+  rope_scale: float = 1.0               # linear RoPE position scaling of global layers
+  sliding_window: Optional[int] = None  # window of "local" layers
+  layer_pattern: Tuple[str, ...] = ("global",)  # repeated cyclically over the layers
+  max_seq_len: int = 8192               # longest context the model is meant for
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "mlp_hidden"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise UserError(f"model.{name} must be a positive integer, got {value!r}.")
+    if self.num_heads % self.num_kv_heads:
+      divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+      raise UserError(
+          f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads="
+          f"{self.num_kv_heads}; valid num_kv_heads values are: {divisors}.")
+    if self.activation not in ACTIVATIONS:
+      raise choice_error("model.activation", self.activation, ACTIVATIONS)
+    object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
+    for kind in self.layer_pattern:
+      if kind not in LAYER_KINDS:
+        raise choice_error("model.layer_pattern entry", kind, LAYER_KINDS)
+    if "local" in self.layer_pattern and not self.sliding_window:
+      raise UserError("model.layer_pattern has 'local' layers but model.sliding_window is "
+                      "not set; set it to a positive window length.")
+
+  def layer_kind(self, i: int) -> str:
+    return self.layer_pattern[i % len(self.layer_pattern)]
+
+  def window(self, i: int) -> Optional[int]:
+    return self.sliding_window if self.layer_kind(i) == "local" else None
+
+  def rope(self, i: int) -> Tuple[float, float]:
+    """(base, position scale) of layer i."""
+    if self.layer_kind(i) == "local":
+      return (self.rope_base_local or self.rope_base), 1.0
+    return self.rope_base, self.rope_scale
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self), indent=1)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "ModelConfig":
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise UserError(f"Unknown model config field(s) {unknown}; valid: {sorted(known)}.")
+    return cls(**d)
+
+
+# The gin root for the architecture (`gin/models/*.gin` bind `model.*`). gin wraps a copy
+# of the class, so constructing `ModelConfig` directly in code never reads gin bindings.
+model_config = gin.external_configurable(ModelConfig, "model")

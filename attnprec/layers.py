@@ -1,0 +1,151 @@
+"""Building blocks: RMSNorm, RoPE (a pure function), dense layers, gated MLP, Attention.
+
+Shapes: B batch, T query length, S key length (cache length when decoding), D model
+width, N query heads, K kv heads, H head dim, F MLP hidden width.
+
+Parameters are created in float32 and cast to the phase's compute dtype at use; the
+phase's `Precision` is passed in explicitly (plain data), never read from globals.
+"""
+import dataclasses
+from typing import Optional, Tuple
+
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from attnprec import attention as attention_lib
+from attnprec.config import ModelConfig
+from attnprec.precision import Precision
+
+
+def rms_norm(x, scale, *, eps: float, plus_one: bool):
+  """RMSNorm computed in float32, returned in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+  scale = scale.astype(jnp.float32)
+  y = y * (1.0 + scale if plus_one else scale)
+  return y.astype(x.dtype)
+
+
+class RMSNorm(hk.Module):
+  """RMSNorm over the last axis; `scale` param of shape [last axis]."""
+
+  def __init__(self, eps: float, plus_one: bool, name: Optional[str] = None):
+    super().__init__(name=name)
+    self.eps, self.plus_one = eps, plus_one
+
+  def __call__(self, x):
+    init = jnp.zeros if self.plus_one else jnp.ones
+    scale = hk.get_parameter("scale", (x.shape[-1],), jnp.float32,
+                             init=lambda s, d: init(s, d))
+    return rms_norm(x, scale, eps=self.eps, plus_one=self.plus_one)
+
+
+def rope(x_BxTxNxH, positions_BxT, *, base: float, scale: float = 1.0):
+  """Rotary embedding, "rotate half" layout (as HF Llama/Gemma), computed in float32."""
+  H = x_BxTxNxH.shape[-1]
+  inv_freq_Hh = 1.0 / (base ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+  angles_BxTxHh = (positions_BxT.astype(jnp.float32) / scale)[..., None] * inv_freq_Hh
+  sin = jnp.sin(angles_BxTxHh)[:, :, None, :]  # [B, T, 1, H/2]
+  cos = jnp.cos(angles_BxTxHh)[:, :, None, :]
+  x = x_BxTxNxH.astype(jnp.float32)
+  x1, x2 = x[..., : H // 2], x[..., H // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxH.dtype)
+
+
+class Dense(hk.Module):
+  """y = x @ w (+ b); w [in, out] float32, cast to x's dtype; matmul precision explicit."""
+
+  def __init__(self, out: int, *, precision, with_bias: bool = False,
+               name: Optional[str] = None):
+    super().__init__(name=name)
+    self.out, self.precision, self.with_bias = out, precision, with_bias
+
+  def __call__(self, x):
+    d_in = x.shape[-1]
+    w = hk.get_parameter("w", (d_in, self.out), jnp.float32,
+                         init=hk.initializers.VarianceScaling(1.0, "fan_in", "normal"))
+    y = jnp.dot(x, w.astype(x.dtype), precision=self.precision)
+    if self.with_bias:
+      y = y + hk.get_parameter("b", (self.out,), jnp.float32, init=jnp.zeros).astype(x.dtype)
+    return y
+
+
+@dataclasses.dataclass
+class MLP(hk.Module):
+  """Gated MLP: down(act(gate(x)) * up(x)). SwiGLU (silu) or GeGLU (gelu_tanh)."""
+  config: ModelConfig       # architecture
+  precision: Precision      # this phase's numerics
+  name: Optional[str] = None
+
+  def __call__(self, x_BxTxD):
+    cfg, p = self.config, self.precision.matmul
+    gate_BxTxF = Dense(cfg.mlp_hidden, precision=p, name="gate")(x_BxTxD)
+    up_BxTxF = Dense(cfg.mlp_hidden, precision=p, name="up")(x_BxTxD)
+    if cfg.activation == "silu":
+      act = jax.nn.silu(gate_BxTxF)
+    elif cfg.activation == "gelu_tanh":
+      act = jax.nn.gelu(gate_BxTxF, approximate=True)
+    else:
+      act = jax.nn.gelu(gate_BxTxF, approximate=False)
+    return Dense(cfg.d_model, precision=p, name="down")(act * up_BxTxF)
+
+
+@dataclasses.dataclass
+class Attention(hk.Module):
+  """q/k/v/o projections, optional QK-norm, RoPE, KV cache update, then the kernel."""
+  config: ModelConfig       # architecture
+  precision: Precision      # this phase's numerics (attention flags included)
+  layer: int                # index: picks the window and RoPE base of this layer
+  name: Optional[str] = None
+
+  def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS,
+               cache_kv: Optional[Tuple[jax.Array, jax.Array]] = None):
+    """cache_kv: the stacked cache (k, v), each [L, B, S, K, H], or None.
+
+    Returns (out_BxTxD, the updated stacked (k, v) cache or None, out_BxTxNxH).
+
+    out_BxTxNxH is the attention kernel's output before the o projection (what the
+    precision study compares against a reference).
+    """
+    cfg, prec = self.config, self.precision
+    B, T, _ = x_BxTxD.shape
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    mp = prec.matmul
+    q_BxTxNxH = Dense(N * H, precision=mp, with_bias=cfg.qkv_bias, name="q")(x_BxTxD)
+    k_BxTxKxH = Dense(K * H, precision=mp, with_bias=cfg.qkv_bias, name="k")(x_BxTxD)
+    v_BxTxKxH = Dense(K * H, precision=mp, with_bias=cfg.qkv_bias, name="v")(x_BxTxD)
+    q_BxTxNxH = q_BxTxNxH.reshape(B, T, N, H)
+    k_BxTxKxH = k_BxTxKxH.reshape(B, T, K, H)
+    v_BxTxKxH = v_BxTxKxH.reshape(B, T, K, H)
+    if cfg.qk_norm:
+      q_BxTxNxH = RMSNorm(cfg.norm_eps, cfg.norm_plus_one, name="q_norm")(q_BxTxNxH)
+      k_BxTxKxH = RMSNorm(cfg.norm_eps, cfg.norm_plus_one, name="k_norm")(k_BxTxKxH)
+    base, pos_scale = cfg.rope(self.layer)
+    q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, base=base, scale=pos_scale)
+    k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, base=base, scale=pos_scale)
+
+    new_kv = None
+    if cache_kv is not None:
+      # Write this step's keys/values at their absolute positions into the stacked cache
+      # [L, B, S, K, H] (an in-place scatter under jit), then attend over this layer's
+      # whole cache; the mask hides positions not yet written (key pos > query pos).
+      cache_k, cache_v = cache_kv
+      b_idx_Bx1 = jnp.arange(B)[:, None]
+      cache_k = cache_k.at[self.layer, b_idx_Bx1, positions_BxT].set(
+          k_BxTxKxH.astype(cache_k.dtype))
+      cache_v = cache_v.at[self.layer, b_idx_Bx1, positions_BxT].set(
+          v_BxTxKxH.astype(cache_v.dtype))
+      new_kv = (cache_k, cache_v)
+      k_BxSxKxH, v_BxSxKxH = cache_k[self.layer], cache_v[self.layer]
+    else:
+      k_BxSxKxH, v_BxSxKxH = k_BxTxKxH, v_BxTxKxH
+
+    out_BxTxNxH = attention_lib.attend(
+        prec, q_BxTxNxH, k_BxSxKxH.astype(q_BxTxNxH.dtype), v_BxSxKxH.astype(q_BxTxNxH.dtype),
+        mask=mask_Bx1xTxS, logits_soft_cap=cfg.attn_logit_soft_cap, scale=cfg.query_scale)
+    chex.assert_shape(out_BxTxNxH, (B, T, N, H))
+    out_BxTxD = Dense(cfg.d_model, precision=mp, name="o")(out_BxTxNxH.reshape(B, T, N * H))
+    return out_BxTxD, new_kv, out_BxTxNxH

@@ -1,0 +1,140 @@
+"""The decoder: embed -> L pre-norm blocks -> final norm -> logits.
+
+Shapes: B batch, T tokens in this call, S key length (T without a cache, the cache length
+with one), D model width, V vocabulary, L layers, N/K/H heads, kv heads, head dim.
+
+Parameter names (what checkpoint importers produce; see `param_shapes`):
+  decoder/embed                      embeddings [V, D]
+  decoder/layer_{i}/pre_attn_norm    scale [D]
+  decoder/layer_{i}/attn/{q,k,v}     w [D, N*H | K*H], b (qkv_bias)
+  decoder/layer_{i}/attn/{q,k}_norm  scale [H] (qk_norm)
+  decoder/layer_{i}/attn/o           w [N*H, D]
+  decoder/layer_{i}/post_attn_norm   scale [D] (post_attn_norm)
+  decoder/layer_{i}/pre_mlp_norm     scale [D]
+  decoder/layer_{i}/mlp/{gate,up}    w [D, F];  decoder/layer_{i}/mlp/down  w [F, D]
+  decoder/layer_{i}/post_mlp_norm    scale [D] (post_mlp_norm)
+  decoder/final_norm                 scale [D]
+  decoder/unembed                    w [D, V] (untied only)
+Norm scales hold exactly the parameter the formula uses: y * w, or y * (1 + w) when
+`norm_plus_one` (Gemma's convention, as in HF checkpoints).
+"""
+import dataclasses
+import functools
+from typing import NamedTuple, Optional
+
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from attnprec import attention as attention_lib
+from attnprec.cache import KVCache
+from attnprec.config import ModelConfig
+from attnprec.layers import MLP, Attention, RMSNorm
+from attnprec.precision import Precision
+
+
+class Output(NamedTuple):
+  logits: jax.Array                 # [B, T, V] float32
+  cache: Optional[KVCache]          # updated cache (None without one)
+  attn: Optional[tuple]             # per layer [B, T, N, H] kernel outputs (if collected)
+
+
+@dataclasses.dataclass
+class Block(hk.Module):
+  config: ModelConfig
+  precision: Precision
+  layer: int
+  name: Optional[str] = None
+
+  def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache_kv):
+    cfg = self.config
+    norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.norm_plus_one)
+    h_BxTxD = norm(name="pre_attn_norm")(x_BxTxD)
+    h_BxTxD, new_kv, attn_BxTxNxH = Attention(cfg, self.precision, self.layer, name="attn")(
+        h_BxTxD, positions_BxT, mask_Bx1xTxS, cache_kv)
+    if cfg.post_attn_norm:
+      h_BxTxD = norm(name="post_attn_norm")(h_BxTxD)
+    x_BxTxD = x_BxTxD + h_BxTxD
+    h_BxTxD = norm(name="pre_mlp_norm")(x_BxTxD)
+    h_BxTxD = MLP(cfg, self.precision, name="mlp")(h_BxTxD)
+    if cfg.post_mlp_norm:
+      h_BxTxD = norm(name="post_mlp_norm")(h_BxTxD)
+    return x_BxTxD + h_BxTxD, new_kv, attn_BxTxNxH
+
+
+@dataclasses.dataclass
+class Decoder(hk.Module):
+  config: ModelConfig       # architecture
+  precision: Precision      # this phase's numerics
+  name: Optional[str] = "decoder"
+
+  def __call__(self, tokens_BxT, positions_BxT=None, cache: Optional[KVCache] = None,
+               collect: bool = False) -> Output:
+    cfg, prec = self.config, self.precision
+    c = prec.compute_dtype
+    B, T = tokens_BxT.shape
+    if positions_BxT is None:
+      positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    with hk.name_scope("embed"):
+      embed_VxD = hk.get_parameter("embeddings", (cfg.vocab_size, cfg.d_model), jnp.float32,
+                                   init=hk.initializers.TruncatedNormal(1.0))
+    x_BxTxD = jnp.take(embed_VxD, tokens_BxT, axis=0).astype(c)
+    if cfg.embed_scale:
+      x_BxTxD = x_BxTxD * jnp.asarray(cfg.d_model ** 0.5, c)
+    chex.assert_type(x_BxTxD, c)
+
+    # Absolute key positions: the cache index, or the tokens' own positions.
+    k_positions_BxS = (jnp.broadcast_to(jnp.arange(cache.length, dtype=jnp.int32),
+                                        (B, cache.length))
+                       if cache is not None else positions_BxT)
+    masks = {w: attention_lib.causal_mask(positions_BxT, k_positions_BxS, sliding_window=w)
+             for w in {cfg.window(i) for i in range(cfg.num_layers)}}
+
+    cache_kv = (cache.k, cache.v) if cache is not None else None
+    attn_outs = []
+    for i in range(cfg.num_layers):
+      x_BxTxD, cache_kv, attn_BxTxNxH = Block(cfg, prec, i, name=f"layer_{i}")(
+          x_BxTxD, positions_BxT, masks[cfg.window(i)], cache_kv)
+      chex.assert_type(x_BxTxD, c)
+      if collect:
+        attn_outs.append(attn_BxTxNxH)
+
+    x_BxTxD = RMSNorm(cfg.norm_eps, cfg.norm_plus_one, name="final_norm")(x_BxTxD)
+    if cfg.tie_embeddings:
+      w_DxV = embed_VxD.T
+    else:
+      with hk.name_scope("unembed"):
+        w_DxV = hk.get_parameter("w", (cfg.d_model, cfg.vocab_size), jnp.float32,
+                                 init=hk.initializers.VarianceScaling(1.0, "fan_in", "normal"))
+    logits_BxTxV = jnp.einsum("BTD,DV->BTV", x_BxTxD, w_DxV.astype(c), precision=prec.matmul,
+                              preferred_element_type=jnp.float32)
+    if cfg.final_logit_soft_cap is not None:
+      cap = cfg.final_logit_soft_cap
+      logits_BxTxV = cap * jnp.tanh(logits_BxTxV / cap)
+    chex.assert_shape(logits_BxTxV, (B, T, cfg.vocab_size))
+    chex.assert_type(logits_BxTxV, jnp.float32)
+    new_cache = KVCache(k=cache_kv[0], v=cache_kv[1]) if cache is not None else None
+    return Output(logits_BxTxV, new_cache, tuple(attn_outs) if collect else None)
+
+
+def transformed(config: ModelConfig) -> hk.Transformed:
+  """Pure init/apply for `config`; apply(params, tokens, positions=None, cache=None, *,
+  precision, collect=False) -> Output. `precision` is a static, per-phase value."""
+
+  def fn(tokens_BxT, positions_BxT=None, cache=None, *, precision: Precision,
+         collect: bool = False):
+    return Decoder(config, precision)(tokens_BxT, positions_BxT, cache, collect)
+
+  return hk.without_apply_rng(hk.transform(fn))
+
+
+def init_params(config: ModelConfig, rng) -> hk.Params:
+  """float32 params for `config` (compute dtype is irrelevant at init)."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return transformed(config).init(rng, tokens, precision=Precision())
+
+
+def param_shapes(config: ModelConfig) -> dict:
+  """{module: {name: ShapeDtypeStruct}} without allocating: what importers must produce."""
+  return jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
