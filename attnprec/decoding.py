@@ -1,0 +1,153 @@
+"""Decoding: prefill a padded prompt batch into a KV cache, then single-token steps.
+
+Prefill and every decode step go through the same model and the same attention kernel
+with the decode phase's `Precision`; there is no inference-only code path that could
+drop the attention flags (the failure this project exists to prevent).
+
+Shapes: B batch, P padded prompt length, S cache length (P + new tokens), V vocabulary,
+M new tokens.
+
+Prompts are right-padded: sequence b's real tokens sit at positions 0..len_b-1 and the
+first new token goes to position len_b. Causal masking by absolute position hides the
+padding from every real query, and decode steps overwrite it.
+"""
+import dataclasses
+import functools
+from typing import NamedTuple, Optional
+
+import gin
+import jax
+import jax.numpy as jnp
+
+from attnprec import model as model_lib
+from attnprec.cache import KVCache, init_cache
+from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+from attnprec.precision import Precision
+
+
+# ----------------------------------------------------------------------------- samplers
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Greedy:
+  """argmax."""
+
+  def __call__(self, logits_BxV, rng):
+    del rng
+    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Temperature:
+  """Sample from softmax(logits / temperature)."""
+  temperature: float = 1.0
+
+  def __call__(self, logits_BxV, rng):
+    return jax.random.categorical(rng, logits_BxV / self.temperature).astype(jnp.int32)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class TopK:
+  """Sample among the k most likely tokens."""
+  k: int = 40
+  temperature: float = 1.0
+
+  def __call__(self, logits_BxV, rng):
+    kth_Bx1 = jax.lax.top_k(logits_BxV, self.k)[0][:, -1:]
+    logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
+    return jax.random.categorical(rng, logits_BxV / self.temperature).astype(jnp.int32)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class TopP:
+  """Nucleus sampling: the smallest set of tokens whose probability reaches p."""
+  p: float = 0.9
+  temperature: float = 1.0
+
+  def __call__(self, logits_BxV, rng):
+    logits_BxV = logits_BxV / self.temperature
+    sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+    cum_BxV = jnp.cumsum(jax.nn.softmax(sorted_BxV, axis=-1), axis=-1)
+    # Keep tokens whose preceding cumulative mass is < p (the top token is always kept).
+    keep_BxV = (cum_BxV - jax.nn.softmax(sorted_BxV, axis=-1)) < self.p
+    cutoff_Bx1 = jnp.min(jnp.where(keep_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
+    logits_BxV = jnp.where(logits_BxV < cutoff_Bx1, -jnp.inf, logits_BxV)
+    return jax.random.categorical(rng, logits_BxV).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- steps
+class DecodeState(NamedTuple):
+  cache: KVCache
+  last_BxV: jax.Array    # logits that predict the next token (float32)
+  positions_B: jax.Array  # position the next token is written to
+
+
+def prefill(params, prompt_BxP, lengths_B, *, config: ModelConfig, precision: Precision,
+            cache_length: int) -> DecodeState:
+  """Runs the prompt through the model, filling a fresh cache of `cache_length`."""
+  B, P = prompt_BxP.shape
+  if P > cache_length:
+    raise UserError(f"Prompt of {P} tokens is longer than the KV cache ({cache_length} "
+                    f"positions); raise the cache length or shorten the prompt.")
+  cache = init_cache(config, B, cache_length, precision.compute_dtype)
+  out = model_lib.transformed(config).apply(params, prompt_BxP, None, cache,
+                                            precision=precision)
+  last_BxV = jnp.take_along_axis(out.logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  return DecodeState(out.cache, last_BxV, lengths_B.astype(jnp.int32))
+
+
+def decode_step(params, state: DecodeState, tokens_B, *, config: ModelConfig,
+                precision: Precision) -> DecodeState:
+  """Appends one token per sequence at its own position; returns the next logits."""
+  out = model_lib.transformed(config).apply(params, tokens_B[:, None],
+                                            state.positions_B[:, None], state.cache,
+                                            precision=precision)
+  return DecodeState(out.cache, out.logits[:, 0], state.positions_B + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "precision", "sampler",
+                                             "max_new_tokens", "cache_length"))
+def generate(params, prompt_BxP, lengths_B, rng, *, config: ModelConfig, precision: Precision,
+             sampler=Greedy(), max_new_tokens: int, cache_length: Optional[int] = None,
+             eos_id: int = -1):
+  """Prefill + `max_new_tokens` decode steps in one jitted program (lax.scan).
+
+  Returns (tokens_BxM int32, logits_BxMxV float32 that produced them). After a sequence
+  emits `eos_id` it keeps emitting `eos_id`.
+  """
+  P = prompt_BxP.shape[1]
+  if max_new_tokens < 1:
+    raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+  cache_length = cache_length or P + max_new_tokens
+  state = prefill(params, prompt_BxP, lengths_B, config=config, precision=precision,
+                  cache_length=cache_length)
+
+  rng0, rng = jax.random.split(rng)
+  first_B = sampler(state.last_BxV, rng0)
+  done_B = first_B == eos_id
+
+  def body(carry, rng_t):
+    state, token_B, done_B = carry
+    state = decode_step(params, state, token_B, config=config, precision=precision)
+    next_B = jnp.where(done_B, eos_id, sampler(state.last_BxV, rng_t))
+    return (state, next_B, done_B | (next_B == eos_id)), (next_B, state.last_BxV)
+
+  rngs = jax.random.split(rng, max_new_tokens - 1)
+  _, (tokens_MxB, logits_MxBxV) = jax.lax.scan(body, (state, first_B, done_B), rngs)
+  tokens_BxM = jnp.concatenate([first_B[:, None], tokens_MxB.T], axis=1)
+  logits_BxMxV = jnp.concatenate([state.last_BxV[:, None], jnp.swapaxes(logits_MxBxV, 0, 1)],
+                                 axis=1)
+  return tokens_BxM, logits_BxMxV
+
+
+def pad_prompts(prompts, pad_id: int = 0):
+  """List of token lists -> (prompt_BxP int32 right-padded, lengths_B int32)."""
+  lengths = [len(p) for p in prompts]
+  if min(lengths) == 0:
+    raise UserError("Empty prompt: every prompt needs at least one token.")
+  P = max(lengths)
+  rows = [list(p) + [pad_id] * (P - len(p)) for p in prompts]
+  return jnp.asarray(rows, jnp.int32), jnp.asarray(lengths, jnp.int32)
