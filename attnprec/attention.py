@@ -117,11 +117,32 @@ def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
 
 
 def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
-  """Runs the kernel a phase's `Precision` selects, with its attention flags."""
-  if precision.kernel != "dot_product":
-    raise UserError(f"Unknown attention kernel {precision.kernel!r}; valid: 'dot_product'.")
-  return dot_product_attention(q, k, v, mask=mask, logits_soft_cap=logits_soft_cap,
-                               scale=scale, **precision.attention_kwargs())
+  """Runs the kernel a phase's `Precision` selects, with its attention flags.
+
+  mask: a dense bool array broadcastable to [B, N, T, S], or an
+    `attnprec.kernels.masks.CausalMask` (positions + sliding window). The 'blockwise'
+    kernel uses a CausalMask structurally (skipping fully hidden blocks); the other
+    kernels receive it as the equivalent dense mask.
+
+  Kernels (`Precision.kernel`): 'dot_product' (this module), 'blockwise'
+  (`attnprec.kernels.blockwise`), 'jax_nn' (`attnprec.kernels.jax_nn`).
+  """
+  # Imported here: the kernels import this module for the contract table.
+  from attnprec.kernels import blockwise, jax_nn
+  from attnprec.kernels.masks import CausalMask
+
+  kwargs = dict(logits_soft_cap=logits_soft_cap, scale=scale, **precision.attention_kwargs())
+  structured = isinstance(mask, CausalMask)
+  if precision.kernel == "blockwise":
+    masking = mask.blockwise_kwargs() if structured else dict(mask=mask)
+    return blockwise.blockwise_attention(q, k, v, **masking, **kwargs)
+  dense = mask.dense() if structured else mask
+  if precision.kernel == "jax_nn":
+    return jax_nn.jax_nn_attention(q, k, v, mask=dense, **kwargs)
+  if precision.kernel == "dot_product":
+    return dot_product_attention(q, k, v, mask=dense, **kwargs)
+  raise UserError(f"Unknown attention kernel {precision.kernel!r}; valid: "
+                  f"'dot_product', 'blockwise', 'jax_nn'.")
 
 
 def _group_mask(mask, B, N, K, G, T, S):

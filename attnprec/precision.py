@@ -21,7 +21,7 @@ from attnprec.errors import choice_error
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 LAX_PRECISIONS = {p.name.lower(): p for p in jax.lax.Precision}  # default, high, highest
 ALGORITHM_PRESETS = {p.name: p for p in jax.lax.DotAlgorithmPreset if p.name != "DEFAULT"}
-KERNELS = ("dot_product",)
+KERNELS = ("dot_product", "blockwise", "jax_nn")  # see attnprec.attention.attend
 
 PrecisionLike = Union[jax.lax.Precision, jax.lax.DotAlgorithmPreset]
 

@@ -1,0 +1,265 @@
+"""Blockwise (flash-style) attention in pure JAX, under the precision contract.
+
+Shapes (as `attnprec.attention`): B batch, T queries, S keys, N query heads, K kv heads,
+G = N // K, H head dim; Tq / Sk the query / key block lengths, nq / nk the block counts.
+
+The kernel loops (`lax.scan`) over query blocks and, inside, over key/value blocks,
+keeping an online softmax: a running max m, a running sum l and an output accumulator.
+It never materialises the [T, S] logits: its working set is one [Tq, Sk] block per head.
+
+Masking is given in two ways, ANDed:
+  * structured: `causal`, `sliding_window` and the absolute positions `q_positions_BxT`,
+    `k_positions_BxS` (semantics of `attnprec.attention.causal_mask`). From the positions
+    the kernel bounds every block pair and SKIPS (`lax.cond`) those in which no pair is
+    visible: causal prefill computes ~half the blocks, a sliding window O(T * w), and a
+    decode step at position p over a cache of S computes only the blocks holding keys
+    p - w < k_pos <= p. Positions default to k_pos = arange(S) and
+    q_pos = arange(T) + S - T (the queries are the last T keys).
+  * dense: `mask`, a bool array broadcastable to [B, N, T, S] as for `dot_product`.
+    A dense mask is applied inside each computed block but cannot skip any.
+A query that sees no key returns 0 (dot_product returns the mean of v there).
+
+Precision: the same contract table as `attnprec.attention.stage_dtypes`, asserted with
+chex in every block, with these documented differences (what flash kernels do):
+  * the softmax statistics m and l and the output accumulator are ALWAYS float32,
+    whatever the flags; so the per-block wv dot returns float32
+    (`preferred_element_type=float32`) on the table's probability dtype;
+  * the probabilities into the wv dot are the un-normalised exp(logits - m) (values in
+    [0, 1]); normalisation by l happens once, in float32, on the accumulated output.
+Hence with both flags off (everything c) blockwise is at least as accurate as
+dot_product: only the logits, exp and probabilities are rounded to c.
+
+Decode (T == 1): one query block and key blocks of `decode_kv_block` over the cache;
+blocks past the query's position are skipped, so the work is O(position), not O(S).
+The partial (m, l, acc) of each block are combined online (the split-K combine, done
+sequentially: on a 2-core CPU there is nothing to gain from parallel splits).
+
+Block sizes default to `block_sizes()`, gin-configurable as `blockwise.q_block` etc.
+"""
+import math
+from typing import NamedTuple, Optional
+
+import chex
+import gin
+import jax
+import jax.numpy as jnp
+
+from attnprec import attention as attention_lib
+from attnprec.errors import UserError
+from attnprec.kernels.masks import visible
+from attnprec.precision import parse_precision
+
+F32 = jnp.float32
+
+
+class BlockSizes(NamedTuple):
+  q_block: int          # Tq: query rows per block (prefill)
+  kv_block: int         # Sk: keys per block when T > 1
+  decode_kv_block: int  # Sk: keys per block when T == 1 (a decode step)
+
+
+@gin.configurable("blockwise")
+def block_sizes(q_block: int = 512, kv_block: int = 512,
+                decode_kv_block: int = 1024) -> BlockSizes:
+  """Default block sizes (measured best on a 2-core CPU, B=1 N=8 H=64; see bench)."""
+  for name, value in (("q_block", q_block), ("kv_block", kv_block),
+                      ("decode_kv_block", decode_kv_block)):
+    if not isinstance(value, int) or value <= 0:
+      raise UserError(f"blockwise.{name} must be a positive integer, got {value!r}.")
+  return BlockSizes(q_block, kv_block, decode_kv_block)
+
+
+def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
+                        float32_logits=True, einsum_precision="default",
+                        logits_soft_cap=None, scale=None, causal: bool = False,
+                        q_positions_BxT=None, k_positions_BxS=None,
+                        sliding_window: Optional[int] = None,
+                        q_block: Optional[int] = None, kv_block: Optional[int] = None,
+                        return_stats: bool = False):
+  """Flash-style attention; same contract and arguments as `dot_product_attention`.
+
+  Extra args:
+    causal: hide keys whose position is greater than the query's.
+    q_positions_BxT, k_positions_BxS: int absolute positions (defaults above).
+    sliding_window: hide keys at position <= q_pos - sliding_window.
+    q_block, kv_block: block lengths (default `block_sizes()`; kv uses
+      `decode_kv_block` when T == 1). Clipped to T and S.
+    return_stats: also return {"blocks_computed": int32 scalar, "blocks_total": int}.
+
+  Returns:
+    [B, T, N, H] in q's dtype (and the stats dict if `return_stats`).
+  """
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  c = q.dtype
+  if N % K:
+    raise UserError(f"Number of query heads N={N} is not a multiple of key/value heads "
+                    f"K={K}; valid K values for N={N} are: "
+                    f"{[d for d in range(1, N + 1) if N % d == 0]}.")
+  G = N // K
+  chex.assert_shape(k, (B, S, K, H))
+  chex.assert_shape(v, (B, S, K, H))
+  expected = attention_lib.stage_dtypes(c, float32_qk_product=float32_qk_product,
+                                        float32_logits=float32_logits)
+  chex.assert_type([q, k, v], [expected["qkv"]] * 3)
+  sm = expected["softmax"]
+  precision = parse_precision(einsum_precision)
+  scale = H ** -0.5 if scale is None else scale
+  if sliding_window is not None and (not isinstance(sliding_window, int)
+                                     or sliding_window <= 0):
+    raise UserError(f"sliding_window must be a positive integer or None, "
+                    f"got {sliding_window!r}.")
+
+  sizes = block_sizes()
+  Tq = min(q_block or sizes.q_block, T)
+  Sk = min(kv_block or (sizes.decode_kv_block if T == 1 else sizes.kv_block), S)
+  nq, nk = math.ceil(T / Tq), math.ceil(S / Sk)
+  Tp, Sp = nq * Tq, nk * Sk
+
+  if k_positions_BxS is None:
+    k_positions_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  if q_positions_BxT is None:
+    q_positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T))
+  chex.assert_shape(q_positions_BxT, (B, T))
+  chex.assert_shape(k_positions_BxS, (B, S))
+  q_pos_BxTp = _pad(q_positions_BxT.astype(jnp.int32), 1, Tp)
+  k_pos_BxSp = _pad(k_positions_BxS.astype(jnp.int32), 1, Sp)
+  k_valid_Sp = jnp.arange(Sp) < S
+  structured = causal or sliding_window is not None
+  kind_NQxNK = _block_kinds(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, causal=causal,
+                            sliding_window=sliding_window, dense_mask=mask is not None)
+
+  q_BxTpxKxGxH = _pad((q * jnp.asarray(scale, c)).reshape(B, T, K, G, H), 1, Tp)
+  k_BxSpxKxH, v_BxSpxKxH = _pad(k, 1, Sp), _pad(v, 1, Sp)
+  dense_mask = None if mask is None else _pad_mask(
+      attention_lib._group_mask(mask, B, N, K, G, T, S), Tp, Sp)  # [B|1,K|1,G|1,Tp|1,Sp|1]
+
+  def kv_step(i, q_BxTqxKxGxH, qpos_BxTq, carry, j, masked):
+    """One key/value block j for query block i: the online-softmax update.
+
+    masked=False is the fast path for a block in which every pair is visible."""
+    m_BxKxGxTq, l_BxKxGxTq, acc_BxKxGxTqxH, count = carry
+    k_BxSkxKxH = jax.lax.dynamic_slice_in_dim(k_BxSpxKxH, j * Sk, Sk, axis=1)
+    v_BxSkxKxH = jax.lax.dynamic_slice_in_dim(v_BxSpxKxH, j * Sk, Sk, axis=1)
+    logits_BxKxGxTqxSk = jnp.einsum(
+        "BTKGH,BSKH->BKGTS", q_BxTqxKxGxH, k_BxSkxKxH, precision=precision,
+        preferred_element_type=F32 if float32_qk_product else c)
+    chex.assert_shape(logits_BxKxGxTqxSk, (B, K, G, Tq, Sk))
+    chex.assert_type(logits_BxKxGxTqxSk, expected["logits"])
+    logits_BxKxGxTqxSk = logits_BxKxGxTqxSk.astype(sm)
+    if logits_soft_cap is not None:
+      cap = jnp.asarray(logits_soft_cap, sm)
+      logits_BxKxGxTqxSk = cap * jnp.tanh(logits_BxKxGxTqxSk / cap)
+
+    allowed = jax.lax.dynamic_slice_in_dim(k_valid_Sp, j * Sk, Sk)[None, None, None, None]
+    if not masked:
+      allowed = None
+    elif structured:
+      kpos_BxSk = jax.lax.dynamic_slice_in_dim(k_pos_BxSp, j * Sk, Sk, axis=1)
+      allowed = allowed & visible(qpos_BxTq[:, None, None, :, None],
+                                  kpos_BxSk[:, None, None, None, :],
+                                  causal=causal, sliding_window=sliding_window)
+    if masked and dense_mask is not None:
+      allowed = allowed & _mask_block(dense_mask, i * Tq, Tq, j * Sk, Sk)
+    if masked:
+      logits_BxKxGxTqxSk = jnp.where(allowed, logits_BxKxGxTqxSk,
+                                     jnp.asarray(attention_lib.mask_value(sm), sm))
+
+    # Statistics in float32 whatever the flags; exp and probabilities in the table's dtype.
+    m_new = jnp.maximum(m_BxKxGxTq, jnp.max(logits_BxKxGxTqxSk, axis=-1).astype(F32))
+    probs_BxKxGxTqxSk = jnp.exp(logits_BxKxGxTqxSk - m_new.astype(sm)[..., None])
+    if masked:
+      probs_BxKxGxTqxSk = jnp.where(allowed, probs_BxKxGxTqxSk, jnp.zeros((), sm))
+    chex.assert_type(probs_BxKxGxTqxSk, expected["probs"])
+    correction = jnp.exp(m_BxKxGxTq - m_new)
+    l_new = l_BxKxGxTq * correction + jnp.sum(probs_BxKxGxTqxSk, axis=-1, dtype=F32)
+    pv_BxKxGxTqxH = jnp.einsum(
+        "BKGTS,BSKH->BKGTH", probs_BxKxGxTqxSk, v_BxSkxKxH.astype(expected["probs"]),
+        precision=precision, preferred_element_type=F32)
+    acc_new = acc_BxKxGxTqxH * correction[..., None] + pv_BxKxGxTqxH
+    return m_new, l_new, acc_new, count + 1
+
+  def q_step(count, i):
+    """Query block i against every key/value block it needs."""
+    q_BxTqxKxGxH = jax.lax.dynamic_slice_in_dim(q_BxTpxKxGxH, i * Tq, Tq, axis=1)
+    qpos_BxTq = jax.lax.dynamic_slice_in_dim(q_pos_BxTp, i * Tq, Tq, axis=1)
+    init = (jnp.full((B, K, G, Tq), attention_lib.mask_value(F32), F32),
+            jnp.zeros((B, K, G, Tq), F32), jnp.zeros((B, K, G, Tq, H), F32), count)
+
+    def body(carry, j):
+      branches = (lambda cr: cr,                                        # 0: skip
+                  lambda cr: kv_step(i, q_BxTqxKxGxH, qpos_BxTq, cr, j, False),  # 1: full
+                  lambda cr: kv_step(i, q_BxTqxKxGxH, qpos_BxTq, cr, j, True))   # 2: masked
+      return jax.lax.switch(kind_NQxNK[i, j], branches, carry), None
+
+    (_, l_BxKxGxTq, acc_BxKxGxTqxH, count), _ = jax.lax.scan(body, init, jnp.arange(nk))
+    l_safe = jnp.where(l_BxKxGxTq > 0, l_BxKxGxTq, 1.0)      # a row that saw no key -> 0
+    out_BxKxGxTqxH = acc_BxKxGxTqxH / l_safe[..., None]
+    return count, out_BxKxGxTqxH.astype(c)
+
+  count, out_NQxBxKxGxTqxH = jax.lax.scan(q_step, jnp.zeros((), jnp.int32), jnp.arange(nq))
+  out_BxTxNxH = jnp.transpose(out_NQxBxKxGxTqxH, (1, 0, 4, 2, 3, 5)).reshape(
+      B, Tp, N, H)[:, :T]
+  chex.assert_shape(out_BxTxNxH, (B, T, N, H))
+  chex.assert_type(out_BxTxNxH, expected["output"])
+  if return_stats:
+    return out_BxTxNxH, {"blocks_computed": count, "blocks_total": nq * nk}
+  return out_BxTxNxH
+
+
+def _block_kinds(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, *, causal, sliding_window,
+                 dense_mask):
+  """[nq, nk] int32: 0 = skip (no pair visible), 1 = full (every pair visible, no mask
+  needed), 2 = masked (compute with the element-wise mask).
+
+  Bounds each block by the min/max position over its valid rows and the whole batch, so
+  it is conservative (never skips a visible pair, never drops a needed mask) for any
+  positions, sorted or not.
+  """
+  big = jnp.iinfo(jnp.int32).max // 2
+  Tp, Sp = q_pos_BxTp.shape[1], k_pos_BxSp.shape[1]
+  q_valid, k_valid = jnp.arange(Tp) < T, jnp.arange(Sp) < S
+  qmin = jnp.where(q_valid, q_pos_BxTp, big).reshape(-1, Tp // Tq, Tq).min((0, 2))
+  qmax = jnp.where(q_valid, q_pos_BxTp, -big).reshape(-1, Tp // Tq, Tq).max((0, 2))
+  kmin = jnp.where(k_valid, k_pos_BxSp, big).reshape(-1, Sp // Sk, Sk).min((0, 2))
+  kmax = jnp.where(k_valid, k_pos_BxSp, -big).reshape(-1, Sp // Sk, Sk).max((0, 2))
+  nq, nk = Tp // Tq, Sp // Sk
+  need = jnp.ones((nq, nk), jnp.bool_)
+  full = jnp.full((nq, nk), not dense_mask)                 # a dense mask is always applied
+  if S != Sp:                                               # padding keys in the last block
+    full &= (jnp.arange(nk) < nk - 1)[None, :]
+  if causal:
+    need &= kmin[None, :] <= qmax[:, None]
+    full &= kmax[None, :] <= qmin[:, None]
+  if sliding_window is not None:
+    need &= kmax[None, :] > qmin[:, None] - sliding_window
+    full &= kmin[None, :] > qmax[:, None] - sliding_window
+  return jnp.where(need, jnp.where(full, 1, 2), 0).astype(jnp.int32)
+
+
+def _pad(x, axis, length):
+  """Zero-pads `axis` of x up to `length`."""
+  extra = length - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def _pad_mask(mask, Tp, Sp):
+  """Pads a grouped mask's T and S axes (when not broadcast) with False."""
+  mask = jnp.asarray(mask)
+  for axis, length in ((3, Tp), (4, Sp)):
+    if mask.shape[axis] != 1:
+      mask = _pad(mask, axis, length)
+  return mask
+
+
+def _mask_block(mask, t0, Tq, s0, Sk):
+  """The [.., Tq|1, Sk|1] block of a grouped dense mask at (t0, s0)."""
+  if mask.shape[3] != 1:
+    mask = jax.lax.dynamic_slice_in_dim(mask, t0, Tq, axis=3)
+  if mask.shape[4] != 1:
+    mask = jax.lax.dynamic_slice_in_dim(mask, s0, Sk, axis=4)
+  return mask

@@ -1,0 +1,101 @@
+"""`jax.nn.dot_product_attention` behind the precision contract, honestly mapped.
+
+Shapes as `attnprec.attention`: q [B, T, N, H], k/v [B, S, K, H] (GQA natively).
+
+`jax.nn.dot_product_attention` has no precision argument. Its 'xla' implementation
+always computes the QK dot with a float32 result, runs mask and softmax in float32, and
+then casts the probabilities to the input dtype before the wv dot; cuDNN does the same.
+So of the contract's knobs it can honour exactly one setting:
+
+  float32_qk_product=True, float32_logits=True, einsum_precision='default'
+
+and this wrapper refuses every other combination, and `logits_soft_cap` (which it has no
+way to apply), with a `UserError`. To honour the table's last float32 stage
+("probabilities into the wv einsum: f32") the 'xla' path upcasts q, k and v to float32
+before the call (the contract allows the f32 QK product "by upcasting q and k first",
+and dot_product upcasts v the same way); the output is cast back to the compute dtype c.
+With c = float32 nothing is cast.
+
+implementation='cudnn' (GPU only) keeps q, k, v in c (cuDNN takes only bf16/fp16), so
+there the probabilities enter the wv dot in c: a documented deviation from the table,
+which is why 'xla' is the default.
+
+The query scale is applied to q in c before the call (scale=1.0 is passed), exactly as
+dot_product does, so both round q * scale identically.
+"""
+import chex
+import jax
+import jax.numpy as jnp
+
+from attnprec import attention as attention_lib
+from attnprec.errors import UserError, choice_error
+
+SUPPORTED = dict(float32_qk_product=(True,), float32_logits=(True,),
+                 einsum_precision=("default",))
+IMPLEMENTATIONS = ("xla", "cudnn")
+
+
+def check_supported(*, float32_qk_product, float32_logits, einsum_precision,
+                    logits_soft_cap=None, implementation="xla"):
+  """Raises `UserError` naming the bad value and the valid ones."""
+  if float32_qk_product is not True:
+    raise _refuse("float32_qk_product", float32_qk_product, (True,))
+  if float32_logits is not True:
+    raise _refuse("float32_logits", float32_logits, (True,))
+  name = einsum_precision if isinstance(einsum_precision, str) else getattr(
+      einsum_precision, "name", einsum_precision)
+  if not isinstance(name, str) or name.lower() != "default":
+    raise _refuse("einsum_precision", einsum_precision, ("default",))
+  if logits_soft_cap is not None:
+    raise UserError(f"The 'jax_nn' attention kernel cannot apply logits_soft_cap="
+                    f"{logits_soft_cap!r} (jax.nn.dot_product_attention has no soft-cap); "
+                    f"valid: None. Use kernel 'dot_product' or 'blockwise'.")
+  if implementation not in IMPLEMENTATIONS:
+    raise choice_error("jax_nn implementation", implementation, IMPLEMENTATIONS)
+  if implementation == "cudnn" and jax.default_backend() != "gpu":
+    raise UserError(f"jax_nn implementation 'cudnn' needs a GPU; the backend is "
+                    f"{jax.default_backend()!r}. Valid here: 'xla'.")
+
+
+def jax_nn_attention(q, k, v, *, mask=None, float32_qk_product=True, float32_logits=True,
+                     einsum_precision="default", logits_soft_cap=None, scale=None,
+                     implementation: str = "xla"):
+  """Same signature and contract as `dot_product_attention` for the one flag setting it
+  supports (see module docstring); `implementation` is 'xla' (default) or 'cudnn'."""
+  check_supported(float32_qk_product=float32_qk_product, float32_logits=float32_logits,
+                  einsum_precision=einsum_precision, logits_soft_cap=logits_soft_cap,
+                  implementation=implementation)
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  c = q.dtype
+  if N % K:
+    raise UserError(f"Number of query heads N={N} is not a multiple of key/value heads "
+                    f"K={K}; valid K values for N={N} are: "
+                    f"{[d for d in range(1, N + 1) if N % d == 0]}.")
+  chex.assert_shape(k, (B, S, K, H))
+  chex.assert_shape(v, (B, S, K, H))
+  expected = attention_lib.stage_dtypes(c, float32_qk_product=True, float32_logits=True)
+  chex.assert_type([q, k, v], [expected["qkv"]] * 3)
+  scale = H ** -0.5 if scale is None else scale
+  q = q * jnp.asarray(scale, c)
+  operand = jnp.float32 if implementation == "xla" else c
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+      raise UserError(f"mask must be a boolean array (True = attend), got dtype {mask.dtype}.")
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+  out_BxTxNxH = jax.nn.dot_product_attention(
+      q.astype(operand), k.astype(operand), v.astype(operand), mask=mask, scale=1.0,
+      implementation=implementation).astype(c)
+  chex.assert_shape(out_BxTxNxH, (B, T, N, H))
+  chex.assert_type(out_BxTxNxH, expected["output"])
+  return out_BxTxNxH
+
+
+def _refuse(flag: str, value, valid) -> UserError:
+  return UserError(
+      f"The 'jax_nn' attention kernel cannot honour {flag}={value!r}: "
+      f"jax.nn.dot_product_attention has no precision argument and always computes the "
+      f"QK product in float32 and the softmax in float32. Valid {flag} values for "
+      f"'jax_nn': {', '.join(repr(v) for v in valid)}. Use kernel 'dot_product' or "
+      f"'blockwise' for other settings.")
