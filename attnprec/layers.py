@@ -101,9 +101,11 @@ class Attention(hk.Module):
   layer: int                # index: picks the window and RoPE base of this layer
   name: Optional[str] = None
 
-  def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS,
+  def __call__(self, x_BxTxD, positions_BxT, mask,
                cache_kv: Optional[Tuple[jax.Array, jax.Array]] = None):
-    """cache_kv: the stacked cache (k, v), each [L, B, S, K, H], or None.
+    """mask: a `CausalMask` (or a dense bool [B, 1, T, S]), passed on to `attend`.
+
+    cache_kv: the stacked cache (k, v), each [L, B, S, K, H], or None.
 
     Returns (out_BxTxD, the updated stacked (k, v) cache or None, out_BxTxNxH).
 
@@ -145,7 +147,7 @@ class Attention(hk.Module):
 
     out_BxTxNxH = attention_lib.attend(
         prec, q_BxTxNxH, k_BxSxKxH.astype(q_BxTxNxH.dtype), v_BxSxKxH.astype(q_BxTxNxH.dtype),
-        mask=mask_Bx1xTxS, logits_soft_cap=cfg.attn_logit_soft_cap, scale=cfg.query_scale)
+        mask=mask, logits_soft_cap=cfg.attn_logit_soft_cap, scale=cfg.query_scale)
     chex.assert_shape(out_BxTxNxH, (B, T, N, H))
     out_BxTxD = Dense(cfg.d_model, precision=mp, name="o")(out_BxTxNxH.reshape(B, T, N * H))
     return out_BxTxD, new_kv, out_BxTxNxH

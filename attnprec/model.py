@@ -27,9 +27,9 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from attnprec import attention as attention_lib
 from attnprec.cache import KVCache
 from attnprec.config import ModelConfig
+from attnprec.kernels.masks import CausalMask
 from attnprec.layers import MLP, Attention, RMSNorm
 from attnprec.precision import Precision
 
@@ -47,12 +47,12 @@ class Block(hk.Module):
   layer: int
   name: Optional[str] = None
 
-  def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache_kv):
+  def __call__(self, x_BxTxD, positions_BxT, mask, cache_kv):
     cfg = self.config
     norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.norm_plus_one)
     h_BxTxD = norm(name="pre_attn_norm")(x_BxTxD)
     h_BxTxD, new_kv, attn_BxTxNxH = Attention(cfg, self.precision, self.layer, name="attn")(
-        h_BxTxD, positions_BxT, mask_Bx1xTxS, cache_kv)
+        h_BxTxD, positions_BxT, mask, cache_kv)
     if cfg.post_attn_norm:
       h_BxTxD = norm(name="post_attn_norm")(h_BxTxD)
     x_BxTxD = x_BxTxD + h_BxTxD
@@ -88,7 +88,8 @@ class Decoder(hk.Module):
     k_positions_BxS = (jnp.broadcast_to(jnp.arange(cache.length, dtype=jnp.int32),
                                         (B, cache.length))
                        if cache is not None else positions_BxT)
-    masks = {w: attention_lib.causal_mask(positions_BxT, k_positions_BxS, sliding_window=w)
+    # Structured (positions + window), so the blockwise kernel can skip hidden blocks.
+    masks = {w: CausalMask(positions_BxT, k_positions_BxS, sliding_window=w)
              for w in {cfg.window(i) for i in range(cfg.num_layers)}}
 
     cache_kv = (cache.k, cache.v) if cache is not None else None
