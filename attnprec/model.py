@@ -78,7 +78,7 @@ class Decoder(hk.Module):
       positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     with hk.name_scope("embed"):
       embed_VxD = hk.get_parameter("embeddings", (cfg.vocab_size, cfg.d_model), jnp.float32,
-                                   init=hk.initializers.TruncatedNormal(1.0))
+                                   init=hk.initializers.TruncatedNormal(cfg.d_model ** -0.5))
     x_BxTxD = jnp.take(embed_VxD, tokens_BxT, axis=0).astype(c)
     if cfg.embed_scale:
       x_BxTxD = x_BxTxD * jnp.asarray(cfg.d_model ** 0.5, c)
@@ -139,3 +139,24 @@ def init_params(config: ModelConfig, rng) -> hk.Params:
 def param_shapes(config: ModelConfig) -> dict:
   """{module: {name: ShapeDtypeStruct}} without allocating: what importers must produce."""
   return jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
+
+
+def check_params(config: ModelConfig, params, source: str) -> None:
+  """Raises UserError naming each missing/unexpected/mis-shaped tensor of `params`."""
+  from attnprec.errors import UserError  # local: keep the module's import list short
+  expected = param_shapes(config)
+  problems = []
+  for module in sorted(set(expected) | set(params)):
+    want, got = expected.get(module, {}), params.get(module, {})
+    for name in sorted(set(want) | set(got)):
+      if name not in got:
+        problems.append(f"{module}/{name} missing (expected shape {want[name].shape})")
+      elif name not in want:
+        problems.append(f"{module}/{name} unexpected")
+      elif tuple(got[name].shape) != tuple(want[name].shape):
+        problems.append(f"{module}/{name} has shape {tuple(got[name].shape)}, expected "
+                        f"{tuple(want[name].shape)}")
+  if problems:
+    listed = "; ".join(problems[:8]) + ("; ..." if len(problems) > 8 else "")
+    raise UserError(f"Parameters from {source} do not match the architecture "
+                    f"({len(problems)} problem(s)): {listed}.")

@@ -1,0 +1,35 @@
+# attnprec — every target sets up what it needs (.venv) on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+GIN ?=
+ARGS ?=
+# XLA:CPU otherwise drops some bf16 roundings ("excess precision"), hiding precision effects.
+export XLA_FLAGS := --xla_allow_excess_precision=false $(XLA_FLAGS)
+export PYTHONUNBUFFERED := 1
+
+TRAIN_GIN ?= gin/experiments/recall.gin
+DECODE_GIN ?= gin/experiments/recall.gin
+gin_files = $(foreach f,$(or $(GIN),$(1)),--gin_file=$(f))
+
+.PHONY: setup test train decode clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	$(PY) -m pytest -q -n 2 tests
+
+train: setup
+	$(PY) runners/train.py $(call gin_files,$(TRAIN_GIN)) $(ARGS)
+
+decode: setup
+	$(PY) runners/decode.py $(call gin_files,$(DECODE_GIN)) $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

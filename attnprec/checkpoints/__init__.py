@@ -1,0 +1,105 @@
+"""Checkpoint import: HF directories, GGUF files and two shipped real models.
+
+Public API (stable):
+
+    from attnprec import checkpoints
+    ckpt = checkpoints.load("smollm2-135m")           # or "gemma3-270m", an HF dir, a .gguf
+    ckpt.config        # attnprec.config.ModelConfig
+    ckpt.params        # Haiku params {module: {name: jax.Array}}, == param_shapes(config)
+    ckpt.tokenizer     # attnprec.checkpoints.tokenizer.Tokenizer (or None)
+    ckpt.source        # where it came from, in words
+    logits_BxTxV = checkpoints.logits(ckpt, tokens_BxT, precision=Precision())
+
+`load(path_or_name, *, param_dtype="float32")`:
+  * "smollm2-135m", "gemma3-270m": the shipped models (`attnprec.checkpoints.shipped`);
+  * a directory with config.json + *.safetensors: HF format (`attnprec.checkpoints.hf`);
+    model types llama, qwen2, gemma, gemma2, gemma3;
+  * a `.gguf` file (`attnprec.checkpoints.gguf`): same architectures.
+  `param_dtype` is the dtype the params are stored in ("float32", "bfloat16",
+  "float16"); the compute dtype is the phase's `Precision.dtype`, chosen per call.
+
+`logits(checkpoint_or_config_params, tokens_BxT, *, precision)`: full-sequence logits
+[B, T, V] float32 under the given attention/matmul precision; the forward pass is jitted
+once per (config, precision) and reused.
+
+Every problem with the input (missing or corrupt file, unsupported architecture or
+quantization type, a tensor whose shape disagrees with the config) raises
+`attnprec.errors.UserError` with one paragraph naming the file, tensor and expectation.
+"""
+import functools
+import os
+import pathlib
+from typing import NamedTuple, Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnprec.checkpoints.gguf import load_gguf
+from attnprec.checkpoints.hf import load_hf_dir
+from attnprec.checkpoints.shipped import SHIPPED, shipped_path
+from attnprec.checkpoints.tokenizer import Tokenizer
+from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+from attnprec.model import transformed
+from attnprec.precision import Precision
+
+__all__ = ["Checkpoint", "Tokenizer", "SHIPPED", "load", "logits", "shipped_path"]
+
+
+class Checkpoint(NamedTuple):
+  config: ModelConfig           # the architecture
+  params: dict                  # {module: {name: jax.Array}} in the requested param dtype
+  tokenizer: Optional[Tokenizer]
+  source: str                   # what was loaded, in words
+
+
+def load(path_or_name: Union[str, os.PathLike], *, param_dtype: str = "float32"
+         ) -> Checkpoint:
+  """Loads a shipped model by name, an HF checkpoint directory or a .gguf file."""
+  key = str(path_or_name)
+  if key in SHIPPED:
+    path = shipped_path(key)
+    config, params, tok = load_gguf(path, param_dtype=param_dtype)
+    source = f"{key}: {SHIPPED[key].description} ({path})"
+  else:
+    path = pathlib.Path(path_or_name)
+    if path.is_dir():
+      config, params, tok = load_hf_dir(path, param_dtype=param_dtype)
+      source = f"HF checkpoint {path}"
+    elif path.is_file() and path.suffix == ".gguf":
+      config, params, tok = load_gguf(path, param_dtype=param_dtype)
+      source = f"GGUF file {path}"
+    elif path.exists():
+      raise UserError(f"Cannot load {path}: expected an HF checkpoint directory "
+                      f"(config.json + *.safetensors) or a .gguf file.")
+    else:
+      raise UserError(f"Checkpoint {key!r} does not exist: pass the path of an HF "
+                      f"checkpoint directory or a .gguf file, or a shipped model name "
+                      f"({', '.join(SHIPPED)}).")
+  params = jax.tree_util.tree_map(jnp.asarray, params)
+  return Checkpoint(config, params, tok, source)
+
+
+@functools.lru_cache(maxsize=32)
+def _forward(config: ModelConfig, precision: Precision):
+  apply = transformed(config).apply
+  return jax.jit(lambda params, tokens_BxT: apply(params, tokens_BxT,
+                                                  precision=precision).logits)
+
+
+def logits(checkpoint_or_config_params: Union[Checkpoint, Tuple[ModelConfig, dict]],
+           tokens_BxT, *, precision: Precision = Precision()) -> jax.Array:
+  """Full-sequence logits [B, T, V] float32 of `tokens_BxT` (int, positions 0..T-1)."""
+  if isinstance(checkpoint_or_config_params, Checkpoint):
+    config, params = checkpoint_or_config_params.config, checkpoint_or_config_params.params
+  else:
+    config, params = checkpoint_or_config_params
+  tokens = np.asarray(tokens_BxT)
+  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+    raise UserError(f"tokens_BxT must be a 2-D integer array [batch, length], got shape "
+                    f"{tokens.shape} dtype {tokens.dtype}.")
+  if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
+    raise UserError(f"Token ids must lie in [0, {config.vocab_size}); got "
+                    f"{tokens.min()}..{tokens.max()}.")
+  return _forward(config, precision)(params, jnp.asarray(tokens, jnp.int32))

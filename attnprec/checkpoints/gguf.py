@@ -1,0 +1,204 @@
+"""Import a GGUF file (llama.cpp's format): metadata -> ModelConfig, tensors -> params.
+
+    config, params, tokenizer = load_gguf("model.gguf", param_dtype="float32")
+
+Architectures: llama, qwen2, gemma, gemma2, gemma3 (`general.architecture`). Tensors are
+dequantized to float32 with `gguf.quants.dequantize` (types: see
+`gguf_reader.SUPPORTED_TYPES`), then cast to the param dtype. Conversions llama.cpp's
+converter applied, undone here (they reproduce transformers' GGUF loader exactly):
+
+* llama: `attn_q` / `attn_k` rows are permuted for llama.cpp's interleaved RoPE; we restore
+  the HF "rotate-half" order: `w.reshape(n, H // 2, 2, D).swapaxes(1, 2).reshape(n * H, D)`
+  (n = query heads for q, kv heads for k).
+* gemma family: every `*norm.weight` holds (1 + w); we store w (subtracting 1 in float32) so
+  the config is the same as for the HF checkpoint (`norm_plus_one=True`).
+* gemma3: the file lacks the local RoPE base, the layer pattern and the query scale; they
+  are filled in from the architecture's fixed values (local base 1e4, every 6th layer
+  global, `query_pre_attn_scalar` 256), as transformers' Gemma 3 defaults do.
+
+Caching: the header is parsed in < 0.5 s and dequantizing takes ~1.5 s (SmolLM2) / ~3 s
+(Gemma 3), so weights are not cached. The tokenizer is: building Gemma 3's (merges
+rebuilt from 262k tokens) takes ~6 s, loading the cached one ~1 s. The cache entry
+`<cache_dir>/gguf/<key>/` is keyed by the file's absolute path, size and mtime, and is
+built in a temporary directory and renamed into place (never half-written).
+"""
+import hashlib
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Optional, Tuple
+
+import numpy as np
+
+from attnprec.checkpoints.cache import cache_dir
+from attnprec.checkpoints.gguf_reader import GGUFFile
+from attnprec.checkpoints.params import ParamBuilder
+from attnprec.checkpoints.tokenizer import Tokenizer
+from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+
+SUPPORTED = ("llama", "qwen2", "gemma", "gemma2", "gemma3")
+_GEMMA = ("gemma", "gemma2", "gemma3")
+_CACHE_VERSION = "1"
+
+
+def _f32(x) -> float:
+  """A float32 metadata value as the decimal it was written from (1e-05, not 9.99e-06)."""
+  return float(str(np.float32(x)))
+
+
+def config_from_gguf(meta: dict, embed_shape: Tuple[int, int], has_output: bool,
+                     origin: str) -> ModelConfig:
+  """The ModelConfig a GGUF's metadata describes (see the module docstring)."""
+  arch = meta.get("general.architecture")
+  if arch not in SUPPORTED:
+    raise UserError(f"{origin}: unsupported GGUF architecture {arch!r}; supported: "
+                    f"{', '.join(SUPPORTED)}.")
+
+  def get(key, default=None):
+    v = meta.get(f"{arch}.{key}", default)
+    if v is None:
+      raise UserError(f"{origin} has no {arch}.{key} in its metadata.")
+    return v
+
+  d_model, heads = int(get("embedding_length")), int(get("attention.head_count"))
+  kv_heads = int(get("attention.head_count_kv", heads))
+  head_dim = int(get("attention.key_length", d_model // heads))
+  num_layers = int(get("block_count"))
+  rot = meta.get(f"{arch}.rope.dimension_count")
+  if rot is not None and int(rot) != head_dim:
+    raise UserError(f"{origin}: partial rotary embeddings (rope.dimension_count={rot} < "
+                    f"head dim {head_dim}) are not supported.")
+  if embed_shape[1] != d_model:
+    raise UserError(f"{origin}: tensor 'token_embd.weight' has shape {embed_shape}, but "
+                    f"{arch}.embedding_length is {d_model}; the file is inconsistent.")
+  scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+  if scaling not in ("none", "linear"):
+    raise UserError(f"{origin}: unsupported RoPE scaling {scaling!r}; supported: none, linear.")
+  rope_scale = _f32(meta.get(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+
+  gemma = arch in _GEMMA
+  kw = dict(
+      vocab_size=int(embed_shape[0]), d_model=d_model, num_layers=num_layers,
+      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+      mlp_hidden=int(get("feed_forward_length")),
+      activation="gelu_tanh" if gemma else "silu",
+      norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+      norm_plus_one=gemma, embed_scale=gemma, tie_embeddings=not has_output,
+      qkv_bias=arch == "qwen2", rope_base=_f32(get("rope.freq_base", 10_000.0)),
+      rope_scale=rope_scale, max_seq_len=int(get("context_length", 8192)))
+  if arch in ("gemma2", "gemma3"):
+    # llama.cpp's query scale: 1/sqrt(head dim), except the 27B models (46 / 62 layers)
+    # which use 1/sqrt(d_model / heads); transformers' query_pre_attn_scalar agrees.
+    big = num_layers == (46 if arch == "gemma2" else 62)
+    scalar = d_model / heads if big else float(head_dim)
+    if arch == "gemma3":
+      every = int(meta.get("gemma3.attention.sliding_window_pattern", 6))
+      pattern = ("local",) * (every - 1) + ("global",)
+    else:
+      pattern = ("local", "global")
+    kw.update(post_attn_norm=True, post_mlp_norm=True, query_scale=scalar ** -0.5,
+              sliding_window=int(get("attention.sliding_window")), layer_pattern=pattern)
+  if arch == "gemma2":
+    kw.update(attn_logit_soft_cap=_f32(get("attn_logit_softcapping", 50.0)),
+              final_logit_soft_cap=_f32(get("final_logit_softcapping", 30.0)))
+  if arch == "gemma3":
+    kw.update(qk_norm=True, rope_base_local=10_000.0)
+  if scaling == "linear" and "local" in kw.get("layer_pattern", ()) and arch != "gemma3":
+    raise UserError(f"{origin}: linear RoPE scaling with sliding-window layers is only "
+                    f"supported for gemma3.")
+  return ModelConfig(**kw)
+
+
+def tensor_map(config: ModelConfig, arch: str) -> dict:
+  """{GGUF name: (our module, our param name, transpose?)}."""
+  m = {"token_embd.weight": ("decoder/embed", "embeddings", False),
+       "output_norm.weight": ("decoder/final_norm", "scale", False)}
+  if not config.tie_embeddings:
+    m["output.weight"] = ("decoder/unembed", "w", True)
+  for i in range(config.num_layers):
+    g, o = f"blk.{i}.", f"decoder/layer_{i}/"
+    m[g + "attn_norm.weight"] = (o + "pre_attn_norm", "scale", False)
+    for p in "qkv":
+      m[g + f"attn_{p}.weight"] = (o + f"attn/{p}", "w", True)
+      if config.qkv_bias:
+        m[g + f"attn_{p}.bias"] = (o + f"attn/{p}", "b", False)
+    m[g + "attn_output.weight"] = (o + "attn/o", "w", True)
+    if config.qk_norm:
+      m[g + "attn_q_norm.weight"] = (o + "attn/q_norm", "scale", False)
+      m[g + "attn_k_norm.weight"] = (o + "attn/k_norm", "scale", False)
+    if config.post_attn_norm:
+      m[g + "post_attention_norm.weight"] = (o + "post_attn_norm", "scale", False)
+    m[g + "ffn_norm.weight"] = (o + "pre_mlp_norm", "scale", False)
+    if config.post_mlp_norm:
+      m[g + "post_ffw_norm.weight"] = (o + "post_mlp_norm", "scale", False)
+    for gg, p in (("ffn_gate", "gate"), ("ffn_up", "up"), ("ffn_down", "down")):
+      m[g + f"{gg}.weight"] = (o + f"mlp/{p}", "w", True)
+  return m
+
+
+def unpermute_qk(w_RxD: np.ndarray, n_heads: int) -> np.ndarray:
+  """Undo llama.cpp's q/k row permutation (interleaved RoPE -> HF rotate-half)."""
+  R, D = w_RxD.shape
+  return w_RxD.reshape(n_heads, R // n_heads // 2, 2, D).swapaxes(1, 2).reshape(R, D)
+
+
+def load_gguf(path, *, param_dtype="float32", tokenizer: bool = True
+              ) -> Tuple[ModelConfig, dict, Optional[Tokenizer]]:
+  """(config, params {module: {name: np.ndarray}}, tokenizer) of a GGUF file."""
+  path = pathlib.Path(path)
+  f = GGUFFile(path)
+  arch = f.metadata.get("general.architecture")
+  if "token_embd.weight" not in f.tensors:
+    raise UserError(f"{path} has no 'token_embd.weight' tensor; it is not a decoder LM GGUF.")
+  config = config_from_gguf(f.metadata, f.tensors["token_embd.weight"].shape,
+                            "output.weight" in f.tensors, str(path))
+  mapping = tensor_map(config, arch)
+  unexpected = sorted(set(f.tensors) - set(mapping))
+  if unexpected:
+    raise UserError(f"{path} holds tensor(s) {unexpected[:5]} that the {arch} model its "
+                    f"metadata describes has no place for (an unsupported variant).")
+  builder = ParamBuilder(config, param_dtype, origin=str(path))
+  for name, (module, pname, transpose) in mapping.items():
+    if name not in f.tensors:
+      continue                       # finish() reports everything missing at once
+    w = f.tensor(name)
+    if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+      n = config.num_heads if "attn_q" in name else config.num_kv_heads
+      if w.ndim != 2 or w.shape[0] != n * config.head_dim:
+        raise UserError(f"Tensor {name!r} in {path} has shape {w.shape}; expected "
+                        f"({n * config.head_dim}, {config.d_model}).")
+      w = unpermute_qk(w, n)
+    if arch in _GEMMA and name.endswith("norm.weight"):
+      w = w - np.float32(1.0)
+    builder.put(module, pname, w, source=name, file=str(path), transpose=transpose)
+  params = builder.finish()
+  return config, params, (_cached_tokenizer(f) if tokenizer else None)
+
+
+def _cache_key(path: pathlib.Path) -> str:
+  st = path.stat()
+  ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_CACHE_VERSION}"
+  return f"{path.stem[:40]}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def _cached_tokenizer(f: GGUFFile) -> Tokenizer:
+  """The file's tokenizer, from the cache or built and cached (atomically)."""
+  root = cache_dir("gguf")
+  entry = root / _cache_key(pathlib.Path(f.path))
+  if (entry / "tokenizer_meta.json").is_file():
+    try:
+      return Tokenizer.load(entry)
+    except Exception:                 # an entry from another version: rebuild it
+      shutil.rmtree(entry, ignore_errors=True)
+  tok = Tokenizer.from_gguf_metadata(f.metadata, origin=f.path)
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=root))
+  try:
+    tok.save(tmp)
+    os.rename(tmp, entry)
+  except OSError:
+    pass                              # another process won the race, or a read-only cache
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return tok

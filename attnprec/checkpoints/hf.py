@@ -1,0 +1,145 @@
+"""Import an HF-format checkpoint directory: `config.json` + `*.safetensors`.
+
+    config, params, tokenizer = load_hf_dir("path/to/dir", param_dtype="float32")
+
+Weights come from `model.safetensors`, or from the shards listed in
+`model.safetensors.index.json`; files are memory-mapped and each tensor is read once,
+converted to the param dtype and (for Linear weights) transposed from HF's [out, in] to our
+[in, out]. Every tensor is checked against `attnprec.model.param_shapes(config)`; a tensor
+the config has no place for (e.g. an o-projection bias) is an error, not silently dropped.
+The tokenizer is read from `tokenizer.json` when the directory has one (else None).
+
+HF name (under the text model's prefix)     ->  our parameter
+  embed_tokens.weight [V, D]                    decoder/embed embeddings
+  layers.{i}.input_layernorm.weight             decoder/layer_{i}/pre_attn_norm scale
+  layers.{i}.self_attn.{q,k,v}_proj.{weight,bias}  .../attn/{q,k,v} w^T, b
+  layers.{i}.self_attn.{q,k}_norm.weight        .../attn/{q,k}_norm scale     (gemma3)
+  layers.{i}.self_attn.o_proj.weight            .../attn/o w^T
+  layers.{i}.post_attention_layernorm.weight    .../pre_mlp_norm scale    (llama/qwen2/gemma)
+                                                .../post_attn_norm scale  (gemma2/gemma3)
+  layers.{i}.pre_feedforward_layernorm.weight   .../pre_mlp_norm scale    (gemma2/gemma3)
+  layers.{i}.post_feedforward_layernorm.weight  .../post_mlp_norm scale   (gemma2/gemma3)
+  layers.{i}.mlp.{gate,up,down}_proj.weight     .../mlp/{gate,up,down} w^T
+  norm.weight                                   decoder/final_norm scale
+  lm_head.weight [V, D] (untied only)           decoder/unembed w^T
+"""
+import json
+import pathlib
+from typing import Dict, Optional, Tuple
+
+from attnprec.checkpoints.hf_config import config_from_hf
+from attnprec.checkpoints.params import ParamBuilder
+from attnprec.checkpoints.safetensors_file import SafetensorsFile
+from attnprec.checkpoints.tokenizer import Tokenizer
+from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+
+# Where the text decoder lives in the checkpoint: plain causal LMs, then multimodal gemma3
+# (new and old transformers layouts). The lm_head sits beside the prefix's parent.
+_PREFIXES = (("model.", "lm_head.weight"),
+             ("model.language_model.", "lm_head.weight"),
+             ("language_model.model.", "language_model.lm_head.weight"),
+             ("", "lm_head.weight"))
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_config(directory: pathlib.Path) -> dict:
+  path = directory / "config.json"
+  if not path.is_file():
+    raise UserError(f"{directory} is not an HF checkpoint directory: it has no config.json "
+                    f"(expected config.json and model.safetensors or "
+                    f"model.safetensors.index.json).")
+  try:
+    return json.loads(path.read_text(encoding="utf-8"))
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise UserError(f"Cannot read {path}: {e}.") from None
+
+
+def weight_files(directory: pathlib.Path) -> Dict[str, pathlib.Path]:
+  """{tensor name: file holding it}, from the shard index or the single file."""
+  index = directory / "model.safetensors.index.json"
+  single = directory / "model.safetensors"
+  if index.is_file():
+    try:
+      weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+      raise UserError(f"Cannot read the shard index {index}: {e!r}.") from None
+    files = {name: directory / fname for name, fname in weight_map.items()}
+    missing = sorted({str(p) for p in files.values() if not p.is_file()})
+    if missing:
+      raise UserError(f"The shard index {index} lists weight file(s) that do not exist: "
+                      f"{', '.join(missing)}.")
+    return files
+  if single.is_file():
+    return {name: single for name in SafetensorsFile(single).keys()}
+  raise UserError(f"{directory} has a config.json but no weights: expected "
+                  f"model.safetensors or model.safetensors.index.json.")
+
+
+def tensor_map(config: ModelConfig) -> Dict[str, Tuple[str, str, bool]]:
+  """{HF name under the prefix: (our module, our param name, transpose?)}."""
+  m = {"embed_tokens.weight": ("decoder/embed", "embeddings", False),
+       "norm.weight": ("decoder/final_norm", "scale", False)}
+  for i in range(config.num_layers):
+    hf, ours = f"layers.{i}.", f"decoder/layer_{i}/"
+    m[hf + "input_layernorm.weight"] = (ours + "pre_attn_norm", "scale", False)
+    for p in "qkv":
+      m[hf + f"self_attn.{p}_proj.weight"] = (ours + f"attn/{p}", "w", True)
+      if config.qkv_bias:
+        m[hf + f"self_attn.{p}_proj.bias"] = (ours + f"attn/{p}", "b", False)
+    m[hf + "self_attn.o_proj.weight"] = (ours + "attn/o", "w", True)
+    if config.qk_norm:
+      m[hf + "self_attn.q_norm.weight"] = (ours + "attn/q_norm", "scale", False)
+      m[hf + "self_attn.k_norm.weight"] = (ours + "attn/k_norm", "scale", False)
+    if config.post_attn_norm:
+      m[hf + "post_attention_layernorm.weight"] = (ours + "post_attn_norm", "scale", False)
+      m[hf + "pre_feedforward_layernorm.weight"] = (ours + "pre_mlp_norm", "scale", False)
+    else:
+      m[hf + "post_attention_layernorm.weight"] = (ours + "pre_mlp_norm", "scale", False)
+    if config.post_mlp_norm:
+      m[hf + "post_feedforward_layernorm.weight"] = (ours + "post_mlp_norm", "scale", False)
+    for p in ("gate", "up", "down"):
+      m[hf + f"mlp.{p}_proj.weight"] = (ours + f"mlp/{p}", "w", True)
+  return m
+
+
+def load_hf_dir(path, *, param_dtype="float32"
+                ) -> Tuple[ModelConfig, dict, Optional[Tokenizer]]:
+  """(config, params {module: {name: np.ndarray}}, tokenizer or None) of an HF directory."""
+  directory = pathlib.Path(path)
+  if not directory.is_dir():
+    raise UserError(f"Checkpoint directory {directory} does not exist.")
+  config = config_from_hf(read_config(directory), origin=str(directory / "config.json"))
+  files = weight_files(directory)
+  prefix, head_name = _find_prefix(files, directory)
+  builder = ParamBuilder(config, param_dtype, origin=str(directory))
+  mapping = {prefix + k: v for k, v in tensor_map(config).items()}
+  if not config.tie_embeddings:
+    mapping[head_name] = ("decoder/unembed", "w", True)
+  opened: Dict[pathlib.Path, SafetensorsFile] = {}
+  for name, file in sorted(files.items()):
+    if name not in mapping:
+      if (name == head_name or not name.startswith(prefix)
+          or name.endswith(_IGNORED_SUFFIXES)):
+        continue    # a tied head stored anyway (transformers ignores it too), a vision
+                    # tower or projector, cached RoPE tables
+      raise UserError(f"Checkpoint tensor {name!r} in {file} has no place in the model its "
+                      f"config describes (an architecture feature we do not implement, or "
+                      f"a config that does not match the weights).")
+    if file not in opened:
+      opened[file] = SafetensorsFile(file)
+    if name not in opened[file].keys():
+      raise UserError(f"Tensor {name!r} is listed for {file} but that file does not hold it.")
+    module, pname, transpose = mapping[name]
+    builder.put(module, pname, opened[file].get(name), source=name, file=str(file),
+                transpose=transpose)
+  params = builder.finish()
+  return config, params, Tokenizer.from_hf_dir(directory)
+
+
+def _find_prefix(files: Dict[str, pathlib.Path], directory) -> Tuple[str, str]:
+  for prefix, head in _PREFIXES:
+    if prefix + "embed_tokens.weight" in files:
+      return prefix, head
+  raise UserError(f"No embedding tensor in the weights of {directory}: expected one of "
+                  f"{[p + 'embed_tokens.weight' for p, _ in _PREFIXES]}.")

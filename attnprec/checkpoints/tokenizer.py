@@ -1,0 +1,252 @@
+"""Tokenizers built offline from a GGUF file's metadata (or an HF `tokenizer.json`).
+
+    tok = checkpoint.tokenizer
+    ids = tok.encode("Hello")              # adds BOS when the model expects it (Gemma)
+    text = tok.decode(ids)                 # special tokens skipped by default
+    ids = tok.encode_chat([{"role": "user", "content": "Hi"}])   # ChatML models
+
+Only the `tokenizers` library is used at run time (no transformers, no hub). A GGUF stores
+the vocabulary (`tokenizer.ggml.tokens`), token types (1 normal, 3 control, 4 user-defined,
+6 byte), merges, and special ids under llama.cpp's key names; we rebuild the tokenizer the
+model was trained with, as transformers' `integrations/gguf` does:
+
+* `tokenizer.ggml.model == "gpt2"` (SmolLM2): byte-level BPE. Digits are split one by one
+  first (llama.cpp's `smollm` pre-tokenizer, SmolLM2's own `tokenizer.json`), then GPT-2's
+  byte-level regex split; tokens outside the byte alphabet are re-spelled in it.
+* `tokenizer.ggml.model == "llama"` for gemma/gemma2/gemma3: SentencePiece-style BPE with
+  byte fallback: spaces become "▁", no prefix space. The file lists no merges, so they are
+  rebuilt from the vocabulary, ordered by the tokens' position in the file (Gemma's scores
+  do not follow its merge order). Tokens made only of spaces are stored with real spaces
+  and are re-spelled with "▁" so the merges find them.
+
+Control tokens become special added tokens (never split; skipped when decoding);
+user-defined tokens (Gemma's newline and tab runs) become plain added tokens, matched whole.
+BOS is added by `encode` itself (`add_bos`, default from `tokenizer.ggml.add_bos_token`),
+never by a post-processor, so it is explicit.
+"""
+import json
+import pathlib
+import re
+from typing import Dict, List, Optional, Sequence
+
+import tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+
+from attnprec.errors import UserError
+
+CONTROL, USER_DEFINED = 3, 4
+SPACE = "\u2581"    # SentencePiece's visible space "▁"
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+_FORMAT = "attnprec-tokenizer-1"
+
+
+class Tokenizer:
+  """A `tokenizers.Tokenizer` plus the model's special ids and chat template."""
+
+  def __init__(self, backend: tokenizers.Tokenizer, *, bos_id: Optional[int],
+               eos_id: Optional[int], pad_id: Optional[int] = None, add_bos: bool = False,
+               chat_template: Optional[str] = None):
+    self.backend = backend
+    self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+    self.add_bos = add_bos                  # the model's default for `encode`
+    self.chat_template = chat_template      # the Jinja source, as shipped (for reference)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.backend.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str, *, add_bos: Optional[bool] = None) -> List[int]:
+    """Token ids of `text`; BOS first if `add_bos` (None: the model's default)."""
+    ids = self.backend.encode(text, add_special_tokens=False).ids
+    if (self.add_bos if add_bos is None else add_bos):
+      if self.bos_id is None:
+        raise UserError("This tokenizer has no BOS token; call encode(..., add_bos=False).")
+      ids = [self.bos_id] + ids
+    return ids
+
+  def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+    return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+  def token(self, i: int) -> Optional[str]:
+    return self.backend.id_to_token(int(i))
+
+  # -- chat -----------------------------------------------------------------------------
+  def apply_chat_template(self, messages: Sequence[Dict[str, str]], *,
+                          add_generation_prompt: bool = True) -> str:
+    """The prompt text for `messages` ([{"role", "content"}]), for ChatML models.
+
+    ChatML (SmolLM2-Instruct): each message is `<|im_start|>{role}\\n{content}<|im_end|>\\n`;
+    when the first message is not a system message, the template's default system message
+    is put first; `add_generation_prompt` appends `<|im_start|>assistant\\n`. This is what
+    the shipped Jinja template renders, written out (no Jinja at run time).
+    """
+    template = self.chat_template or ""
+    if "<|im_start|>" not in template:
+      raise UserError("This model has no ChatML chat template (only ChatML templates are "
+                      "implemented); format the prompt yourself and call encode().")
+    default = re.search(r"<\|im_start\|>system\\n(.*?)<\|im_end\|>", template)
+    parts = []
+    for k, m in enumerate(messages):
+      if set(m) - {"role", "content"} or not {"role", "content"} <= set(m):
+        raise UserError(f"Chat message {k} must have exactly 'role' and 'content', got "
+                        f"{sorted(m)}.")
+      if k == 0 and m["role"] != "system" and default:
+        parts.append(f"<|im_start|>system\n{default.group(1)}<|im_end|>\n")
+      parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+    if add_generation_prompt:
+      parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+  def encode_chat(self, messages, *, add_generation_prompt: bool = True) -> List[int]:
+    """Token ids of the chat prompt (no extra BOS: the template writes what it needs)."""
+    return self.encode(self.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt), add_bos=False)
+
+  # -- serialization (the checkpoint cache) ---------------------------------------------
+  def save(self, directory) -> None:
+    """Writes `tokenizer.json` (the backend) and `tokenizer_meta.json` into `directory`."""
+    directory = pathlib.Path(directory)
+    self.backend.save(str(directory / "tokenizer.json"))
+    meta = dict(format=_FORMAT, bos_id=self.bos_id, eos_id=self.eos_id, pad_id=self.pad_id,
+                add_bos=self.add_bos, chat_template=self.chat_template)
+    (directory / "tokenizer_meta.json").write_text(json.dumps(meta), encoding="utf-8")
+
+  @classmethod
+  def load(cls, directory) -> "Tokenizer":
+    """Reads what `save` wrote."""
+    directory = pathlib.Path(directory)
+    meta = json.loads((directory / "tokenizer_meta.json").read_text(encoding="utf-8"))
+    if meta.pop("format", None) != _FORMAT:
+      raise ValueError(f"{directory} holds no {_FORMAT} tokenizer")
+    return cls(tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json")), **meta)
+
+  # -- builders -------------------------------------------------------------------------
+  @classmethod
+  def from_gguf_metadata(cls, meta: dict, *, origin: str = "GGUF file") -> "Tokenizer":
+    """Builds the tokenizer a GGUF's `tokenizer.ggml.*` metadata describes."""
+    kind = meta.get("tokenizer.ggml.model")
+    arch = meta.get("general.architecture")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is None:
+      raise UserError(f"{origin} has no tokenizer.ggml.tokens; it carries no tokenizer.")
+    tokens = list(tokens)
+    types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [1] * len(tokens))]
+    if kind == "gpt2":
+      backend = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges"), origin)
+    elif kind == "llama" and arch in _GEMMA_ARCHS:
+      unk = meta.get("tokenizer.ggml.unknown_token_id")
+      backend = _gemma_bpe(tokens, types, None if unk is None else tokens[unk])
+    else:
+      raise UserError(f"{origin}: unsupported tokenizer {kind!r} for architecture {arch!r}; "
+                      f"supported: 'gpt2' (byte-level BPE, e.g. SmolLM2) and 'llama' for "
+                      f"{', '.join(_GEMMA_ARCHS)} (SentencePiece-style BPE).")
+
+    def special(key):
+      v = meta.get(f"tokenizer.ggml.{key}")
+      return None if v is None else int(v)
+
+    return cls(backend, bos_id=special("bos_token_id"), eos_id=special("eos_token_id"),
+               pad_id=special("padding_token_id"),
+               add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+               chat_template=meta.get("tokenizer.chat_template"))
+
+  @classmethod
+  def from_hf_dir(cls, directory) -> Optional["Tokenizer"]:
+    """From `tokenizer.json` (+ `tokenizer_config.json`), or None if there is none."""
+    directory = pathlib.Path(directory)
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+      return None
+    try:
+      backend = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+      raise UserError(f"Cannot read tokenizer file {path}: {e}.") from None
+    cfg = {}
+    if (directory / "tokenizer_config.json").is_file():
+      cfg = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+
+    def token_id(key):
+      tok = cfg.get(key)
+      tok = tok.get("content") if isinstance(tok, dict) else tok
+      return backend.token_to_id(tok) if tok else None
+
+    bos_id = token_id("bos_token")
+    # Does the shipped post-processor add BOS? Then the model expects it.
+    probe = backend.encode("a", add_special_tokens=True).ids
+    add_bos = cfg.get("add_bos_token", bool(probe) and probe[0] == bos_id)
+    return cls(backend, bos_id=bos_id, eos_id=token_id("eos_token"),
+               pad_id=token_id("pad_token"), add_bos=bool(add_bos and bos_id is not None),
+               chat_template=cfg.get("chat_template"))
+
+
+def bytes_to_unicode() -> Dict[int, str]:
+  """GPT-2's reversible byte -> printable character table."""
+  bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1)))
+  cs = bs[:]
+  n = 0
+  for b in range(256):
+    if b not in bs:
+      bs.append(b)
+      cs.append(256 + n)
+      n += 1
+  return dict(zip(bs, map(chr, cs)))
+
+
+def _byte_level_bpe(tokens, types, merges, origin) -> tokenizers.Tokenizer:
+  if merges is None:
+    raise UserError(f"{origin}: a gpt2 (byte-level BPE) tokenizer needs tokenizer.ggml.merges.")
+  spelling = bytes_to_unicode()
+  alphabet = set(spelling.values())
+  vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+           for i, t in enumerate(tokens)}
+  bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
+                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+  tok = tokenizers.Tokenizer(bpe)
+  tok.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Digits(individual_digits=True),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+  tok.decoder = decoders.ByteLevel()
+  # A control token spelled outside the byte alphabet is a converter mislabel: skip it.
+  _add_tokens(tok, tokens, types, keep=lambda t: set(t) <= alphabet)
+  return tok
+
+
+def _gemma_bpe(tokens, types, unk) -> tokenizers.Tokenizer:
+  respelled = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+  vocab = {t: i for i, t in enumerate(respelled)}
+  merges = _merges_by_position(respelled, vocab)
+  tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None,
+                                        unk_token=unk, fuse_unk=True, byte_fallback=True))
+  tok.normalizer = normalizers.Replace(" ", SPACE)
+  tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(),
+                                   decoders.Fuse()])
+  _add_tokens(tok, tokens, types, keep=lambda t: True, vocab=vocab)
+  return tok
+
+
+def _merges_by_position(tokens: List[str], vocab: Dict[str, int]) -> list:
+  """BPE merges implied by a vocabulary: every split of a token into two tokens, best
+  (earliest in the file) first; ties by longer left, then longer right piece."""
+  score = {t: -i for i, t in enumerate(tokens)}   # a repeated token keeps its last index
+  found = []
+  for token, s in score.items():
+    pairs = [(token[:k], token[k:]) for k in range(1, len(token))
+             if token[:k] in vocab and token[k:] in vocab]
+    pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+    found.extend((s, len(a), len(b), a, b) for a, b in pairs)
+  # Stable sort, descending on (score, len(a), len(b)); equal keys keep their order.
+  order = sorted(range(len(found)), key=lambda k: found[k][:3], reverse=True)
+  return [(found[k][3], found[k][4]) for k in order]
+
+
+def _add_tokens(tok, tokens, types, *, keep, vocab=None) -> None:
+  control = [AddedToken(t, normalized=False, special=True)
+             for t, ty in zip(tokens, types) if ty == CONTROL and keep(t)]
+  if control:
+    tok.add_special_tokens(control)
+  vocab = tok.get_vocab() if vocab is None else vocab
+  user = [AddedToken(t, normalized=False, special=False)
+          for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab]
+  if user:
+    tok.add_tokens(user)

@@ -1,0 +1,12 @@
+"""Jobs the runners launch: each is a gin configurable taking plain data."""
+from attnprec.jobs.recall_eval import recall_eval  # noqa: F401
+from attnprec.jobs.train_recall import train_recall  # noqa: F401
+
+import gin
+
+
+@gin.configurable("decode", denylist=["precision", "run_dir"])
+def decode_job(*, precision, run_dir: str, job=gin.REQUIRED):
+  """Runs the decode job that `decode.job` names (e.g. @recall_eval) with the decode
+  phase's precision."""
+  return job(precision=precision, run_dir=run_dir)

@@ -1,0 +1,101 @@
+"""`make decode` on the recall task: decode answers at several context lengths under the
+decode precision and under an fp32 reference, side by side."""
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+import gin
+import jax
+import numpy as np
+
+from attnprec import decoding, runs
+from attnprec.errors import UserError
+from attnprec.precision import REFERENCE, Precision
+from attnprec.tasks import recall
+
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+SHIPPED = {"recall-tiny": os.path.join(ASSETS, "recall-tiny")}
+
+
+def resolve_checkpoint(checkpoint: str) -> str:
+  """A shipped checkpoint name or a train run directory -> directory path."""
+  if checkpoint in SHIPPED:
+    return SHIPPED[checkpoint]
+  if not os.path.isdir(checkpoint):
+    raise UserError(f"Checkpoint {checkpoint!r} is neither a shipped checkpoint "
+                    f"({', '.join(SHIPPED)}) nor an existing run directory. Train one "
+                    f"with 'make train' (writes runs/recall).")
+  return checkpoint
+
+
+def load_task(ckpt_dir: str) -> recall.RecallTask:
+  path = os.path.join(ckpt_dir, "task.json")
+  if not os.path.isfile(path):
+    raise UserError(f"{ckpt_dir!r} has no task.json: it is not a recall training run.")
+  with open(path) as f:
+    return recall.RecallTask(**json.load(f))
+
+
+def evaluate(params, config, task, precision: Precision, pair_counts: Sequence[int],
+             num_prompts: int, seed: int):
+  """{pairs: (accuracy, decoded_BxL)} decoding each prompt's answer with `precision`."""
+  out = {}
+  for pairs in pair_counts:
+    prompt_BxP, answers_BxL = task.eval_prompts(np.random.default_rng(seed + pairs),
+                                                num_prompts, pairs)
+    lengths_B = np.full((num_prompts,), prompt_BxP.shape[1], np.int32)
+    tokens_BxL, _ = decoding.generate(params, prompt_BxP, lengths_B, jax.random.PRNGKey(0),
+                                      config=config, precision=precision,
+                                      max_new_tokens=task.value_len)
+    decoded = np.asarray(tokens_BxL)
+    out[pairs] = (recall.score(decoded, answers_BxL), decoded)
+  return out
+
+
+@gin.configurable("recall_eval", denylist=["precision", "run_dir"])
+def recall_eval(*, precision: Precision, run_dir: str, checkpoint: str = "recall-tiny",
+                pair_counts: Sequence[int] = (8, 16, 24, 32), num_prompts: int = 256,
+                seed: int = 1234) -> dict:
+  ckpt_dir = resolve_checkpoint(checkpoint)
+  config, params = runs.load_checkpoint(ckpt_dir)
+  task = load_task(ckpt_dir)
+  if not pair_counts:
+    raise UserError("recall_eval.pair_counts is empty; give at least one pair count, "
+                    "e.g. (8, 16, 32).")
+  for p in pair_counts:
+    if not 1 <= p <= task.num_keys:
+      raise UserError(f"recall_eval.pair_counts has {p}; valid pair counts for this "
+                      f"checkpoint are 1..{task.num_keys} (its recall.num_keys).")
+  print(f"checkpoint: {checkpoint} ({config.num_layers} layers, d={config.d_model}, trained "
+        f"with {task.num_pairs} pairs)")
+  print(f"decode precision:    {precision.describe()}")
+  print(f"reference precision: {REFERENCE.describe()}")
+  got = evaluate(params, config, task, precision, pair_counts, num_prompts, seed)
+  ref = evaluate(params, config, task, REFERENCE, pair_counts, num_prompts, seed)
+  rows = []
+  for p in pair_counts:
+    agree = float(np.mean(np.all(got[p][1] == ref[p][1], axis=1)))
+    rows.append({"pairs": p, "context_tokens": task.prompt_len(p),
+                 "accuracy": got[p][0], "reference_accuracy": ref[p][0],
+                 "agreement_with_reference": agree})
+  table = format_table(rows, num_prompts)
+  print(table)
+  results = {"checkpoint": checkpoint, "precision": dataclasses.asdict(precision),
+             "reference_precision": dataclasses.asdict(REFERENCE), "num_prompts": num_prompts,
+             "rows": rows, "table": table}
+  runs.write_json(run_dir, "results.json", results)
+  print(f"wrote {os.path.join(run_dir, 'results.json')}")
+  return results
+
+
+def format_table(rows, num_prompts: int) -> str:
+  lines = [f"| pairs | context tokens | accuracy (decode precision) | accuracy (fp32 reference)"
+           f" | same answer as reference |",
+           "|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(f"| {r['pairs']} | {r['context_tokens']} | {r['accuracy']:.3f} | "
+                 f"{r['reference_accuracy']:.3f} | {r['agreement_with_reference']:.3f} |")
+  lines.append(f"({num_prompts} held-out prompts per row; an answer counts when every value "
+               f"token is decoded exactly)")
+  return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""Run directories: operative config, metrics, params, results. Every write is atomic
+(temporary file in the same directory, then rename), so nothing is ever half-written."""
+import dataclasses
+import json
+import os
+import tempfile
+import zipfile
+from typing import Any, Dict
+
+import gin
+import numpy as np
+
+from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+from attnprec.model import check_params
+
+PARAMS_FILE = "params.npz"
+MODEL_FILE = "model.json"
+
+
+def ensure_dir(run_dir: str) -> str:
+  try:
+    os.makedirs(run_dir, exist_ok=True)
+  except OSError as e:
+    raise UserError(f"Cannot create run directory {run_dir!r}: {e.strerror}. Choose a "
+                    f"writable path with --run_dir.") from None
+  if not os.access(run_dir, os.W_OK):
+    raise UserError(f"Run directory {run_dir!r} is not writable. Choose a writable path "
+                    f"with --run_dir.")
+  return run_dir
+
+
+def atomic_write(path: str, data, mode: str = "w") -> None:
+  """Writes `data` (str or bytes, or a callable taking a file object) atomically."""
+  directory = os.path.dirname(os.path.abspath(path))
+  ensure_dir(directory)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".")
+  try:
+    with os.fdopen(fd, mode) as f:
+      data(f) if callable(data) else f.write(data)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def write_json(run_dir: str, name: str, obj: Any) -> str:
+  path = os.path.join(run_dir, name)
+  atomic_write(path, json.dumps(obj, indent=1, default=_jsonable) + "\n")
+  return path
+
+
+def _jsonable(x):
+  if isinstance(x, (np.floating, np.integer)):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  raise TypeError(f"not JSON serializable: {type(x)}")
+
+
+def config_dict(config: ModelConfig) -> Dict[str, Any]:
+  d = dataclasses.asdict(config)
+  d["layer_pattern"] = list(d["layer_pattern"])
+  return d
+
+
+def write_operative_config(run_dir: str) -> None:
+  """What gin actually used so far (call after the first step)."""
+  atomic_write(os.path.join(run_dir, "operative_config.gin"), gin.operative_config_str())
+
+
+class MetricsWriter:
+  """Appends one JSON object per line to run_dir/metrics.jsonl (line-buffered)."""
+
+  def __init__(self, run_dir: str, name: str = "metrics.jsonl"):
+    self.path = os.path.join(ensure_dir(run_dir), name)
+
+  def write(self, record: Dict[str, Any]) -> None:
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record, default=_jsonable) + "\n")
+
+
+def save_params(run_dir: str, params) -> str:
+  """{module: {name: array}} -> run_dir/params.npz with keys 'module//name'."""
+  flat = {f"{m}//{n}": np.asarray(a) for m, d in params.items() for n, a in d.items()}
+  path = os.path.join(run_dir, PARAMS_FILE)
+  atomic_write(path, lambda f: np.savez(f, **flat), mode="wb")
+  return path
+
+
+def load_checkpoint(run_dir: str):
+  """(ModelConfig, params) from a train run directory (or a shipped checkpoint dir)."""
+  model_path = os.path.join(run_dir, MODEL_FILE)
+  params_path = os.path.join(run_dir, PARAMS_FILE)
+  if not os.path.isdir(run_dir):
+    raise UserError(f"Checkpoint directory {run_dir!r} does not exist. Train one with "
+                    f"'make train' (writes runs/recall) or pass an existing run directory.")
+  for p in (model_path, params_path):
+    if not os.path.isfile(p):
+      raise UserError(f"Checkpoint directory {run_dir!r} has no {os.path.basename(p)}; a "
+                      f"train run directory holds {MODEL_FILE} and {PARAMS_FILE}. Was the "
+                      f"training run interrupted before it finished?")
+  with open(model_path) as f:
+    config = ModelConfig.from_dict(json.load(f))
+  try:
+    with np.load(params_path) as z:
+      params: Dict[str, Dict[str, np.ndarray]] = {}
+      for key in z.files:
+        module, name = key.split("//")
+        params.setdefault(module, {})[name] = z[key]
+  except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+    raise UserError(f"Cannot read {params_path!r}: {e}. The file is corrupt or truncated.") \
+        from None
+  check_params(config, params, params_path)
+  return config, params

@@ -1,0 +1,21 @@
+"""Decode: `python runners/decode.py --gin_file=gin/experiments/recall_bf16.gin [...]`.
+
+Composes gin files (gin/runs/decode.gin first), enters the `decode` phase scope for the
+precision (prefill and every decode step use it), and runs the configured decode job.
+"""
+import sys
+
+from attnprec import cli, ginutils
+from attnprec.jobs import decode_job
+from attnprec.precision import phase_precision
+
+
+def run(run_dir: str):
+  with ginutils.phase("decode"):
+    precision = ginutils.call(phase_precision)
+  return ginutils.call(decode_job, precision=precision, run_dir=run_dir)
+
+
+if __name__ == "__main__":
+  sys.exit(cli.main(sys.argv[1:], prog="decode", default_files=["runs/decode.gin"],
+                    default_run_dir="runs/decode", body=run))
