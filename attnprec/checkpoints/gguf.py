@@ -146,7 +146,10 @@ def unpermute_qk(w_RxD: np.ndarray, n_heads: int) -> np.ndarray:
 
 def load_gguf(path, *, param_dtype="float32", tokenizer: bool = True
               ) -> Tuple[ModelConfig, dict, Optional[Tokenizer]]:
-  """(config, params {module: {name: np.ndarray}}, tokenizer) of a GGUF file."""
+  """(config, params {module: {name: np.ndarray}}, tokenizer) of a GGUF file.
+
+  The tokenizer is None when `tokenizer=False` or the file carries none.
+  """
   path = pathlib.Path(path)
   f = GGUFFile(path)
   arch = f.metadata.get("general.architecture")
@@ -174,7 +177,8 @@ def load_gguf(path, *, param_dtype="float32", tokenizer: bool = True
       w = w - np.float32(1.0)
     builder.put(module, pname, w, source=name, file=str(path), transpose=transpose)
   params = builder.finish()
-  return config, params, (_cached_tokenizer(f) if tokenizer else None)
+  has_tokenizer = tokenizer and "tokenizer.ggml.tokens" in f.metadata
+  return config, params, (_cached_tokenizer(f) if has_tokenizer else None)
 
 
 def _cache_key(path: pathlib.Path) -> str:
