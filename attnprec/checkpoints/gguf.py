@@ -33,6 +33,7 @@ import numpy as np
 
 from attnprec.checkpoints.cache import cache_dir
 from attnprec.checkpoints.gguf_reader import GGUFFile
+from attnprec.checkpoints.hf_config import period
 from attnprec.checkpoints.params import ParamBuilder
 from attnprec.checkpoints.tokenizer import Tokenizer
 from attnprec.config import ModelConfig
@@ -94,8 +95,12 @@ def config_from_gguf(meta: dict, embed_shape: Tuple[int, int], has_output: bool,
     big = num_layers == (46 if arch == "gemma2" else 62)
     scalar = d_model / heads if big else float(head_dim)
     if arch == "gemma3":
-      every = int(meta.get("gemma3.attention.sliding_window_pattern", 6))
-      pattern = ("local",) * (every - 1) + ("global",)
+      # Newer llama.cpp writes the pattern: a period, or one is-sliding flag per layer.
+      swa = meta.get("gemma3.attention.sliding_window_pattern", 6)
+      if np.ndim(swa):
+        pattern = period(["local" if s else "global" for s in swa])
+      else:
+        pattern = ("local",) * (int(swa) - 1) + ("global",)
     else:
       pattern = ("local", "global")
     kw.update(post_attn_norm=True, post_mlp_norm=True, query_scale=scalar ** -0.5,

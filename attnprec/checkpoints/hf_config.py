@@ -123,7 +123,7 @@ def config_from_hf(raw: dict, *, origin: str = "config.json") -> ModelConfig:
       rope_base=global_rope[0], rope_scale=global_rope[1],
       rope_base_local=local_rope if local_rope != global_rope[0] else None,
       sliding_window=int(d["sliding_window"]) if "local" in kinds else None,
-      layer_pattern=_period(kinds),
+      layer_pattern=period(kinds),
       max_seq_len=int(d.get("max_position_embeddings") or 8192))
 
 
@@ -156,7 +156,7 @@ def _layer_kinds(d: dict, family: str, num_layers: int, origin: str) -> list:
   return kinds
 
 
-def _period(kinds: list) -> tuple:
+def period(kinds: list) -> tuple:
   """The shortest pattern that, repeated cyclically, gives `kinds`."""
   for p in range(1, len(kinds) + 1):
     if all(k == kinds[i % p] for i, k in enumerate(kinds)):
