@@ -19,11 +19,17 @@ from attnprec import attention as attention_lib
 from attnprec.errors import UserError
 from attnprec.kernels import blockwise, jax_nn
 from attnprec.kernels.masks import CausalMask
-from attnprec.precision import Precision
+from attnprec.precision import Precision, parse_precision
 
 ATOL = RTOL = 2e-5
 B, N, H = 2, 4, 16
 FLAGS = [(qk, lg) for qk in (False, True) for lg in (False, True)]
+
+
+# The independent reference kernel, jitted (one compile instead of many eager op compiles).
+_dot_product = jax.jit(attention_lib.dot_product_attention,
+                       static_argnames=("float32_qk_product", "float32_logits",
+                                        "einsum_precision", "logits_soft_cap", "scale"))
 
 
 def _qkv(T, S, K, dtype=jnp.float32, seed=0, logit_scale=1.0):
@@ -55,14 +61,20 @@ def _run(kernel, q, k, v, q_pos, k_pos, dense, *, window=None, **kw):
 class KernelsMatchTest(chex.TestCase, parameterized.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.product(
-      kernel_cap=(("blockwise", None), ("blockwise", 5.0), ("jax_nn", None)),
-      case_K=(("prefill_causal", 2), ("prefill_window", 1), ("prefill_dense", 4),
-              ("no_mask", 2), ("decode", 1), ("decode_window", 2)),  # K: GQA, MQA, MHA
+  @parameterized.named_parameters(
+      # (kernel, mask case, K kv heads (4 MHA, 2 GQA, 1 MQA), logits soft-cap)
+      ("blockwise_prefill_causal_gqa_cap", "blockwise", "prefill_causal", 2, 5.0),
+      ("blockwise_prefill_window_mqa", "blockwise", "prefill_window", 1, None),
+      ("blockwise_prefill_dense_mha_cap", "blockwise", "prefill_dense", 4, 5.0),
+      ("blockwise_no_mask_gqa", "blockwise", "no_mask", 2, None),
+      ("blockwise_decode_mqa_cap", "blockwise", "decode", 1, 5.0),
+      ("blockwise_decode_window_gqa", "blockwise", "decode_window", 2, None),
+      ("jax_nn_prefill_window_mqa", "jax_nn", "prefill_window", 1, None),
+      ("jax_nn_prefill_dense_mha", "jax_nn", "prefill_dense", 4, None),
+      ("jax_nn_decode_gqa", "jax_nn", "decode", 2, None),
   )
-  def test_matches_dot_product_and_float64(self, kernel_cap, case_K):
+  def test_matches_dot_product_and_float64(self, kernel, case, K, soft_cap):
     """fp32 kernel == dot_product (fp32) and == float64 reference, within ATOL/RTOL."""
-    (kernel, soft_cap), (case, K) = kernel_cap, case_K
     window = 6 if case.endswith("window") else None
     T, S = (1, 100) if case.startswith("decode") else (37, 37)
     q, k, v = _qkv(T, S, K, logit_scale=3.0)
@@ -76,34 +88,33 @@ class KernelsMatchTest(chex.TestCase, parameterized.TestCase):
     fn = self.variant(functools.partial(_run, kernel, window=window,
                                         logits_soft_cap=soft_cap))
     out = fn(q, k, v, q_pos, k_pos, dense)
-    want = attention_lib.dot_product_attention(q, k, v, mask=dense, logits_soft_cap=soft_cap)
+    want = _dot_product(q, k, v, mask=dense, logits_soft_cap=soft_cap)
     ref = attention_lib.reference_attention_np(q, k, v, mask=dense, logits_soft_cap=soft_cap)
     chex.assert_trees_all_close(out, want, atol=ATOL, rtol=RTOL)
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=ATOL, rtol=RTOL)
 
-  @chex.variants(with_jit=True, without_jit=True)
   def test_blockwise_default_positions_are_bottom_right_causal(self):
     """causal=True without positions == dot_product with the T-last-keys causal mask."""
     q, k, v = _qkv(5, 29, 2)
-    out = self.variant(functools.partial(blockwise.blockwise_attention, causal=True,
-                                         q_block=4, kv_block=8))(q, k, v)
+    out = jax.jit(functools.partial(blockwise.blockwise_attention, causal=True,
+                                    q_block=4, kv_block=8))(q, k, v)
     q_pos, k_pos = _positions(5, 29)
-    want = attention_lib.dot_product_attention(
-        q, k, v, mask=attention_lib.causal_mask(q_pos, k_pos))
+    want = _dot_product(q, k, v, mask=attention_lib.causal_mask(q_pos, k_pos))
     chex.assert_trees_all_close(out, want, atol=ATOL, rtol=RTOL)
 
   def test_blockwise_gradients_match_dot_product(self):
     """d(sum(out * w))/d(q, k, v) of blockwise == that of dot_product (fp32)."""
-    q, k, v = _qkv(19, 19, 2)
-    q_pos, k_pos = _positions(19, 19)
+    q, k, v = _qkv(13, 13, 2)
+    q_pos, k_pos = _positions(13, 13)
     cmask = CausalMask(q_pos, k_pos, sliding_window=7)
     w = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32)
     loss_bw = lambda *x: jnp.sum(blockwise.blockwise_attention(
         *x, q_block=8, kv_block=8, **cmask.blockwise_kwargs()) * w)
     loss_dp = lambda *x: jnp.sum(attention_lib.dot_product_attention(
         *x, mask=cmask.dense()) * w)
-    chex.assert_trees_all_close(jax.grad(loss_bw, (0, 1, 2))(q, k, v),
-                                jax.grad(loss_dp, (0, 1, 2))(q, k, v), atol=1e-4, rtol=1e-4)
+    chex.assert_trees_all_close(jax.jit(jax.grad(loss_bw, (0, 1, 2)))(q, k, v),
+                                jax.jit(jax.grad(loss_dp, (0, 1, 2)))(q, k, v),
+                                atol=1e-4, rtol=1e-4)
 
 
 class EmptyRowsTest(chex.TestCase, parameterized.TestCase):
@@ -116,7 +127,7 @@ class EmptyRowsTest(chex.TestCase, parameterized.TestCase):
     dense = jnp.ones((B, 1, 12, 12), bool).at[:, :, 3, :].set(False)
     out = self.variant(functools.partial(_run, kernel))(q, k, v, None, None, dense)
     chex.assert_tree_all_finite(out)
-    want = attention_lib.dot_product_attention(q, k, v, mask=dense)
+    want = _dot_product(q, k, v, mask=dense)
     chex.assert_trees_all_close(jnp.delete(out, 3, axis=1), jnp.delete(want, 3, axis=1),
                                 atol=ATOL, rtol=RTOL)
     if kernel == "blockwise":
@@ -138,7 +149,6 @@ class EmptyRowsTest(chex.TestCase, parameterized.TestCase):
 class BlockSkippingTest(chex.TestCase, parameterized.TestCase):
   """Skipped blocks are never computed: counted, and proven by NaN poisoning."""
 
-  @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters(
       # (T, S, window, decode position, q_block, kv_block, expected computed blocks)
       ("causal_prefill", 64, 64, None, None, 16, 16, 4 + 3 + 2 + 1),   # lower triangle
@@ -150,7 +160,7 @@ class BlockSkippingTest(chex.TestCase, parameterized.TestCase):
     """blocks_computed (incremented only in the compute branch) == the visible blocks."""
     q, k, v = _qkv(T, S, 2)
     q_pos, k_pos = _positions(T, S, decode_pos=None if pos is None else [pos] * B)
-    fn = self.variant(functools.partial(
+    fn = jax.jit(functools.partial(
         blockwise.blockwise_attention, causal=True, sliding_window=window,
         q_block=q_block, kv_block=kv_block, return_stats=True))
     _, stats = fn(q, k, v, q_positions_BxT=q_pos, k_positions_BxS=k_pos)
@@ -169,10 +179,16 @@ class BlockSkippingTest(chex.TestCase, parameterized.TestCase):
     out = blockwise.blockwise_attention(q, k_bad, v_bad, kv_block=16,
                                         **cmask.blockwise_kwargs())
     chex.assert_tree_all_finite(out)
-    want = attention_lib.dot_product_attention(q, k, v, mask=cmask.dense())
+    want = _dot_product(q, k, v, mask=cmask.dense())
     chex.assert_trees_all_close(out, want, atol=ATOL, rtol=RTOL)
-    poisoned = attention_lib.dot_product_attention(q, k_bad, v_bad, mask=cmask.dense())
+    poisoned = _dot_product(q, k_bad, v_bad, mask=cmask.dense())
     self.assertTrue(bool(jnp.isnan(poisoned).any()))
+
+
+def _contracted(dot_eqn) -> int:
+  """Size of the contracted axis of a dot_general equation."""
+  (lhs_contract, _), _ = dot_eqn.params["dimension_numbers"]
+  return dot_eqn.invars[0].aval.shape[lhs_contract[0]]
 
 
 def _dots_and_exps(fn, *args):
@@ -206,35 +222,34 @@ class StageDtypesTest(parameterized.TestCase):
     qk, lg = flags
     c = jnp.dtype(dtype)
     want = attention_lib.stage_dtypes(c, float32_qk_product=qk, float32_logits=lg)
-    T, S, Hd = 12, 40, 16  # Tq=4, Sk=8: qk dots end in Sk=8, wv dots in H=16
-    q, k, v = _qkv(T, S, 2, c)
+    q, k, v = _qkv(12, 40, 2, c)  # Tq=4, Sk=8: qk dots contract H=16, wv dots Sk=8
     fn = functools.partial(blockwise.blockwise_attention, causal=True, q_block=4,
                            kv_block=8, float32_qk_product=qk, float32_logits=lg,
                            einsum_precision=einsum_precision)
+    # Tracing runs the kernel's own chex stage assertions; they must hold.
     dots, exps = _dots_and_exps(fn, q, k, v)
-    qk_dots = [e for e in dots if e.outvars[0].aval.shape[-1] == 8]
-    wv_dots = [e for e in dots if e.outvars[0].aval.shape[-1] == Hd]
-    self.assertLen(qk_dots, 2)  # one per computing branch (full block, masked block)
-    self.assertLen(wv_dots, 2)
+    qk_dots = [e for e in dots if _contracted(e) == H]
+    wv_dots = [e for e in dots if _contracted(e) == 8]
+    self.assertLen(qk_dots, 1)  # one computing branch
+    self.assertLen(wv_dots, 1)
+    p = parse_precision(einsum_precision)
     for e in qk_dots:
       self.assertEqual([x.aval.dtype for x in e.invars], [c, c])
       self.assertEqual(e.outvars[0].aval.dtype, want["logits"])
+      self.assertEqual(e.params["precision"], (p, p))
     for e in wv_dots:
       self.assertEqual([x.aval.dtype for x in e.invars], [want["probs"]] * 2)
       self.assertEqual(e.outvars[0].aval.dtype, jnp.float32)  # documented: f32 accumulator
-    for e in qk_dots + wv_dots:
-      expected = jax.lax.Precision.HIGHEST if einsum_precision == "highest" else None
-      self.assertIn(e.params["precision"], (None, (expected, expected)) if expected is None
-                    else ((expected, expected),))
+      self.assertEqual(e.params["precision"], (p, p))
     block_exps = [e for e in exps if e.outvars[0].aval.ndim == 5]      # exp(logits - m)
     stat_exps = [e for e in exps if e.outvars[0].aval.ndim == 4]       # rescale factors
-    self.assertTrue(block_exps and stat_exps)
+    self.assertLen(block_exps, 1)
+    self.assertLen(stat_exps, 1)
     for e in block_exps:
       self.assertEqual(e.outvars[0].aval.dtype, want["softmax"])
     for e in stat_exps:
       self.assertEqual(e.outvars[0].aval.dtype, jnp.float32)  # statistics: always f32
-    out = fn(q, k, v)  # the kernel's own chex stage assertions hold
-    self.assertEqual(out.dtype, c)
+    self.assertEqual(jax.eval_shape(fn, q, k, v).dtype, c)
 
   def test_blockwise_rejects_mixed_input_dtypes(self):
     """The chex stage check fires when q, k, v are not all in the compute dtype."""
@@ -247,7 +262,7 @@ class StageDtypesTest(parameterized.TestCase):
     """jax_nn ('xla') honours the (T, T) column: f32 logits and f32 probabilities."""
     q, k, v = _qkv(6, 6, 2, jnp.dtype(dtype))
     dots, _ = _dots_and_exps(jax_nn.jax_nn_attention, q, k, v)
-    self.assertLen(dots, 2)
+    self.assertEqual(sorted(_contracted(e) for e in dots), [6, H])  # wv (S=6), qk (H)
     for e in dots:
       self.assertEqual([x.aval.dtype for x in e.invars], [jnp.float32] * 2)
       self.assertEqual(e.outvars[0].aval.dtype, jnp.float32)
@@ -263,7 +278,7 @@ class StageDtypesTest(parameterized.TestCase):
     ref = attention_lib.reference_attention_np(q, k, v, mask=cmask.dense())
     err = lambda out: float(np.abs(np.asarray(out, np.float64) - ref).max())
     err_bw = err(blockwise.blockwise_attention(q, k, v, **cmask.blockwise_kwargs(), **off))
-    err_dp = err(attention_lib.dot_product_attention(q, k, v, mask=cmask.dense(), **off))
+    err_dp = err(_dot_product(q, k, v, mask=cmask.dense(), **off))
     self.assertLessEqual(err_bw, err_dp)
 
 
@@ -320,25 +335,22 @@ class WiringTest(parameterized.TestCase):
       Precision(kernel="flash")
 
   def test_model_logits_match_across_kernels(self):
-    """Decoder logits (prefill + one cached decode step, local and global layers, GQA,
-    soft-cap): blockwise and jax_nn (no soft-cap) == dot_product."""
+    """Decoder logits, blockwise vs dot_product: prefill into a cache, then one cached
+    decode step; local and global layers, GQA, soft-cap."""
     from attnprec import model as model_lib
     from attnprec.cache import init_cache
     from attnprec.config import ModelConfig
-    base = dict(vocab_size=50, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=8, mlp_hidden=64, sliding_window=5, layer_pattern=("local", "global"))
+    cfg = ModelConfig(vocab_size=50, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, mlp_hidden=64, sliding_window=5,
+                      layer_pattern=("local", "global"), attn_logit_soft_cap=20.0)
+    params = jax.jit(model_lib.init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
+    apply = jax.jit(model_lib.transformed(cfg).apply, static_argnames=("precision",))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 21), 0, 50)
-    for kernel, cap in (("blockwise", 20.0), ("jax_nn", None)):
-      cfg = ModelConfig(**base, attn_logit_soft_cap=cap)
-      params = model_lib.init_params(cfg, jax.random.PRNGKey(0))
-      f = model_lib.transformed(cfg)
 
-      def run(prec):
-        out = f.apply(params, tokens, None, init_cache(cfg, 2, 32, jnp.float32),
-                      precision=prec)
-        step = f.apply(params, tokens[:, :1], jnp.full((2, 1), 21), out.cache,
-                       precision=prec)
-        return out.logits, step.logits
+    def run(kernel):
+      prec = Precision(kernel=kernel)
+      out = apply(params, tokens, None, init_cache(cfg, 2, 32, jnp.float32), precision=prec)
+      step = apply(params, tokens[:, :1], jnp.full((2, 1), 21), out.cache, precision=prec)
+      return out.logits, step.logits
 
-      chex.assert_trees_all_close(run(Precision(kernel=kernel)),
-                                  run(Precision(kernel="dot_product")), atol=1e-4, rtol=1e-4)
+    chex.assert_trees_all_close(run("blockwise"), run("dot_product"), atol=1e-4, rtol=1e-4)

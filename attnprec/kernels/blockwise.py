@@ -126,18 +126,16 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
   k_pos_BxSp = _pad(k_positions_BxS.astype(jnp.int32), 1, Sp)
   k_valid_Sp = jnp.arange(Sp) < S
   structured = causal or sliding_window is not None
-  kind_NQxNK = _block_kinds(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, causal=causal,
-                            sliding_window=sliding_window, dense_mask=mask is not None)
+  need_NQxNK = _blocks_needed(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, causal=causal,
+                              sliding_window=sliding_window)
 
   q_BxTpxKxGxH = _pad((q * jnp.asarray(scale, c)).reshape(B, T, K, G, H), 1, Tp)
   k_BxSpxKxH, v_BxSpxKxH = _pad(k, 1, Sp), _pad(v, 1, Sp)
   dense_mask = None if mask is None else _pad_mask(
       attention_lib._group_mask(mask, B, N, K, G, T, S), Tp, Sp)  # [B|1,K|1,G|1,Tp|1,Sp|1]
 
-  def kv_step(i, q_BxTqxKxGxH, qpos_BxTq, carry, j, masked):
-    """One key/value block j for query block i: the online-softmax update.
-
-    masked=False is the fast path for a block in which every pair is visible."""
+  def kv_step(i, q_BxTqxKxGxH, qpos_BxTq, carry, j):
+    """One key/value block j for query block i: the online-softmax update."""
     m_BxKxGxTq, l_BxKxGxTq, acc_BxKxGxTqxH, count = carry
     k_BxSkxKxH = jax.lax.dynamic_slice_in_dim(k_BxSpxKxH, j * Sk, Sk, axis=1)
     v_BxSkxKxH = jax.lax.dynamic_slice_in_dim(v_BxSpxKxH, j * Sk, Sk, axis=1)
@@ -152,24 +150,20 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
       logits_BxKxGxTqxSk = cap * jnp.tanh(logits_BxKxGxTqxSk / cap)
 
     allowed = jax.lax.dynamic_slice_in_dim(k_valid_Sp, j * Sk, Sk)[None, None, None, None]
-    if not masked:
-      allowed = None
-    elif structured:
+    if structured:
       kpos_BxSk = jax.lax.dynamic_slice_in_dim(k_pos_BxSp, j * Sk, Sk, axis=1)
       allowed = allowed & visible(qpos_BxTq[:, None, None, :, None],
                                   kpos_BxSk[:, None, None, None, :],
                                   causal=causal, sliding_window=sliding_window)
-    if masked and dense_mask is not None:
+    if dense_mask is not None:
       allowed = allowed & _mask_block(dense_mask, i * Tq, Tq, j * Sk, Sk)
-    if masked:
-      logits_BxKxGxTqxSk = jnp.where(allowed, logits_BxKxGxTqxSk,
-                                     jnp.asarray(attention_lib.mask_value(sm), sm))
+    logits_BxKxGxTqxSk = jnp.where(allowed, logits_BxKxGxTqxSk,
+                                   jnp.asarray(attention_lib.mask_value(sm), sm))
 
     # Statistics in float32 whatever the flags; exp and probabilities in the table's dtype.
     m_new = jnp.maximum(m_BxKxGxTq, jnp.max(logits_BxKxGxTqxSk, axis=-1).astype(F32))
     probs_BxKxGxTqxSk = jnp.exp(logits_BxKxGxTqxSk - m_new.astype(sm)[..., None])
-    if masked:
-      probs_BxKxGxTqxSk = jnp.where(allowed, probs_BxKxGxTqxSk, jnp.zeros((), sm))
+    probs_BxKxGxTqxSk = jnp.where(allowed, probs_BxKxGxTqxSk, jnp.zeros((), sm))
     chex.assert_type(probs_BxKxGxTqxSk, expected["probs"])
     correction = jnp.exp(m_BxKxGxTq - m_new)
     l_new = l_BxKxGxTq * correction + jnp.sum(probs_BxKxGxTqxSk, axis=-1, dtype=F32)
@@ -187,10 +181,8 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
             jnp.zeros((B, K, G, Tq), F32), jnp.zeros((B, K, G, Tq, H), F32), count)
 
     def body(carry, j):
-      branches = (lambda cr: cr,                                        # 0: skip
-                  lambda cr: kv_step(i, q_BxTqxKxGxH, qpos_BxTq, cr, j, False),  # 1: full
-                  lambda cr: kv_step(i, q_BxTqxKxGxH, qpos_BxTq, cr, j, True))   # 2: masked
-      return jax.lax.switch(kind_NQxNK[i, j], branches, carry), None
+      step = lambda cr: kv_step(i, q_BxTqxKxGxH, qpos_BxTq, cr, j)
+      return jax.lax.cond(need_NQxNK[i, j], step, lambda cr: cr, carry), None
 
     (_, l_BxKxGxTq, acc_BxKxGxTqxH, count), _ = jax.lax.scan(body, init, jnp.arange(nk))
     l_safe = jnp.where(l_BxKxGxTq > 0, l_BxKxGxTq, 1.0)      # a row that saw no key -> 0
@@ -207,14 +199,14 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
   return out_BxTxNxH
 
 
-def _block_kinds(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, *, causal, sliding_window,
-                 dense_mask):
-  """[nq, nk] int32: 0 = skip (no pair visible), 1 = full (every pair visible, no mask
-  needed), 2 = masked (compute with the element-wise mask).
+def _blocks_needed(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, *, causal, sliding_window):
+  """[nq, nk] bool: block pair (i, j) may hold a visible (query, key) pair.
 
-  Bounds each block by the min/max position over its valid rows and the whole batch, so
-  it is conservative (never skips a visible pair, never drops a needed mask) for any
-  positions, sorted or not.
+  Bounds each block by the min/max position over its valid (unpadded) rows and the whole
+  batch, so it is conservative (never skips a visible pair) for any positions, sorted or
+  not. Every computed block applies the element-wise mask. (A third, mask-free branch for
+  fully visible blocks was measured: up to 8% faster with the flags on, 2.4x SLOWER with
+  them off on XLA:CPU, and a longer compile, so there is none.)
   """
   big = jnp.iinfo(jnp.int32).max // 2
   Tp, Sp = q_pos_BxTp.shape[1], k_pos_BxSp.shape[1]
@@ -223,18 +215,12 @@ def _block_kinds(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, *, causal, sliding_window
   qmax = jnp.where(q_valid, q_pos_BxTp, -big).reshape(-1, Tp // Tq, Tq).max((0, 2))
   kmin = jnp.where(k_valid, k_pos_BxSp, big).reshape(-1, Sp // Sk, Sk).min((0, 2))
   kmax = jnp.where(k_valid, k_pos_BxSp, -big).reshape(-1, Sp // Sk, Sk).max((0, 2))
-  nq, nk = Tp // Tq, Sp // Sk
-  need = jnp.ones((nq, nk), jnp.bool_)
-  full = jnp.full((nq, nk), not dense_mask)                 # a dense mask is always applied
-  if S != Sp:                                               # padding keys in the last block
-    full &= (jnp.arange(nk) < nk - 1)[None, :]
+  need = jnp.ones((Tp // Tq, Sp // Sk), jnp.bool_)
   if causal:
     need &= kmin[None, :] <= qmax[:, None]
-    full &= kmax[None, :] <= qmin[:, None]
   if sliding_window is not None:
     need &= kmax[None, :] > qmin[:, None] - sliding_window
-    full &= kmin[None, :] > qmax[:, None] - sliding_window
-  return jnp.where(need, jnp.where(full, 1, 2), 0).astype(jnp.int32)
+  return need
 
 
 def _pad(x, axis, length):
