@@ -1,0 +1,334 @@
+"""Attention forward benchmark: every kernel x precision preset, plus torch SDPA.
+
+Shapes: B batch, N heads (K = N kv heads unless `kv_heads`), H head dim, T = S (causal
+prefill over S tokens).
+
+Method
+  * Each configuration is one jitted `attend(Precision(...), q, k, v, mask=CausalMask)`,
+    i.e. exactly the call the model makes. Compiled first, then one untimed warm-up call.
+  * Repetitions are round-robin: every round times each configuration once, so machine
+    drift hits all of them alike. Medians over the rounds.
+  * Useful FLOPs = 4 * B * N * T * S * H / 2: causal attention has T * S / 2 visible
+    (query, key) pairs and every kernel is credited with those only, whether it skips the
+    hidden half (blockwise) or computes and discards it (dot_product, jax_nn, torch).
+    So GFLOP/s ratios between kernels are exactly inverse time ratios.
+  * `matmul_gflops`: a plain fp32 2048^3 matmul measured in the same run (the ceiling);
+    `frac_of_matmul` = the configuration's GFLOP/s over it.
+  * `vs_dot_product_bf16` = time / time of dot_product with the 'bf16' preset at the same
+    S (< 1 is faster); `safe_vs_bf16` = a kernel's 'fp32_attention' time over its own
+    'bf16' time (the price of the safe flags).
+  * Memory: `memory_analysis()` of the compiled prefill (nothing is run), temp bytes plus
+    arguments and outputs, up to S=32768; a configuration whose footprint exceeds the
+    machine's available memory is reported `fits: False` and is never executed.
+  * Peer: `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` on the same
+    shapes (torch imported lazily; 'bf16' = bf16 tensors, 'fp32' = fp32 tensors; its CPU
+    kernel keeps float32 softmax statistics in both).
+"""
+import os
+import statistics
+import time
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnprec import attention as attention_lib
+from attnprec.errors import UserError
+from attnprec.kernels import jax_nn
+from attnprec.kernels.masks import CausalMask
+from attnprec.precision import Precision
+
+PRESETS: Dict[str, dict] = {
+    "bf16": dict(dtype="bfloat16", float32_qk_product=False, float32_logits=False),
+    "fp32_qk": dict(dtype="bfloat16", float32_qk_product=True, float32_logits=False),
+    "fp32_logits": dict(dtype="bfloat16", float32_qk_product=False, float32_logits=True),
+    "fp32_attention": dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True),
+    "fp32": dict(dtype="float32", float32_qk_product=True, float32_logits=True),
+}
+KERNELS = ("dot_product", "blockwise", "jax_nn")
+TORCH_PRESETS = ("bf16", "fp32")
+DEFAULT_SEQ_LENS = (1024, 4096, 16384)
+DEFAULT_MEMORY_SEQ_LENS = (4096, 16384, 32768)
+DEFAULT_MEMORY_PRESETS = ("fp32_attention", "fp32")
+
+
+def useful_flops(B, N, T, S, H, *, causal=True) -> float:
+  """4*B*N*T*S*H (qk and wv dots), halved for causal (see module docstring)."""
+  return 4.0 * B * N * T * S * H / (2.0 if causal else 1.0)
+
+
+def supported(kernel: str, preset: str) -> Optional[str]:
+  """None if `kernel` honours `preset`, else why not (jax_nn's refusal message)."""
+  if kernel != "jax_nn":
+    return None
+  p = PRESETS[preset]
+  try:
+    jax_nn.check_supported(float32_qk_product=p["float32_qk_product"],
+                           float32_logits=p["float32_logits"], einsum_precision="default")
+  except UserError as e:
+    return str(e)
+  return None
+
+
+def available_memory_bytes() -> int:
+  """MemAvailable from /proc/meminfo (Linux), else a large number."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return 1 << 62
+
+
+def _inputs(B, S, N, K, H, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((B, S, N, H), np.float32)
+  k = rng.standard_normal((B, S, K, H), np.float32)
+  v = rng.standard_normal((B, S, K, H), np.float32)
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def _attention_fn(kernel: str, preset: str):
+  prec = Precision(kernel=kernel, **PRESETS[preset])
+
+  def fn(q, k, v):
+    B, S = q.shape[0], q.shape[1]
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    return attention_lib.attend(prec, q, k, v, mask=CausalMask(pos, pos))
+
+  return jax.jit(fn)
+
+
+_COMPILED: Dict[tuple, object] = {}
+
+
+def _compile(kernel, preset, B, S, N, K, H):
+  """Compiled prefill of one configuration (cached: timing and memory share it)."""
+  key = (kernel, preset, B, S, N, K, H)
+  if key not in _COMPILED:
+    _COMPILED[key] = _compile_uncached(kernel, preset, B, S, N, K, H)
+  return _COMPILED[key]
+
+
+def _compile_uncached(kernel, preset, B, S, N, K, H):
+  dtype = jnp.dtype(PRESETS[preset]["dtype"])
+  shapes = [jax.ShapeDtypeStruct((B, S, n, H), dtype) for n in (N, K, K)]
+  return _attention_fn(kernel, preset).lower(*shapes).compile()
+
+
+def footprint_bytes(compiled) -> Dict[str, int]:
+  m = compiled.memory_analysis()
+  out = dict(temp=int(m.temp_size_in_bytes), arguments=int(m.argument_size_in_bytes),
+             output=int(m.output_size_in_bytes))
+  out["total"] = out["temp"] + out["arguments"] + out["output"]
+  return out
+
+
+def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+  """GFLOP/s of a plain fp32 n^3 matmul (median of `reps`)."""
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
+  f = jax.jit(lambda x, y: x @ y)
+  f(a, a).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    f(a, a).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2.0 * n ** 3 / statistics.median(times) / 1e9
+
+
+def _torch_fn(preset, B, S, N, K, H):
+  import torch  # lazy: bench-only dependency
+  torch.manual_seed(0)
+  dtype = torch.bfloat16 if preset == "bf16" else torch.float32
+  q = torch.randn(B, N, S, H, dtype=dtype)
+  k = torch.randn(B, K, S, H, dtype=dtype)
+  v = torch.randn(B, K, S, H, dtype=dtype)
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+
+  def fn():
+    with torch.no_grad():
+      return sdpa(q, k, v, is_causal=True, enable_gqa=K != N)
+
+  return fn
+
+
+def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: int = 1,
+                        heads: int = 8, kv_heads: Optional[int] = None, head_dim: int = 64,
+                        kernels: Iterable[str] = KERNELS,
+                        presets: Iterable[str] = tuple(PRESETS),
+                        reps: Optional[Dict[int, int]] = None,
+                        include_torch: bool = True,
+                        memory_seq_lens: Sequence[int] = DEFAULT_MEMORY_SEQ_LENS,
+                        memory_presets: Sequence[str] = DEFAULT_MEMORY_PRESETS,
+                        memory_fraction: float = 0.8, progress: bool = True) -> dict:
+  """Times attention forward; returns plain dicts (see module docstring for fields).
+
+  reps: timed rounds per S; default 7 below 4096, 5 at 4096, 1 above (S=16384 costs
+    seconds per call and the whole default run must stay under ~10 minutes on 2 cores).
+  memory_fraction: a configuration runs only if its compiled footprint is below this
+    fraction of the available memory.
+  """
+  from tqdm.auto import tqdm
+  kernels, presets = list(kernels), list(presets)
+  for name in presets:
+    if name not in PRESETS:
+      raise UserError(f"Unknown preset {name!r}; valid: {list(PRESETS)}.")
+  B, N, H = batch, heads, head_dim
+  K = kv_heads or heads
+  t_start = time.perf_counter()
+  result = dict(config=dict(batch=B, heads=N, kv_heads=K, head_dim=H, causal=True,
+                            seq_lens=list(seq_lens), presets={p: PRESETS[p] for p in presets},
+                            flop_convention="4*B*N*T*S*H/2 (causal: visible pairs only)",
+                            xla_flags=os.environ.get("XLA_FLAGS", ""),
+                            jax=jax.__version__, devices=str(jax.devices()),
+                            cpu_count=os.cpu_count()),
+                rows=[], memory=[])
+  result["matmul_gflops"] = matmul_gflops()
+  torch_version = None
+  if include_torch:
+    try:
+      import torch
+      torch_version = torch.__version__
+      result["config"]["torch"] = torch_version
+      result["config"]["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+      result["config"]["torch"] = "not installed"
+  avail = available_memory_bytes()
+
+  for S in seq_lens:
+    n_reps = (reps or {}).get(S, 7 if S < 4096 else 5 if S == 4096 else 1)
+    configs: List[dict] = []
+    labels = [(k, p) for k in kernels for p in presets]
+    bar = tqdm(labels, desc=f"compile S={S}", disable=not progress, leave=False)
+    for kernel, preset in bar:
+      row = dict(kernel=kernel, preset=preset, S=S, T=S)
+      why = supported(kernel, preset)
+      if why:
+        row.update(status="unsupported", reason=why.split(";")[0])
+        result["rows"].append(row)
+        continue
+      compiled = _compile(kernel, preset, B, S, N, K, H)
+      fp = footprint_bytes(compiled)
+      row["footprint_bytes"] = fp["total"]
+      if fp["total"] > memory_fraction * avail:
+        row.update(status="does_not_fit", reason=f"needs {fp['total'] / 2**30:.1f} GiB, "
+                   f"{avail / 2**30:.1f} GiB available")
+        result["rows"].append(row)
+        continue
+      dtype = jnp.dtype(PRESETS[preset]["dtype"])
+      args = _inputs(B, S, N, K, H, dtype)
+      call = (lambda c=compiled, a=args: c(*a).block_until_ready())
+      configs.append(dict(row=row, call=call))
+    if include_torch and torch_version:
+      for preset in TORCH_PRESETS:
+        if preset in presets:
+          configs.append(dict(row=dict(kernel="torch_sdpa", preset=preset, S=S, T=S),
+                              call=_torch_fn(preset, B, S, N, K, H)))
+    for cfg in tqdm(configs, desc=f"warm-up S={S}", disable=not progress, leave=False):
+      cfg["call"]()
+      cfg["times"] = []
+    for _ in tqdm(range(n_reps), desc=f"rounds S={S}", disable=not progress, leave=False):
+      for cfg in configs:
+        t0 = time.perf_counter()
+        cfg["call"]()
+        cfg["times"].append(time.perf_counter() - t0)
+    for cfg in configs:
+      row = cfg["row"]
+      median = statistics.median(cfg["times"])
+      gflops = useful_flops(B, N, S, S, H) / median / 1e9
+      row.update(status="ok", reps=len(cfg["times"]), median_s=median,
+                 times_s=cfg["times"], gflops=gflops,
+                 frac_of_matmul=gflops / result["matmul_gflops"])
+      result["rows"].append(row)
+    _add_ratios(result["rows"], S)
+
+  for S in memory_seq_lens:
+    for kernel in kernels:
+      for preset in memory_presets:
+        entry = dict(kernel=kernel, preset=preset, S=S)
+        why = supported(kernel, preset)
+        if why:
+          entry.update(status="unsupported")
+        else:
+          fp = footprint_bytes(_compile(kernel, preset, B, S, N, K, H))
+          entry.update(status="ok", **{f"{k}_bytes": v for k, v in fp.items()},
+                       fits=fp["total"] <= memory_fraction * avail)
+        result["memory"].append(entry)
+  result["available_memory_bytes"] = avail
+  result["wall_s"] = time.perf_counter() - t_start
+  return result
+
+
+def _add_ratios(rows: List[dict], S: int) -> None:
+  timed = {(r["kernel"], r["preset"]): r for r in rows
+           if r["S"] == S and r.get("status") == "ok"}
+  base = timed.get(("dot_product", "bf16"))
+  for (kernel, preset), r in timed.items():
+    if base is not None:
+      r["vs_dot_product_bf16"] = r["median_s"] / base["median_s"]
+    own_bf16 = timed.get((kernel, "bf16"))
+    safe = timed.get((kernel, "fp32_attention"))
+    if preset == "fp32_attention" and own_bf16 is not None:
+      r["safe_vs_bf16"] = r["median_s"] / own_bf16["median_s"]
+    if preset == "bf16" and safe is not None:
+      r["safe_vs_bf16"] = safe["median_s"] / r["median_s"]
+
+
+def to_markdown(result: dict) -> str:
+  """The timing rows and the memory table as markdown."""
+  lines = [f"B={result['config']['batch']} N={result['config']['heads']} "
+           f"H={result['config']['head_dim']}, causal; fp32 2048^3 matmul: "
+           f"{result['matmul_gflops']:.0f} GFLOP/s; FLOPs: "
+           f"{result['config']['flop_convention']}", "",
+           "| S | kernel | preset | median ms | GFLOP/s | of matmul | vs dot_product bf16 "
+           "| fp32_attention / bf16 |", "|---|---|---|---|---|---|---|---|"]
+  for r in result["rows"]:
+    if r.get("status") != "ok":
+      lines.append(f"| {r['S']} | {r['kernel']} | {r['preset']} | {r['status']} "
+                   f"| | | | |")
+      continue
+    vs = r.get("vs_dot_product_bf16")
+    safe = r.get("safe_vs_bf16")
+    lines.append(f"| {r['S']} | {r['kernel']} | {r['preset']} | {r['median_s'] * 1e3:.1f} "
+                 f"| {r['gflops']:.1f} | {r['frac_of_matmul']:.1%} "
+                 f"| {'' if vs is None else f'{vs:.2f}'} "
+                 f"| {'' if safe is None else f'{safe:.2f}'} |")
+  lines += ["", "Prefill footprint (compiled memory_analysis: temp + arguments + output)", "",
+            "| S | kernel | preset | temp GiB | total GiB | fits |", "|---|---|---|---|---|---|"]
+  for m in result["memory"]:
+    if m["status"] != "ok":
+      lines.append(f"| {m['S']} | {m['kernel']} | {m['preset']} | {m['status']} | | |")
+      continue
+    lines.append(f"| {m['S']} | {m['kernel']} | {m['preset']} "
+                 f"| {m['temp_bytes'] / 2**30:.2f} | {m['total_bytes'] / 2**30:.2f} "
+                 f"| {'yes' if m['fits'] else 'NO'} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+  """Median time vs S per kernel, for the 'bf16' and 'fp32_attention' presets."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  for ax, preset in zip(axes, ("bf16", "fp32_attention")):
+    kernels = sorted({r["kernel"] for r in result["rows"]})
+    for kernel in kernels:
+      pts = sorted((r["S"], r["median_s"]) for r in result["rows"]
+                   if r["kernel"] == kernel and r.get("status") == "ok"
+                   and r["preset"] in (preset, "fp32" if kernel == "torch_sdpa"
+                                       and preset != "bf16" else preset))
+      if pts:
+        ax.plot(*zip(*pts), marker="o", label=kernel)
+    ax.set(xscale="log", yscale="log", xlabel="S (causal prefill, T = S)",
+           title=f"preset {preset}" + (" (torch: fp32)" if preset != "bf16" else ""))
+    ax.grid(True, which="both", alpha=0.3)
+  axes[0].set_ylabel("median seconds")
+  axes[0].legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
