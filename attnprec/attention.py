@@ -34,6 +34,8 @@ from attnprec.errors import UserError
 from attnprec.precision import parse_precision
 
 STAGES = ("qkv", "logits", "softmax", "probs", "output")
+# Named scopes around the two attention dots: the audit finds them in the lowered program.
+QK_SCOPE, WV_SCOPE = "attn_qk", "attn_wv"
 
 
 def stage_dtypes(compute_dtype, *, float32_qk_product: bool,
@@ -89,9 +91,10 @@ def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
     scale = H ** -0.5
 
   q_BxTxKxGxH = (q * jnp.asarray(scale, c)).reshape(B, T, K, G, H)
-  logits_BxKxGxTxS = jnp.einsum(
-      "BTKGH,BSKH->BKGTS", q_BxTxKxGxH, k, precision=precision,
-      preferred_element_type=jnp.float32 if float32_qk_product else c)
+  with jax.named_scope(QK_SCOPE):
+    logits_BxKxGxTxS = jnp.einsum(
+        "BTKGH,BSKH->BKGTS", q_BxTxKxGxH, k, precision=precision,
+        preferred_element_type=jnp.float32 if float32_qk_product else c)
   chex.assert_shape(logits_BxKxGxTxS, (B, K, G, T, S))
   chex.assert_type(logits_BxKxGxTxS, expected["logits"])
 
@@ -107,9 +110,10 @@ def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
   probs_BxKxGxTxS = jax.nn.softmax(logits_BxKxGxTxS, axis=-1)
   chex.assert_type(probs_BxKxGxTxS, expected["probs"])
 
-  out_BxTxKxGxH = jnp.einsum(
-      "BKGTS,BSKH->BTKGH", probs_BxKxGxTxS, v.astype(expected["probs"]),
-      precision=precision, preferred_element_type=expected["probs"])
+  with jax.named_scope(WV_SCOPE):
+    out_BxTxKxGxH = jnp.einsum(
+        "BKGTS,BSKH->BTKGH", probs_BxKxGxTxS, v.astype(expected["probs"]),
+        precision=precision, preferred_element_type=expected["probs"])
   out_BxTxNxH = out_BxTxKxGxH.reshape(B, T, N, H).astype(c)
   chex.assert_shape(out_BxTxNxH, (B, T, N, H))
   chex.assert_type(out_BxTxNxH, expected["output"])

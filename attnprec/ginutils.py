@@ -123,7 +123,9 @@ def _clean_gin_error(e: BaseException) -> str:
 
 
 def _configurable_names():
-  return {c.name for c in gin.config._REGISTRY.values()}  # noqa: SLF001
+  registry = gin.config._REGISTRY  # noqa: SLF001
+  return {registry.minimal_selector(selector) for selector, _ in registry.items()
+          if not selector.startswith(("gin.", "jax.lax"))}
 
 
 @contextlib.contextmanager

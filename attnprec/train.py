@@ -67,7 +67,7 @@ def make_update(config: ModelConfig, precision: Precision, optimizer):
             state.params, tokens_BxT, loss_mask_BxT)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     return TrainState(params, opt_state, state.step + 1), metrics
 
   return update

@@ -13,7 +13,8 @@ Method
     hidden half (blockwise) or computes and discards it (dot_product, jax_nn, torch).
     So GFLOP/s ratios between kernels are exactly inverse time ratios.
   * `matmul_gflops`: a plain fp32 2048^3 matmul measured in the same run (the ceiling);
-    `frac_of_matmul` = the configuration's GFLOP/s over it.
+    `frac_of_matmul` = the configuration's GFLOP/s over it. Measured again at the end
+    (`matmul_gflops_end`): a large difference means the machine was not quiet.
   * `vs_dot_product_bf16` = time / time of dot_product with the 'bf16' preset at the same
     S (< 1 is faster); `safe_vs_bf16` = a kernel's 'fp32_attention' time over its own
     'bf16' time (the price of the safe flags).
@@ -245,6 +246,9 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
                  frac_of_matmul=gflops / result["matmul_gflops"])
       result["rows"].append(row)
     _add_ratios(result["rows"], S)
+  order = {k: i for i, k in enumerate(list(kernels) + ["torch_sdpa"])}
+  porder = {p: i for i, p in enumerate(PRESETS)}
+  result["rows"].sort(key=lambda r: (r["S"], order[r["kernel"]], porder[r["preset"]]))
 
   for S in memory_seq_lens:
     for kernel in kernels:
@@ -259,6 +263,7 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
                        fits=fp["total"] <= memory_fraction * avail)
         result["memory"].append(entry)
   result["available_memory_bytes"] = avail
+  result["matmul_gflops_end"] = matmul_gflops()  # drift check: compare with the start
   result["wall_s"] = time.perf_counter() - t_start
   return result
 
@@ -282,7 +287,8 @@ def to_markdown(result: dict) -> str:
   """The timing rows and the memory table as markdown."""
   lines = [f"B={result['config']['batch']} N={result['config']['heads']} "
            f"H={result['config']['head_dim']}, causal; fp32 2048^3 matmul: "
-           f"{result['matmul_gflops']:.0f} GFLOP/s; FLOPs: "
+           f"{result['matmul_gflops']:.0f} GFLOP/s (end of run: "
+           f"{result.get('matmul_gflops_end', float('nan')):.0f}); FLOPs: "
            f"{result['config']['flop_convention']}", "",
            "| S | kernel | preset | median ms | GFLOP/s | of matmul | vs dot_product bf16 "
            "| fp32_attention / bf16 |", "|---|---|---|---|---|---|---|---|"]

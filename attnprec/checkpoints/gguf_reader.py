@@ -143,6 +143,11 @@ class GGUFFile:
     except ValueError:
       return f"unknown ggml type {t}"
 
+  def raw(self, name: str) -> np.ndarray:
+    """The tensor's bytes as stored (uint8, memory-mapped, read-only)."""
+    info = self.tensors[name]
+    return np.asarray(self._map[info.begin:info.begin + info.nbytes])
+
   def tensor(self, name: str) -> np.ndarray:
     """The tensor dequantized to float32, numpy shape (slowest axis first)."""
     info = self.tensors[name]
@@ -152,7 +157,7 @@ class GGUFFile:
           f"supported; supported GGUF tensor types: "
           f"{', '.join(t.name for t in SUPPORTED_TYPES)}.")
     qtype = GGMLQuantizationType(info.ggml_type)
-    raw = np.asarray(self._map[info.begin:info.begin + info.nbytes])
+    raw = self.raw(name)
     if qtype == GGMLQuantizationType.F32:
       values = raw.view("<f4")
     else:

@@ -84,7 +84,7 @@ class Tokenizer:
     if "<|im_start|>" not in template:
       raise UserError("This model has no ChatML chat template (only ChatML templates are "
                       "implemented); format the prompt yourself and call encode().")
-    default = re.search(r"<\|im_start\|>system\\n(.*?)<\|im_end\|>", template)
+    default = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, re.S)
     parts = []
     for k, m in enumerate(messages):
       if set(m) - {"role", "content"} or not {"role", "content"} <= set(m):

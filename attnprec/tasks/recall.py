@@ -22,13 +22,16 @@ PAD, BOS = 0, 1
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RecallTask:
-  num_keys: int = 64         # distinct key tokens (>= the most pairs ever asked for)
-  value_vocab: int = 32      # distinct value tokens
+  num_keys: int = 48         # distinct key tokens (>= the most pairs ever asked for)
+  value_vocab: int = 64      # distinct value tokens (>= num_keys)
   value_len: int = 2         # tokens per value (>= 2 exercises decode steps)
   num_pairs: int = 16        # pairs per training sequence
   num_queries: int = 16      # queries per training sequence
 
   def __post_init__(self):
+    if self.value_vocab < self.num_keys:
+      raise UserError(f"recall.value_vocab={self.value_vocab} must be >= recall.num_keys="
+                      f"{self.num_keys} (first value tokens are distinct per sequence).")
     if self.num_pairs > self.num_keys:
       raise UserError(f"recall.num_pairs={self.num_pairs} exceeds recall.num_keys="
                       f"{self.num_keys}: keys must be distinct within a sequence.")
@@ -43,8 +46,12 @@ class RecallTask:
                       f"{self.num_keys}. Valid pair counts: 1..{self.num_keys}.")
     keys_BxP = np.stack([rng.choice(self.num_keys, num_pairs, replace=False)
                          for _ in range(batch)]) + 2
-    values_BxPxL = rng.integers(0, self.value_vocab, (batch, num_pairs, self.value_len)) + (
-        2 + self.num_keys)
+    # The first value token is distinct within a sequence (like the keys), so each later
+    # value token is found by the same one-token lookup ("induction") as the first.
+    first_BxPx1 = np.stack([rng.choice(self.value_vocab, num_pairs, replace=False)
+                            for _ in range(batch)])[..., None]
+    rest_BxPxR = rng.integers(0, self.value_vocab, (batch, num_pairs, self.value_len - 1))
+    values_BxPxL = np.concatenate([first_BxPx1, rest_BxPxR], axis=-1) + (2 + self.num_keys)
     return keys_BxP, values_BxPxL
 
   def _interleave(self, keys_BxP, values_BxPxL):

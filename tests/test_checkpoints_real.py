@@ -1,0 +1,206 @@
+"""The two shipped real models against transformers loading the same GGUF file.
+
+transformers (5.x, torch CPU, float32, eager attention) is the independent reference: its
+own GGUF loader, q/k un-permutation, norm conversion, config defaults, tokenizer builder
+and model code. Per model (loaded once per module):
+
+* logits over 256 tokens of real text (Python stdlib docstrings, present on every
+  machine): max abs diff <= 1e-3 (measured ~1e-4-3e-4 over logits of magnitude ~10-40;
+  both sides are float32 over the same dequantized weights; the residue is summation
+  order over 18-30 layers);
+* 64 greedy tokens identical: transformers' `generate` picks them; our full-forward
+  logits over prompt + those tokens must have exactly that argmax at every step. By
+  induction this is the same as running a greedy loop over our full-forward logits (the
+  loop would pick the same token at each step), in one forward pass instead of 64;
+* `attnprec.decoding.generate` (cached prefill + scan decode) gives the same 64 tokens;
+* the tokenizer gives transformers' ids on a few hundred lines of varied text, and
+  decodes them back to the text; SmolLM2's chat template renders as transformers' Jinja.
+These tests need the shipped packages (see attnprec/checkpoints/shipped.py); they are not
+skipped when those are missing: CI installs them.
+"""
+import contextlib
+import importlib
+import types
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from attnprec import checkpoints, decoding  # noqa: E402
+from attnprec.checkpoints.gguf_reader import GGUFFile  # noqa: E402
+from attnprec.precision import Precision  # noqa: E402
+
+LOGITS_TOL = 1e-3
+T, PROMPT, NEW = 256, 32, 64
+DOC_MODULES = (
+    "argparse", "json", "collections", "functools", "re", "string", "textwrap", "typing",
+    "difflib", "unittest", "csv", "decimal", "fractions", "heapq", "pathlib", "pickle",
+    "random", "shutil", "statistics", "subprocess", "tarfile", "threading", "zipfile",
+    "calendar", "codecs", "datetime", "doctest", "email", "getopt", "gettext", "glob",
+    "hashlib", "hmac", "inspect", "locale", "logging", "mailbox", "optparse", "pdb",
+    "pprint", "pydoc", "queue", "sched", "secrets", "shlex", "smtplib", "socket", "tempfile",
+    "tokenize", "trace", "traceback", "uuid", "warnings", "weakref", "zipapp")
+EXTRA_LINES = [
+    "Prices: 3.14, 2718, 1,000,000 and 0x1F; dates 2024-02-29T12:00:00Z.",
+    "Ünïcödé: naïve café, Straße, Ελληνικά, русский, 日本語のテキスト, 中文, 한국어.",
+    "Emoji 🎉🚀 and symbols ∑∫√∞ ≠ ≤ ≥ — “quotes” ‘single’ …",
+    "    def f(x):\treturn {'a': [1, 2, 3]}  # two  spaces   three",
+    "\t\tindented with tabs\t\tand trailing spaces   ",
+    "line one\nline two\n\n\nafter three newlines\r\nwindows",
+    "<|im_start|>user\nHi there<|im_end|> <start_of_turn>model x<end_of_turn>",
+    "ALL CAPS SHOUTING, camelCaseWords, snake_case_words, kebab-case-words.",
+    "a" * 50 + " " + "ab" * 30,
+    "   leading spaces and a single trailing space ",
+]
+
+
+def stdlib_text() -> str:
+  docs = []
+  for name in DOC_MODULES:
+    try:
+      doc = importlib.import_module(name).__doc__
+    except ImportError:
+      continue
+    if doc:
+      docs.append(doc)
+  return "\n".join(docs)
+
+
+def text_lines(limit=400):
+  seen, lines = set(), []
+  for line in stdlib_text().split("\n") + EXTRA_LINES:
+    if line.strip() and line not in seen:
+      seen.add(line)
+      lines.append(line)
+  return lines[:limit]
+
+
+@contextlib.contextmanager
+def one_gguf_parse():
+  """transformers opens a GGUF with gguf.GGUFReader once for the tokenizer, once for the
+  config and once for the weights; on Gemma 3's 262k-token vocabulary each parse takes
+  ~10 s. Share one reader per file (the file's content is unchanged)."""
+  readers = {}
+  original = gguf.GGUFReader
+
+  def shared(path, *args, **kwargs):
+    key = (str(path), args, tuple(sorted(kwargs.items())))
+    if key not in readers:
+      readers[key] = original(path, *args, **kwargs)
+    return readers[key]
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(gguf, "GGUFReader", shared)
+    yield
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+def real(request):
+  """Ours and transformers' results for one shipped model, computed once."""
+  name = request.param
+  ckpt = checkpoints.load(name)
+  path = checkpoints.shipped_path(name)
+  with one_gguf_parse():
+    tf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32,
+        attn_implementation="eager").eval()
+  ids = tf_tok(stdlib_text())["input_ids"][:T]
+  assert len(ids) == T
+  prompt = ids[:PROMPT]
+  greedy = transformers.GenerationConfig(do_sample=False, max_new_tokens=NEW,
+                                         eos_token_id=None, pad_token_id=0)
+  with torch.no_grad():
+    ref_logits = tf_model(torch.tensor([ids])).logits.numpy()
+    ref_new = tf_model.generate(torch.tensor([prompt]), generation_config=greedy)[0, PROMPT:]
+  ref_new = ref_new.tolist()
+  assert len(ref_new) == NEW
+  # Same [1, T] shape as above (one compiled program); padding after the sequence does
+  # not change causal logits before it.
+  forced = prompt + ref_new + [0] * (T - PROMPT - NEW)
+  return types.SimpleNamespace(
+      name=name, ckpt=ckpt, path=path, tf_tok=tf_tok, ids=ids, prompt=prompt,
+      ref_logits=ref_logits, ref_new=ref_new,
+      logits=np.asarray(checkpoints.logits(ckpt, np.array([ids]))),
+      forced_logits=np.asarray(checkpoints.logits(ckpt, np.array([forced]))))
+
+
+def test_logits_match_transformers(real):
+  diff = float(np.abs(real.logits - real.ref_logits).max())
+  print(f"{real.name}: max abs logit diff over {T} tokens {diff:.2e} "
+        f"(|logits| up to {np.abs(real.ref_logits).max():.1f})")
+  assert diff <= LOGITS_TOL
+  assert (real.logits.argmax(-1) == real.ref_logits.argmax(-1)).all()
+
+
+def test_greedy_64_tokens_match_transformers(real):
+  steps_MxV = real.forced_logits[0, PROMPT - 1:PROMPT - 1 + NEW]
+  ours = steps_MxV.argmax(-1).tolist()
+  top2 = np.sort(steps_MxV, -1)[:, -2:]
+  print(f"{real.name}: smallest top-1/top-2 logit gap {float((top2[:, 1] - top2[:, 0]).min()):.3f}")
+  assert ours == real.ref_new
+
+
+def test_cached_generate_matches_transformers(real):
+  """attnprec.decoding.generate (KV cache, prefill + scan) reproduces transformers'
+  greedy tokens token for token."""
+  tokens_BxM, _ = decoding.generate(
+      real.ckpt.params, jnp.asarray([real.prompt], jnp.int32),
+      jnp.asarray([PROMPT], jnp.int32), jax.random.PRNGKey(0), config=real.ckpt.config,
+      precision=Precision(), max_new_tokens=NEW)
+  assert np.asarray(tokens_BxM)[0].tolist() == real.ref_new
+
+
+def test_tokenizer_matches_transformers(real):
+  tok, ref = real.ckpt.tokenizer, real.tf_tok
+  assert (tok.bos_id, tok.eos_id) == (ref.bos_token_id, ref.eos_token_id)
+  lines = text_lines()
+  assert len(lines) >= 300
+  for line in lines:
+    ids = tok.encode(line)
+    assert ids == ref(line)["input_ids"], repr(line)
+    assert tok.decode(ids) == line, repr(line)                 # round trip
+    assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+def test_chat_template(real):
+  tok, ref = real.ckpt.tokenizer, real.tf_tok
+  if real.name != "smollm2-135m":
+    assert tok.chat_template is None            # the shipped Gemma 3 is a base model
+    return
+  chats = [[{"role": "user", "content": "What is 2+2?"}],
+           [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye"}]]
+  for chat in chats:
+    for gen in (True, False):
+      text = tok.apply_chat_template(chat, add_generation_prompt=gen)
+      assert text == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
+  ids = tok.encode_chat(chats[0])
+  ref_ids = ref.apply_chat_template(chats[0], tokenize=True, add_generation_prompt=True)
+  ref_ids = ref_ids["input_ids"] if hasattr(ref_ids, "keys") else ref_ids
+  assert ids == list(ref_ids)
+  assert tok.token(ids[0]) == "<|im_start|>"        # a special token, kept whole
+
+
+def test_quantized_tensors_dequantize_like_transformers(real):
+  """gguf.quants (what we use) == transformers' own torch kernels on the real tensors of
+  every type those kernels cover (Q4_1, Q8_0, Q4_K, Q6_K; Q5_0 has no torch kernel and
+  is covered by the logits parity above)."""
+  from transformers.integrations.gguf import dequant as tf_dequant
+  f = GGUFFile(real.path)
+  seen = set()
+  for info in f.tensors.values():
+    if info.ggml_type in tf_dequant.GGML_BLOCK and info.ggml_type not in seen:
+      seen.add(info.ggml_type)
+      raw = f.raw(info.name).copy()
+      ref = tf_dequant.dequantize(torch.from_numpy(raw), info.ggml_type).numpy()
+      np.testing.assert_array_equal(f.tensor(info.name).reshape(-1), ref,
+                                    err_msg=f"{info.name} ({f.type_name(info.name)})")
+  assert seen, "no quantized tensor checked"

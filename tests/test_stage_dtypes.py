@@ -1,0 +1,87 @@
+"""Each attention stage has the dtype the contract table says, and a deliberate violation
+trips the chex assertion."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from attnprec import attention
+
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+
+# The contract table (shared/design/precision-contract.md), written out independently.
+TABLE = {
+    # (qk, logits): (logits stage, softmax stage, probs stage)
+    (False, False): (BF16, BF16, BF16),
+    (False, True): (BF16, F32, F32),
+    (True, False): (F32, F32, F32),
+    (True, True): (F32, F32, F32),
+}
+
+
+@pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=2)))
+def test_stage_dtypes_table(flags):
+  qk, lg = flags
+  got = attention.stage_dtypes(jnp.bfloat16, float32_qk_product=qk, float32_logits=lg)
+  assert (got["logits"], got["softmax"], got["probs"]) == TABLE[flags]
+  assert got["qkv"] == got["output"] == BF16
+  # In float32 compute every stage is float32 whatever the flags.
+  f32 = attention.stage_dtypes(jnp.float32, float32_qk_product=qk, float32_logits=lg)
+  assert set(f32.values()) == {F32}
+
+
+@pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=2)))
+def test_observed_stage_dtypes(flags, monkeypatch):
+  """Records the dtypes the kernel actually produces at the qk einsum and the softmax."""
+  qk, lg = flags
+  seen = {}
+  real_einsum, real_softmax = jnp.einsum, jax.nn.softmax
+
+  def spy_einsum(spec, *args, **kw):
+    out = real_einsum(spec, *args, **kw)
+    seen.setdefault("einsum", []).append((spec, [a.dtype for a in args], out.dtype))
+    return out
+
+  def spy_softmax(x, **kw):
+    seen["softmax_in"] = x.dtype
+    return real_softmax(x, **kw)
+
+  monkeypatch.setattr(attention.jnp, "einsum", spy_einsum)
+  monkeypatch.setattr(attention.jax.nn, "softmax", spy_softmax)
+  x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+  out = attention.dot_product_attention(x, x, x, float32_qk_product=qk, float32_logits=lg)
+  logits_dt, softmax_dt, probs_dt = TABLE[flags]
+  (qk_spec, qk_in, qk_out), (wv_spec, wv_in, wv_out) = seen["einsum"]
+  assert qk_in == [BF16, BF16]          # operands stay bf16; f32 comes from accumulation
+  assert qk_out == logits_dt
+  assert seen["softmax_in"] == softmax_dt
+  assert wv_in[0] == probs_dt
+  assert out.dtype == BF16
+
+
+def test_violation_trips_chex(monkeypatch):
+  """A softmax that silently returns bf16 while float32_logits is set must be caught."""
+  real_softmax = jax.nn.softmax
+  monkeypatch.setattr(attention.jax.nn, "softmax",
+                      lambda x, **kw: real_softmax(x, **kw).astype(jnp.bfloat16))
+  x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+  with pytest.raises(AssertionError, match="bfloat16"):
+    attention.dot_product_attention(x, x, x, float32_qk_product=False, float32_logits=True)
+  # ... and under jit too (chex checks run at trace time).
+  with pytest.raises(AssertionError):
+    jax.jit(lambda a: attention.dot_product_attention(
+        a, a, a, float32_qk_product=False, float32_logits=True))(x)
+
+
+def test_qk_product_not_upcast_is_caught(monkeypatch):
+  """An einsum that ignores preferred_element_type (the seed's 'flag has no effect' bug)."""
+  real_einsum = jnp.einsum
+
+  def lossy(spec, *args, preferred_element_type=None, **kw):
+    return real_einsum(spec, *args, **kw)
+
+  monkeypatch.setattr(attention.jnp, "einsum", lossy)
+  x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+  with pytest.raises(AssertionError):
+    attention.dot_product_attention(x, x, x, float32_qk_product=True, float32_logits=True)
