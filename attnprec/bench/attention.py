@@ -165,7 +165,8 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
                         include_torch: bool = True,
                         memory_seq_lens: Sequence[int] = DEFAULT_MEMORY_SEQ_LENS,
                         memory_presets: Sequence[str] = DEFAULT_MEMORY_PRESETS,
-                        memory_fraction: float = 0.8, progress: bool = True) -> dict:
+                        memory_fraction: float = 0.8, matmul_size: int = 2048,
+                        progress: bool = True) -> dict:
   """Times attention forward; returns plain dicts (see module docstring for fields).
 
   reps: timed rounds per S; default 7 below 4096, 5 at 4096, 1 above (S=16384 costs
@@ -183,12 +184,13 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
   t_start = time.perf_counter()
   result = dict(config=dict(batch=B, heads=N, kv_heads=K, head_dim=H, causal=True,
                             seq_lens=list(seq_lens), presets={p: PRESETS[p] for p in presets},
+                            matmul_size=matmul_size,
                             flop_convention="4*B*N*T*S*H/2 (causal: visible pairs only)",
                             xla_flags=os.environ.get("XLA_FLAGS", ""),
                             jax=jax.__version__, devices=str(jax.devices()),
                             cpu_count=os.cpu_count()),
                 rows=[], memory=[])
-  result["matmul_gflops"] = matmul_gflops()
+  result["matmul_gflops"] = matmul_gflops(matmul_size)
   torch_version = None
   if include_torch:
     try:
@@ -263,7 +265,7 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
                        fits=fp["total"] <= memory_fraction * avail)
         result["memory"].append(entry)
   result["available_memory_bytes"] = avail
-  result["matmul_gflops_end"] = matmul_gflops()  # drift check: compare with the start
+  result["matmul_gflops_end"] = matmul_gflops(matmul_size)  # drift check: compare with the start
   result["wall_s"] = time.perf_counter() - t_start
   return result
 
@@ -286,7 +288,8 @@ def _add_ratios(rows: List[dict], S: int) -> None:
 def to_markdown(result: dict) -> str:
   """The timing rows and the memory table as markdown."""
   lines = [f"B={result['config']['batch']} N={result['config']['heads']} "
-           f"H={result['config']['head_dim']}, causal; fp32 2048^3 matmul: "
+           f"H={result['config']['head_dim']}, causal; fp32 {result['config']['matmul_size']}^3 "
+           f"matmul: "
            f"{result['matmul_gflops']:.0f} GFLOP/s (end of run: "
            f"{result.get('matmul_gflops_end', float('nan')):.0f}); FLOPs: "
            f"{result['config']['flop_convention']}", "",
@@ -316,25 +319,28 @@ def to_markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-  """Median time vs S per kernel, for the 'bf16' and 'fp32_attention' presets."""
+  """Median time vs S per kernel: 'bf16' and 'fp32_attention' panels (torch: its fp32
+  run in the second panel, as it has no bf16-with-f32-probabilities mode)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  kernels = list(dict.fromkeys(r["kernel"] for r in result["rows"]))
+  colors = {k: f"C{i}" for i, k in enumerate(kernels)}
   fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-  for ax, preset in zip(axes, ("bf16", "fp32_attention")):
-    kernels = sorted({r["kernel"] for r in result["rows"]})
+  for ax, panel in zip(axes, ("bf16", "fp32_attention")):
     for kernel in kernels:
+      preset = "fp32" if kernel == "torch_sdpa" and panel != "bf16" else panel
       pts = sorted((r["S"], r["median_s"]) for r in result["rows"]
-                   if r["kernel"] == kernel and r.get("status") == "ok"
-                   and r["preset"] in (preset, "fp32" if kernel == "torch_sdpa"
-                                       and preset != "bf16" else preset))
+                   if r["kernel"] == kernel and r["preset"] == preset
+                   and r.get("status") == "ok")
       if pts:
-        ax.plot(*zip(*pts), marker="o", label=kernel)
+        ax.plot(*zip(*pts), marker="o", color=colors[kernel],
+                label=kernel + (f" ({preset})" if preset != panel else ""))
     ax.set(xscale="log", yscale="log", xlabel="S (causal prefill, T = S)",
-           title=f"preset {preset}" + (" (torch: fp32)" if preset != "bf16" else ""))
+           title=f"preset {panel}")
     ax.grid(True, which="both", alpha=0.3)
-  axes[0].set_ylabel("median seconds")
-  axes[0].legend()
+    ax.legend()
+  axes[0].set_ylabel("median seconds (lower is better)")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
