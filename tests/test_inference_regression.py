@@ -42,9 +42,12 @@ def lower_phases(precision):
   return lowered
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("qk,logits", list(itertools.product([False, True], repeat=2)))
-@pytest.mark.parametrize("einsum_precision", ["default", "highest"])
+CASES = [("bfloat16", qk, lg, ep) for qk, lg in itertools.product([False, True], repeat=2)
+         for ep in ("default", "highest")] + [("float32", False, False, "high"),
+                                              ("float32", True, True, "default")]
+
+
+@pytest.mark.parametrize("dtype,qk,logits,einsum_precision", CASES)
 def test_flags_reach_every_phase(dtype, qk, logits, einsum_precision):
   prec = Precision(dtype=dtype, float32_qk_product=qk, float32_logits=logits,
                    einsum_precision=einsum_precision)
