@@ -1,4 +1,5 @@
 """Jobs the runners launch: each is a gin configurable taking plain data."""
+from attnprec.jobs.generate_text import generate_text  # noqa: F401
 from attnprec.jobs.recall_eval import recall_eval  # noqa: F401
 from attnprec.jobs.train_recall import train_recall  # noqa: F401
 

@@ -1,0 +1,95 @@
+"""`make decode` on a real model: generate a continuation under the decode precision, and
+compare it token by token with an fp32-attention reference decode of the same prompt."""
+import dataclasses
+import os
+import time
+from typing import Optional
+
+import gin
+import jax
+import numpy as np
+
+from attnprec import checkpoints, decoding, runs
+from attnprec.errors import UserError
+from attnprec.precision import REFERENCE, Precision
+
+DEFAULT_PROMPT = ("Explain in three sentences why a language model's attention softmax can "
+                  "go wrong when it is computed in low precision.")
+
+
+def _compiled_generate(ckpt, prompt_BxP, lengths_B, *, precision, sampler, max_new_tokens,
+                       eos_id):
+  """Compiles once (not timed), then runs and times the whole jitted prefill + decode."""
+  args = (ckpt.params, prompt_BxP, lengths_B, jax.random.PRNGKey(0))
+  static = dict(config=ckpt.config, precision=precision, sampler=sampler,
+                max_new_tokens=max_new_tokens)
+  compiled = decoding.generate.lower(*args, eos_id=eos_id, **static).compile()
+  t0 = time.perf_counter()
+  tokens_BxM, _ = compiled(*args, eos_id=eos_id)
+  tokens_BxM = np.asarray(jax.block_until_ready(tokens_BxM))
+  return tokens_BxM, time.perf_counter() - t0
+
+
+def _until_eos(tokens, eos_id):
+  tokens = list(int(t) for t in tokens)
+  return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
+@gin.configurable("generate_text", denylist=["precision", "run_dir"])
+def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-135m",
+                  prompt: str = DEFAULT_PROMPT, chat: bool = True, max_new_tokens: int = 64,
+                  sampler=decoding.Greedy(), reference: bool = True,
+                  param_dtype: str = "float32", eos_id: Optional[int] = None) -> dict:
+  """Decodes `prompt` with `model` (a shipped name, an HF directory or a .gguf file)."""
+  if max_new_tokens < 1:
+    raise UserError(f"generate_text.max_new_tokens must be >= 1, got {max_new_tokens}.")
+  runs.ensure_dir(run_dir)
+  t0 = time.perf_counter()
+  ckpt = checkpoints.load(model, param_dtype=param_dtype)
+  tok = ckpt.tokenizer
+  if tok is None:
+    raise UserError(f"{model!r} has no tokenizer; generate_text needs one to encode the "
+                    f"prompt.")
+  ids = (tok.encode_chat([{"role": "user", "content": prompt}])
+         if chat and tok.chat_template else tok.encode(prompt))
+  if len(ids) + max_new_tokens > ckpt.config.max_seq_len:
+    raise UserError(f"Prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed "
+                    f"the model's context ({ckpt.config.max_seq_len} tokens).")
+  eos = tok.eos_id if eos_id is None else eos_id
+  eos = -1 if eos is None else eos
+  print(f"model: {ckpt.source} (loaded in {time.perf_counter() - t0:.1f} s)")
+  print(f"attention precision in force (decode phase): {precision.describe()}")
+  prompt_BxP, lengths_B = decoding.pad_prompts([ids])
+
+  tokens, seconds = _compiled_generate(ckpt, prompt_BxP, lengths_B, precision=precision,
+                                       sampler=sampler, max_new_tokens=max_new_tokens,
+                                       eos_id=eos)
+  new = _until_eos(tokens[0], eos)
+  text = tok.decode(new)
+  print(f"\nprompt ({len(ids)} tokens): {prompt}\n")
+  print(f"--- continuation ({len(new)} tokens) ---\n{text}\n---")
+  tok_s = max_new_tokens / seconds
+  print(f"{max_new_tokens} tokens in {seconds:.2f} s: {tok_s:.1f} tokens/s (batch 1, prefill "
+        f"included, compile excluded)")
+  result = {"model": model, "source": ckpt.source, "prompt": prompt,
+            "prompt_tokens": len(ids), "precision": dataclasses.asdict(precision),
+            "tokens": new, "text": text, "seconds": seconds, "tokens_per_s": tok_s}
+  if reference:
+    ref_tokens, _ = _compiled_generate(ckpt, prompt_BxP, lengths_B, precision=REFERENCE,
+                                       sampler=decoding.Greedy(),
+                                       max_new_tokens=max_new_tokens, eos_id=eos)
+    a, b = tokens[0], ref_tokens[0]
+    differ = np.nonzero(a != b)[0]
+    first = int(differ[0]) if differ.size else None
+    agreement = float(np.mean(a == b))
+    result.update(reference_precision=dataclasses.asdict(REFERENCE),
+                  reference_tokens=_until_eos(b, eos), greedy_agreement=agreement,
+                  first_divergence=first)
+    where = "none" if first is None else f"new token {first}"
+    print(f"agreement with the fp32-attention reference decode ({REFERENCE.describe()}): "
+          f"{agreement:.1%} of {max_new_tokens} tokens identical; first divergence: {where}")
+    if not isinstance(sampler, decoding.Greedy):
+      print("(the sampler is not greedy, so disagreement includes sampling noise)")
+  path = runs.write_json(run_dir, "results.json", result)
+  print(f"wrote {path}")
+  return result
