@@ -2,7 +2,7 @@
 
 transformers (5.x, torch CPU, float32, eager attention) is the independent reference: its
 own GGUF loader, q/k un-permutation, norm conversion, config defaults, tokenizer builder
-and model code. Per model (loaded once per module):
+and model code. Per model (one test each, so each model is loaded once):
 
 * logits over 256 tokens of real text (Python stdlib docstrings, present on every
   machine): max abs diff <= 1e-3 (measured ~1e-4-3e-4 over logits of magnitude ~10-40;
@@ -100,10 +100,20 @@ def one_gguf_parse():
     yield
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
-def real(request):
-  """Ours and transformers' results for one shipped model, computed once."""
-  name = request.param
+@contextlib.contextmanager
+def one_torch_thread():
+  """On 2 busy cores (CI runs pytest -n 2) two spinning torch threads made generate()
+  7-12x slower than one."""
+  threads = torch.get_num_threads()
+  torch.set_num_threads(1)
+  try:
+    yield
+  finally:
+    torch.set_num_threads(threads)
+
+
+def compute(name):
+  """Ours and transformers' results for one shipped model."""
   ckpt = checkpoints.load(name)
   path = checkpoints.shipped_path(name)
   with one_gguf_parse():
@@ -131,7 +141,7 @@ def real(request):
       forced_logits=np.asarray(checkpoints.logits(ckpt, np.array([forced]))))
 
 
-def test_logits_match_transformers(real):
+def check_logits(real):
   diff = float(np.abs(real.logits - real.ref_logits).max())
   print(f"{real.name}: max abs logit diff over {T} tokens {diff:.2e} "
         f"(|logits| up to {np.abs(real.ref_logits).max():.1f})")
@@ -139,7 +149,7 @@ def test_logits_match_transformers(real):
   assert (real.logits.argmax(-1) == real.ref_logits.argmax(-1)).all()
 
 
-def test_greedy_64_tokens_match_transformers(real):
+def check_greedy_64_tokens(real):
   steps_MxV = real.forced_logits[0, PROMPT - 1:PROMPT - 1 + NEW]
   ours = steps_MxV.argmax(-1).tolist()
   top2 = np.sort(steps_MxV, -1)[:, -2:]
@@ -147,7 +157,7 @@ def test_greedy_64_tokens_match_transformers(real):
   assert ours == real.ref_new
 
 
-def test_cached_generate_matches_transformers(real):
+def check_cached_generate(real):
   """attnprec.decoding.generate (KV cache, prefill + scan) reproduces transformers'
   greedy tokens token for token."""
   tokens_BxM, _ = decoding.generate(
@@ -157,7 +167,7 @@ def test_cached_generate_matches_transformers(real):
   assert np.asarray(tokens_BxM)[0].tolist() == real.ref_new
 
 
-def test_tokenizer_matches_transformers(real):
+def check_tokenizer(real):
   tok, ref = real.ckpt.tokenizer, real.tf_tok
   assert (tok.bos_id, tok.eos_id) == (ref.bos_token_id, ref.eos_token_id)
   lines = text_lines()
@@ -169,7 +179,7 @@ def test_tokenizer_matches_transformers(real):
     assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
 
 
-def test_chat_template(real):
+def check_chat_template(real):
   tok, ref = real.ckpt.tokenizer, real.tf_tok
   if real.name != "smollm2-135m":
     assert tok.chat_template is None            # the shipped Gemma 3 is a base model
@@ -189,14 +199,14 @@ def test_chat_template(real):
   assert tok.token(ids[0]) == "<|im_start|>"        # a special token, kept whole
 
 
-def test_quantized_tensors_dequantize_like_transformers(real):
+def check_dequantization(real):
   """gguf.quants (what we use) == transformers' own torch kernels on the real tensors of
   every type those kernels cover (Q4_1, Q8_0, Q4_K, Q6_K; Q5_0 has no torch kernel and
   is covered by the logits parity above)."""
   from transformers.integrations.gguf import dequant as tf_dequant
   f = GGUFFile(real.path)
   seen = set()
-  for info in f.tensors.values():
+  for info in sorted(f.tensors.values(), key=lambda t: t.nbytes):   # smallest of each type
     if info.ggml_type in tf_dequant.GGML_BLOCK and info.ggml_type not in seen:
       seen.add(info.ggml_type)
       raw = f.raw(info.name).copy()
@@ -204,3 +214,23 @@ def test_quantized_tensors_dequantize_like_transformers(real):
       np.testing.assert_array_equal(f.tensor(info.name).reshape(-1), ref,
                                     err_msg=f"{info.name} ({f.type_name(info.name)})")
   assert seen, "no quantized tensor checked"
+
+
+CHECKS = (check_logits, check_greedy_64_tokens, check_cached_generate, check_tokenizer,
+          check_chat_template, check_dequantization)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_shipped_model_matches_transformers(name):
+  """All checks of the module docstring for one shipped model. One test per model (not
+  one per check) so that `pytest -n 2` loads each model once; every check runs and all
+  failures are reported together."""
+  with one_torch_thread():
+    real = compute(name)
+    failures = []
+    for check in CHECKS:
+      try:
+        check(real)
+      except AssertionError as e:
+        failures.append(f"{check.__name__}: {e}")
+  assert not failures, "\n".join(failures)
