@@ -14,12 +14,14 @@ and model code. Per model (one test each, so each model is loaded once):
   loop would pick the same token at each step), in one forward pass instead of 64;
 * `attnprec.decoding.generate` (cached prefill + scan decode) gives the same 64 tokens;
 * the tokenizer gives transformers' ids on a few hundred lines of varied text, and
-  decodes them back to the text; SmolLM2's chat template renders as transformers' Jinja.
+  decodes them back to the text; the same tokenizer saved by transformers as an HF
+  tokenizer.json reads back equal; SmolLM2's chat template renders as transformers' Jinja.
 These tests need the shipped packages (see attnprec/checkpoints/shipped.py); they are not
 skipped when those are missing: CI installs them.
 """
 import contextlib
 import importlib
+import tempfile
 import types
 
 import numpy as np
@@ -34,6 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from attnprec import checkpoints, decoding  # noqa: E402
 from attnprec.checkpoints.gguf_reader import GGUFFile  # noqa: E402
+from attnprec.checkpoints.tokenizer import Tokenizer  # noqa: E402
 from attnprec.precision import Precision  # noqa: E402
 
 LOGITS_TOL = 1e-3
@@ -179,6 +182,18 @@ def check_tokenizer(real):
     assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
 
 
+def check_hf_tokenizer_files(real):
+  """The same tokenizer saved by transformers as tokenizer.json (+ config, template) and
+  read by our HF-directory path gives the same ids."""
+  with tempfile.TemporaryDirectory() as d:
+    real.tf_tok.save_pretrained(d)
+    tok = Tokenizer.from_hf_dir(d)
+  assert (tok.bos_id, tok.eos_id) == (real.tf_tok.bos_token_id, real.tf_tok.eos_token_id)
+  assert (tok.chat_template is None) == (real.ckpt.tokenizer.chat_template is None)
+  for line in text_lines():
+    assert tok.encode(line) == real.tf_tok(line)["input_ids"], repr(line)
+
+
 def check_chat_template(real):
   tok, ref = real.ckpt.tokenizer, real.tf_tok
   if real.name != "smollm2-135m":
@@ -217,7 +232,7 @@ def check_dequantization(real):
 
 
 CHECKS = (check_logits, check_greedy_64_tokens, check_cached_generate, check_tokenizer,
-          check_chat_template, check_dequantization)
+          check_hf_tokenizer_files, check_chat_template, check_dequantization)
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])

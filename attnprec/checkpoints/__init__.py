@@ -37,6 +37,7 @@ import numpy as np
 
 from attnprec.checkpoints.gguf import load_gguf
 from attnprec.checkpoints.hf import load_hf_dir
+from attnprec.checkpoints.params import param_dtype as param_dtype_of
 from attnprec.checkpoints.shipped import SHIPPED, shipped_path
 from attnprec.checkpoints.tokenizer import Tokenizer
 from attnprec.config import ModelConfig
@@ -57,6 +58,7 @@ class Checkpoint(NamedTuple):
 def load(path_or_name: Union[str, os.PathLike], *, param_dtype: str = "float32"
          ) -> Checkpoint:
   """Loads a shipped model by name, an HF checkpoint directory or a .gguf file."""
+  param_dtype_of(param_dtype)             # a bad value fails before any file is read
   key = str(path_or_name)
   if key in SHIPPED:
     path = shipped_path(key)

