@@ -36,6 +36,7 @@ def register_constants() -> None:
 
 def _import_configurables() -> None:
   """Import every module that defines configurables, so gin files can bind them."""
+  import attnprec.audit  # noqa: F401
   import attnprec.config  # noqa: F401
   import attnprec.decoding  # noqa: F401
   import attnprec.jobs  # noqa: F401
