@@ -1,0 +1,456 @@
+"""The audit: the precision contract, proven from the programs that actually run.
+
+For one model and the two phases' `Precision`s (train for the train step, decode for the
+prefill and the single-token decode step), `run_audit` lowers the three programs, lists
+every dot_general from the lowered StableHLO (`attnprec.hlo`) and checks each attention
+dot against the contract table (`attnprec.attention.stage_dtypes`):
+
+  qk dot   operands c x c (or f32 x f32 upcast from c when float32_qk_product), result =
+           the table's logits dtype;
+  wv dot   probabilities operand = the table's probs dtype, v operand c or probs dtype
+           (either operand order: jnp.einsum may swap them),
+           result probs dtype or f32 (an f32 accumulator is allowed; the output is cast
+           to c after the dot);
+  both     the phase's einsum_precision: `precision = [P, P]` for a jax.lax.Precision,
+           or the dot algorithm a preset lowers to (read from a plain dot lowered with it);
+  layers   every layer has at least one qk and one wv dot.
+
+Dense dots (q/k/v/o, MLP, unembedding) are checked the same way against the phase's
+compute dtype and `matmul_precision`. A dot-algorithm preset may widen a dot's types (JAX
+upcasts bf16 operands for BF16_BF16_F32_X3 and converts the f32 result back); the audit
+then reads the contract's types through those converts and says so ("f32<-bf16").
+Backward (gradient) dots of the train step are listed and checked for precision only: the
+contract table is about the forward computation.
+
+It also compiles each program and summarises what this backend turned it into
+(`lowered.compile().as_text()`): XLA:CPU computes bf16 dots as f32 dots fed by converts
+and rounds results with explicit f32->bf16->f32 converts (with excess precision disabled).
+That part is shown, not asserted: the lowered program is the program's own statement of
+its types; the compiled one is an implementation detail of the backend.
+
+Shapes: B batch, P prompt length, S cache length (P + new tokens).
+"""
+import collections
+import dataclasses
+import functools
+import json
+import os
+from typing import Dict, List, Optional
+
+import gin
+import jax
+import jax.numpy as jnp
+
+from attnprec import decoding, hlo, runs, train
+from attnprec.attention import stage_dtypes
+from attnprec.cache import init_cache
+from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+from attnprec.model import init_params
+from attnprec.precision import ALGORITHM_PRESETS, Precision, parse_precision
+
+PHASES = ("train", "prefill", "decode")
+SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def short(dtype) -> str:
+  return SHORT[jnp.dtype(dtype).name]
+
+
+# ----------------------------------------------------------------------------- contract
+@functools.lru_cache(maxsize=None)
+def algorithm_text(preset_name: str) -> str:
+  """The `algorithm = <...>` attributes JAX lowers a dot with this preset to (read from a
+  plain f32 dot), i.e. what the attention dots must carry."""
+  preset = ALGORITHM_PRESETS[preset_name]
+  x = jax.ShapeDtypeStruct((2, 2), jnp.float32)
+  text = jax.jit(lambda a, b: jnp.dot(a, b, precision=preset)).lower(x, x).as_text()
+  found = [d.algorithm for d in hlo.dots_from_text(text)]
+  if not found or found[0] is None:
+    raise UserError(f"The dot algorithm preset {preset_name!r} does not lower to a dot "
+                    f"algorithm on backend {jax.default_backend()!r}.")
+  return found[0]
+
+
+def precision_expectation(name: str) -> str:
+  """'HIGHEST' for a jax.lax.Precision, 'algorithm <...>' for a preset."""
+  p = parse_precision(name)
+  if isinstance(p, jax.lax.Precision):
+    return p.name
+  return f"algorithm {p.name}"
+
+
+def _precision_problems(dot: hlo.Dot, name: str) -> List[str]:
+  p = parse_precision(name)
+  if isinstance(p, jax.lax.Precision):
+    if dot.algorithm is not None or dot.precision != p.name:
+      got = f"algorithm <{dot.algorithm}>" if dot.algorithm else dot.precision
+      return [f"precision {got}, expected {p.name}"]
+    return []
+  want = algorithm_text(p.name)
+  if dot.algorithm != want:
+    return [f"algorithm <{dot.algorithm}>, expected <{want}> ({p.name})"]
+  return []
+
+
+def _upcast_from(operand: str, source: Optional[str]) -> Optional[str]:
+  """The narrower type an f32 operand was upcast from right before the dot, if any."""
+  return source if operand == "f32" and source in ("bf16", "f16") else None
+
+
+def _effective(dot: hlo.Dot, widened_ok: bool):
+  """(lhs, rhs, result) as the contract sees them: through an upcast into the operands,
+  and (only where a dot-algorithm preset widened the dot) through a downcast of the
+  result."""
+  lhs = _upcast_from(dot.lhs_type, dot.lhs_source_type) or dot.lhs_type
+  rhs = _upcast_from(dot.rhs_type, dot.rhs_source_type) or dot.rhs_type
+  result = dot.result_type
+  if widened_ok and dot.converted_to in ("bf16", "f16") and result == "f32":
+    result = dot.converted_to
+  return lhs, rhs, result
+
+
+def expected_attention(precision: Precision) -> Dict[str, str]:
+  table = stage_dtypes(precision.compute_dtype,
+                       float32_qk_product=precision.float32_qk_product,
+                       float32_logits=precision.float32_logits)
+  return {k: short(v) for k, v in table.items()}
+
+
+def check_attention_dot(dot: hlo.Dot, precision: Precision, *, types: bool = True
+                        ) -> List[str]:
+  """Problems of one attention dot (site qk or wv) under the contract; [] if it honours it."""
+  problems = _precision_problems(dot, precision.einsum_precision)
+  if not types:
+    return problems
+  e = expected_attention(precision)
+  preset = not isinstance(parse_precision(precision.einsum_precision), jax.lax.Precision)
+  lhs, rhs, result = _effective(dot, widened_ok=preset)
+  c = e["qkv"]
+  if dot.site == "qk":
+    allowed = {(c, c)}
+    if precision.float32_qk_product or preset:
+      allowed.add(("f32", "f32"))   # q and k upcast first (allowed by the contract)
+    if (lhs, rhs) not in allowed and (dot.lhs_type, dot.rhs_type) not in allowed:
+      problems.append(f"qk operands {lhs} x {rhs}, expected {c} x {c}")
+    if result != e["logits"]:
+      problems.append(f"QK^T logits are {result}, expected {e['logits']} "
+                      f"(float32_qk_product={precision.float32_qk_product})")
+  else:
+    # jnp.einsum may put either operand first: find the probabilities among the two.
+    P, pairs = e["probs"], [(lhs, rhs), (rhs, lhs)]
+    if not any(p == P and v in (c, P) for p, v in pairs):
+      problems.append(f"wv operands {lhs} x {rhs}: the probabilities must enter as {P} "
+                      f"and v as {c} or {P} (float32_logits={precision.float32_logits}, "
+                      f"float32_qk_product={precision.float32_qk_product})")
+    if result not in (P, "f32") and dot.result_type not in (P, "f32"):
+      problems.append(f"wv result {result}, expected {P} or f32")
+  return problems
+
+
+def check_dense_dot(dot: hlo.Dot, precision: Precision) -> List[str]:
+  problems = _precision_problems(dot, precision.matmul_precision)
+  c = short(precision.compute_dtype)
+  preset = not isinstance(parse_precision(precision.matmul_precision), jax.lax.Precision)
+  lhs, rhs, result = _effective(dot, widened_ok=preset)
+  if (lhs, rhs) != (c, c) and (dot.lhs_type, dot.rhs_type) != (c, c):
+    problems.append(f"dense operands {lhs} x {rhs}, expected {c} x {c}")
+  unembed = "BTD,DV->BTV" in dot.name
+  want = "f32" if unembed else c
+  if result != want and dot.result_type != want:
+    problems.append(f"{'logits' if unembed else 'dense'} result {result}, expected {want}")
+  return problems
+
+
+# ----------------------------------------------------------------------------- lowering
+def lower_programs(config: ModelConfig, train_precision: Precision,
+                   decode_precision: Precision, *, batch: int = 2, prompt_len: int = 8,
+                   new_tokens: int = 8) -> Dict[str, tuple]:
+  """{phase: (precision, lowered)} for the train step, the prefill and one decode step.
+
+  Parameters, optimizer state and cache are abstract (shapes only): the dots of a program
+  depend on the architecture and the precision, not on the weights' values.
+  `decoding.prefill` / `decoding.decode_step` are looked up at call time (so a test can
+  substitute a broken variant).
+  """
+  cache_length = prompt_len + new_tokens
+  if batch < 1 or prompt_len < 1 or new_tokens < 1:
+    raise UserError(f"audit sizes must be positive: batch={batch}, prompt_len={prompt_len},"
+                    f" new_tokens={new_tokens}.")
+  if cache_length > config.max_seq_len:
+    raise UserError(f"The audit's context (prompt_len {prompt_len} + new_tokens "
+                    f"{new_tokens} = {cache_length}) exceeds the model's max_seq_len "
+                    f"{config.max_seq_len}; lower audit.prompt_len / audit.new_tokens.")
+  tokens_BxP = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
+  lengths_B = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  params = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
+  optimizer = train.make_optimizer(total_steps=10)
+  state = jax.eval_shape(lambda: train.init_state(config, optimizer, 0))
+  update = jax.jit(train.make_update(config, train_precision, optimizer))
+  out = {"train": (train_precision, update.lower(
+      state, tokens_BxP, jax.ShapeDtypeStruct((batch, prompt_len), jnp.float32)))}
+  prefill = jax.jit(functools.partial(decoding.prefill, config=config,
+                                      precision=decode_precision, cache_length=cache_length))
+  out["prefill"] = (decode_precision, prefill.lower(params, tokens_BxP, lengths_B))
+  cache = jax.eval_shape(lambda: init_cache(config, batch, cache_length,
+                                            decode_precision.compute_dtype))
+  dstate = decoding.DecodeState(cache, jax.ShapeDtypeStruct((batch, config.vocab_size),
+                                                            jnp.float32), lengths_B)
+  step = jax.jit(functools.partial(decoding.decode_step, config=config,
+                                   precision=decode_precision))
+  out["decode"] = (decode_precision, step.lower(params, dstate, lengths_B))
+  return out
+
+
+# ----------------------------------------------------------------------------- audit
+def _row(phase: str, dot: hlo.Dot, problems: List[str], checked: str) -> dict:
+  def typed(t, src):
+    up = _upcast_from(t, src)
+    return f"{t}<-{up}" if up else t
+  result = dot.result_type + (f"->{dot.converted_to}" if dot.converted_to and
+                              dot.converted_to != dot.result_type else "")
+  return {"phase": phase, "site": dot.site, "layer": dot.layer, "backward": dot.backward,
+          "module": _module(dot.name), "lhs": typed(dot.lhs_type, dot.lhs_source_type),
+          "rhs": typed(dot.rhs_type, dot.rhs_source_type), "result": result,
+          "precision": (f"algorithm <{dot.algorithm}>" if dot.algorithm else dot.precision),
+          "shapes": f"{dot.lhs_shape} x {dot.rhs_shape} -> {dot.result_shape}",
+          "checked": checked, "ok": not problems, "problems": problems}
+
+
+def _module(name: str) -> str:
+  for part in ("attn/q/", "attn/k/", "attn/v/", "attn/o/", "mlp/gate/", "mlp/up/",
+               "mlp/down/"):
+    if part in name:
+      return part.rstrip("/")
+  if "BTD,DV->BTV" in name:
+    return "unembed"
+  return ""
+
+
+def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig, *,
+                  compile: bool = True) -> dict:
+  """Checks one lowered program; returns a JSON-able dict with rows, problems, compiled."""
+  dots = hlo.dots(lowered)
+  attn = [d for d in dots if d.site in ("qk", "wv")]
+  attributed = all(d.layer is not None for d in attn)
+  rows, problems = [], []
+  for d in attn:
+    if d.backward:
+      p, checked = check_attention_dot(d, precision, types=False), "precision"
+    elif not attributed and phase == "train":
+      # Dots in a loop body shared by every layer carry no module path, so forward and
+      # gradient dots cannot be told apart: only the precision config is checkable.
+      p, checked = check_attention_dot(d, precision, types=False), "precision"
+    else:
+      p, checked = check_attention_dot(d, precision), "types+precision"
+    rows.append(_row(phase, d, p, checked))
+  dense_rows = []
+  for d in dots:
+    if d.site == "dense":
+      p = check_dense_dot(d, precision) if not d.backward else _precision_problems(
+          d, precision.matmul_precision)
+      dense_rows.append(_row(phase, d, p, "types+precision" if not d.backward
+                             else "precision"))
+  forward = [d for d in attn if not d.backward]
+  if attributed:
+    for i in range(config.num_layers):
+      for s in ("qk", "wv"):
+        if not any(d.layer == i and d.site == s for d in forward):
+          problems.append(f"{phase}: layer {i} has no {s} attention dot")
+  else:
+    for s in ("qk", "wv"):
+      if not any(d.site == s for d in forward):
+        problems.append(f"{phase}: no {s} attention dot found")
+  problems += [f"{phase} layer {r['layer']} {r['site']}: {q}" for r in rows + dense_rows
+               for q in r["problems"]]
+  out = {"phase": phase, "precision": dataclasses.asdict(precision),
+         "expected": expected_attention(precision),
+         "einsum_precision": precision_expectation(precision.einsum_precision),
+         "matmul_precision": precision_expectation(precision.matmul_precision),
+         "layers_attributed": attributed, "attention": rows, "dense": dense_rows,
+         "problems": problems, "ok": not problems}
+  if compile:
+    out["compiled"] = summarize_compiled(lowered.compile().as_text())
+  return out
+
+
+def summarize_compiled(text: str) -> dict:
+  """Counts of the compiled program's dots by site and types, and of its converts."""
+  s = hlo.compiled_summary(text)
+
+  def where(d):
+    if d.site == "other" and not d.name and d.batched:
+      return "batched, op_name dropped (attention)"
+    return d.site
+
+  dots = collections.Counter(f"{where(d)}: {d.types}" for d in s["dots"])
+  return {"dots": dict(sorted(dots.items())), "converts": s["converts"],
+          "fusions": s["fusions"]}
+
+
+def run_audit(config: ModelConfig, train_precision: Precision, decode_precision: Precision,
+              *, batch: int = 2, prompt_len: int = 8, new_tokens: int = 8,
+              compile: bool = True, model_source: str = "model.* (gin)") -> dict:
+  programs = lower_programs(config, train_precision, decode_precision, batch=batch,
+                            prompt_len=prompt_len, new_tokens=new_tokens)
+  phases = {ph: audit_program(ph, lowered, prec, config, compile=compile)
+            for ph, (prec, lowered) in programs.items()}
+  problems = [p for ph in phases.values() for p in ph["problems"]]
+  return {"model": model_source, "config": runs.config_dict(config),
+          "sizes": {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens},
+          "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "phases": phases, "problems": problems, "ok": not problems}
+
+
+# ----------------------------------------------------------------------------- rendering
+def _layers(layers) -> str:
+  known = sorted({x for x in layers if x is not None})
+  if not known:
+    return "shared"
+  if known == list(range(known[0], known[-1] + 1)) and len(known) > 2:
+    return f"{known[0]}-{known[-1]}"
+  return ",".join(map(str, known))
+
+
+def _grouped(rows, keys):
+  groups = collections.OrderedDict()
+  for r in rows:
+    groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+  return groups
+
+
+def attention_table(result: dict) -> str:
+  """Markdown: one line per (phase, dot, types, precision, verdict), layers grouped."""
+  lines = ["| phase | dot | layers | lhs | rhs | result | precision | contract | checked | verdict |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for ph in PHASES:
+    a = result["phases"][ph]
+    e = a["expected"]
+    for (site, bwd, lhs, rhs, res, prec, checked, ok), rows in _grouped(
+        a["attention"], ("site", "backward", "lhs", "rhs", "result", "precision",
+                         "checked", "ok")).items():
+      contract = (f"{e['qkv']} x {e['qkv']} -> {e['logits']}" if site == "qk" else
+                  f"{e['probs']} x {e['qkv']}|{e['probs']} -> {e['probs']}|f32")
+      contract += f", {a['einsum_precision']}"
+      if bwd or checked == "precision":
+        contract = f"precision {a['einsum_precision']}"
+      lines.append(f"| {ph} | {site}{' (grad)' if bwd else ''} | "
+                   f"{_layers(r['layer'] for r in rows)} | {lhs} | {rhs} | {res} | "
+                   f"{_short_precision(prec)} | {contract} | {checked} | "
+                   f"{'ok' if ok else 'MISMATCH'} |")
+  return "\n".join(lines)
+
+
+def dense_table(result: dict) -> str:
+  lines = ["| phase | dots | modules | lhs | rhs | result | precision | verdict |",
+           "|---|---:|---|---|---|---|---|---|"]
+  for ph in PHASES:
+    a = result["phases"][ph]
+    for (bwd, lhs, rhs, res, prec, ok), rows in _grouped(
+        a["dense"], ("backward", "lhs", "rhs", "result", "precision", "ok")).items():
+      modules = sorted({r["module"] for r in rows})
+      lines.append(f"| {ph}{' (grad)' if bwd else ''} | {len(rows)} | {', '.join(modules)} "
+                   f"| {lhs} | {rhs} | {res} | {_short_precision(prec)} | "
+                   f"{'ok' if ok else 'MISMATCH'} |")
+  return "\n".join(lines)
+
+
+def compiled_table(result: dict) -> str:
+  lines = ["| phase | compiled dots (site: lhs x rhs -> result: count) | converts | fusions |",
+           "|---|---|---|---:|"]
+  for ph in PHASES:
+    c = result["phases"][ph].get("compiled")
+    if c is None:
+      continue
+    dots = "; ".join(f"{k}: {v}" for k, v in c["dots"].items() if not k.startswith("other"))
+    conv = ", ".join(f"{k}: {v}" for k, v in c["converts"].items())
+    lines.append(f"| {ph} | {dots} | {conv} | {c['fusions']} |")
+  return "\n".join(lines)
+
+
+def _short_precision(p: str) -> str:
+  """'algorithm <lhs_precision_type = bf16, ..., num_primitive_operations = 3, ...>' ->
+  'alg bf16,bf16->f32 x3'."""
+  if not p.startswith("algorithm"):
+    return p
+  fields = dict(f.split(" = ") for f in p[len("algorithm <"):-1].split(", ") if " = " in f)
+  return (f"alg {fields.get('lhs_precision_type')},{fields.get('rhs_precision_type')}"
+          f"->{fields.get('accumulation_type')} x{fields.get('num_primitive_operations')}")
+
+
+def verdict(result: dict) -> str:
+  if result["ok"]:
+    n = sum(len(result["phases"][ph]["attention"]) for ph in PHASES)
+    return (f"PASS: all {n} attention dots of the train step, prefill and decode step match "
+            f"the contract for their phase's flags.")
+  shown = "; ".join(result["problems"][:6])
+  more = f" (+{len(result['problems']) - 6} more)" if len(result["problems"]) > 6 else ""
+  return f"FAIL: {len(result['problems'])} mismatch(es): {shown}{more}"
+
+
+def to_markdown(result: dict) -> str:
+  ph = result["phases"]
+  head = [f"# Precision audit: {result['model']}", "",
+          f"Backend: {result['backend']}; XLA_FLAGS: `{result['xla_flags'] or '(none)'}`; "
+          f"sizes: {result['sizes']}.", "",
+          f"- train step: `{_describe(ph['train']['precision'])}`",
+          f"- prefill and decode step: `{_describe(ph['decode']['precision'])}`", "",
+          f"**{verdict(result)}**", "",
+          "## Attention dots (lowered StableHLO, checked against the contract table)", "",
+          "`f32<-bf16`: an f32 operand upcast from bf16 right before the dot; "
+          "`f32->bf16`: an f32 result converted to bf16 right after it. "
+          "`(grad)`: dots of the gradient computation (checked for precision only). "
+          "`shared`: dots in a loop body shared by all layers (blockwise kernel).", "",
+          attention_table(result), "", "## Dense dots", "", dense_table(result), ""]
+  if any("compiled" in ph[p] for p in PHASES):
+    head += ["## What this backend compiled (`lowered.compile().as_text()`)", "",
+             "Shown, not asserted. XLA:CPU computes bf16 dots as f32 dots on converted "
+             "operands (f32 accumulation) and keeps the program's bf16 roundings as "
+             "explicit f32->bf16->f32 converts when `--xla_allow_excess_precision=false`; "
+             "`precision` changes no numbers on CPU, so the lowered program above is where "
+             "it is checked.", "", compiled_table(result), ""]
+  return "\n".join(head)
+
+
+def _describe(p: dict) -> str:
+  return " ".join(f"{k}={v}" for k, v in p.items())
+
+
+# ----------------------------------------------------------------------------- job
+def model_config_for(model: Optional[str]) -> tuple:
+  """(ModelConfig, description) for audit.model: None -> the gin `model.*` bindings; a
+  recall checkpoint name or train run directory; a real checkpoint (shipped name, HF
+  directory, .gguf)."""
+  if model is None:
+    from attnprec.config import model_config
+    from attnprec import ginutils
+    return ginutils.call(model_config), "architecture from model.* (gin)"
+  from attnprec.study import models
+  m = models.load_model(model, params=False)
+  return m.config, m.description
+
+
+@gin.configurable("audit", denylist=["train_precision", "decode_precision", "run_dir"])
+def audit_job(*, train_precision: Precision, decode_precision: Precision, run_dir: str,
+              model: Optional[str] = None, batch: int = 2, prompt_len: int = 8,
+              new_tokens: int = 8, compile: bool = True) -> dict:
+  """`make audit`: writes audit.json and audit.md into run_dir; returns the result
+  (result['ok'] is the verdict)."""
+  runs.ensure_dir(run_dir)
+  config, source = model_config_for(model)
+  result = run_audit(config, train_precision, decode_precision, batch=batch,
+                     prompt_len=prompt_len, new_tokens=new_tokens, compile=compile,
+                     model_source=source)
+  markdown = to_markdown(result)
+  runs.atomic_write(os.path.join(run_dir, "audit.json"),
+                    json.dumps(result, indent=1, default=str) + "\n")
+  runs.atomic_write(os.path.join(run_dir, "audit.md"), markdown)
+  print(f"model: {source}")
+  print(f"train step:          {train_precision.describe()}")
+  print(f"prefill/decode step: {decode_precision.describe()}")
+  print(attention_table(result))
+  if compile:
+    print(compiled_table(result))
+  print(verdict(result))
+  print(f"wrote {os.path.join(run_dir, 'audit.json')} and audit.md")
+  return result

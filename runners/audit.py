@@ -1,0 +1,40 @@
+"""Audit: `python runners/audit.py --gin_file=gin/precision/bf16.gin [...]`.
+
+Lowers (and compiles) the train step under the train phase's precision and the prefill and
+single-token decode step under the decode phase's, lists every dot and checks the
+attention dots against the precision contract. Exit code 0: PASS, 1: a mismatch, 2: bad
+input. Writes audit.json and audit.md into --run_dir.
+"""
+import os
+import sys
+
+# Same XLA:CPU numerics as the tests and the other runners (set before jax is imported).
+if "--xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_allow_excess_precision=false").strip()
+
+from attnprec import cli, ginutils  # noqa: E402
+from attnprec.audit import audit_job  # noqa: E402
+from attnprec.precision import phase_precision  # noqa: E402
+
+
+
+def main(argv) -> int:
+  outcome = {}
+
+  def run(run_dir: str):
+    with ginutils.phase("train"):
+      train_precision = ginutils.call(phase_precision)
+    with ginutils.phase("decode"):
+      decode_precision = ginutils.call(phase_precision)
+    result = ginutils.call(audit_job, train_precision=train_precision,
+                           decode_precision=decode_precision, run_dir=run_dir)
+    outcome["ok"] = result["ok"]
+
+  rc = cli.main(argv, prog="audit", default_files=["runs/audit.gin"],
+                default_run_dir="runs/audit", body=run)
+  return 1 if rc == 0 and not outcome.get("ok", False) else rc
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
