@@ -256,3 +256,63 @@ def test_error_tensor_disagrees_with_metadata(hf_llama, tmp_path):
   path = write_gguf(tmp_path / "missing.gguf", tensors)
   with pytest.raises(UserError, match=r"missing 1 tensor.*decoder/layer_1/mlp/down/w"):
     checkpoints.load(path)
+
+
+# Byte-level vocabulary whose merges cross digit, space and punctuation boundaries, so
+# each pre-tokenizer's split shows in the ids (with single bytes only, all would agree).
+BL_MERGES = ["3 4", "1 2", "12 3", "Ġ 1", "( a", "(a b", "Ġ a", "a b", "Ġa b", "' s",
+             "Ġ Ġ", "Ċ Ċ"]
+BL_TOKENS = (["<|endoftext|>"] + [tokenizer_lib.bytes_to_unicode()[b] for b in range(256)]
+             + ["".join(m.split(" ")) for m in BL_MERGES])
+BL_TEXT = "x 1234567 (ab 's  ab\n\n 12 34<|endoftext|>(ab123 abab  "
+
+
+def _byte_level(pre):
+  return tokenizer_lib.Tokenizer.from_gguf_metadata({
+      "general.architecture": "llama", "tokenizer.ggml.model": "gpt2",
+      "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": BL_TOKENS,
+      "tokenizer.ggml.token_type": [3] + [1] * (len(BL_TOKENS) - 1),
+      "tokenizer.ggml.merges": BL_MERGES})
+
+
+def test_byte_level_pre_tokenizers_differ():
+  """The four supported splits give four different tokenizations; `smollm` (llama.cpp's
+  pre-tokenizer for SmolLM) never merges digits; an unknown one is an error."""
+  ids = {pre: tuple(_byte_level(pre).encode(BL_TEXT))
+         for pre in ("default", "qwen2", "llama-bpe", "smollm")}
+  assert len(set(ids.values())) == 4
+  digits = _byte_level("smollm").encode("1234")
+  assert [BL_TOKENS[i] for i in digits] == ["1", "2", "3", "4"]
+  with pytest.raises(UserError, match="unsupported byte-level pre-tokenizer"):
+    _byte_level("tekken")
+
+
+@pytest.mark.parametrize("pre", ["default", "qwen2", "llama-bpe"])
+def test_byte_level_pre_tokenizers_match_transformers(pre, tmp_path):
+  """Byte-level BPE split by each `tokenizer.ggml.pre` regex: the ids transformers' GGUF
+  tokenizer gives for the same file. (transformers has no digit split for `smollm`; the
+  real SmolLM2 vocabulary has no multi-digit token, so its ids agree there anyway.)"""
+  merges, tokens = BL_MERGES, BL_TOKENS
+  w = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "llama")
+  for add, value in ((w.add_block_count, 1), (w.add_context_length, 64),
+                     (w.add_embedding_length, 32), (w.add_feed_forward_length, 64),
+                     (w.add_head_count, 2), (w.add_head_count_kv, 2)):
+    add(value)
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre(pre)
+  w.add_token_list(tokens)
+  w.add_token_types([3] + [1] * (len(tokens) - 1))
+  w.add_token_merges(merges)
+  w.add_bos_token_id(0)
+  w.add_eos_token_id(0)
+  w.add_add_bos_token(False)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  from attnprec.checkpoints.gguf_reader import GGUFFile
+  ours = tokenizer_lib.Tokenizer.from_gguf_metadata(GGUFFile(tmp_path / "tok.gguf").metadata)
+  ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok.gguf")
+  text = BL_TEXT
+  assert ours.encode(text) == ref(text)["input_ids"]
+  assert ours.decode(ours.encode(text)) == text.replace("<|endoftext|>", "")

@@ -10,9 +10,10 @@ the vocabulary (`tokenizer.ggml.tokens`), token types (1 normal, 3 control, 4 us
 6 byte), merges, and special ids under llama.cpp's key names; we rebuild the tokenizer the
 model was trained with, as transformers' `integrations/gguf` does:
 
-* `tokenizer.ggml.model == "gpt2"` (SmolLM2): byte-level BPE. Digits are split one by one
-  first (llama.cpp's `smollm` pre-tokenizer, SmolLM2's own `tokenizer.json`), then GPT-2's
-  byte-level regex split; tokens outside the byte alphabet are re-spelled in it.
+* `tokenizer.ggml.model == "gpt2"` (SmolLM2): byte-level BPE. The text is split as
+  `tokenizer.ggml.pre` says: `smollm` splits digits one by one, then applies GPT-2's regex
+  (as SmolLM2's own `tokenizer.json`); `qwen2` and `llama-bpe` use those models' regexes;
+  `default` is GPT-2's. Tokens outside the byte alphabet are re-spelled in it.
 * `tokenizer.ggml.model == "llama"` for gemma/gemma2/gemma3: SentencePiece-style BPE with
   byte fallback: spaces become "▁", no prefix space. The file lists no merges, so they are
   rebuilt from the vocabulary, ordered by the tokens' position in the file (Gemma's scores
@@ -132,7 +133,8 @@ class Tokenizer:
     tokens = list(tokens)
     types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [1] * len(tokens))]
     if kind == "gpt2":
-      backend = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges"), origin)
+      backend = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges"),
+                                meta.get("tokenizer.ggml.pre", "default"), origin)
     elif kind == "llama" and arch in _GEMMA_ARCHS:
       unk = meta.get("tokenizer.ggml.unknown_token_id")
       backend = _gemma_bpe(tokens, types, None if unk is None else tokens[unk])
@@ -197,7 +199,18 @@ def bytes_to_unicode() -> Dict[int, str]:
   return dict(zip(bs, map(chr, cs)))
 
 
-def _byte_level_bpe(tokens, types, merges, origin) -> tokenizers.Tokenizer:
+# How text is split before byte-level BPE, by `tokenizer.ggml.pre` (llama.cpp's names):
+# GPT-2's regex, digits one by one then GPT-2's regex (SmolLM2), or a model's own regex.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_BYTE_LEVEL_SPLITS = {"default": None, "gpt-2": None, "smollm": "digits",
+                      "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT,
+                      "qwen2": _QWEN2_SPLIT}
+
+
+def _byte_level_bpe(tokens, types, merges, pre, origin) -> tokenizers.Tokenizer:
   if merges is None:
     raise UserError(f"{origin}: a gpt2 (byte-level BPE) tokenizer needs tokenizer.ggml.merges.")
   spelling = bytes_to_unicode()
@@ -207,9 +220,20 @@ def _byte_level_bpe(tokens, types, merges, origin) -> tokenizers.Tokenizer:
   bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
                    continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
   tok = tokenizers.Tokenizer(bpe)
-  tok.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Digits(individual_digits=True),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+  if pre not in _BYTE_LEVEL_SPLITS:
+    raise UserError(f"{origin}: unsupported byte-level pre-tokenizer tokenizer.ggml.pre="
+                    f"{pre!r}; supported: {', '.join(map(repr, _BYTE_LEVEL_SPLITS))}.")
+  split = _BYTE_LEVEL_SPLITS[pre]
+  if split is None:      # GPT-2's own regex
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  elif split == "digits":
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+  else:
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   tok.decoder = decoders.ByteLevel()
   # A control token spelled outside the byte alphabet is a converter mislabel: skip it.
   _add_tokens(tok, tokens, types, keep=lambda t: set(t) <= alphabet)
