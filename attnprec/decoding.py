@@ -143,6 +143,27 @@ def generate(params, prompt_BxP, lengths_B, rng, *, config: ModelConfig, precisi
   return tokens_BxM, logits_BxMxV
 
 
+@functools.partial(jax.jit, static_argnames=("config", "precision", "cache_length"))
+def decode_with_template(params, prompt_BxP, lengths_B, template_BxM, *, config: ModelConfig,
+                         precision: Precision, cache_length: int):
+  """Greedy decode where some tokens are given: slot m takes `template[:, m]` when it is
+  >= 0, else the model's own greedy prediction; every slot goes through a single-token
+  decode step. Used when inputs keep arriving between answers (e.g. one query after
+  another), so each answer is decoded from the cache, as in serving.
+
+  Returns (tokens_BxM with the model's answers filled in, answered_BxM bool).
+  """
+  state = prefill(params, prompt_BxP, lengths_B, config=config, precision=precision,
+                  cache_length=cache_length)
+
+  def body(state, given_B):
+    token_B = jnp.where(given_B >= 0, given_B, Greedy()(state.last_BxV, None))
+    return decode_step(params, state, token_B, config=config, precision=precision), token_B
+
+  _, tokens_MxB = jax.lax.scan(body, state, template_BxM.T)
+  return tokens_MxB.T, template_BxM < 0
+
+
 def pad_prompts(prompts, pad_id: int = 0):
   """List of token lists -> (prompt_BxP int32 right-padded, lengths_B int32)."""
   lengths = [len(p) for p in prompts]

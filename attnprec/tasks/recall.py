@@ -1,14 +1,16 @@
 """Associative recall: the project's downstream eval in miniature.
 
-A sequence lists P key -> value pairs, then asks for keys; the answer is the key's value.
-Values are `value_len` tokens long, so answering exercises prefill (first value token)
-AND single-token decode steps (the rest): the phase where the precision bug hid.
+A sequence lists P key -> value pairs, then asks for keys one after another; each answer
+is the key's value. At evaluation the context is prefilled and the queries arrive one
+token at a time, so every answer after the first is decoded by a single-token decode step
+from the KV cache: the phase where the precision bug hid.
 
 Token layout (vocabulary V = 2 + num_keys + value_vocab):
   0 PAD, 1 BOS, [2, 2 + num_keys) keys, then value tokens.
 Training sequence: BOS, P x (key, v_1..v_L), Q x (key, v_1..v_L) with Q queries drawn
 from the P keys; the loss covers the value tokens of the queries only.
-Eval prompt: BOS, P x (key, v_1..v_L), key; the model must decode v_1..v_L.
+Eval: prompt = BOS, P x (key, v_1..v_L), first query key; then the model decodes each
+answer, and the next query key is fed after it (`decoding.decode_with_template`).
 """
 import dataclasses
 
@@ -24,7 +26,7 @@ PAD, BOS = 0, 1
 class RecallTask:
   num_keys: int = 48         # distinct key tokens (>= the most pairs ever asked for)
   value_vocab: int = 64      # distinct value tokens (>= num_keys)
-  value_len: int = 2         # tokens per value (>= 2 exercises decode steps)
+  value_len: int = 1         # tokens per value
   num_pairs: int = 16        # pairs per training sequence
   num_queries: int = 16      # queries per training sequence
 
@@ -78,24 +80,37 @@ class RecallTask:
   def seq_len(self) -> int:
     return 1 + (self.num_pairs + self.num_queries) * (1 + self.value_len)
 
-  def eval_prompts(self, rng: np.random.Generator, batch: int, num_pairs: int):
-    """(prompt_BxP int32, answers_BxL int32) with the queried key last in each prompt."""
-    keys_BxP, values_BxPxL = self._pairs(rng, batch, num_pairs)
-    q_B = rng.integers(0, num_pairs, batch)
-    context = self._interleave(keys_BxP, values_BxPxL)
-    prompt = np.concatenate([np.full((batch, 1), BOS), context,
-                             keys_BxP[np.arange(batch), q_B][:, None]], axis=1)
-    return prompt.astype(np.int32), values_BxPxL[np.arange(batch), q_B].astype(np.int32)
+  def eval_episode(self, rng: np.random.Generator, batch: int, num_pairs: int,
+                   num_queries: int):
+    """One evaluation episode per row.
 
-  def prompt_len(self, num_pairs: int) -> int:
-    return 2 + num_pairs * (1 + self.value_len)
+    Returns (prompt_BxP, template_BxM, answers_BxM): the prompt ends with the first
+    query key; the template holds the later query keys and -1 where the model answers;
+    answers holds the true token at every slot.
+    """
+    keys_BxP, values_BxPxL = self._pairs(rng, batch, num_pairs)
+    q_idx_BxQ = rng.integers(0, num_pairs, (batch, num_queries))
+    qkeys_BxQ = np.take_along_axis(keys_BxP, q_idx_BxQ, axis=1)
+    qvals_BxQxL = np.take_along_axis(values_BxPxL, q_idx_BxQ[..., None], axis=1)
+    context = self._interleave(keys_BxP, values_BxPxL)
+    queries = self._interleave(qkeys_BxQ, qvals_BxQxL)      # k v.. k v..
+    prompt = np.concatenate([np.full((batch, 1), BOS), context, queries[:, :1]], axis=1)
+    answers = queries[:, 1:]
+    is_answer = np.tile(np.array([0] + [1] * self.value_len), num_queries)[1:]
+    template = np.where(is_answer[None].astype(bool), -1, answers)
+    return prompt.astype(np.int32), template.astype(np.int32), answers.astype(np.int32)
+
+  def context_len(self, num_pairs: int, num_queries: int) -> int:
+    """Tokens in an evaluation episode: BOS, the pairs and the queries with answers."""
+    return 1 + (num_pairs + num_queries) * (1 + self.value_len)
 
 
 # gin root (`recall.num_pairs = 16`); wraps a copy, so RecallTask(...) in code reads no gin.
 recall_task = gin.external_configurable(RecallTask, "recall")
 
 
-def score(decoded_BxL, answers_BxL) -> float:
-  """Fraction of prompts whose whole value was decoded exactly."""
-  decoded_BxL = np.asarray(decoded_BxL)[:, : answers_BxL.shape[1]]
-  return float(np.mean(np.all(decoded_BxL == answers_BxL, axis=1)))
+def score(tokens_BxM, answers_BxM, answered_BxM) -> float:
+  """Fraction of answered slots where the decoded token is the true value token."""
+  answered_BxM = np.asarray(answered_BxM)
+  correct = (np.asarray(tokens_BxM) == answers_BxM) & answered_BxM
+  return float(correct.sum() / answered_BxM.sum())
