@@ -116,7 +116,7 @@ def config_from_gguf(meta: dict, embed_shape: Tuple[int, int], has_output: bool,
   return ModelConfig(**kw)
 
 
-def tensor_map(config: ModelConfig, arch: str) -> dict:
+def tensor_map(config: ModelConfig) -> dict:
   """{GGUF name: (our module, our param name, transpose?)}."""
   m = {"token_embd.weight": ("decoder/embed", "embeddings", False),
        "output_norm.weight": ("decoder/final_norm", "scale", False)}
@@ -162,7 +162,7 @@ def load_gguf(path, *, param_dtype="float32", tokenizer: bool = True
     raise UserError(f"{path} has no 'token_embd.weight' tensor; it is not a decoder LM GGUF.")
   config = config_from_gguf(f.metadata, f.tensors["token_embd.weight"].shape,
                             "output.weight" in f.tensors, str(path))
-  mapping = tensor_map(config, arch)
+  mapping = tensor_map(config)
   unexpected = sorted(set(f.tensors) - set(mapping))
   if unexpected:
     raise UserError(f"{path} holds tensor(s) {unexpected[:5]} that the {arch} model its "

@@ -37,9 +37,6 @@ class ParamBuilder:
     self.params: Dict[str, Dict[str, np.ndarray]] = {}
     self.sources: Dict[tuple, str] = {}
 
-  def shape(self, module: str, name: str) -> tuple:
-    return self.expected[module][name]
-
   def put(self, module: str, name: str, array: np.ndarray, *, source: str,
           file: Optional[str] = None, transpose: bool = False) -> None:
     """Stores one parameter. `source` names the checkpoint tensor it came from.
@@ -68,7 +65,7 @@ class ParamBuilder:
     array = np.asarray(array)
     if not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
       raise UserError(f"Checkpoint {where} has dtype {array.dtype}; expected a float tensor.")
-    self.params.setdefault(module, {})[name] = np.ascontiguousarray(array.astype(self.dtype))
+    self.params.setdefault(module, {})[name] = np.array(array, dtype=self.dtype, order="C")
     self.sources[(module, name)] = source
 
   def finish(self) -> Dict[str, Dict[str, np.ndarray]]:
