@@ -1,6 +1,6 @@
 """Attention benchmark: `python runners/bench.py [--seq_lens=1024,4096] [--out=bench]`.
 
-Writes <out>/results.json, <out>/results.md and <out>/attention.png. See
+Writes <out>/results.json, <out>/results.md and <out>/results.png. See
 `attnprec.bench.attention` for the method (round-robin medians, FLOP convention).
 """
 import argparse
@@ -39,10 +39,10 @@ def main(argv):
   table = bench.to_markdown(result)
   with open(os.path.join(args.out, "results.md"), "w") as f:
     f.write(table)
-  bench.plot(result, os.path.join(args.out, "attention.png"))
+  bench.plot(result, os.path.join(args.out, "results.png"))
   print(table)
   print(f"wall time {result['wall_s']:.0f} s; wrote {args.out}/results.json, results.md, "
-        f"attention.png")
+        f"results.png")
   return 0
 
 
