@@ -30,6 +30,20 @@ def ensure_dir(run_dir: str) -> str:
   return run_dir
 
 
+def check_writable(run_dir: str) -> str:
+  """ensure_dir, then proves the directory writable by creating and removing a file (the
+  permission bits alone do not tell: root ignores them, a read-only mount does not)."""
+  ensure_dir(run_dir)
+  try:
+    fd, probe = tempfile.mkstemp(dir=run_dir, prefix=".write-probe-")
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    raise UserError(f"Run directory {run_dir!r} is not writable ({e.strerror}). Choose a "
+                    f"writable path with --run_dir.") from None
+  return run_dir
+
+
 def atomic_write(path: str, data, mode: str = "w") -> None:
   """Writes `data` (str or bytes, or a callable taking a file object) atomically."""
   directory = os.path.dirname(os.path.abspath(path))
@@ -79,6 +93,23 @@ class MetricsWriter:
   def write(self, record: Dict[str, Any]) -> None:
     with open(self.path, "a") as f:
       f.write(json.dumps(record, default=_jsonable) + "\n")
+
+  def rewind(self, step: int) -> None:
+    """Drops records after `step` (written by a run that was killed after its last
+    checkpoint), so a resumed run's log has each step once."""
+    if not os.path.isfile(self.path):
+      return
+    with open(self.path) as f:
+      lines = [line for line in f if line.strip()]
+    keep = []
+    for line in lines:
+      try:
+        if json.loads(line).get("step", 0) <= step:
+          keep.append(line if line.endswith("\n") else line + "\n")
+      except json.JSONDecodeError:
+        pass  # a line cut short by a kill
+    if keep != lines:
+      atomic_write(self.path, "".join(keep))
 
 
 def save_params(run_dir: str, params) -> str:

@@ -1,9 +1,18 @@
-"""Training: a pure, jitted update under the train phase's `Precision`.
+"""Training: a pure, jitted update under the train phase's `Precision`, resumable exactly.
 
-The state (params, optimizer state, step) is a NamedTuple; `init` and `update` are pure
-functions. Params stay float32; compute runs in the phase's dtype.
+The state (params, optimizer state, step, rng) is a NamedTuple; `init_state` and the update
+are pure functions. Params stay float32; compute runs in the phase's dtype.
+
+Shapes: B batch, T tokens per sequence, V vocabulary.
+
+Resuming is exact: the batch of step s is drawn from a numpy Generator seeded with
+(seed, s), so the data position is the step; the train state is restored bit for bit from
+the newest checkpoint (`attnprec.checkpointing`); and the update is deterministic. Training
+2N steps straight or N steps, killed, then N more, gives the same params bit for bit.
 """
+import dataclasses
 import functools
+import json
 import time
 from typing import NamedTuple, Optional
 
@@ -14,28 +23,37 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from attnprec import checkpointing, plotting, runs, sharding
 from attnprec import model as model_lib
-from attnprec import runs
 from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+from attnprec.faults import Faults, fault_injection
 from attnprec.precision import Precision
 
 
+class NonFiniteError(UserError):
+  """The loss or gradient norm of a step was NaN or infinite (runners exit with 2)."""
+
+
 class TrainState(NamedTuple):
-  params: dict
-  opt_state: optax.OptState
-  step: jax.Array
+  params: dict               # {module: {name: float32 array}}
+  opt_state: optax.OptState  # moments shaped (and sharded) like params
+  step: jax.Array            # int32 []: updates applied = batches consumed
+  rng: jax.Array             # uint32 [2]: key for stochastic ops (the model has none yet)
 
 
 @gin.configurable("optimizer")
 def make_optimizer(*, learning_rate: float = 3e-3, warmup_steps: int = 100,
-                   total_steps: int = 1000, weight_decay: float = 0.01,
-                   clip_norm: float = 1.0, b2: float = 0.98) -> optax.GradientTransformation:
-  """AdamW with linear warmup + cosine decay and global-norm clipping."""
+                   total_steps: int = 1000, end_value_ratio: float = 0.1,
+                   weight_decay: float = 0.01, clip_norm: float = 1.0, b1: float = 0.9,
+                   b2: float = 0.98, eps: float = 1e-8) -> optax.GradientTransformation:
+  """AdamW with linear warmup + cosine decay (to end_value_ratio x peak) and global-norm
+  clipping. `total_steps` is set by the train loop to `train.steps`."""
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1),
-      end_value=learning_rate * 0.1)
+      end_value=learning_rate * end_value_ratio)
   return optax.chain(optax.clip_by_global_norm(clip_norm),
-                     optax.adamw(schedule, b2=b2, weight_decay=weight_decay))
+                     optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
 
 
 def loss_fn(params, tokens_BxT, loss_mask_BxT, *, config: ModelConfig, precision: Precision):
@@ -53,69 +71,207 @@ def loss_fn(params, tokens_BxT, loss_mask_BxT, *, config: ModelConfig, precision
 
 
 def init_state(config: ModelConfig, optimizer, seed: int) -> TrainState:
-  params = model_lib.init_params(config, jax.random.PRNGKey(seed))
-  return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+  init_rng, rng = jax.random.split(jax.random.PRNGKey(seed))
+  params = model_lib.init_params(config, init_rng)
+  return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32), rng)
 
 
-def make_update(config: ModelConfig, precision: Precision, optimizer):
-  """The jitted train step: (state, tokens, mask) -> (state, metrics)."""
+def batch_rng(seed: int, step: int) -> np.random.Generator:
+  """The Generator that draws the training batch of `step` (0-based): position = step."""
+  return np.random.default_rng([seed, 0, step])
 
-  @jax.jit
+
+def eval_rng(seed: int) -> np.random.Generator:
+  """The Generator of the held-out eval batch (a stream no training step uses)."""
+  return np.random.default_rng([seed, 1])
+
+
+def make_update(config: ModelConfig, precision: Precision, optimizer, *,
+                skip_nonfinite: bool = False, faults: Optional[Faults] = None):
+  """The jitted train step: (state, tokens_BxT, mask_BxT) -> (state, metrics).
+
+  metrics: loss, accuracy, grad_norm and `finite` (loss and grad norm both finite). With
+  `skip_nonfinite`, a non-finite step leaves params and optimizer state unchanged (a
+  select inside the program); step and data position still advance.
+  """
+  base_loss = functools.partial(loss_fn, config=config, precision=precision)
+  faults = faults or Faults()
+
   def update(state: TrainState, tokens_BxT, loss_mask_BxT):
-    grads, metrics = jax.grad(
-        functools.partial(loss_fn, config=config, precision=precision), has_aux=True)(
-            state.params, tokens_BxT, loss_mask_BxT)
+    hit = (state.step + 1 == faults.nonfinite_at_step
+           if faults.nonfinite_at_step is not None else None)
+    loss = base_loss
+    if hit is not None and faults.nonfinite_metric == "loss":
+      def loss(params, *args):  # test-only: a NaN loss (and NaN gradients) at one step
+        value, aux = base_loss(params, *args)
+        value = value * jnp.where(hit, jnp.nan, 1.0)
+        return value, dict(aux, loss=value)
+    grads, metrics = jax.grad(loss, has_aux=True)(state.params, tokens_BxT, loss_mask_BxT)
+    if hit is not None and faults.nonfinite_metric == "grad_norm":
+      grads = jax.tree.map(lambda g: g * jnp.where(hit, jnp.inf, 1.0), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics["grad_norm"] = optax.tree.norm(grads)
-    return TrainState(params, opt_state, state.step + 1), metrics
+    metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    if skip_nonfinite:
+      params, opt_state = jax.tree.map(
+          lambda new, old: jnp.where(metrics["finite"], new, old),
+          (params, opt_state), (state.params, state.opt_state))
+    return TrainState(params, opt_state, state.step + 1, state.rng), metrics
 
-  return update
+  return jax.jit(update)
 
 
-@gin.configurable("train", denylist=["config", "precision", "task", "run_dir"])
+def nonfinite_error(step: int, metrics: dict, ckpt: checkpointing.Checkpointer) -> UserError:
+  """The message for a non-finite step: which step, which metric, where to resume."""
+  loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
+  name, value = ("loss", loss) if not np.isfinite(loss) else ("grad_norm", gnorm)
+  last = ckpt.latest_step()
+  where = (f"The last good checkpoint is step {last} in {ckpt.directory}; training again "
+           f"with the same --run_dir resumes from it." if last is not None else
+           "No checkpoint was written before it.")
+  return NonFiniteError(
+      f"Training stopped at step {step}: {name} is {value} (loss={loss}, grad_norm={gnorm}). "
+      f"{where} Lower optimizer.learning_rate, or set train.skip_nonfinite_steps = True "
+      f"to skip such steps (params and optimizer state then stay unchanged).")
+
+
+def describe_task(task) -> dict:
+  """The task as JSON data (what checkpoints record; compared on resume)."""
+  desc = task.describe() if hasattr(task, "describe") else dataclasses.asdict(task)
+  return json.loads(json.dumps(desc))
+
+
+@gin.configurable("train", denylist=["config", "precision", "task", "run_dir", "files"])
 def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
-          steps: int = 600, batch_size: int = 64, seed: int = 0, log_every: int = 25,
-          eval_every: int = 200, eval_batch: int = 256, target_accuracy: Optional[float] = None,
+          files: Optional[dict] = None, steps: int = 600, batch_size: int = 64, seed: int = 0,
+          log_every: int = 25, eval_every: int = 200, eval_batch: int = 256,
+          target_accuracy: Optional[float] = None, checkpoint_every: int = 100,
+          keep_checkpoints: int = 3, skip_nonfinite_steps: bool = False, plot: bool = True,
           progress: bool = True) -> dict:
-  """Trains `config` on `task` (a recall-like task with train_batch/eval) into `run_dir`.
+  """Trains `config` on `task` into `run_dir`, resuming from its newest checkpoint.
 
-  Writes model.json, metrics.jsonl, operative_config.gin (after the first step) and
-  params.npz. Stops early once held-out token accuracy reaches `target_accuracy`.
-  Returns the last metrics.
+  `task` has train_batch(rng, batch) -> (tokens_BxT int32, loss_mask_BxT float32) and
+  optionally eval_batch (held-out data; else train_batch on an unused stream).
+  Writes model.json and `files` ({name: JSON object}, e.g. task.json) once the resume
+  checks pass, metrics.jsonl every `log_every` steps (eval every `eval_every`),
+  operative_config.gin after the first step, checkpoints every `checkpoint_every` steps
+  (the last `keep_checkpoints` kept), and at the end params.npz and metrics.png. Stops
+  early once held-out token accuracy reaches `target_accuracy`. A non-finite loss or
+  gradient norm stops training with NonFiniteError (or is skipped, with
+  `skip_nonfinite_steps`). Returns the last metrics.
   """
+  runs.check_writable(run_dir)
+  faults = fault_injection()   # test-only; nothing bound in shipped gin files
+  mesh = sharding.make_mesh()
+  sharding.check(mesh, config, [("train.batch_size", batch_size),
+                                ("train.eval_batch", eval_batch)])
   optimizer = make_optimizer(total_steps=steps)
-  state = init_state(config, optimizer, seed)
-  update = make_update(config, precision, optimizer)
-  eval_loss = jax.jit(functools.partial(loss_fn, config=config, precision=precision))
-  data_rng = np.random.default_rng(seed)
-  eval_tokens, eval_mask = task.train_batch(np.random.default_rng(seed + 10_000), eval_batch)
-  runs.write_json(run_dir, "model.json", runs.config_dict(config))
-
+  abstract = jax.eval_shape(lambda: init_state(config, optimizer, seed))
+  state_sh = sharding.tree_shardings(abstract, abstract.params, config, mesh)
+  ckpt = checkpointing.Checkpointer(run_dir, keep=keep_checkpoints, fault=faults)
+  restored = ckpt.restore_latest(jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      abstract, state_sh)._asdict())
+  task_desc = describe_task(task)
+  if restored is None:
+    state, meta = jax.jit(lambda: init_state(config, optimizer, seed),
+                          out_shardings=state_sh)(), {}
+  else:
+    state, meta = TrainState(**restored[0]), restored[1]
+    _report_resume(meta, seed=seed, batch_size=batch_size, task=task_desc)
+  main = jax.process_index() == 0
+  if main:
+    runs.write_json(run_dir, runs.MODEL_FILE, runs.config_dict(config))
+    for name, obj in (files or {}).items():
+      runs.write_json(run_dir, name, obj)
+  start = int(state.step)
   metrics_log = runs.MetricsWriter(run_dir)
-  bar = tqdm(range(steps), desc="train", disable=not progress, dynamic_ncols=True)
-  last, t0, tokens_seen = {}, time.perf_counter(), 0
-  for step in bar:
-    tokens_BxT, mask_BxT = task.train_batch(data_rng, batch_size)
-    state, metrics = update(state, tokens_BxT, mask_BxT)
-    tokens_seen += tokens_BxT.size
-    if step == 0:
-      runs.write_operative_config(run_dir)
-    do_eval = (step + 1) % eval_every == 0 or step + 1 == steps
-    if (step + 1) % log_every == 0 or do_eval:
-      last = {k: float(v) for k, v in metrics.items()}
-      last.update(step=step + 1, tokens_per_s=tokens_seen / (time.perf_counter() - t0))
-      if do_eval:
-        _, ev = eval_loss(state.params, eval_tokens, eval_mask)
-        last.update({f"eval_{k}": float(v) for k, v in ev.items()})
-      metrics_log.write(last)
-      bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['accuracy']:.3f}",
-                      tok_s=f"{last['tokens_per_s']:.0f}")
-      if (target_accuracy is not None and "eval_accuracy" in last
-          and last["eval_accuracy"] >= target_accuracy):
+  if main:
+    metrics_log.rewind(start)
+  done = start >= steps or (meta.get("target_reached") and target_accuracy is not None)
+  if done:
+    print(f"{run_dir} is already trained to step {start}; nothing to do.")
+
+  update = jax.jit(make_update(config, precision, optimizer,
+                               skip_nonfinite=skip_nonfinite_steps, faults=faults),
+                   out_shardings=(state_sh, sharding.NamedSharding(mesh, sharding.P())),
+                   donate_argnums=0)
+  eval_loss = jax.jit(functools.partial(loss_fn, config=config, precision=precision))
+  draw_eval = getattr(task, "eval_batch", task.train_batch)
+  eval_data = [sharding.put_batch(mesh, x) for x in draw_eval(eval_rng(seed), eval_batch)]
+
+  def checkpoint_meta(n: int, last: dict, reached: bool) -> dict:
+    return {"step": n, "data_position": n, "seed": seed, "batch_size": batch_size,
+            "model": runs.config_dict(config), "task": task_desc,
+            "mesh": [mesh.shape["data"], mesh.shape["model"]],
+            "eval_accuracy": last.get("eval_accuracy"), "target_reached": reached}
+
+  bar = tqdm(total=steps, initial=start, desc="train", disable=not progress or not main,
+             dynamic_ncols=True)
+  last, t0, tokens_seen, skipped = {}, time.perf_counter(), 0, 0
+  with jax.set_mesh(mesh):
+    for step in range(start, steps if not done else start):
+      n = step + 1
+      tokens_BxT, mask_BxT = task.train_batch(batch_rng(seed, step), batch_size)
+      state, metrics = update(state, sharding.put_batch(mesh, tokens_BxT),
+                              sharding.put_batch(mesh, mask_BxT))
+      if not bool(metrics["finite"]):
+        if not skip_nonfinite_steps:
+          bar.close()
+          raise nonfinite_error(n, metrics, ckpt)
+        skipped += 1
+        bar.write(f"step {n}: loss={float(metrics['loss'])} grad_norm="
+                  f"{float(metrics['grad_norm'])} not finite; step skipped (params unchanged).")
+      tokens_seen += tokens_BxT.size
+      if step == start and main:
+        runs.write_operative_config(run_dir)
+      do_eval = n % eval_every == 0 or n == steps
+      reached = False
+      if n % log_every == 0 or do_eval:
+        last = {k: float(v) for k, v in metrics.items() if k != "finite"}
+        last.update(step=n, skipped_steps=skipped,
+                    tokens_per_s=tokens_seen / (time.perf_counter() - t0))
+        if do_eval:
+          _, ev = eval_loss(state.params, *eval_data)
+          last.update({f"eval_{k}": float(v) for k, v in ev.items()})
+          reached = (target_accuracy is not None
+                     and last["eval_accuracy"] >= target_accuracy)
+        if main:
+          metrics_log.write(last)
+        bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['accuracy']:.3f}",
+                        tok_s=f"{last['tokens_per_s']:.0f}")
+      if n % checkpoint_every == 0 or n == steps or reached:
+        ckpt.save(state._asdict(), checkpoint_meta(n, last, reached))
+      bar.update(1)
+      if faults.pause_after_step == n:
+        faults.pause(f"after step {n}")
+      if reached:
         bar.write(f"eval accuracy {last['eval_accuracy']:.4f} >= target "
-                  f"{target_accuracy} at step {step + 1}; stopping.")
+                  f"{target_accuracy} at step {n}; stopping.")
         break
   bar.close()
-  runs.save_params(run_dir, jax.device_get(state.params))
+  ckpt.close()
+  params = _host_params(state.params)
+  if main:
+    runs.save_params(run_dir, params)
+    if plot:
+      plotting.plot_run(run_dir)
   return last
+
+
+def _report_resume(meta: dict, **now) -> None:
+  """Says where training resumes and which data-stream settings changed since."""
+  print(f"resuming from checkpoint step {meta['step']} (data position {meta['data_position']})")
+  for key, value in now.items():
+    if key in meta and meta[key] != value:
+      print(f"note: {key} changed since the checkpoint ({meta[key]!r} -> {value!r}); the "
+            f"data stream continues at step {meta['step']} with the new value.")
+
+
+def _host_params(params):
+  """Device params -> numpy on every process (gathered across hosts if needed)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(params, tiled=True)
+  return jax.device_get(params)

@@ -1,21 +1,24 @@
 """Train a model: `python runners/train.py --gin_file=gin/experiments/recall.gin [...]`.
 
-Composes gin files (gin/runs/train.gin first), enters the `train` phase scope for the
-precision, and runs the configured train job into --run_dir.
+Composes gin files (gin/runs/train.gin first), initializes multi-host JAX when
+`distributed.coordinator_address` is bound, enters the `train` phase scope for the
+precision, and runs the configured train job (`train_job.job`, default @train_recall)
+into --run_dir. An existing --run_dir resumes from its newest checkpoint.
 """
 import sys
 
-from attnprec import cli, ginutils
+from attnprec import cli, ginutils, sharding
 from attnprec.config import model_config
-from attnprec.jobs import train_recall
+from attnprec.jobs import train_job
 from attnprec.precision import phase_precision
 
 
 def run(run_dir: str):
+  ginutils.call(sharding.initialize_distributed)  # before anything touches a device
   config = ginutils.call(model_config)
   with ginutils.phase("train"):
     precision = ginutils.call(phase_precision)
-  return ginutils.call(train_recall, config=config, precision=precision, run_dir=run_dir)
+  return ginutils.call(train_job, config=config, precision=precision, run_dir=run_dir)
 
 
 if __name__ == "__main__":

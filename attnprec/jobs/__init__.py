@@ -2,6 +2,7 @@
 from attnprec.jobs.generate_text import generate_text  # noqa: F401
 from attnprec.jobs.recall_eval import recall_eval  # noqa: F401
 from attnprec.jobs.train_recall import train_recall  # noqa: F401
+from attnprec.jobs.train_text import train_text  # noqa: F401
 
 import gin
 
@@ -11,3 +12,10 @@ def decode_job(*, precision, run_dir: str, job=gin.REQUIRED):
   """Runs the decode job that `decode.job` names (e.g. @recall_eval) with the decode
   phase's precision."""
   return job(precision=precision, run_dir=run_dir)
+
+
+@gin.configurable("train_job", denylist=["config", "precision", "run_dir"])
+def train_job(*, config, precision, run_dir: str, job=train_recall):
+  """Runs the train job that `train_job.job` names (@train_recall by default, or
+  @train_text) with the train phase's precision."""
+  return job(config=config, precision=precision, run_dir=run_dir)

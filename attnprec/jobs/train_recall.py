@@ -3,7 +3,6 @@ import dataclasses
 
 import gin
 
-from attnprec import runs
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.precision import Precision
@@ -18,9 +17,9 @@ def train_recall(*, config: ModelConfig, precision: Precision, run_dir: str,
     raise UserError(f"model.vocab_size={config.vocab_size} does not match the recall task's "
                     f"vocabulary ({task.vocab_size} = 2 + recall.num_keys + "
                     f"recall.value_vocab); set model.vocab_size = {task.vocab_size}.")
-  runs.ensure_dir(run_dir)
-  runs.write_json(run_dir, "task.json", dataclasses.asdict(task))
   print(f"training {config.num_layers} layers, d={config.d_model}, on recall with "
         f"{task.num_pairs} pairs ({task.seq_len} tokens); train precision: "
         f"{precision.describe()}")
-  return train(config=config, precision=precision, task=task, run_dir=run_dir)
+  # task.json (what the decode job reads) is written by `train` once resume checks pass.
+  return train(config=config, precision=precision, task=task, run_dir=run_dir,
+               files={"task.json": dataclasses.asdict(task)})

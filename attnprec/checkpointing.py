@@ -1,0 +1,176 @@
+"""Training checkpoints (orbax): atomic, the last K kept, resumed exactly.
+
+Layout: run_dir/checkpoints/<step>/
+  state/  the train state as a pytree: params (float32), optimizer state, step, rng;
+          sharded arrays are written shard by shard and restored onto the current mesh
+  meta/   JSON: step, data_position (= batches consumed; each step's batch is derived from
+          (seed, step), so this is all the data stream needs), seed, batch_size, model
+          config, task description, mesh shape.
+
+Atomicity: orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to
+`<step>` only once everything is written; a save killed half-way leaves just the tmp
+directory, which the step listing ignores and the next save of that step replaces.
+
+Restoring checks the checkpoint's leaf shapes and dtypes against the model being trained
+(a mismatch is a UserError naming the leaves: nothing is overwritten). A checkpoint that
+cannot be read is moved aside to `<step>.unreadable` (kept, never deleted) and the previous
+one is used instead, with a message saying so.
+"""
+import asyncio
+import os
+from typing import List, Optional, Tuple
+
+import jax
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from attnprec.errors import UserError
+from attnprec import faults
+from attnprec.faults import Faults
+
+SUBDIR = "checkpoints"
+
+
+class _PauseHandler(ocp.handlers.JsonCheckpointHandler):
+  """Test-only item (fault_injection.pause_in_save_at_step): once the other items of a
+  save have started writing, announce and sleep, so a test can kill the save mid-way."""
+
+  async def async_save(self, directory, item=None, args=None):
+    out = await super().async_save(directory, item, args)
+    pause = (args.item if args is not None else item) or {}
+    if pause.get("pause_s"):
+      faults.announce(pause.get("marker", ""), "in checkpoint save")
+      await asyncio.sleep(pause["pause_s"])   # lets the state item keep writing meanwhile
+    return out
+
+
+@ocp.args.register_with_handler(_PauseHandler, for_save=True)
+class _PauseSave(ocp.args.JsonSave):
+  pass
+
+
+@ocp.args.register_with_handler(_PauseHandler, for_restore=True)
+class _PauseRestore(ocp.args.JsonRestore):
+  pass
+
+
+def leaf_name(path) -> str:
+  """'params/decoder/layer_0/attn/q/w' for a key path, whatever the container types."""
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                  for k in path)
+
+
+def leaf_table(tree) -> dict:
+  """{leaf name: (shape, dtype name)} for arrays, shape structs or orbax metadata."""
+  return {leaf_name(p): (tuple(x.shape), str(x.dtype))
+          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def differing_leaves(saved: dict, expected: dict) -> List[str]:
+  """Human-readable lines for every leaf that is missing, extra or differs (params first)."""
+  out = []
+  names = set(saved) | set(expected)
+  for name in sorted(names, key=lambda n: (not n.startswith("params/"), n)):
+    s, e = saved.get(name), expected.get(name)
+    if s == e:
+      continue
+    fmt = lambda v: "absent" if v is None else f"{v[0]} {v[1]}"  # noqa: E731
+    out.append(f"{name}: checkpoint {fmt(s)}, now {fmt(e)}")
+  return out
+
+
+class Checkpointer:
+  """Saves and restores `{params, opt_state, step, rng}` dicts under run_dir/checkpoints."""
+
+  def __init__(self, run_dir: str, *, keep: int, fault: Optional[Faults] = None):
+    self.directory = os.path.abspath(os.path.join(run_dir, SUBDIR))
+    self.fault = fault or Faults()
+    self._keep = keep
+    self._manager = self._open()
+
+  def _open(self) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=True,
+                                           enable_async_checkpointing=False)
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
+      registry.add("state", args)
+    for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
+      registry.add("meta", args)
+    return ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+
+  def latest_step(self) -> Optional[int]:
+    return self._manager.latest_step()
+
+  def save(self, state: dict, meta: dict) -> None:
+    """Writes step meta['step'] (blocking; atomic) and prunes to the last `keep`."""
+    step = int(meta["step"])
+    items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+    if self.fault.pause_in_save_at_step == step:
+      items["pause"] = _PauseSave({"pause_s": self.fault.pause_s, "marker": self.fault.marker})
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    self._manager.wait_until_finished()
+
+  def restore_latest(self, abstract_state: dict) -> Optional[Tuple[dict, dict]]:
+    """(state, meta) of the newest readable checkpoint, or None when there is none.
+
+    `abstract_state` holds jax.ShapeDtypeStruct leaves with the target shardings.
+    Raises UserError if a checkpoint's leaves differ from it (architecture or dtype
+    changed) or if checkpoints exist but none can be read.
+    """
+    expected = leaf_table(abstract_state)
+    unreadable = []
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        metadata = self._manager.item_metadata(step)["state"]
+        if metadata is None:
+          raise ValueError("the state item's metadata is missing")
+        saved = leaf_table(metadata.tree)
+      except Exception as e:  # noqa: BLE001 -- any failure to read means unreadable
+        unreadable.append((step, e))
+        continue
+      diff = differing_leaves(saved, expected)
+      if diff:
+        raise UserError(
+            f"The checkpoint at step {step} in {self.directory} was written for a different "
+            f"architecture or parameter dtype; {len(diff)} leaf/leaves differ: "
+            f"{'; '.join(diff[:8])}{'; ...' if len(diff) > 8 else ''}. Restore the original "
+            f"model settings to resume, or train into a new --run_dir. Nothing was changed.")
+      try:
+        got = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+      except Exception as e:  # noqa: BLE001
+        unreadable.append((step, e))
+        continue
+      self._set_aside(unreadable, fallback=step)
+      return got.state, got.meta
+    if unreadable:
+      listed = "; ".join(f"step {s}: {_short(e)}" for s, e in unreadable)
+      raise UserError(f"No readable checkpoint in {self.directory} ({listed}). Remove the "
+                      f"directory to start over, or train into a new --run_dir.")
+    return None
+
+  def _set_aside(self, unreadable, fallback: int) -> None:
+    """Moves unreadable step directories to `<step>.unreadable[.n]` and says so."""
+    for step, e in unreadable:
+      src = os.path.join(self.directory, str(step))
+      dst, n = src + ".unreadable", 1
+      while os.path.exists(dst):
+        dst, n = f"{src}.unreadable.{n}", n + 1
+      if jax.process_index() == 0:
+        os.rename(src, dst)
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+      print(f"checkpoint at step {step} is unreadable ({_short(e)}); moved it to "
+            f"{os.path.basename(dst)} and resuming from the previous good checkpoint, "
+            f"step {fallback}.")
+    if unreadable:
+      self._manager.close()
+      self._manager = self._open()
+
+  def close(self) -> None:
+    self._manager.close()
+
+
+def _short(e: BaseException) -> str:
+  text = " ".join(str(e).split())
+  return f"{type(e).__name__}: {text[:200]}"

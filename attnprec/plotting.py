@@ -1,0 +1,65 @@
+"""Training curves: run_dir/metrics.jsonl -> run_dir/metrics.png (matplotlib, Agg backend).
+
+Left: train loss (every logged step) and held-out eval loss (every eval). Right: train and
+eval token accuracy. Written at the end of every training run and by `make plot RUN=...`.
+"""
+import json
+import os
+from typing import Dict, List
+
+from attnprec import runs
+from attnprec.errors import UserError
+
+PLOT_FILE = "metrics.png"
+
+
+def read_metrics(run_dir: str) -> List[Dict]:
+  """The records of run_dir/metrics.jsonl (a line cut short by a kill is skipped)."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.isfile(path):
+    raise UserError(f"{run_dir!r} has no metrics.jsonl; train into it first "
+                    f"(make train ARGS=--run_dir={run_dir}).")
+  records = []
+  with open(path) as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  if not records:
+    raise UserError(f"{path} holds no metrics yet (fewer steps than train.log_every?).")
+  return records
+
+
+def _series(records, key):
+  pts = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
+  return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_run(run_dir: str) -> str:
+  """Writes run_dir/metrics.png atomically and returns its path."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  records = read_metrics(run_dir)
+  fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+  for ax, key, label in ((ax_loss, "loss", "loss (nats/token)"),
+                         (ax_acc, "accuracy", "token accuracy")):
+    for prefix, style, name in (("", "-", "train"), ("eval_", "o-", "held-out eval")):
+      steps, values = _series(records, prefix + key)
+      if steps:
+        ax.plot(steps, values, style, label=name, markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    ax.legend()
+  losses = [v for k in ("loss", "eval_loss") for v in _series(records, k)[1] if v and v > 0]
+  if losses and max(losses) / min(losses) > 10:
+    ax_loss.set_yscale("log")   # decades only: long runs span several
+  fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
+  fig.tight_layout()
+  path = os.path.join(run_dir, PLOT_FILE)
+  runs.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100), mode="wb")
+  plt.close(fig)
+  return path

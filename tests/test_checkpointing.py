@@ -1,0 +1,134 @@
+"""Checkpoints: exact resume after real SIGKILLs (one inside a save), atomic saves, the last
+K kept, unreadable checkpoints set aside, and changed architectures refused.
+
+Reference for "exact": the same number of steps trained straight through, compared bit for
+bit (params.npz bytes and every logged loss).
+"""
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from attnprec import checkpointing
+from attnprec.errors import UserError
+from test_train_utils import (assert_bitwise_equal, checkpoint_listing, load_npz,
+                              run_and_kill, run_train, train_in_process)
+
+STEPS8 = ["train.steps = 8", "train.checkpoint_every = 2", "train.keep_checkpoints = 2"]
+
+
+def _losses(run_dir):
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [(r["step"], r["loss"]) for r in map(json.loads, f)]
+
+
+def test_resume_after_sigkill_and_killed_save_is_bit_identical(tmp_path):
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  marker = str(tmp_path / "marker")
+  done = run_train(straight, STEPS8)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert checkpoint_listing(straight) == ["6", "8"]          # keep_checkpoints = 2
+
+  # 1) SIGKILL after step 5: the newest checkpoint is step 4.
+  said = run_and_kill(resumed, STEPS8 + ["fault_injection.pause_after_step = 5"], marker)
+  assert said.startswith("after step 5")
+  assert checkpoint_listing(resumed) == ["2", "4"]
+  # 2) resume from 4, SIGKILL inside the save of step 6 (its files partly written).
+  said = run_and_kill(resumed, STEPS8 + ["fault_injection.pause_in_save_at_step = 6"], marker)
+  assert said.startswith("in checkpoint save")
+  listing = checkpoint_listing(resumed)
+  assert "6" not in listing and any(n.startswith("6.orbax-checkpoint-tmp") for n in listing)
+  assert checkpointing.Checkpointer(str(resumed), keep=2).latest_step() == 4
+  # 3) resume from 4 again (the half-written step 6 is ignored) and finish.
+  done = run_train(resumed, STEPS8)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "resuming from checkpoint step 4" in done.stdout
+
+  assert_bitwise_equal(load_npz(straight / "params.npz"), load_npz(resumed / "params.npz"))
+  assert _losses(resumed) == _losses(straight)                # each step once, same loss
+  assert [s for s, _ in _losses(resumed)] == list(range(1, 9))
+  assert checkpoint_listing(resumed) == ["6", "8"]
+  for name in ("model.json", "task.json"):
+    assert (resumed / name).read_text() == (straight / name).read_text()
+
+
+def _corrupt(step_dir):
+  with open(os.path.join(step_dir, "state", "manifest.ocdbt"), "wb") as f:
+    f.write(b"not a manifest")
+
+
+def test_unreadable_checkpoint_falls_back_to_previous(tmp_path, capsys):
+  straight, run = tmp_path / "straight", tmp_path / "run"
+  train_in_process(straight, ["train.steps = 6", "train.checkpoint_every = 2"])
+  train_in_process(run, ["train.steps = 4", "train.checkpoint_every = 2"])
+  _corrupt(run / "checkpoints" / "4")
+  capsys.readouterr()
+  train_in_process(run, ["train.steps = 6", "train.checkpoint_every = 2"])
+  out = capsys.readouterr().out
+  assert "checkpoint at step 4 is unreadable" in out and "step 2" in out
+  assert "resuming from checkpoint step 2" in out
+  assert "4.unreadable" in checkpoint_listing(run)               # kept, not deleted
+  assert_bitwise_equal(load_npz(straight / "params.npz"), load_npz(run / "params.npz"))
+
+
+def test_no_readable_checkpoint_is_a_user_error(tmp_path):
+  run = tmp_path / "run"
+  train_in_process(run, ["train.steps = 2", "train.checkpoint_every = 2"])
+  shutil.rmtree(run / "checkpoints" / "2" / "state")
+  before = checkpoint_listing(run)
+  with pytest.raises(UserError, match=r"No readable checkpoint.*step 2"):
+    train_in_process(run, ["train.steps = 4"])
+  assert checkpoint_listing(run) == before                       # nothing moved or lost
+
+
+def test_changed_architecture_names_the_leaves(tmp_path):
+  run = tmp_path / "run"
+  train_in_process(run, ["train.steps = 2"])
+  model_json = (run / "model.json").read_text()
+  with pytest.raises(UserError, match=r"step 2.*params/decoder/layer_0/mlp/up/w: checkpoint "
+                                      r"\(32, 64\) float32, now \(32, 96\) float32"):
+    train_in_process(run, ["train.steps = 4", "model.mlp_hidden = 96"])
+  assert (run / "model.json").read_text() == model_json          # nothing overwritten
+  assert checkpoint_listing(run) == ["2"]
+
+
+def test_changed_param_dtype_names_the_leaves(tmp_path):
+  """A checkpoint whose params are bfloat16 (written directly) is refused by name."""
+  run = tmp_path / "run"
+  train_in_process(run, ["train.steps = 2"])
+  ckpt = checkpointing.Checkpointer(str(run), keep=3)
+  state = _restore_raw(run)
+  state["params"] = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state["params"])
+  ckpt.save(state, {"step": 3, "data_position": 3})
+  ckpt.close()
+  with pytest.raises(UserError, match=r"step 3.*params/decoder/embed/embeddings: checkpoint "
+                                      r"\(18, 32\) bfloat16, now \(18, 32\) float32"):
+    train_in_process(run, ["train.steps = 4"])
+
+
+def _restore_raw(run) -> dict:
+  import orbax.checkpoint as ocp
+  with ocp.CheckpointManager(os.path.join(run, "checkpoints")) as m:
+    return dict(m.restore(m.latest_step(), args=ocp.args.Composite(
+        state=ocp.args.StandardRestore())).state)
+
+
+def test_unwritable_run_dir_is_a_user_error(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("x")
+  with pytest.raises(UserError, match="run directory"):
+    train_in_process(blocker / "run", ["train.steps = 1"])
+  assert blocker.read_text() == "x"
+
+
+def test_finished_run_is_not_retrained(tmp_path, capsys):
+  run = tmp_path / "run"
+  train_in_process(run, ["train.steps = 2"])
+  params = load_npz(run / "params.npz")
+  capsys.readouterr()
+  train_in_process(run, ["train.steps = 2"])
+  assert "already trained to step 2" in capsys.readouterr().out
+  assert_bitwise_equal(params, load_npz(run / "params.npz"))
