@@ -17,6 +17,7 @@ from attnprec.errors import UserError
 from test_train_utils import (assert_bitwise_equal, checkpoint_listing, load_npz,
                               run_and_kill, run_train, train_in_process)
 
+STEPS4 = ["train.steps = 4", "train.checkpoint_every = 2"]
 STEPS8 = ["train.steps = 8", "train.checkpoint_every = 2", "train.keep_checkpoints = 2"]
 
 
@@ -61,52 +62,56 @@ def _corrupt(step_dir):
 
 
 def test_unreadable_checkpoint_falls_back_to_previous(tmp_path, capsys):
-  straight, run = tmp_path / "straight", tmp_path / "run"
-  train_in_process(straight, ["train.steps = 6", "train.checkpoint_every = 2"])
-  train_in_process(run, ["train.steps = 4", "train.checkpoint_every = 2"])
+  """Corrupt the newest checkpoint of a finished 4-step run, train again: it resumes from
+  step 2 and ends bit-identical to the uninterrupted run."""
+  run = tmp_path / "run"
+  train_in_process(run, STEPS4)
+  straight = load_npz(run / "params.npz")
+  os.remove(run / "params.npz")
   _corrupt(run / "checkpoints" / "4")
   capsys.readouterr()
-  train_in_process(run, ["train.steps = 6", "train.checkpoint_every = 2"])
+  train_in_process(run, STEPS4)
   out = capsys.readouterr().out
   assert "checkpoint at step 4 is unreadable" in out and "step 2" in out
   assert "resuming from checkpoint step 2" in out
-  assert "4.unreadable" in checkpoint_listing(run)               # kept, not deleted
-  assert_bitwise_equal(load_npz(straight / "params.npz"), load_npz(run / "params.npz"))
+  assert sorted(checkpoint_listing(run)) == ["2", "4", "4.unreadable"]  # kept, not deleted
+  assert_bitwise_equal(straight, load_npz(run / "params.npz"))
 
 
 def test_no_readable_checkpoint_is_a_user_error(tmp_path):
   run = tmp_path / "run"
-  train_in_process(run, ["train.steps = 2", "train.checkpoint_every = 2"])
+  train_in_process(run, STEPS4)
   shutil.rmtree(run / "checkpoints" / "2" / "state")
+  _corrupt(run / "checkpoints" / "4")
   before = checkpoint_listing(run)
-  with pytest.raises(UserError, match=r"No readable checkpoint.*step 2"):
-    train_in_process(run, ["train.steps = 4"])
+  with pytest.raises(UserError, match=r"No readable checkpoint.*step 4.*step 2"):
+    train_in_process(run, STEPS4)
   assert checkpoint_listing(run) == before                       # nothing moved or lost
 
 
 def test_changed_architecture_names_the_leaves(tmp_path):
   run = tmp_path / "run"
-  train_in_process(run, ["train.steps = 2"])
+  train_in_process(run, STEPS4)
   model_json = (run / "model.json").read_text()
-  with pytest.raises(UserError, match=r"step 2.*params/decoder/layer_0/mlp/up/w: checkpoint "
-                                      r"\(32, 64\) float32, now \(32, 96\) float32"):
-    train_in_process(run, ["train.steps = 4", "model.mlp_hidden = 96"])
+  with pytest.raises(UserError, match=r"step 4.*params/decoder/layer_0/mlp/down/w: checkpoint "
+                                      r"\(64, 32\) float32, now \(96, 32\) float32"):
+    train_in_process(run, STEPS4 + ["model.mlp_hidden = 96"])
   assert (run / "model.json").read_text() == model_json          # nothing overwritten
-  assert checkpoint_listing(run) == ["2"]
+  assert checkpoint_listing(run) == ["2", "4"]
 
 
 def test_changed_param_dtype_names_the_leaves(tmp_path):
   """A checkpoint whose params are bfloat16 (written directly) is refused by name."""
   run = tmp_path / "run"
-  train_in_process(run, ["train.steps = 2"])
+  train_in_process(run, STEPS4)
   ckpt = checkpointing.Checkpointer(str(run), keep=3)
   state = _restore_raw(run)
   state["params"] = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state["params"])
-  ckpt.save(state, {"step": 3, "data_position": 3})
+  ckpt.save(state, {"step": 5, "data_position": 5})
   ckpt.close()
-  with pytest.raises(UserError, match=r"step 3.*params/decoder/embed/embeddings: checkpoint "
+  with pytest.raises(UserError, match=r"step 5.*params/decoder/embed/embeddings: checkpoint "
                                       r"\(18, 32\) bfloat16, now \(18, 32\) float32"):
-    train_in_process(run, ["train.steps = 4"])
+    train_in_process(run, ["train.steps = 8"])
 
 
 def _restore_raw(run) -> dict:
@@ -126,9 +131,9 @@ def test_unwritable_run_dir_is_a_user_error(tmp_path):
 
 def test_finished_run_is_not_retrained(tmp_path, capsys):
   run = tmp_path / "run"
-  train_in_process(run, ["train.steps = 2"])
+  train_in_process(run, STEPS4)
   params = load_npz(run / "params.npz")
   capsys.readouterr()
-  train_in_process(run, ["train.steps = 2"])
-  assert "already trained to step 2" in capsys.readouterr().out
+  train_in_process(run, STEPS4)
+  assert "already trained to step 4" in capsys.readouterr().out
   assert_bitwise_equal(params, load_npz(run / "params.npz"))

@@ -1,0 +1,144 @@
+"""The train loop: NaN/Inf guard (stop or skip), optimizer bindings, metrics, eval, plots."""
+import json
+import os
+import subprocess
+import sys
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnprec import ginutils, train
+from attnprec.config import ModelConfig
+from attnprec.faults import Faults
+from attnprec.precision import Precision
+from attnprec.tasks.recall import RecallTask
+from test_train_utils import (REPO, assert_bitwise_equal, checkpoint_listing, load_npz,
+                              run_train, train_in_process)
+
+CONFIG = ModelConfig(vocab_size=18, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                     head_dim=16, mlp_hidden=64, max_seq_len=64)
+TASK = RecallTask(num_keys=8, value_vocab=8, value_len=1, num_pairs=4, num_queries=4)
+
+
+def _batch(step=0):
+  return TASK.train_batch(train.batch_rng(0, step), 8)
+
+
+def _init(optimizer):
+  return jax.jit(lambda: train.init_state(CONFIG, optimizer, 0))()
+
+
+def _tree_bytes_equal(a, b) -> bool:
+  return all(x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("metric", ["loss", "grad_norm"])
+def test_skipped_nonfinite_step_leaves_params_and_opt_state_unchanged(metric):
+  optimizer = train.make_optimizer(total_steps=10, warmup_steps=1)
+  state0 = _init(optimizer)
+  update = train.make_update(CONFIG, Precision(), optimizer, skip_nonfinite=True,
+                             faults=Faults(nonfinite_at_step=1, nonfinite_metric=metric))
+  state1, m1 = update(state0, *_batch(0))
+  assert not bool(m1["finite"]) and not np.isfinite(float(m1[metric]))
+  assert _tree_bytes_equal(state1.params, state0.params)
+  assert _tree_bytes_equal(state1.opt_state, state0.opt_state)
+  assert int(state1.step) == 1                                # data position still advances
+  state2, m2 = update(state1, *_batch(1))                     # the next step trains normally
+  assert bool(m2["finite"]) and not _tree_bytes_equal(state2.opt_state, state1.opt_state)
+
+
+def test_nonfinite_loss_stops_naming_step_and_metric(tmp_path):
+  run = tmp_path / "run"
+  bindings = ["train.steps = 4", "train.checkpoint_every = 2",
+              "fault_injection.nonfinite_at_step = 3"]
+  with pytest.raises(train.NonFiniteError, match=r"step 3: loss is nan.*last good "
+                                                 r"checkpoint is step 2"):
+    train_in_process(run, bindings)
+  assert checkpoint_listing(run) == ["2"]                     # the good one is kept
+  assert not (run / "params.npz").exists()
+
+
+def test_nonfinite_grad_norm_is_named(tmp_path):
+  bindings = ["train.steps = 4", "fault_injection.nonfinite_at_step = 3",
+              "fault_injection.nonfinite_metric = 'grad_norm'"]
+  with pytest.raises(train.NonFiniteError, match=r"step 3: grad_norm is (inf|nan)"):
+    train_in_process(tmp_path / "run", bindings)
+
+
+def test_skip_nonfinite_steps_finishes_and_counts(tmp_path):
+  run = tmp_path / "run"
+  train_in_process(run, ["train.steps = 4", "train.skip_nonfinite_steps = True",
+                         "fault_injection.nonfinite_at_step = 3"])
+  records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+  assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1]
+  assert all(np.isfinite(v).all() for v in load_npz(run / "params.npz").values())
+
+
+def test_runner_exits_2_on_nonfinite_loss(tmp_path):
+  done = run_train(tmp_path / "run", ["train.steps = 4", "train.checkpoint_every = 2",
+                                      "fault_injection.nonfinite_at_step = 3"])
+  assert done.returncode == 2
+  assert "train: error: Training stopped at step 3: loss is nan" in done.stderr
+  assert "Traceback" not in done.stderr
+
+
+def _two_steps(optimizer, precision):
+  update = train.make_update(CONFIG, precision, optimizer)
+  state0 = _init(optimizer)
+  state1, _ = update(state0, *_batch(0))   # the warmup starts at 0: step 1 has lr 0
+  return state0, update(state1, *_batch(1))[0]
+
+
+def test_optimizer_is_bound_by_gin_and_params_stay_float32():
+  ginutils.parse([], ["optimizer.learning_rate = 0.0", "optimizer.warmup_steps = 1"])
+  state0, state2 = _two_steps(train.make_optimizer(total_steps=4), Precision())
+  assert _tree_bytes_equal(state2.params, state0.params)      # learning rate 0: no change
+  gin.clear_config()
+  ginutils.parse([], ["optimizer.warmup_steps = 1"])
+  state0, state2 = _two_steps(train.make_optimizer(total_steps=4), Precision(dtype="bfloat16"))
+  assert not _tree_bytes_equal(state2.params, state0.params)
+  assert {x.dtype for x in jax.tree.leaves(state2.params)} == {jnp.dtype(jnp.float32)}
+
+
+def test_batches_are_a_function_of_seed_and_step():
+  a, b = _batch(5), _batch(5)
+  assert all(np.array_equal(x, y) for x, y in zip(a, b))
+  assert not np.array_equal(_batch(6)[0], a[0])
+  assert not np.array_equal(TASK.train_batch(train.eval_rng(0), 8)[0], a[0])
+
+
+def test_metrics_eval_operative_config_and_plot(tmp_path):
+  run = tmp_path / "run"
+  train_in_process(run, ["train.steps = 4", "train.log_every = 2", "train.eval_every = 3",
+                         "train.plot = True"])
+  records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+  assert [r["step"] for r in records] == [2, 3, 4]
+  assert [r["step"] for r in records if "eval_loss" in r] == [3, 4]
+  assert all({"loss", "accuracy", "grad_norm", "tokens_per_s"} <= set(r) for r in records)
+  assert "train.steps = 4" in (run / "operative_config.gin").read_text()
+  png = (run / "metrics.png").read_bytes()
+  assert png.startswith(b"\x89PNG") and len(png) > 10_000
+  os.remove(run / "metrics.png")
+  done = subprocess.run([sys.executable, "runners/plot.py", f"--run_dir={run}"], cwd=REPO,
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0 and (run / "metrics.png").exists()
+  done = subprocess.run([sys.executable, "runners/plot.py", f"--run_dir={tmp_path / 'none'}"],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 2 and "has no metrics.jsonl" in done.stderr
+
+
+def test_early_stop_on_target_is_not_resumed(tmp_path, capsys):
+  run = tmp_path / "run"
+  train_in_process(run, ["train.steps = 4", "train.eval_every = 2",
+                         "train.target_accuracy = 0.0"])
+  assert checkpoint_listing(run) == ["2"]
+  params = load_npz(run / "params.npz")
+  capsys.readouterr()
+  train_in_process(run, ["train.steps = 4", "train.eval_every = 2",
+                         "train.target_accuracy = 0.0"])
+  assert "already trained to step 2" in capsys.readouterr().out
+  assert_bitwise_equal(params, load_npz(run / "params.npz"))
