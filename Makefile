@@ -9,7 +9,7 @@ export XLA_FLAGS := --xla_allow_excess_precision=false $(XLA_FLAGS)
 export PYTHONUNBUFFERED := 1
 
 TRAIN_GIN ?= gin/experiments/recall.gin
-DECODE_GIN ?= gin/experiments/recall.gin
+DECODE_GIN ?= gin/experiments/smollm2.gin
 gin_files = $(foreach f,$(or $(GIN),$(1)),--gin_file=$(f))
 
 .PHONY: setup test train decode clean

@@ -1,0 +1,83 @@
+"""The runners end to end, as a user calls them: outputs on success, exit 2 and one clear
+paragraph (no traceback) on bad input, nothing half-written."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--gin.model.d_model=16", "--gin.model.mlp_hidden=32", "--gin.train.steps=3",
+        "--gin.train.log_every=1", "--gin.train.eval_every=3", "--gin.train.batch_size=4"]
+
+
+def run(script, *args):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "runners", script), *args],
+                        capture_output=True, text=True, cwd=ROOT, timeout=600,
+                        env={**os.environ, "XLA_FLAGS": "--xla_allow_excess_precision=false"})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  run_dir = str(tmp_path_factory.mktemp("train"))
+  proc = run("train.py", "--gin_file=experiments/recall.gin", f"--run_dir={run_dir}", *TINY)
+  assert proc.returncode == 0, proc.stderr
+  return run_dir
+
+
+def test_train_writes_run_directory(trained):
+  for name in ("model.json", "task.json", "params.npz", "metrics.jsonl",
+               "operative_config.gin"):
+    assert os.path.isfile(os.path.join(trained, name)), name
+  with open(os.path.join(trained, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  assert records[-1]["step"] == 3 and "eval_accuracy" in records[-1]
+  with open(os.path.join(trained, "operative_config.gin")) as f:
+    assert "precision.dtype" in f.read()
+
+
+def test_decode_reads_the_train_run_with_decode_precision(trained, tmp_path):
+  proc = run("decode.py", "--gin_file=experiments/recall_bf16.gin",
+             f"--gin.recall_eval.checkpoint={trained}", "--gin.recall_eval.num_prompts=4",
+             "--gin.recall_eval.pair_counts=(4, 8)", "--gin.recall_eval.num_queries=2",
+             "--gin.decode/precision.float32_logits=True", f"--run_dir={tmp_path}")
+  assert proc.returncode == 0, proc.stderr
+  with open(tmp_path / "results.json") as f:
+    results = json.load(f)
+  assert results["precision"]["float32_logits"] is True          # the override
+  assert results["precision"]["float32_qk_product"] is False      # the experiment file
+  assert results["precision"]["dtype"] == "bfloat16"
+  assert [r["pairs"] for r in results["rows"]] == [4, 8]
+  assert "| pairs | context tokens |" in proc.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--gin.train/precision.dtype=float8"], "Invalid dtype 'float8'; valid values are"),
+    (["--gin.nonexistent.x=1"], "No configurable matching 'nonexistent'"),
+    (["--gin.precision.float32_logitz=True"], "doesn't have a parameter named"),
+    (["--gin.model.num_kv_heads=3"], "num_heads=2 is not divisible by model.num_kv_heads=3"),
+    (["--gin_file=experiments/missing.gin"], "Gin file 'experiments/missing.gin' not found"),
+    (["--bogus"], "Unknown argument(s) ['--bogus']"),
+])
+def test_train_bad_input_exit_2(args, needle, tmp_path):
+  run_dir = tmp_path / "run"
+  proc = run("train.py", "--gin_file=experiments/recall.gin", f"--run_dir={run_dir}", *TINY,
+             *args)
+  assert proc.returncode == 2, (proc.returncode, proc.stderr)
+  assert needle in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not (run_dir / "params.npz").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--gin.recall_eval.checkpoint=/nonexistent/run"], "is neither a shipped checkpoint"),
+    (["--gin.recall_eval.pair_counts=()"], "pair_counts is empty"),
+    (["--gin.decode/precision.einsum_precision=fastest"], "Invalid einsum/matmul precision"),
+])
+def test_decode_bad_input_exit_2(args, needle, tmp_path):
+  proc = run("decode.py", "--gin_file=experiments/recall.gin", f"--run_dir={tmp_path}", *args)
+  assert proc.returncode == 2, (proc.returncode, proc.stderr)
+  assert needle in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not (tmp_path / "results.json").exists()
