@@ -41,6 +41,7 @@ def _import_configurables() -> None:
   import attnprec.decoding  # noqa: F401
   import attnprec.jobs  # noqa: F401
   import attnprec.precision  # noqa: F401
+  import attnprec.study.sweep  # noqa: F401
   import attnprec.tasks.recall  # noqa: F401
   import attnprec.train  # noqa: F401
 
@@ -92,7 +93,7 @@ def resolve_file(path: str) -> str:
                     os.path.join(REPO_GIN_DIR, os.path.relpath(path, "gin"))
                     if path.startswith("gin" + os.sep) else None):
     if candidate and os.path.isfile(candidate):
-      return candidate
+      return os.path.abspath(candidate)
   available = sorted(os.path.relpath(os.path.join(d, f), os.path.dirname(REPO_GIN_DIR))
                      for d, _, fs in os.walk(REPO_GIN_DIR) for f in fs if f.endswith(".gin"))
   raise UserError(f"Gin file {path!r} not found. Available gin files: {', '.join(available)}.")

@@ -56,12 +56,12 @@ def evaluate(params, config, task, precision: Precision, pair_counts: Sequence[i
 def recall_eval(*, precision: Precision, run_dir: str, checkpoint: str = "recall-tiny",
                 pair_counts: Sequence[int] = (8, 16, 24, 32), num_prompts: int = 128,
                 num_queries: int = 16, seed: int = 1234) -> dict:
-  ckpt_dir = resolve_checkpoint(checkpoint)
-  config, params = runs.load_checkpoint(ckpt_dir)
-  task = load_task(ckpt_dir)
   if not pair_counts:
     raise UserError("recall_eval.pair_counts is empty; give at least one pair count, "
                     "e.g. (8, 16, 32).")
+  ckpt_dir = resolve_checkpoint(checkpoint)
+  config, params = runs.load_checkpoint(ckpt_dir)
+  task = load_task(ckpt_dir)
   for p in pair_counts:
     if not 1 <= p <= task.num_keys:
       raise UserError(f"recall_eval.pair_counts has {p}; valid pair counts for this "
