@@ -24,6 +24,7 @@ def main(argv):
   parser = argparse.ArgumentParser(prog="bench", description=__doc__)
   parser.add_argument("--seq_lens", type=_ints, default=bench.DEFAULT_SEQ_LENS)
   parser.add_argument("--memory_seq_lens", type=_ints, default=bench.DEFAULT_MEMORY_SEQ_LENS)
+  parser.add_argument("--decode_seq_lens", type=_ints, default=bench.DEFAULT_DECODE_SEQ_LENS)
   parser.add_argument("--kernels", default=",".join(bench.KERNELS))
   parser.add_argument("--presets", default=",".join(bench.PRESETS))
   parser.add_argument("--no_torch", action="store_true")
@@ -31,6 +32,7 @@ def main(argv):
   args = parser.parse_args(argv)
   result = bench.run_attention_bench(
       seq_lens=args.seq_lens, memory_seq_lens=args.memory_seq_lens,
+      decode_seq_lens=args.decode_seq_lens,
       kernels=args.kernels.split(","), presets=args.presets.split(","),
       include_torch=not args.no_torch)
   os.makedirs(args.out, exist_ok=True)

@@ -21,6 +21,8 @@ Method
   * Memory: `memory_analysis()` of the compiled prefill (nothing is run), temp bytes plus
     arguments and outputs, up to S=32768; a configuration whose footprint exceeds the
     machine's available memory is reported `fits: False` and is never executed.
+  * Decode: one query (T = 1) at position S - 1 and S / 4 over a cache of S keys, per
+    kernel and preset (blockwise reads only the blocks up to the position).
   * Peer: `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` on the same
     shapes (torch imported lazily; 'bf16' = bf16 tensors, 'fp32' = fp32 tensors; its CPU
     kernel keeps float32 softmax statistics in both).
@@ -52,6 +54,8 @@ TORCH_PRESETS = ("bf16", "fp32")
 DEFAULT_SEQ_LENS = (1024, 4096, 16384)
 DEFAULT_MEMORY_SEQ_LENS = (4096, 16384, 32768)
 DEFAULT_MEMORY_PRESETS = ("fp32_attention", "fp32")
+DEFAULT_DECODE_SEQ_LENS = (16384,)
+DEFAULT_DECODE_PRESETS = ("bf16", "fp32_attention", "fp32")
 
 
 def useful_flops(B, N, T, S, H, *, causal=True) -> float:
@@ -104,6 +108,18 @@ def _attention_fn(kernel: str, preset: str):
 
 
 _COMPILED: Dict[tuple, object] = {}
+
+
+def _decode_fn(kernel: str, preset: str):
+  """One decode step: a single query at position `q_pos_Bx1` over a cache of S keys."""
+  prec = Precision(kernel=kernel, **PRESETS[preset])
+
+  def fn(q_Bx1xNxH, k, v, q_pos_Bx1):
+    B, S = k.shape[0], k.shape[1]
+    k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    return attention_lib.attend(prec, q_Bx1xNxH, k, v, mask=CausalMask(q_pos_Bx1, k_pos))
+
+  return jax.jit(fn)
 
 
 def _compile(kernel, preset, B, S, N, K, H):
@@ -165,6 +181,9 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
                         include_torch: bool = True,
                         memory_seq_lens: Sequence[int] = DEFAULT_MEMORY_SEQ_LENS,
                         memory_presets: Sequence[str] = DEFAULT_MEMORY_PRESETS,
+                        decode_seq_lens: Sequence[int] = DEFAULT_DECODE_SEQ_LENS,
+                        decode_presets: Sequence[str] = DEFAULT_DECODE_PRESETS,
+                        decode_reps: int = 10,
                         memory_fraction: float = 0.6, matmul_size: int = 2048,
                         progress: bool = True) -> dict:
   """Times attention forward; returns plain dicts (see module docstring for fields).
@@ -265,10 +284,42 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
           entry.update(status="ok", **{f"{k}_bytes": v for k, v in fp.items()},
                        fits=fp["total"] <= memory_fraction * avail)
         result["memory"].append(entry)
+  result["decode"] = _decode_rows(decode_seq_lens, decode_presets, kernels, B, N, K, H,
+                                  decode_reps, progress)
   result["available_memory_bytes"] = avail
   result["matmul_gflops_end"] = matmul_gflops(matmul_size)  # drift check: compare with the start
   result["wall_s"] = time.perf_counter() - t_start
   return result
+
+
+def _decode_rows(seq_lens, presets, kernels, B, N, K, H, reps, progress) -> List[dict]:
+  """Decode-step medians at positions S - 1 (full cache) and S / 4, round-robin."""
+  from tqdm.auto import tqdm
+  configs = []
+  for S in seq_lens:
+    for kernel in kernels:
+      for preset in presets:
+        if supported(kernel, preset):
+          continue
+        dtype = jnp.dtype(PRESETS[preset]["dtype"])
+        q = _inputs(B, 1, N, K, H, dtype)[0]
+        _, k, v = _inputs(B, S, N, K, H, dtype)
+        fn = _decode_fn(kernel, preset)
+        for pos in (S - 1, S // 4):
+          q_pos = jnp.full((B, 1), pos, jnp.int32)
+          call = (lambda f=fn, a=(q, k, v, q_pos): f(*a).block_until_ready())
+          call()  # compile + warm-up
+          configs.append(dict(row=dict(kernel=kernel, preset=preset, S=S, position=pos),
+                              call=call, times=[]))
+  for _ in tqdm(range(reps), desc="decode rounds", disable=not progress, leave=False):
+    for cfg in configs:
+      t0 = time.perf_counter()
+      cfg["call"]()
+      cfg["times"].append(time.perf_counter() - t0)
+  rows = []
+  for cfg in configs:
+    rows.append(dict(cfg["row"], median_s=statistics.median(cfg["times"]), reps=reps))
+  return rows
 
 
 def _add_ratios(rows: List[dict], S: int) -> None:
@@ -307,6 +358,12 @@ def to_markdown(result: dict) -> str:
                  f"| {r['gflops']:.1f} | {r['frac_of_matmul']:.1%} "
                  f"| {'' if vs is None else f'{vs:.2f}'} "
                  f"| {'' if safe is None else f'{safe:.2f}'} |")
+  if result.get("decode"):
+    lines += ["", "Decode step (T = 1) over a cache of S keys, query at `position`", "",
+              "| S | position | kernel | preset | median ms |", "|---|---|---|---|---|"]
+    for d in result["decode"]:
+      lines.append(f"| {d['S']} | {d['position']} | {d['kernel']} | {d['preset']} "
+                   f"| {d['median_s'] * 1e3:.2f} |")
   lines += ["", "Prefill footprint (compiled memory_analysis: temp + arguments + output)", "",
             "| S | kernel | preset | temp GiB | total GiB | fits |", "|---|---|---|---|---|---|"]
   for m in result["memory"]:
