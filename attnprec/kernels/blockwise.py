@@ -26,8 +26,9 @@ chex in every block, with these documented differences (what flash kernels do):
     (`preferred_element_type=float32`) on the table's probability dtype;
   * the probabilities into the wv dot are the un-normalised exp(logits - m) (values in
     [0, 1]); normalisation by l happens once, in float32, on the accumulated output.
-Hence with both flags off (everything c) blockwise is at least as accurate as
-dot_product: only the logits, exp and probabilities are rounded to c.
+Hence with both flags off (everything c) blockwise rounds less than dot_product: only
+the logits, exp and probabilities are rounded to c, never the statistics, the sums or
+the normalised output (tests check its float64 error is no larger on sharp attention).
 
 Decode (T == 1): one query block and key blocks of `decode_kv_block` over the cache;
 blocks past the query's position are skipped, so the work is O(position), not O(S).
