@@ -10,6 +10,7 @@ Semantics (identical to `attnprec.attention.causal_mask`): key s is visible to q
 iff k_pos[b, s] <= q_pos[b, t] and, with a window w, k_pos[b, s] > q_pos[b, t] - w.
 """
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -18,10 +19,13 @@ import jax.numpy as jnp
 from attnprec import attention as attention_lib
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["q_positions_BxT", "k_positions_BxS"],
+                   meta_fields=["sliding_window"])
 @dataclasses.dataclass(frozen=True, eq=False)
 class CausalMask:
-  """Causal (sliding-window) mask given by absolute positions. Plain data, not a pytree:
-  build it inside the traced function that uses it (as the model does)."""
+  """Causal (sliding-window) mask given by absolute positions. A pytree: the positions
+  are leaves (traced under jit), the window is static."""
   q_positions_BxT: jax.Array          # int, absolute position of each query
   k_positions_BxS: jax.Array          # int, absolute position of each key (cache index)
   sliding_window: Optional[int] = None  # keys more than w-1 positions back are hidden
