@@ -6,6 +6,7 @@
   * 'smollm2-135m', 'gemma3-270m', an HF checkpoint directory or a .gguf file:
     kind 'real', with its tokenizer (`attnprec.checkpoints`).
 """
+import importlib
 import os
 from typing import NamedTuple, Optional
 
@@ -28,7 +29,8 @@ def _is_recall_run(path: str) -> bool:
 
 def load_model(name: str, *, params: bool = True) -> LoadedModel:
   from attnprec import checkpoints, runs
-  from attnprec.jobs import recall_eval
+  # the module (attnprec.jobs re-exports its job function under the same name)
+  recall_eval = importlib.import_module("attnprec.jobs.recall_eval")
   if not isinstance(name, str) or not name:
     raise UserError(f"Model name must be a non-empty string, got {name!r}; valid: "
                     f"'recall-tiny', a train run directory, "

@@ -1,0 +1,99 @@
+"""An independent float64 NumPy forward pass of `attnprec.model` (no JAX): the study's
+error floor. Given the same params it returns the logits and each layer's attention
+kernel output, like `transformed(config).apply(..., collect=True)`.
+
+Shapes: B batch, T tokens, D width, N/K/H heads, kv heads, head dim, V vocabulary.
+"""
+import numpy as np
+
+from attnprec.attention import reference_attention_np
+from attnprec.config import ModelConfig
+
+
+def _p(params, module, name):
+  return np.asarray(params[module][name], np.float64)
+
+
+def _rms_norm(x, scale, eps, plus_one):
+  y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+  return y * (1.0 + scale if plus_one else scale)
+
+
+def _rope(x_BxTxNxH, positions_BxT, base, scale):
+  H = x_BxTxNxH.shape[-1]
+  inv_freq = 1.0 / (base ** (np.arange(0, H, 2, dtype=np.float64) / H))
+  angles = (positions_BxT.astype(np.float64) / scale)[..., None] * inv_freq
+  sin, cos = np.sin(angles)[:, :, None, :], np.cos(angles)[:, :, None, :]
+  x1, x2 = x_BxTxNxH[..., : H // 2], x_BxTxNxH[..., H // 2:]
+  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _gelu_tanh(x):
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _act(x, kind):
+  if kind == "silu":
+    return x / (1 + np.exp(-x))
+  if kind == "gelu_tanh":
+    return _gelu_tanh(x)
+  from math import erf
+  return 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
+
+
+def forward(config: ModelConfig, params, tokens_BxT):
+  """(logits_BxTxV float64, [attn_BxTxNxH float64 per layer]) at positions 0..T-1."""
+  cfg = config
+  tokens_BxT = np.asarray(tokens_BxT)
+  B, T = tokens_BxT.shape
+  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  pos_BxT = np.broadcast_to(np.arange(T), (B, T))
+  embed_VxD = _p(params, "decoder/embed", "embeddings")
+  x = embed_VxD[tokens_BxT]
+  if cfg.embed_scale:
+    x = x * np.sqrt(cfg.d_model)
+  norm = lambda y, module: _rms_norm(y, _p(params, module, "scale"), cfg.norm_eps,
+                                     cfg.norm_plus_one)
+  attn_outs = []
+  for i in range(cfg.num_layers):
+    pre = f"decoder/layer_{i}"
+    h = norm(x, f"{pre}/pre_attn_norm")
+
+    def dense(y, name):
+      out = y @ _p(params, f"{pre}/attn/{name}", "w")
+      if cfg.qkv_bias and name in "qkv":
+        out = out + _p(params, f"{pre}/attn/{name}", "b")
+      return out
+
+    q = dense(h, "q").reshape(B, T, N, H)
+    k = dense(h, "k").reshape(B, T, K, H)
+    v = dense(h, "v").reshape(B, T, K, H)
+    if cfg.qk_norm:
+      q = norm(q, f"{pre}/attn/q_norm")
+      k = norm(k, f"{pre}/attn/k_norm")
+    base, scale = cfg.rope(i)
+    q, k = _rope(q, pos_BxT, base, scale), _rope(k, pos_BxT, base, scale)
+    allowed = pos_BxT[:, None, None, :] <= pos_BxT[:, None, :, None]       # [B, 1, T, S]
+    window = cfg.window(i)
+    if window is not None:
+      allowed &= pos_BxT[:, None, None, :] > pos_BxT[:, None, :, None] - window
+    a = reference_attention_np(q, k, v, mask=allowed, logits_soft_cap=cfg.attn_logit_soft_cap,
+                               scale=cfg.query_scale)
+    attn_outs.append(a)
+    h = a.reshape(B, T, N * H) @ _p(params, f"{pre}/attn/o", "w")
+    if cfg.post_attn_norm:
+      h = norm(h, f"{pre}/post_attn_norm")
+    x = x + h
+    h = norm(x, f"{pre}/pre_mlp_norm")
+    gate = h @ _p(params, f"{pre}/mlp/gate", "w")
+    up = h @ _p(params, f"{pre}/mlp/up", "w")
+    h = (_act(gate, cfg.activation) * up) @ _p(params, f"{pre}/mlp/down", "w")
+    if cfg.post_mlp_norm:
+      h = norm(h, f"{pre}/post_mlp_norm")
+    x = x + h
+  x = norm(x, "decoder/final_norm")
+  w_DxV = embed_VxD.T if cfg.tie_embeddings else _p(params, "decoder/unembed", "w")
+  logits = x @ w_DxV
+  if cfg.final_logit_soft_cap is not None:
+    logits = cfg.final_logit_soft_cap * np.tanh(logits / cfg.final_logit_soft_cap)
+  return logits, attn_outs

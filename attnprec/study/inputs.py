@@ -1,0 +1,88 @@
+"""Inputs of the study: a real text that ships on every machine, passkey prompts for the
+real models, recall prompts for the recall model.
+
+The text is the Python standard library's own documentation: the module docstrings
+(`inspect.getdoc`) of a fixed list of stdlib modules, then the docstrings of their public
+functions and classes, in a fixed order. Its exact content depends on the Python version,
+so results record the version, the character count and a SHA-256 of the text.
+"""
+import hashlib
+import importlib
+import inspect
+import sys
+from typing import List, Tuple
+
+import numpy as np
+
+from attnprec.errors import UserError
+
+DOC_MODULES = (
+    "argparse", "json", "collections", "functools", "re", "string", "textwrap", "typing",
+    "difflib", "unittest", "csv", "decimal", "fractions", "heapq", "pathlib", "pickle",
+    "random", "shutil", "statistics", "subprocess", "tarfile", "threading", "zipfile",
+    "calendar", "codecs", "datetime", "doctest", "email", "getopt", "gettext", "glob",
+    "hashlib", "hmac", "inspect", "locale", "logging", "mailbox", "optparse", "pdb",
+    "pprint", "pydoc", "queue", "sched", "secrets", "shlex", "smtplib", "socket", "tempfile",
+    "tokenize", "trace", "traceback", "uuid", "warnings", "weakref", "zipapp")
+
+
+def stdlib_text(min_chars: int = 200_000) -> str:
+  """Module docstrings, then member docstrings, of DOC_MODULES (deterministic order)."""
+  modules = [importlib.import_module(m) for m in DOC_MODULES]
+  parts = [inspect.getdoc(m) or "" for m in modules]
+  for m in modules:
+    if sum(map(len, parts)) >= min_chars:
+      break
+    for name in sorted(vars(m)):
+      obj = getattr(m, name)
+      if name.startswith("_") or getattr(obj, "__module__", None) != m.__name__:
+        continue
+      doc = inspect.getdoc(obj)
+      if doc and len(doc) > 80:
+        parts.append(f"{m.__name__}.{name}: {doc}")
+  return "\n\n".join(p for p in parts if p)
+
+
+def describe_text(text: str) -> dict:
+  return {"source": "Python stdlib docstrings (attnprec.study.inputs.DOC_MODULES)",
+          "python": sys.version.split()[0], "chars": len(text),
+          "sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
+
+
+def text_windows(tokens: List[int], length: int, count: int, bos: List[int]) -> np.ndarray:
+  """`count` windows of `length` tokens (each starting with `bos`), taken at evenly
+  spaced offsets of the tokenized text."""
+  body = length - len(bos)
+  if len(tokens) < body:
+    raise UserError(f"The stdlib text has {len(tokens)} tokens; a context of {length} "
+                    f"needs {body}. Lower the context lengths (study.context_lengths).")
+  starts = np.linspace(0, len(tokens) - body, count).astype(int)
+  return np.asarray([bos + tokens[s:s + body] for s in starts], np.int32)
+
+
+def passkey_prompts(tokenizer, filler_tokens: List[int], length: int, count: int,
+                    seed: int) -> Tuple[np.ndarray, List[str]]:
+  """Passkey retrieval: a 5-digit key stated once at a random depth inside `length` tokens
+  of stdlib text, then asked for at the end. Returns (prompts_BxL int32, keys)."""
+  rng = np.random.default_rng(seed)
+  question = tokenizer.encode("\n\nQuestion: what is the pass key? Answer: the pass key is",
+                              add_bos=False)
+  bos = tokenizer.encode("", add_bos=True)
+  prompts, keys = [], []
+  for b in range(count):
+    key = str(rng.integers(10_000, 100_000))
+    needle = tokenizer.encode(f"\n\nThe pass key is {key}. Remember it: {key} is the pass "
+                              f"key.\n\n", add_bos=False)
+    room = length - len(bos) - len(needle) - len(question)
+    if room < 16:
+      raise UserError(f"A passkey prompt of {length} tokens leaves no room for filler "
+                      f"text; use context lengths >= {length - room + 16}.")
+    if len(filler_tokens) < room:
+      raise UserError(f"The stdlib text has {len(filler_tokens)} tokens; a passkey prompt "
+                      f"of {length} tokens needs {room}. Lower study.context_lengths.")
+    start = int(rng.integers(0, len(filler_tokens) - room + 1))
+    filler = filler_tokens[start:start + room]
+    depth = int(rng.integers(0, room + 1))
+    prompts.append(bos + filler[:depth] + needle + filler[depth:] + question)
+    keys.append(key)
+  return np.asarray(prompts, np.int32), keys

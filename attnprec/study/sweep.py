@@ -1,0 +1,260 @@
+"""`make study`: a sweep of precision configurations for one model, measured against an
+fp32/HIGHEST reference run (`attnprec.precision.REFERENCE`) of the same model and inputs,
+and against an independent float64 NumPy forward pass where the size allows.
+
+Per configuration and context length:
+  * attention-output error per layer (relative L2, max abs) in prefill (full forward) and
+    in decode (teacher-forced single-token steps from a cache, as in serving);
+  * final logits: KL(reference || config) and max abs difference (last positions), NLL
+    per token (recall: of the answer tokens; real models: of the stdlib text);
+  * decoding from the task prompts: greedy-token agreement with the reference (recall:
+    over the answer slots of an episode whose queries arrive between answers; real
+    models: M greedy tokens after a passkey prompt) and the first diverging step;
+  * task accuracy: recall answers (recall model), passkey retrieval (real models);
+  * cost: time of the greedy-decode program at the longest context, round-robin over the
+    configurations in the same run, relative to the bf16 preset.
+On CPU `precision` (einsum/matmul) changes no numbers (XLA:CPU computes DEFAULT and
+HIGHEST alike); the dtypes and the two flags do. The audit checks `precision` instead.
+"""
+import dataclasses
+import os
+import statistics
+from typing import Optional, Sequence
+
+import gin
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from attnprec import runs
+from attnprec.errors import UserError
+from attnprec.precision import REFERENCE
+from attnprec.tasks import recall
+from attnprec.study import float64, inputs, measure, models, report
+from attnprec.study import presets as preset_lib
+
+EXCESS_FLAG = "--xla_allow_excess_precision=false"
+
+
+@dataclasses.dataclass
+class Case:
+  """One context length: the inputs every configuration sees."""
+  label: str                 # '16 pairs' / '1024 tokens'
+  context_tokens: int        # tokens in the whole episode / window
+  tokens_BxL: np.ndarray     # forward / teacher-forced decode sequences
+  nll_mask_BxL: np.ndarray   # which next-token targets count for NLL ([B, L-1])
+  prompts_BxP: np.ndarray    # task prompts for decoding
+  answers: list              # recall answer tokens [B, M] or passkey strings
+  decode_steps: int
+  template_BxM: Optional[np.ndarray] = None  # recall: given tokens (>= 0) and answer slots
+
+
+def _recall_cases(task, pair_counts, batch, decode_steps, num_queries, seed):
+  """Recall episodes as `make decode` runs them: the pairs and the first query key are
+  prefilled, then every answer is decoded by single-token decode steps from the cache,
+  the next query key being fed after each answer."""
+  cases = []
+  for pairs in pair_counts:
+    prompt_BxP, template_BxM, answers_BxM = task.eval_episode(
+        np.random.default_rng(seed + pairs), batch, pairs, num_queries)
+    tokens = np.concatenate([prompt_BxP, answers_BxM], axis=1).astype(np.int32)
+    P = prompt_BxP.shape[1]
+    mask = np.zeros((batch, tokens.shape[1] - 1), np.float32)
+    mask[:, P - 1:] = (template_BxM < 0).astype(np.float32)
+    cases.append(Case(f"{pairs} pairs", tokens.shape[1], tokens, mask, prompt_BxP,
+                      answers_BxM, min(decode_steps, tokens.shape[1] - 1), template_BxM))
+  return cases
+
+
+def _real_cases(tokenizer, lengths, batch, decode_steps, seed):
+  text = inputs.stdlib_text()
+  ids = tokenizer.encode(text, add_bos=False)
+  bos = tokenizer.encode("", add_bos=True)
+  cases = []
+  for L in lengths:
+    windows = inputs.text_windows(ids, L, batch, bos)
+    prompts, keys = inputs.passkey_prompts(tokenizer, ids, L, batch, seed + L)
+    cases.append(Case(f"{L} tokens", L, windows, np.ones((batch, L - 1), np.float32),
+                      prompts, keys, min(decode_steps, L - 1)))
+  return cases, inputs.describe_text(text)
+
+
+def _generate(model, config, precision, case, greedy_steps):
+  """(tokens_BxM, answered_BxM): recall fills the template's answer slots by greedy
+  decode steps; real models continue each passkey prompt greedily."""
+  if case.template_BxM is not None:
+    return measure.decode_template(model.params, case.prompts_BxP, case.template_BxM, config,
+                                   precision)
+  tokens = measure.generate(model.params, case.prompts_BxP, config, precision, greedy_steps)
+  return tokens, np.ones_like(tokens, bool)
+
+
+def _accuracy(kind, generated_BxM, answered_BxM, case, tokenizer):
+  if kind == "recall":
+    return recall.score(generated_BxM, case.answers, answered_BxM)
+  texts = [tokenizer.decode(list(map(int, row))) for row in generated_BxM]
+  return float(np.mean([key in t for key, t in zip(case.answers, texts)]))
+
+
+def _run_case(model, config, precision, case, keep, greedy_steps):
+  """Raw outputs of one configuration on one case (numpy)."""
+  params = model.params
+  nll, logits, attn = measure.forward_fn(config, precision, keep)(params, case.tokens_BxL)
+  prefix = case.tokens_BxL.shape[1] - case.decode_steps
+  dec_logits, dec_attn = measure.decode_fn(config, precision, prefix)(params, case.tokens_BxL)
+  generated, answered = _generate(model, config, precision, case, greedy_steps)
+  return {"nll": np.asarray(nll), "logits": np.asarray(logits), "attn": np.asarray(attn),
+          "dec_logits": np.asarray(dec_logits), "dec_attn": np.asarray(dec_attn),
+          "generated": generated, "answered": answered}
+
+
+def _compare(out, ref, case, kind, tokenizer):
+  pre_rel, pre_max = measure.per_layer(out["attn"], ref["attn"], 0)
+  dec_rel, dec_max = measure.per_layer(out["dec_attn"], ref["dec_attn"], 1)
+  mask = case.nll_mask_BxL
+  return {
+      "context_tokens": case.context_tokens, "label": case.label,
+      "prefill_attn_rel_l2": pre_rel, "prefill_attn_max_abs": pre_max,
+      "decode_attn_rel_l2": dec_rel, "decode_attn_max_abs": dec_max,
+      "logits_kl": measure.kl(ref["logits"], out["logits"]),
+      "logits_max_abs": measure.max_abs(out["logits"], ref["logits"]),
+      "decode_logits_kl": measure.kl(ref["dec_logits"], out["dec_logits"]),
+      "decode_logits_max_abs": measure.max_abs(out["dec_logits"], ref["dec_logits"]),
+      "nll": float((out["nll"] * mask).sum() / mask.sum()),
+      "greedy": measure.greedy_agreement(out["generated"], ref["generated"], out["answered"]),
+      "accuracy": _accuracy(kind, out["generated"], out["answered"], case, tokenizer),
+  }
+
+
+def _float64_floor(model, config, ref, case, batch):
+  """The fp32/HIGHEST reference against float64 NumPy on the first `batch` sequences."""
+  logits64, attn64 = float64.forward(config, model.params, case.tokens_BxL[:batch])
+  keep = ref["logits"].shape[1]
+  rel, mx = measure.per_layer(ref["attn"][:, :batch], np.stack(attn64), 0)
+  return {"sequences": batch, "attn_rel_l2": rel, "attn_max_abs": mx,
+          "logits_max_abs": measure.max_abs(ref["logits"][:batch], logits64[:, -keep:]),
+          "logits_kl": measure.kl(logits64[:, -keep:], ref["logits"][:batch])}
+
+
+def _check_environment():
+  if jax.default_backend() == "cpu" and EXCESS_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    raise UserError(f"The study needs XLA_FLAGS={EXCESS_FLAG} set before jax is imported "
+                    f"(XLA:CPU otherwise drops some bf16 roundings, hiding the effect under "
+                    f"study). `make study` and runners/study.py set it.")
+
+
+@gin.configurable("study", denylist=["run_dir"])
+def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequence[str]] = None,
+          extra_presets: Sequence[str] = (), pair_counts: Sequence[int] = (8, 16, 24, 32),
+          context_lengths: Sequence[int] = (256, 512), batch: int = 32,
+          decode_steps: int = 8, greedy_steps: int = 16, num_queries: int = 16, logit_positions: int = 64,
+          float64_max_tokens: int = 1024, float64_batch: int = 2, timing_rounds: int = 3,
+          query_scale_multiplier: float = 1.0, seed: int = 0, progress: bool = True) -> dict:
+  """Runs the sweep and writes results.json, report.md and PNG plots into run_dir.
+
+  model: 'recall-tiny', a recall train run directory, or a real model ('smollm2-135m',
+    'gemma3-270m', an HF directory, a .gguf file).
+  presets: preset names in gin/precision/ (None = all of them);
+    extra_presets: more names or paths of preset files.
+  pair_counts: recall context lengths (pairs); context_lengths: real-model lengths (tokens).
+  query_scale_multiplier: multiplies the model's query scale at inference (a sharper or
+    flatter attention with the same weights; 1.0 = the model as trained).
+  """
+  _check_environment()
+  sweep = preset_lib.load_sweep(presets, extra_presets)
+  for name, value in (("batch", batch), ("decode_steps", decode_steps),
+                      ("greedy_steps", greedy_steps), ("logit_positions", logit_positions),
+                      ("timing_rounds", timing_rounds)):
+    if not isinstance(value, int) or value < 1:
+      raise UserError(f"study.{name} must be a positive integer, got {value!r}.")
+  if query_scale_multiplier <= 0:
+    raise UserError(f"study.query_scale_multiplier must be > 0, got {query_scale_multiplier}.")
+  runs.ensure_dir(run_dir)
+  m = models.load_model(model)
+  config = m.config
+  if query_scale_multiplier != 1.0:
+    base = config.query_scale if config.query_scale is not None else config.head_dim ** -0.5
+    config = dataclasses.replace(config, query_scale=base * query_scale_multiplier)
+  lengths = list(pair_counts if m.kind == "recall" else context_lengths)
+  if not lengths:
+    raise UserError(f"No context lengths: set study.{'pair_counts' if m.kind == 'recall' else 'context_lengths'}.")
+  text_info = None
+  if m.kind == "recall":
+    cases = _recall_cases(m.task, lengths, batch, decode_steps, num_queries, seed)
+  else:
+    cases, text_info = _real_cases(m.tokenizer, lengths, batch, decode_steps, seed)
+  for case in cases:
+    need = case.tokens_BxL.shape[1] + (0 if case.template_BxM is not None else greedy_steps)
+    if need > config.max_seq_len:
+      raise UserError(f"{m.description} does not fit the requested context: {case.label} "
+                      f"needs {need} positions (prompt + study.greedy_steps), the model's "
+                      f"max_seq_len is {config.max_seq_len}.")
+
+  total = (1 + len(sweep)) * len(cases) + 1
+  bar = tqdm(total=total, desc="study", disable=not progress, dynamic_ncols=True)
+  ref_out, ref_rows = [], []
+  for case in cases:
+    bar.set_postfix_str(f"reference, {case.label}")
+    out = _run_case(m, config, REFERENCE, case, logit_positions, greedy_steps)
+    ref_out.append(out)
+    row = {"context_tokens": case.context_tokens, "label": case.label,
+           "accuracy": _accuracy(m.kind, out["generated"], out["answered"], case,
+                                 m.tokenizer),
+           "nll": float((out["nll"] * case.nll_mask_BxL).sum() / case.nll_mask_BxL.sum())}
+    if case.tokens_BxL.shape[1] <= float64_max_tokens:
+      row["float64"] = _float64_floor(m, config, out, case, min(float64_batch, batch))
+    ref_rows.append(row)
+    bar.update()
+
+  results = []
+  for name, prec in sweep:
+    per_length = []
+    for case, ref in zip(cases, ref_out):
+      bar.set_postfix_str(f"{name}, {case.label}")
+      out = _run_case(m, config, prec, case, logit_positions, greedy_steps)
+      per_length.append(_compare(out, ref, case, m.kind, m.tokenizer))
+      bar.update()
+    results.append({"name": name, "precision": dataclasses.asdict(prec),
+                    "per_length": per_length})
+
+  bar.set_postfix_str("timing")
+  timing = _time_round_robin(m, config, sweep, cases[-1], greedy_steps, timing_rounds)
+  bar.update()
+  bar.close()
+  base = timing["baseline"]
+  for r in results:
+    r["time_s"] = timing["median_s"][r["name"]]
+    r["time_ratio"] = r["time_s"] / timing["median_s"][base]
+
+  out = {"model": m.description, "model_arg": model, "kind": m.kind,
+         "config": runs.config_dict(config), "query_scale_multiplier": query_scale_multiplier,
+         "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+         "settings": dict(batch=batch, decode_steps=decode_steps, greedy_steps=greedy_steps,
+                          logit_positions=logit_positions, float64_max_tokens=float64_max_tokens,
+                          float64_batch=float64_batch, timing_rounds=timing_rounds, seed=seed,
+                          lengths=lengths),
+         "text": text_info, "reference": {"precision": dataclasses.asdict(REFERENCE),
+                                          "per_length": ref_rows},
+         "configs": results, "timing": timing}
+  report.write_outputs(run_dir, out)
+  print(report.summary_table(out))
+  print(f"wrote {run_dir}/results.json, report.md and plots")
+  return out
+
+
+def _time_round_robin(m, config, sweep, case, greedy_steps, rounds):
+  """Median wall time of the (already compiled) greedy-decode program per configuration,
+  measured round-robin so drift on a shared machine hits every configuration alike."""
+  names = [n for n, _ in sweep]
+  samples = {n: [] for n in names}
+  precs = dict(sweep)
+  for _ in range(rounds):
+    for n in names:
+      _, dt = measure.timed(_generate, m, config, precs[n], case, greedy_steps)
+      samples[n].append(dt)
+  baseline = "bf16" if "bf16" in samples else names[0]
+  steps = (case.template_BxM.shape[1] if case.template_BxM is not None else greedy_steps)
+  return {"what": f"decoding {case.prompts_BxP.shape[0]} prompts x {steps} steps at "
+                  f"{case.label} (prefill + single-token decode steps)",
+          "rounds": rounds, "baseline": baseline, "samples_s": samples,
+          "median_s": {n: statistics.median(v) for n, v in samples.items()}}

@@ -1,0 +1,26 @@
+"""Study: `python runners/study.py [--gin_file=gin/experiments/study_recall.gin] [...]`.
+
+Sweeps precision configurations (default: every preset in gin/precision/) for one model
+against an fp32/HIGHEST reference and writes report.md, results.json and PNG plots into
+--run_dir. Runs with XLA_FLAGS=--xla_allow_excess_precision=false (set here, before jax
+is imported). Exit code 2 on bad input.
+"""
+import os
+import sys
+
+if "--xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_allow_excess_precision=false").strip()
+
+from attnprec import cli, ginutils  # noqa: E402
+from attnprec.study.sweep import study  # noqa: E402
+
+
+def main(argv) -> int:
+  return cli.main(argv, prog="study", default_files=["runs/study.gin"],
+                  default_run_dir="runs/study",
+                  body=lambda run_dir: ginutils.call(study, run_dir=run_dir))
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

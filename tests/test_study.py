@@ -1,0 +1,193 @@
+"""The precision study (`make study`): its float64 reference, its metrics, its presets, a
+whole (tiny) sweep end to end, and its bad-input handling.
+
+Comparisons: the float64 NumPy forward pass against the JAX model under fp32/HIGHEST
+(independent implementations); metrics against hand-computed values; the sweep's fp32
+preset against the reference (bitwise equal on CPU, where `precision` changes no
+numbers: a documented XLA:CPU fact this asserts).
+"""
+import dataclasses
+import importlib.util
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from attnprec import ginutils, runs
+from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+from attnprec.model import init_params, transformed
+from attnprec.precision import REFERENCE
+from attnprec.study import float64, measure
+from attnprec.study import presets as preset_lib
+from attnprec.study.sweep import study
+from attnprec.tasks.recall import RecallTask
+
+RUNNER = os.path.join(os.path.dirname(ginutils.REPO_GIN_DIR), "runners", "study.py")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------- float64
+@pytest.mark.parametrize("features", [
+    dict(),
+    dict(qk_norm=True, norm_plus_one=True, embed_scale=True, post_attn_norm=True,
+         post_mlp_norm=True, activation="gelu_tanh", attn_logit_soft_cap=20.0,
+         final_logit_soft_cap=15.0, sliding_window=3, layer_pattern=("local", "global"),
+         rope_base_local=100.0, query_scale=0.3),
+    dict(qkv_bias=True, tie_embeddings=False, num_kv_heads=4, rope_scale=2.0),
+])
+def test_float64_forward_matches_the_model(features):
+  fields = dict(vocab_size=23, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=8, mlp_hidden=48)
+  config = ModelConfig(**{**fields, **features})
+  params = init_params(config, jax.random.PRNGKey(1))
+  # non-trivial norm scales and biases, so every parameter matters
+  rng = np.random.default_rng(0)
+  params = jax.tree_util.tree_map(lambda x: np.asarray(x) + 0.1 * rng.standard_normal(x.shape)
+                                  .astype(np.float32), params)
+  tokens = rng.integers(0, 23, (2, 11)).astype(np.int32)
+  out = transformed(config).apply(params, tokens, precision=REFERENCE, collect=True)
+  logits64, attn64 = float64.forward(config, params, tokens)
+  scale = np.abs(logits64).max()
+  assert np.abs(np.asarray(out.logits) - logits64).max() <= 1e-5 * scale
+  for a, a64 in zip(out.attn, attn64):
+    assert measure.rel_l2(a, a64) < 1e-5
+
+
+# ----------------------------------------------------------------------------- metrics
+def test_metrics_on_known_values():
+  assert measure.rel_l2([3.0, 4.0], [3.0, 4.0]) == 0
+  assert measure.rel_l2([3.0, 5.0], [3.0, 4.0]) == pytest.approx(0.2)
+  assert measure.max_abs([1.0, -2.0], [1.5, 0.0]) == 2.0
+  logits = np.array([[0.0, np.log(3.0)]])             # p = (1/4, 3/4)
+  assert measure.kl(logits, logits) == 0
+  want = 0.25 * np.log(0.25 / 0.5) + 0.75 * np.log(0.75 / 0.5)
+  assert measure.kl(logits, np.zeros((1, 2))) == pytest.approx(want)
+  ref = np.array([[1, 2, 3, 4], [1, 2, 3, 4]])
+  got = np.array([[1, 2, 3, 4], [1, 9, 3, 9]])
+  g = measure.greedy_agreement(got, ref)
+  assert g == {"agreement": 0.75, "identical": 0.5, "first_divergence_mean": 2.5,
+               "first_divergence_min": 1, "steps": 4}
+  counted = np.array([[0, 1, 0, 1], [0, 0, 1, 1]], bool)  # only these slots count
+  g = measure.greedy_agreement(got, ref, counted)
+  assert g["agreement"] == 0.75 and g["first_divergence_min"] == 1 and g["steps"] == 2
+
+
+# ----------------------------------------------------------------------------- presets
+def test_presets():
+  sweep = preset_lib.load_sweep(None)
+  assert [n for n, _ in sweep] == preset_lib.available()
+  assert {"bf16", "fp32", "fp32_attention", "fp32_logits", "fp32_qk", "highest"} <= set(
+      preset_lib.available())
+  bf16 = dict(sweep)["bf16"]
+  assert (bf16.dtype, bf16.float32_qk_product, bf16.float32_logits) == ("bfloat16", False,
+                                                                        False)
+  with pytest.raises(UserError, match="Unknown precision preset 'bf17'.*bf16"):
+    preset_lib.load_sweep(["bf17"])
+  with pytest.raises(UserError, match="empty"):
+    preset_lib.load_sweep([])
+
+
+def test_preset_file_with_other_bindings_is_refused(tmp_path):
+  path = tmp_path / "mine.gin"
+  path.write_text("precision.dtype = 'bfloat16'\nmodel.d_model = 3\n")
+  with pytest.raises(UserError, match="mine.gin:2"):
+    preset_lib.load_preset(str(path))
+  path.write_text("# mine\nprecision.dtype = 'bfloat16'  # bf16\nprecision.float32_logits = False\n")
+  name, prec = preset_lib.load_preset(str(path))
+  assert name == "mine" and prec.dtype == "bfloat16" and not prec.float32_logits
+
+
+# ----------------------------------------------------------------------------- sweep
+TASK = RecallTask(num_keys=8, value_vocab=8, value_len=1, num_pairs=4, num_queries=4)
+
+
+def _checkpoint(path, max_seq_len=64):
+  config = ModelConfig(vocab_size=TASK.vocab_size, d_model=16, num_layers=2, num_heads=2,
+                       num_kv_heads=1, head_dim=8, mlp_hidden=32, max_seq_len=max_seq_len)
+  runs.save_params(str(path), jax.device_get(init_params(config, jax.random.PRNGKey(0))))
+  runs.write_json(str(path), "model.json", runs.config_dict(config))
+  runs.write_json(str(path), "task.json", dataclasses.asdict(TASK))
+  return str(path)
+
+
+SMALL = dict(presets=("bf16", "fp32"), pair_counts=(2, 6), batch=4, decode_steps=3,
+             num_queries=4, logit_positions=8, timing_rounds=1, progress=False)
+
+
+def test_tiny_sweep_end_to_end(tmp_path):
+  ckpt = _checkpoint(tmp_path / "ckpt")
+  out_dir = tmp_path / "study"
+  res = study(run_dir=str(out_dir), model=ckpt, **SMALL)
+  assert sorted(os.listdir(out_dir)) == sorted(
+      ["results.json", "report.md", "error_vs_context.png", "accuracy_vs_context.png",
+       "cost_vs_error.png", "error_by_layer.png"])          # no temporary files left
+  for name in os.listdir(out_dir):
+    if name.endswith(".png"):
+      assert (out_dir / name).read_bytes()[:8] == PNG
+  saved = json.loads((out_dir / "results.json").read_text())
+  assert [c["name"] for c in saved["configs"]] == ["bf16", "fp32"]
+  bf16, fp32 = (c["per_length"] for c in saved["configs"])
+  for r in fp32:   # fp32 / DEFAULT vs the fp32 / HIGHEST reference: identical on CPU
+    assert max(r["prefill_attn_rel_l2"] + r["decode_attn_rel_l2"]) == 0
+    assert r["logits_kl"] == 0 and r["greedy"]["agreement"] == 1
+  for r in bf16:   # bf16 rounding is visible, and bounded
+    assert len(r["prefill_attn_rel_l2"]) == 2 and len(r["decode_attn_rel_l2"]) == 2
+    assert 1e-4 < max(r["prefill_attn_rel_l2"]) < 0.1
+    assert 1e-4 < max(r["decode_attn_rel_l2"]) < 0.1
+    assert 0 <= r["accuracy"] <= 1 and r["greedy"]["steps"] == TASK.num_queries
+  floor = saved["reference"]["per_length"][0]["float64"]
+  assert max(floor["attn_rel_l2"]) < 1e-5       # the reference is fp32-accurate
+  report = (out_dir / "report.md").read_text()
+  assert "--xla_allow_excess_precision=false" in report
+  assert "no numeric effect" in report and "| bf16 |" in report
+  assert res["timing"]["baseline"] == "bf16"
+  assert [c["time_ratio"] for c in res["configs"]][0] == 1.0
+
+
+def test_decode_errors_come_from_decode_steps(tmp_path):
+  """The decode measurement runs single-token steps from a cache: under fp32 it agrees
+  with the full forward pass at the same positions (a check of the measurement itself)."""
+  ckpt = _checkpoint(tmp_path / "ckpt")
+  from attnprec.study import models
+  m = models.load_model(ckpt)
+  tokens = np.random.default_rng(0).integers(2, 18, (2, 12)).astype(np.int32)
+  _, _, attn = measure.forward_fn(m.config, REFERENCE, 4)(m.params, tokens)
+  _, dec_attn = measure.decode_fn(m.config, REFERENCE, 9)(m.params, tokens)
+  np.testing.assert_allclose(np.asarray(dec_attn),
+                             np.moveaxis(np.asarray(attn)[:, :, 9:], 2, 0), atol=2e-6)
+
+
+# ----------------------------------------------------------------------------- runner
+def _runner():
+  spec = importlib.util.spec_from_file_location("study_runner", RUNNER)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_runner_bad_input_exits_2_and_writes_nothing(tmp_path):
+  runner = _runner()
+  ckpt = _checkpoint(tmp_path / "ckpt", max_seq_len=24)
+  base = [f"--gin.study.model='{ckpt}'", "--gin.study.batch=2", "--gin.study.progress=False"]
+  cases = {
+      "unknown_preset": ["--gin.study.presets=('bf16', 'nope')"],
+      "empty_sweep": ["--gin.study.presets=()", "--gin.study.extra_presets=()"],
+      "too_long": ["--gin.study.presets=('bf16',)", "--gin.study.pair_counts=(8,)"],
+      "bad_model": ["--gin.study.model='no-such-model'"],
+  }
+  for name, flags in cases.items():
+    run_dir = tmp_path / name
+    assert runner.main(base + flags + [f"--run_dir={run_dir}"]) == 2, name
+    assert not run_dir.exists() or not os.listdir(run_dir), name
+  blocker = tmp_path / "file"
+  blocker.write_text("x")
+  assert runner.main(base + [f"--run_dir={blocker / 'sub'}"]) == 2
+
+
+def test_study_refuses_to_run_with_excess_precision(tmp_path, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "")
+  with pytest.raises(UserError, match="xla_allow_excess_precision=false"):
+    study(run_dir=str(tmp_path / "x"), model="recall-tiny", **SMALL)
