@@ -52,6 +52,7 @@ def atomic_write(path: str, data, mode: str = "w") -> None:
   try:
     with os.fdopen(fd, mode) as f:
       data(f) if callable(data) else f.write(data)
+    os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; outputs are for everyone to read
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):
