@@ -170,6 +170,12 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.close()
 
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
 
 def _short(e: BaseException) -> str:
   text = " ".join(str(e).split())

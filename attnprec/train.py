@@ -167,51 +167,52 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   sharding.check(mesh, config, [("train.batch_size", batch_size),
                                 ("train.eval_batch", eval_batch)])
   optimizer = make_optimizer(total_steps=steps)
-  abstract = jax.eval_shape(lambda: init_state(config, optimizer, seed))
+  init = functools.partial(init_state, config, optimizer, seed)
+  abstract = jax.eval_shape(init)
   state_sh = sharding.tree_shardings(abstract, abstract.params, config, mesh)
-  ckpt = checkpointing.Checkpointer(run_dir, keep=keep_checkpoints, fault=faults)
-  restored = ckpt.restore_latest(jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      abstract, state_sh)._asdict())
   task_desc = describe_task(task)
-  if restored is None:
-    state, meta = jax.jit(lambda: init_state(config, optimizer, seed),
-                          out_shardings=state_sh)(), {}
-  else:
-    state, meta = TrainState(**restored[0]), restored[1]
-    _report_resume(meta, seed=seed, batch_size=batch_size, task=task_desc)
   main = jax.process_index() == 0
-  if main:
-    runs.write_json(run_dir, runs.MODEL_FILE, runs.config_dict(config))
-    for name, obj in (files or {}).items():
-      runs.write_json(run_dir, name, obj)
-  start = int(state.step)
-  metrics_log = runs.MetricsWriter(run_dir)
-  if main:
-    metrics_log.rewind(start)
-  done = start >= steps or (meta.get("target_reached") and target_accuracy is not None)
-  if done:
-    print(f"{run_dir} is already trained to step {start}; nothing to do.")
+  with checkpointing.Checkpointer(run_dir, keep=keep_checkpoints, fault=faults) as ckpt, \
+       jax.set_mesh(mesh):
+    restored = ckpt.restore_latest(jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract, state_sh)._asdict())
+    if restored is None:
+      state, meta = jax.jit(init, out_shardings=state_sh)(), {}
+    else:
+      state, meta = TrainState(**restored[0]), restored[1]
+      _report_resume(meta, seed=seed, batch_size=batch_size, task=task_desc)
+    # Only now (the checkpoint matched) touch the run directory's files.
+    start = int(state.step)
+    metrics_log = runs.MetricsWriter(run_dir)
+    if main:
+      runs.write_json(run_dir, runs.MODEL_FILE, runs.config_dict(config))
+      for name, obj in (files or {}).items():
+        runs.write_json(run_dir, name, obj)
+      metrics_log.rewind(start)
+    end = steps
+    if start >= steps or (meta.get("target_reached") and target_accuracy is not None):
+      print(f"{run_dir} is already trained to step {start}; nothing to do.")
+      end = start
 
-  update = jax.jit(make_update(config, precision, optimizer,
-                               skip_nonfinite=skip_nonfinite_steps, faults=faults),
-                   out_shardings=(state_sh, sharding.NamedSharding(mesh, sharding.P())),
-                   donate_argnums=0)
-  eval_loss = jax.jit(functools.partial(loss_fn, config=config, precision=precision))
-  draw_eval = getattr(task, "eval_batch", task.train_batch)
-  eval_data = [sharding.put_batch(mesh, x) for x in draw_eval(eval_rng(seed), eval_batch)]
+    update = jax.jit(make_update(config, precision, optimizer,
+                                 skip_nonfinite=skip_nonfinite_steps, faults=faults),
+                     out_shardings=(state_sh, sharding.NamedSharding(mesh, sharding.P())),
+                     donate_argnums=0)
+    eval_loss = jax.jit(functools.partial(loss_fn, config=config, precision=precision))
+    draw_eval = getattr(task, "eval_batch", task.train_batch)
+    eval_data = [sharding.put_batch(mesh, x) for x in draw_eval(eval_rng(seed), eval_batch)]
 
-  def checkpoint_meta(n: int, last: dict, reached: bool) -> dict:
-    return {"step": n, "data_position": n, "seed": seed, "batch_size": batch_size,
-            "model": runs.config_dict(config), "task": task_desc,
-            "mesh": [mesh.shape["data"], mesh.shape["model"]],
-            "eval_accuracy": last.get("eval_accuracy"), "target_reached": reached}
+    def checkpoint_meta(n: int, last: dict, reached: bool) -> dict:
+      return {"step": n, "data_position": n, "seed": seed, "batch_size": batch_size,
+              "model": runs.config_dict(config), "task": task_desc,
+              "mesh": [mesh.shape["data"], mesh.shape["model"]],
+              "eval_accuracy": last.get("eval_accuracy"), "target_reached": reached}
 
-  bar = tqdm(total=steps, initial=start, desc="train", disable=not progress or not main,
-             dynamic_ncols=True)
-  last, t0, tokens_seen, skipped = {}, time.perf_counter(), 0, 0
-  with jax.set_mesh(mesh):
-    for step in range(start, steps if not done else start):
+    bar = tqdm(total=steps, initial=start, desc="train", disable=not progress or not main,
+               dynamic_ncols=True)
+    last, t0, tokens_seen, skipped = {}, time.perf_counter(), 0, 0
+    for step in range(start, end):
       n = step + 1
       tokens_BxT, mask_BxT = task.train_batch(batch_rng(seed, step), batch_size)
       state, metrics = update(state, sharding.put_batch(mesh, tokens_BxT),
@@ -235,8 +236,7 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
         if do_eval:
           _, ev = eval_loss(state.params, *eval_data)
           last.update({f"eval_{k}": float(v) for k, v in ev.items()})
-          reached = (target_accuracy is not None
-                     and last["eval_accuracy"] >= target_accuracy)
+          reached = target_accuracy is not None and last["eval_accuracy"] >= target_accuracy
         if main:
           metrics_log.write(last)
         bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['accuracy']:.3f}",
@@ -250,9 +250,8 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
         bar.write(f"eval accuracy {last['eval_accuracy']:.4f} >= target "
                   f"{target_accuracy} at step {n}; stopping.")
         break
-  bar.close()
-  ckpt.close()
-  params = _host_params(state.params)
+    bar.close()
+    params = _host_params(state.params)
   if main:
     runs.save_params(run_dir, params)
     if plot:

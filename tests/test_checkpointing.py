@@ -42,7 +42,9 @@ def test_resume_after_sigkill_and_killed_save_is_bit_identical(tmp_path):
   assert said.startswith("in checkpoint save")
   listing = checkpoint_listing(resumed)
   assert "6" not in listing and any(n.startswith("6.orbax-checkpoint-tmp") for n in listing)
-  assert checkpointing.Checkpointer(str(resumed), keep=2).latest_step() == 4
+  ckpt = checkpointing.Checkpointer(str(resumed), keep=2)
+  assert ckpt.latest_step() == 4
+  ckpt.close()
   # 3) resume from 4 again (the half-written step 6 is ignored) and finish.
   done = run_train(resumed, STEPS8)
   assert done.returncode == 0, done.stderr[-3000:]

@@ -1,0 +1,208 @@
+"""Meshes (1x8, 2x4, 8x1) give the single-device loss and decoded tokens; bad meshes are
+UserErrors. Runs in a subprocess with 8 host CPU devices (XLA_FLAGS must be set before jax
+is imported, which pytest's process already did).
+
+Reference: the same program on one device, no mesh. fp32 tolerances: sharded reductions
+add in a different order, so results may differ in the last bits. Losses of 2 train steps
+agree to TOL_LOSS (absolute, loss ~3.5), gradient norms to TOL_GRAD_NORM (relative), the
+decode logits of the same params to TOL_LOGITS, greedy tokens exactly. Params after the
+2 Adam steps agree to TOL_PARAMS: Adam divides by sqrt(second moment), which turns ulp-level
+differences of near-zero gradients into visible ones, bounded by the step size (lr 3e-3);
+1e-4 is ~3% of one step.
+"""
+import json
+import os
+import subprocess
+import sys
+
+TOL_LOSS, TOL_GRAD_NORM, TOL_LOGITS, TOL_PARAMS = 2e-6, 1e-6, 1e-5, 1e-4
+MESHES = [(1, 8), (2, 4), (8, 1)]
+
+
+def _run_child():
+  """Runs this file as a script on 8 devices; returns the JSON it prints."""
+  from test_train_utils import REPO, SUBPROCESS_ENV
+  flags = os.environ.get("XLA_FLAGS", "")
+  env = dict(SUBPROCESS_ENV, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8")
+  assert "--xla_allow_excess_precision=false" in env["XLA_FLAGS"]
+  done = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True,
+                        text=True, timeout=400, cwd=REPO, env=env)
+  assert done.returncode == 0, done.stderr[-4000:]
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_meshes_match_single_device_resume_across_meshes_and_reject_bad_ones():
+  """One test (one 8-device subprocess, which xdist would otherwise start per worker)."""
+  child = _run_child()
+  for shape in MESHES:
+    _check_mesh(shape, child["meshes"][f"{shape[0]}x{shape[1]}"])
+  # train() under mesh (4, 2), the step-4 checkpoint dropped (as if killed after step 3),
+  # resumed under (8, 1): resumes at step 2 and matches a (1, 1) run of the same steps.
+  assert child["train"]["resumed_from"] == 2
+  assert child["train"]["params_diff"] <= TOL_PARAMS
+  errors = child["errors"]
+  assert "needs a multiple of 3 devices, but there are 8" in errors["device_count"]
+  assert "model axis (8) does not divide model.num_heads=2" in errors["heads"]
+  assert "data axis (8) does not divide train.batch_size=4" in errors["batch"]
+  assert "mesh.shape=(2, 2, 2) must be (data, model)" in errors["rank"]
+
+
+def _check_mesh(shape, got):
+  where = f"mesh {shape}: {got}"
+  assert got["devices"] == 8, where
+  assert got["loss_diff"] <= TOL_LOSS and got["grad_norm_rel_diff"] <= TOL_GRAD_NORM, where
+  assert got["params_diff"] <= TOL_PARAMS, where
+  assert got["tokens_equal"] and got["logits_diff"] <= TOL_LOGITS, where
+  assert got["params_sharded_as_planned"], where
+  # The KV cache in the compiled decode loop: batch split over data; kv heads split over
+  # model when the k/v projections are (else XLA's propagation decides; it must still
+  # hold whole kv heads).
+  L, b, S, k, H = got["cache_shard_shape"]
+  assert (L, b, S, H) == (2, 8 // shape[0], 11, 8), where
+  if got["kv_split"]:
+    assert k == 4 // shape[1], where
+  else:
+    assert 4 % k == 0, where
+
+
+# ------------------------------------------------------------------ the 8-device child
+def _max_diff(a, b) -> float:
+  import jax
+  import numpy as np
+  return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _cache_shard_shape(txt: str, L: int, H: int):
+  """Per-device KV cache shape [L, b, S, k, H] carried by the compiled decode loop."""
+  import re
+  for line in txt.splitlines():
+    if " while(" in line:
+      m = re.search(rf"f32\[{L},(\d+),(\d+),(\d+),{H}\]", line)
+      if m:
+        return [L, *map(int, m.groups()), H]
+  return None
+
+
+def _child_mesh(shape, config, precision, batch, ref):
+  import jax
+  import numpy as np
+  from attnprec import decoding, sharding, train
+  mesh = sharding.make_mesh(shape=shape)
+  optimizer = train.make_optimizer(total_steps=10, warmup_steps=1)
+  abstract = jax.eval_shape(lambda: train.init_state(config, optimizer, 0))
+  state_sh = sharding.tree_shardings(abstract, abstract.params, config, mesh)
+  state = jax.device_put(ref["state0"], state_sh)
+  update = jax.jit(train.make_update(config, precision, optimizer),
+                   out_shardings=(state_sh, sharding.NamedSharding(mesh, sharding.P())))
+  with jax.set_mesh(mesh):
+    tokens, mask = (sharding.put_batch(mesh, x) for x in batch)
+    losses, norms = [], []
+    for _ in range(2):
+      state, metrics = update(state, tokens, mask)
+      losses.append(float(metrics["loss"]))
+      norms.append(float(metrics["grad_norm"]))
+    planned = all(state.params[m][n].sharding.spec == sharding.param_spec(m, n, config, mesh)
+                  for m in state.params for n in state.params[m])
+    # Decode the reference params (so only the sharded decode itself can differ).
+    params = sharding.put_params(ref["params"], config, mesh)
+    prompt = sharding.put_batch(mesh, ref["prompt"])
+    lengths = sharding.put_batch(mesh, ref["lengths"])
+    kwargs = dict(config=config, precision=precision, max_new_tokens=5)
+    lowered = decoding.generate.lower(params, prompt, lengths, jax.random.PRNGKey(0), **kwargs)
+    compiled = lowered.compile()
+    toks, logits = compiled(params, prompt, lengths, jax.random.PRNGKey(0))
+    txt = compiled.as_text()
+  return {"devices": mesh.size,
+          "loss_diff": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
+          "grad_norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, ref["norms"])),
+          "params_diff": _max_diff(state.params, ref["params"]),
+          "tokens_equal": bool(np.array_equal(np.asarray(toks), ref["tokens"])),
+          "logits_diff": _max_diff(logits, ref["logits"]),
+          "cache_shard_shape": _cache_shard_shape(txt, config.num_layers, config.head_dim),
+          "kv_split": sharding.kv_split(config, mesh),
+          "params_sharded_as_planned": planned}
+
+
+def _child_train_loop():
+  """train() on meshes (1,1) and (4,2) -> (8,1) with a resume; max param difference."""
+  import shutil
+  import tempfile
+  from test_train_utils import load_npz, train_in_process
+  import gin
+  base = ["train.steps = 4", "train.checkpoint_every = 2"]
+  tmp = tempfile.mkdtemp()
+  try:
+    train_in_process(f"{tmp}/one", base + ["mesh.shape = (1, 1)"])
+    gin.clear_config()
+    train_in_process(f"{tmp}/multi", base + ["mesh.shape = (4, 2)"])
+    shutil.rmtree(f"{tmp}/multi/checkpoints/4")
+    gin.clear_config()
+    train_in_process(f"{tmp}/multi", base + ["mesh.shape = (8, 1)"])
+    with open(f"{tmp}/multi/metrics.jsonl") as f:
+      steps = [json.loads(line)["step"] for line in f]
+    a, b = load_npz(f"{tmp}/one/params.npz"), load_npz(f"{tmp}/multi/params.npz")
+    return {"resumed_from": 2 if steps == [1, 2, 3, 4] else None,
+            "params_diff": _max_diff([a[k] for k in sorted(a)], [b[k] for k in sorted(b)])}
+  finally:
+    shutil.rmtree(tmp)
+
+
+def _child_errors(config):
+  import dataclasses
+  from attnprec import sharding
+  from attnprec.errors import UserError
+  out = {}
+  cases = {
+      "device_count": lambda: sharding.make_mesh(shape=(3, 1)),
+      "rank": lambda: sharding.make_mesh(shape=(2, 2, 2)),
+      "heads": lambda: sharding.check(sharding.make_mesh(shape=(1, 8)),
+                                      dataclasses.replace(config, num_heads=2,
+                                                          num_kv_heads=1)),
+      "batch": lambda: sharding.check(sharding.make_mesh(shape=(8, 1)), config,
+                                      [("train.batch_size", 4)]),
+  }
+  for name, fn in cases.items():
+    try:
+      fn()
+      out[name] = "no error"
+    except UserError as e:
+      out[name] = str(e)
+  return out
+
+
+def _child_main():
+  import jax
+  import numpy as np
+  from attnprec import decoding, train
+  from attnprec.config import ModelConfig
+  from attnprec.precision import Precision
+  assert jax.device_count() == 8
+  config = ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=8, num_kv_heads=4,
+                       head_dim=8, mlp_hidden=64, max_seq_len=64)
+  precision = Precision()
+  rng = np.random.default_rng(0)
+  batch = (rng.integers(0, 32, (8, 16)).astype(np.int32), np.ones((8, 16), np.float32))
+  optimizer = train.make_optimizer(total_steps=10, warmup_steps=1)
+  state0 = jax.jit(lambda: train.init_state(config, optimizer, 0))()
+  update = train.make_update(config, precision, optimizer)
+  state, losses, norms = state0, [], []
+  for _ in range(2):
+    state, metrics = update(state, *batch)
+    losses.append(float(metrics["loss"]))
+    norms.append(float(metrics["grad_norm"]))
+  prompt = rng.integers(0, 32, (8, 6)).astype(np.int32)
+  lengths = np.full((8,), 6, np.int32)
+  toks, logits = decoding.generate(state.params, prompt, lengths, jax.random.PRNGKey(0),
+                                   config=config, precision=precision, max_new_tokens=5)
+  ref = {"state0": jax.device_get(state0), "losses": losses, "norms": norms, "params": state.params,
+         "prompt": prompt, "lengths": lengths, "tokens": np.asarray(toks), "logits": logits}
+  out = {"meshes": {f"{d}x{m}": _child_mesh((d, m), config, precision, batch, ref)
+                    for d, m in MESHES},
+         "errors": _child_errors(config), "train": _child_train_loop()}
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  _child_main()
