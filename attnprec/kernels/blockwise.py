@@ -30,8 +30,9 @@ Hence with both flags off (everything c) blockwise rounds less than dot_product:
 the logits, exp and probabilities are rounded to c, never the statistics, the sums or
 the normalised output (tests check its float64 error is no larger on sharp attention).
 
-Decode (T == 1): one query block and key blocks of `decode_kv_block` over the cache;
-blocks past the query's position are skipped, so the work is O(position), not O(S).
+Decode (T == 1): one query block and key blocks of ~`decode_kv_block` (a divisor of S
+when there is one near it) sliced straight from the [B, S, K, H] cache, which is never
+copied; blocks past the query's position are skipped, so the work is O(position).
 The partial (m, l, acc) of each block are combined online (the split-K combine, done
 sequentially: on a 2-core CPU there is nothing to gain from parallel splits).
 
@@ -120,7 +121,10 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
 
   sizes = block_sizes()
   Tq = min(q_block or sizes.q_block, T)
-  Sk = min(kv_block or (sizes.decode_kv_block if T == 1 else sizes.kv_block), S)
+  if T == 1:
+    Sk = min(kv_block or _divisor_near(S, sizes.decode_kv_block), S)
+  else:
+    Sk = min(kv_block or sizes.kv_block, S)
   nq, nk = math.ceil(T / Tq), math.ceil(S / Sk)
   Tp, Sp = nq * Tq, nk * Sk
 
@@ -137,21 +141,28 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
   need_NQxNK = _blocks_needed(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, causal=causal,
                               sliding_window=sliding_window)
 
-  # Transposed once, so every block's dots are plain batched matmuls over (B, K) with no
-  # per-block transposes (measured 1.3-1.6x faster on XLA:CPU than slicing [B, S, K, H]).
   q_BxKxGxTpxH = _pad(jnp.transpose((q * jnp.asarray(scale, c)).reshape(B, T, K, G, H),
                                     (0, 2, 3, 1, 4)), 3, Tp)
-  k_BxKxSpxH, v_BxKxSpxH = (_pad(jnp.transpose(x, (0, 2, 1, 3)), 2, Sp) for x in (k, v))
+  # Prefill: K/V transposed once to [B, K, Sp, H], so each block's dots are plain batched
+  # matmuls over (B, K) (measured 1.3-1.6x faster on XLA:CPU than slicing [B, S, K, H]).
+  # A decode step reads each key once, and a transpose (or a pad) would copy the whole
+  # cache every step: there blocks are sliced from the [B, S, K, H] cache as it is.
+  kv_major = T > 1
+  if kv_major:
+    k_src, v_src = (_pad(jnp.transpose(x, (0, 2, 1, 3)), 2, Sp) for x in (k, v))
+  else:
+    k_src, v_src = _pad(k, 1, Sp), _pad(v, 1, Sp)    # no copy when Sk divides S
+  kv_axis, kv_spec = (2, "BKSH") if kv_major else (1, "BSKH")
   dense_mask = None if mask is None else _pad_mask(
       attention_lib._group_mask(mask, B, N, K, G, T, S), Tp, Sp)  # [B|1,K|1,G|1,Tp|1,Sp|1]
 
   def kv_step(i, q_BxKxGxTqxH, qpos_BxTq, carry, j):
     """One key/value block j for query block i: the online-softmax update."""
     m_BxKxGxTq, l_BxKxGxTq, acc_BxKxGxTqxH, count = carry
-    k_BxKxSkxH = jax.lax.dynamic_slice_in_dim(k_BxKxSpxH, j * Sk, Sk, axis=2)
-    v_BxKxSkxH = jax.lax.dynamic_slice_in_dim(v_BxKxSpxH, j * Sk, Sk, axis=2)
+    k_blk = jax.lax.dynamic_slice_in_dim(k_src, j * Sk, Sk, axis=kv_axis)  # Sk keys
+    v_blk = jax.lax.dynamic_slice_in_dim(v_src, j * Sk, Sk, axis=kv_axis)
     logits_BxKxGxTqxSk = jnp.einsum(
-        "BKGTH,BKSH->BKGTS", q_BxKxGxTqxH, k_BxKxSkxH, precision=precision,
+        f"BKGTH,{kv_spec}->BKGTS", q_BxKxGxTqxH, k_blk, precision=precision,
         preferred_element_type=F32 if float32_qk_product else c)
     chex.assert_shape(logits_BxKxGxTqxSk, (B, K, G, Tq, Sk))
     chex.assert_type(logits_BxKxGxTqxSk, expected["logits"])
@@ -183,7 +194,7 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
     correction = jnp.exp(m_BxKxGxTq - m_new)
     l_new = l_BxKxGxTq * correction + jnp.sum(probs_BxKxGxTqxSk, axis=-1, dtype=F32)
     pv_BxKxGxTqxH = jnp.einsum(
-        "BKGTS,BKSH->BKGTH", probs_BxKxGxTqxSk, v_BxKxSkxH.astype(expected["probs"]),
+        f"BKGTS,{kv_spec}->BKGTH", probs_BxKxGxTqxSk, v_blk.astype(expected["probs"]),
         precision=precision, preferred_element_type=F32)
     acc_new = acc_BxKxGxTqxH * correction[..., None] + pv_BxKxGxTqxH
     return m_new, l_new, acc_new, count + 1
@@ -236,6 +247,15 @@ def _blocks_needed(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, *, causal, sliding_wind
   if sliding_window is not None:
     need &= kmax[None, :] > qmin[:, None] - sliding_window
   return need
+
+
+def _divisor_near(S: int, target: int) -> int:
+  """The largest divisor of S in [target / 2, target] (so the cache needs no padding),
+  else `target`."""
+  for d in range(min(target, S), max(target // 2, 1) - 1, -1):
+    if S % d == 0:
+      return d
+  return target
 
 
 def _pad(x, axis, length):
