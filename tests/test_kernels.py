@@ -216,12 +216,13 @@ class StageDtypesTest(parameterized.TestCase):
   (independently of the kernel's own chex assertions, which must also pass)."""
 
   @parameterized.product(dtype=("bfloat16", "float32"), flags=FLAGS,
-                         einsum_precision=("default", "highest"))
-  def test_blockwise_dots_follow_the_table(self, dtype, flags, einsum_precision):
+                         einsum_precision=("default", "highest"), T=(12, 1))
+  def test_blockwise_dots_follow_the_table(self, dtype, flags, einsum_precision, T):
+    """Prefill (T=12) and decode (T=1) paths."""
     qk, lg = flags
     c = jnp.dtype(dtype)
     want = attention_lib.stage_dtypes(c, float32_qk_product=qk, float32_logits=lg)
-    q, k, v = _qkv(12, 40, 2, c)  # Tq=4, Sk=8: qk dots contract H=16, wv dots Sk=8
+    q, k, v = _qkv(T, 40, 2, c)  # Sk=8: qk dots contract H=16, wv dots Sk=8
     fn = functools.partial(blockwise.blockwise_attention, causal=True, q_block=4,
                            kv_block=8, float32_qk_product=qk, float32_logits=lg,
                            einsum_precision=einsum_precision)
