@@ -10,9 +10,12 @@ export PYTHONUNBUFFERED := 1
 
 TRAIN_GIN ?= gin/experiments/recall.gin
 DECODE_GIN ?= gin/experiments/smollm2.gin
+AUDIT_GIN ?= gin/precision/fp32_attention.gin
+STUDY_GIN ?= gin/experiments/study_recall.gin
+RUN ?= runs/recall
 gin_files = $(foreach f,$(or $(GIN),$(1)),--gin_file=$(f))
 
-.PHONY: setup test train decode clean
+.PHONY: setup test train decode audit study bench plot clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +36,18 @@ train: setup
 
 decode: setup
 	$(PY) runners/decode.py $(call gin_files,$(DECODE_GIN)) $(ARGS)
+
+audit: setup
+	$(PY) runners/audit.py $(call gin_files,$(AUDIT_GIN)) $(ARGS)
+
+study: setup
+	$(PY) runners/study.py $(call gin_files,$(STUDY_GIN)) $(ARGS)
+
+bench: setup
+	$(PY) runners/bench.py --out=bench $(ARGS)
+
+plot: setup
+	$(PY) runners/plot.py --run_dir=$(RUN)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -63,9 +63,9 @@ def recall_eval(*, precision: Precision, run_dir: str, checkpoint: str = "recall
   config, params = runs.load_checkpoint(ckpt_dir)
   task = load_task(ckpt_dir)
   for p in pair_counts:
-    if not 1 <= p <= task.num_keys:
+    if not 1 <= p <= task.max_pairs:
       raise UserError(f"recall_eval.pair_counts has {p}; valid pair counts for this "
-                      f"checkpoint are 1..{task.num_keys} (its recall.num_keys).")
+                      f"checkpoint's task are 1..{task.max_pairs}.")
   print(f"checkpoint: {checkpoint} ({config.num_layers} layers, d={config.d_model}, trained "
         f"with {task.num_pairs} pairs)")
   print(f"decode precision:    {precision.describe()}")

@@ -29,21 +29,31 @@ class RecallTask:
   value_len: int = 1         # tokens per value
   num_pairs: int = 16        # pairs per training sequence
   num_queries: int = 16      # queries per training sequence
+  shared_vocab: bool = False  # keys and value tokens: all distinct, from one shared pool
 
   def __post_init__(self):
     if self.value_vocab < self.num_keys:
       raise UserError(f"recall.value_vocab={self.value_vocab} must be >= recall.num_keys="
                       f"{self.num_keys} (first value tokens are distinct per sequence).")
-    if self.num_pairs > self.num_keys:
+    if self.num_pairs > self.num_keys and not self.shared_vocab:
       raise UserError(f"recall.num_pairs={self.num_pairs} exceeds recall.num_keys="
                       f"{self.num_keys}: keys must be distinct within a sequence.")
+
+  @property
+  def max_pairs(self) -> int:
+    """The most pairs one sequence can hold."""
+    if self.shared_vocab:
+      return (self.num_keys + self.value_vocab) // (1 + self.value_len)
+    return self.num_keys
 
   @property
   def vocab_size(self) -> int:
     return 2 + self.num_keys + self.value_vocab
 
   def _pairs(self, rng: np.random.Generator, batch: int, num_pairs: int):
-    if num_pairs > self.num_keys:
+    if self.shared_vocab:
+      return self._shared_pairs(rng, batch, num_pairs)
+    if num_pairs > self.num_keys and not self.shared_vocab:
       raise UserError(f"{num_pairs} pairs need at least that many keys; recall.num_keys="
                       f"{self.num_keys}. Valid pair counts: 1..{self.num_keys}.")
     keys_BxP = np.stack([rng.choice(self.num_keys, num_pairs, replace=False)
@@ -55,6 +65,19 @@ class RecallTask:
     rest_BxPxR = rng.integers(0, self.value_vocab, (batch, num_pairs, self.value_len - 1))
     values_BxPxL = np.concatenate([first_BxPx1, rest_BxPxR], axis=-1) + (2 + self.num_keys)
     return keys_BxP, values_BxPxL
+
+  def _shared_pairs(self, rng: np.random.Generator, batch: int, num_pairs: int):
+    """Every key and value token of a sequence distinct, drawn from one pool: finding a
+    value token's successor is then the same one-token lookup as finding a key's value."""
+    pool = self.num_keys + self.value_vocab
+    need = num_pairs * (1 + self.value_len)
+    if need > pool:
+      raise UserError(f"{num_pairs} pairs need {need} distinct symbols; the pool has {pool} "
+                      f"(recall.num_keys + recall.value_vocab). Valid pair counts: "
+                      f"1..{pool // (1 + self.value_len)}.")
+    sym_BxPx1L = np.stack([rng.choice(pool, need, replace=False) for _ in range(batch)]
+                          ).reshape(batch, num_pairs, 1 + self.value_len) + 2
+    return sym_BxPx1L[..., 0], sym_BxPx1L[..., 1:]
 
   def _interleave(self, keys_BxP, values_BxPxL):
     return np.concatenate([keys_BxP[..., None], values_BxPxL], axis=-1).reshape(
