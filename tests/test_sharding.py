@@ -15,6 +15,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 TOL_LOSS, TOL_GRAD_NORM, TOL_LOGITS, TOL_PARAMS = 2e-6, 1e-6, 1e-5, 1e-4
 MESHES = [(1, 8), (2, 4), (8, 1)]
 
@@ -63,6 +66,43 @@ def _check_mesh(shape, got):
     assert k == 4 // shape[1], where
   else:
     assert 4 % k == 0, where
+
+
+def test_distributed_settings_are_checked_and_optional():
+  from attnprec import sharding
+  from attnprec.errors import UserError
+  assert sharding.initialize_distributed() is False          # nothing bound: not called
+  with pytest.raises(UserError, match="num_processes and distributed.process_id"):
+    sharding.initialize_distributed(coordinator_address="localhost:1")
+  with pytest.raises(UserError, match=r"process_id=2 must be in 0..1"):
+    sharding.initialize_distributed(coordinator_address="localhost:1", num_processes=2,
+                                    process_id=2)
+
+
+def test_two_processes_match_one(tmp_path):
+  """Multi-host on one machine: 2 train runner processes (1 CPU device each, joined by
+  jax.distributed through the gin `distributed.*` settings, mesh data=2) give the params of
+  a single-process run to TOL_PARAMS, and write the run directory once."""
+  import socket
+  from test_train_utils import (SUBPROCESS_ENV, load_npz, runner_args, train_in_process)
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    port = sock.getsockname()[1]
+  steps = ["train.steps = 4", "train.checkpoint_every = 2"]
+  procs = [subprocess.Popen(
+      runner_args(tmp_path / "multi", steps + [
+          f"distributed.coordinator_address = 'localhost:{port}'",
+          "distributed.num_processes = 2", f"distributed.process_id = {i}"]),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=SUBPROCESS_ENV)
+      for i in range(2)]
+  outs = [p.communicate(timeout=300)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+  train_in_process(tmp_path / "one", steps)
+  a, b = load_npz(tmp_path / "one" / "params.npz"), load_npz(tmp_path / "multi" / "params.npz")
+  assert sorted(a) == sorted(b)
+  assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= TOL_PARAMS
+  with open(tmp_path / "multi" / "metrics.jsonl") as f:
+    assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]   # written once
 
 
 # ------------------------------------------------------------------ the 8-device child
