@@ -161,11 +161,11 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   gradient norm stops training with NonFiniteError (or is skipped, with
   `skip_nonfinite_steps`). Returns the last metrics.
   """
-  runs.check_writable(run_dir)
   faults = fault_injection()   # test-only; nothing bound in shipped gin files
   mesh = sharding.make_mesh()
   sharding.check(mesh, config, [("train.batch_size", batch_size),
                                 ("train.eval_batch", eval_batch)])
+  runs.check_writable(run_dir)
   optimizer = make_optimizer(total_steps=steps)
   init = functools.partial(init_state, config, optimizer, seed)
   abstract = jax.eval_shape(init)
