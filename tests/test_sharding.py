@@ -39,8 +39,8 @@ def test_meshes_match_single_device_resume_across_meshes_and_reject_bad_ones():
   child = _run_child()
   for shape in MESHES:
     _check_mesh(shape, child["meshes"][f"{shape[0]}x{shape[1]}"])
-  # train() under mesh (4, 2), the step-4 checkpoint dropped (as if killed after step 3),
-  # resumed under (8, 1): resumes at step 2 and matches a (1, 1) run of the same steps.
+  # train() under mesh (4, 2); a copy with the step-4 checkpoint dropped (as if killed
+  # after step 3) resumes under (8, 1) at step 2 and ends where the (4, 2) run did.
   assert child["train"]["resumed_from"] == 2
   assert child["train"]["params_diff"] <= TOL_PARAMS
   errors = child["errors"]
@@ -61,7 +61,7 @@ def _check_mesh(shape, got):
   # model when the k/v projections are (else XLA's propagation decides; it must still
   # hold whole kv heads).
   L, b, S, k, H = got["cache_shard_shape"]
-  assert (L, b, S, H) == (2, 8 // shape[0], 11, 8), where
+  assert (L, b, S, H) == (1, 8 // shape[0], 11, 8), where
   if got["kv_split"]:
     assert k == 4 // shape[1], where
   else:
@@ -165,7 +165,8 @@ def _child_mesh(shape, config, precision, batch, ref):
 
 
 def _child_train_loop():
-  """train() on meshes (1,1) and (4,2) -> (8,1) with a resume; max param difference."""
+  """train() 4 steps on mesh (4, 2); a copy of the run with its step-4 checkpoint dropped
+  resumes from step 2 on mesh (8, 1); max param difference between the two."""
   import shutil
   import tempfile
   from test_train_utils import load_npz, train_in_process
@@ -173,15 +174,15 @@ def _child_train_loop():
   base = ["train.steps = 4", "train.checkpoint_every = 2"]
   tmp = tempfile.mkdtemp()
   try:
-    train_in_process(f"{tmp}/one", base + ["mesh.shape = (1, 1)"])
+    train_in_process(f"{tmp}/straight", base + ["mesh.shape = (4, 2)"])
+    shutil.copytree(f"{tmp}/straight", f"{tmp}/resumed")
+    shutil.rmtree(f"{tmp}/resumed/checkpoints/4")
+    os.remove(f"{tmp}/resumed/params.npz")
     gin.clear_config()
-    train_in_process(f"{tmp}/multi", base + ["mesh.shape = (4, 2)"])
-    shutil.rmtree(f"{tmp}/multi/checkpoints/4")
-    gin.clear_config()
-    train_in_process(f"{tmp}/multi", base + ["mesh.shape = (8, 1)"])
-    with open(f"{tmp}/multi/metrics.jsonl") as f:
+    train_in_process(f"{tmp}/resumed", base + ["mesh.shape = (8, 1)"])
+    with open(f"{tmp}/resumed/metrics.jsonl") as f:
       steps = [json.loads(line)["step"] for line in f]
-    a, b = load_npz(f"{tmp}/one/params.npz"), load_npz(f"{tmp}/multi/params.npz")
+    a, b = load_npz(f"{tmp}/straight/params.npz"), load_npz(f"{tmp}/resumed/params.npz")
     return {"resumed_from": 2 if steps == [1, 2, 3, 4] else None,
             "params_diff": _max_diff([a[k] for k in sorted(a)], [b[k] for k in sorted(b)])}
   finally:
@@ -218,7 +219,7 @@ def _child_main():
   from attnprec.config import ModelConfig
   from attnprec.precision import Precision
   assert jax.device_count() == 8
-  config = ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=8, num_kv_heads=4,
+  config = ModelConfig(vocab_size=32, d_model=32, num_layers=1, num_heads=8, num_kv_heads=4,
                        head_dim=8, mlp_hidden=64, max_seq_len=64)
   precision = Precision()
   rng = np.random.default_rng(0)

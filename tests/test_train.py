@@ -86,20 +86,32 @@ def test_runner_exits_2_on_nonfinite_loss(tmp_path):
   assert "Traceback" not in done.stderr
 
 
-def _two_steps(optimizer, precision):
-  update = train.make_update(CONFIG, precision, optimizer)
-  state0 = _init(optimizer)
-  state1, _ = update(state0, *_batch(0))   # the warmup starts at 0: step 1 has lr 0
-  return state0, update(state1, *_batch(1))[0]
+def test_optimizer_settings_are_bound_by_gin():
+  params = {"m": {"w": jnp.ones((3,), jnp.float32)}}
+  grads = {"m": {"w": jnp.full((3,), 0.5, jnp.float32)}}
 
+  def two_updates():
+    optimizer = train.make_optimizer(total_steps=4)
+    opt_state = optimizer.init(params)
+    for _ in range(2):   # the warmup starts at lr 0: the first update is zero
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+    return np.asarray(updates["m"]["w"])
 
-def test_optimizer_is_bound_by_gin_and_params_stay_float32():
-  ginutils.parse([], ["optimizer.learning_rate = 0.0", "optimizer.warmup_steps = 1"])
-  state0, state2 = _two_steps(train.make_optimizer(total_steps=4), Precision())
-  assert _tree_bytes_equal(state2.params, state0.params)      # learning rate 0: no change
+  ginutils.parse([], ["optimizer.warmup_steps = 1", "optimizer.weight_decay = 0.0",
+                      "optimizer.learning_rate = 0.0"])
+  assert (two_updates() == 0).all()
   gin.clear_config()
-  ginutils.parse([], ["optimizer.warmup_steps = 1"])
-  state0, state2 = _two_steps(train.make_optimizer(total_steps=4), Precision(dtype="bfloat16"))
+  ginutils.parse([], ["optimizer.warmup_steps = 1", "optimizer.weight_decay = 0.0",
+                      "optimizer.learning_rate = 0.5"])
+  np.testing.assert_allclose(two_updates(), -0.5, rtol=1e-2)   # Adam: ~lr per step
+
+
+def test_params_stay_float32_under_bfloat16_compute():
+  optimizer = train.make_optimizer(total_steps=4, warmup_steps=1)
+  update = train.make_update(CONFIG, Precision(dtype="bfloat16"), optimizer)
+  state0 = _init(optimizer)
+  state1, _ = update(state0, *_batch(0))
+  state2, _ = update(state1, *_batch(1))
   assert not _tree_bytes_equal(state2.params, state0.params)
   assert {x.dtype for x in jax.tree.leaves(state2.params)} == {jnp.dtype(jnp.float32)}
 
