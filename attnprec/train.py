@@ -181,7 +181,7 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
       state, meta = jax.jit(init, out_shardings=state_sh)(), {}
     else:
       state, meta = TrainState(**restored[0]), restored[1]
-      _report_resume(meta, seed=seed, batch_size=batch_size, task=task_desc)
+      _report_resume(meta, seed=seed, batch_size=batch_size, steps=steps, task=task_desc)
     # Only now (the checkpoint matched) touch the run directory's files.
     start = int(state.step)
     metrics_log = runs.MetricsWriter(run_dir)
@@ -205,6 +205,7 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
 
     def checkpoint_meta(n: int, last: dict, reached: bool) -> dict:
       return {"step": n, "data_position": n, "seed": seed, "batch_size": batch_size,
+              "steps": steps,
               "model": runs.config_dict(config), "task": task_desc,
               "mesh": [mesh.shape["data"], mesh.shape["model"]],
               "eval_accuracy": last.get("eval_accuracy"), "target_reached": reached}
@@ -260,12 +261,14 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
 
 
 def _report_resume(meta: dict, **now) -> None:
-  """Says where training resumes and which data-stream settings changed since."""
+  """Says where training resumes and which settings changed since (the run then goes on
+  with the new values, so it no longer matches an uninterrupted run)."""
   print(f"resuming from checkpoint step {meta['step']} (data position {meta['data_position']})")
   for key, value in now.items():
     if key in meta and meta[key] != value:
-      print(f"note: {key} changed since the checkpoint ({meta[key]!r} -> {value!r}); the "
-            f"data stream continues at step {meta['step']} with the new value.")
+      shown = "the task" if key == "task" else f"train.{key} ({meta[key]!r} -> {value!r})"
+      print(f"note: {shown} changed since the checkpoint; training continues from step "
+            f"{meta['step']} with the new value.")
 
 
 def _host_params(params):
