@@ -90,9 +90,9 @@ def make_update(config: ModelConfig, precision: Precision, optimizer, *,
                 skip_nonfinite: bool = False, faults: Optional[Faults] = None):
   """The jitted train step: (state, tokens_BxT, mask_BxT) -> (state, metrics).
 
-  metrics: loss, accuracy, grad_norm and `finite` (loss and grad norm both finite). With
-  `skip_nonfinite`, a non-finite step leaves params and optimizer state unchanged (a
-  select inside the program); step and data position still advance.
+  metrics: loss, accuracy, grad_norm, param_norm (after the update) and `finite` (all
+  three finite). With `skip_nonfinite`, a non-finite step leaves params and optimizer
+  state unchanged (a select inside the program); step and data position still advance.
   """
   base_loss = functools.partial(loss_fn, config=config, precision=precision)
   faults = faults or Faults()
@@ -112,7 +112,9 @@ def make_update(config: ModelConfig, precision: Precision, optimizer, *,
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics["grad_norm"] = optax.tree.norm(grads)
-    metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    metrics["param_norm"] = optax.tree.norm(params)   # finite grads can still overflow params
+    metrics["finite"] = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+                         & jnp.isfinite(metrics["param_norm"]))
     if skip_nonfinite:
       params, opt_state = jax.tree.map(
           lambda new, old: jnp.where(metrics["finite"], new, old),
@@ -124,14 +126,15 @@ def make_update(config: ModelConfig, precision: Precision, optimizer, *,
 
 def nonfinite_error(step: int, metrics: dict, ckpt: checkpointing.Checkpointer) -> UserError:
   """The message for a non-finite step: which step, which metric, where to resume."""
-  loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
-  name, value = ("loss", loss) if not np.isfinite(loss) else ("grad_norm", gnorm)
+  values = {k: float(metrics[k]) for k in ("loss", "grad_norm", "param_norm")}
+  name = next(k for k, v in values.items() if not np.isfinite(v))
+  listed = ", ".join(f"{k}={v}" for k, v in values.items())
   last = ckpt.latest_step()
   where = (f"The last good checkpoint is step {last} in {ckpt.directory}; training again "
            f"with the same --run_dir resumes from it." if last is not None else
            "No checkpoint was written before it.")
   return NonFiniteError(
-      f"Training stopped at step {step}: {name} is {value} (loss={loss}, grad_norm={gnorm}). "
+      f"Training stopped at step {step}: {name} is {values[name]} ({listed}). "
       f"{where} Lower optimizer.learning_rate, or set train.skip_nonfinite_steps = True "
       f"to skip such steps (params and optimizer state then stay unchanged).")
 

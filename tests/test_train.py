@@ -78,12 +78,17 @@ def test_skip_nonfinite_steps_finishes_and_counts(tmp_path):
   assert all(np.isfinite(v).all() for v in load_npz(run / "params.npz").values())
 
 
-def test_runner_exits_2_on_nonfinite_loss(tmp_path):
-  done = run_train(tmp_path / "run", ["train.steps = 4", "train.checkpoint_every = 2",
-                                      "fault_injection.nonfinite_at_step = 3"])
+def test_runner_exits_2_when_a_huge_learning_rate_overflows_params(tmp_path):
+  """A real blow-up, no injection: lr 1e30 overflows the params at step 2 (step 1 has lr 0
+  from the warmup); the runner names the step and metric, keeps checkpoint 1, exits 2."""
+  run = tmp_path / "run"
+  done = run_train(run, ["train.steps = 4", "train.checkpoint_every = 1",
+                         "optimizer.learning_rate = 1e30"])
   assert done.returncode == 2
-  assert "train: error: Training stopped at step 3: loss is nan" in done.stderr
+  assert "train: error: Training stopped at step 2: param_norm is inf" in done.stderr
+  assert "last good checkpoint is step 1" in done.stderr
   assert "Traceback" not in done.stderr
+  assert checkpoint_listing(run) == ["1"]
 
 
 def test_optimizer_settings_are_bound_by_gin():
