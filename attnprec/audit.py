@@ -329,8 +329,10 @@ def attention_table(result: dict) -> str:
     for (site, bwd, lhs, rhs, res, prec, checked, ok), rows in _grouped(
         a["attention"], ("site", "backward", "lhs", "rhs", "result", "precision",
                          "checked", "ok")).items():
-      contract = (f"{e['qkv']} x {e['qkv']} -> {e['logits']}" if site == "qk" else
-                  f"{e['probs']} x {e['qkv']}|{e['probs']} -> {e['probs']}|f32")
+      P, c = e["probs"], e["qkv"]
+      contract = (f"{c} x {c} -> {e['logits']}" if site == "qk" else
+                  f"probs {P}, v {c if c == P else c + '/' + P} -> "
+                  f"{P if P == 'f32' else P + '/f32'}")
       contract += f", {a['einsum_precision']}"
       if bwd or checked == "precision":
         contract = f"precision {a['einsum_precision']}"

@@ -41,8 +41,29 @@ def _act(x, kind):
   return 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
 
 
-def forward(config: ModelConfig, params, tokens_BxT):
-  """(logits_BxTxV float64, [attn_BxTxNxH float64 per layer]) at positions 0..T-1."""
+def logit_stats(q_BxTxNxH, k_BxTxKxH, allowed_Bx1xTxS, scale, soft_cap) -> dict:
+  """Magnitudes of one layer's attention logits over the visible keys: the largest
+  |logit|, and per (query, head) row the median of its largest logit and of its spread
+  (largest minus median). bf16 rounds a logit in [16, 32) to a multiple of 0.125."""
+  B, T, N, H = q_BxTxNxH.shape
+  G = N // k_BxTxKxH.shape[2]
+  k = np.repeat(k_BxTxKxH, G, axis=2)
+  logits = np.einsum("btnh,bsnh->bnts", q_BxTxNxH * scale, k)
+  if soft_cap is not None:
+    logits = soft_cap * np.tanh(logits / soft_cap)
+  visible = np.broadcast_to(allowed_Bx1xTxS, logits.shape)
+  big = np.where(visible, np.abs(logits), 0.0).max()
+  row_max = np.where(visible, logits, -np.inf).max(-1)
+  row_med = np.array([np.median(r[v]) for r, v in zip(logits.reshape(-1, logits.shape[-1]),
+                                                       visible.reshape(-1, visible.shape[-1]))])
+  return {"max_abs_logit": float(big), "median_row_max": float(np.median(row_max)),
+          "median_row_spread": float(np.median(row_max.reshape(-1) - row_med))}
+
+
+def forward(config: ModelConfig, params, tokens_BxT, stats=None):
+  """(logits_BxTxV float64, [attn_BxTxNxH float64 per layer]) at positions 0..T-1.
+
+  stats: if a list, one `logit_stats` dict per layer is appended to it."""
   cfg = config
   tokens_BxT = np.asarray(tokens_BxT)
   B, T = tokens_BxT.shape
@@ -77,6 +98,9 @@ def forward(config: ModelConfig, params, tokens_BxT):
     window = cfg.window(i)
     if window is not None:
       allowed &= pos_BxT[:, None, None, :] > pos_BxT[:, None, :, None] - window
+    scale_q = cfg.query_scale if cfg.query_scale is not None else H ** -0.5
+    if stats is not None:
+      stats.append(logit_stats(q, k, allowed, scale_q, cfg.attn_logit_soft_cap))
     a = reference_attention_np(q, k, v, mask=allowed, logits_soft_cap=cfg.attn_logit_soft_cap,
                                scale=cfg.query_scale)
     attn_outs.append(a)

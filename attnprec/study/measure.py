@@ -113,6 +113,11 @@ def kl(ref_logits, logits) -> float:
   return float(np.mean(np.sum(np.exp(lr) * (lr - lp), axis=-1)))
 
 
+def top1_agreement(logits, ref_logits) -> float:
+  """Fraction of positions whose most likely token is the reference's."""
+  return float(np.mean(np.argmax(logits, -1) == np.argmax(ref_logits, -1)))
+
+
 def greedy_agreement(tokens_BxM, ref_BxM, counted_BxM=None) -> dict:
   """Agreement of decoded tokens with the reference's over the counted slots (default:
   all), and the first slot (index among the counted ones) where a sequence diverges."""

@@ -47,11 +47,13 @@ def summary_table(res: dict) -> str:
   label = ref["label"]
   acc_name = "recall accuracy" if res["kind"] == "recall" else "passkey accuracy"
   lines = [f"At the longest context ({label}); errors against the fp32/HIGHEST reference; "
-           f"attention errors are the worst layer's.", "",
+           f"attention errors are the worst layer's; top-1 = teacher-forced positions whose "
+           f"most likely token is the reference's.", "",
            f"| config | attn rel L2 prefill | attn rel L2 decode | attn max abs decode | "
-           f"logits KL | max abs Δlogit | decode logits KL | NLL/token | greedy agreement | "
-           f"first divergence (mean, min) | {acc_name} | time vs {res['timing']['baseline']} |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           f"logits KL | max abs Δlogit | decode logits KL | top-1 (prefill, decode) | "
+           f"NLL/token | greedy agreement | first divergence (mean, min) | {acc_name} | "
+           f"time vs {res['timing']['baseline']} |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   g = None
   for c in res["configs"]:
     r = c["per_length"][-1]
@@ -60,20 +62,22 @@ def summary_table(res: dict) -> str:
         f"| {c['name']} | {_fmt(_worst(r['prefill_attn_rel_l2']))} | "
         f"{_fmt(_worst(r['decode_attn_rel_l2']))} | {_fmt(_worst(r['decode_attn_max_abs']))} | "
         f"{_fmt(r['logits_kl'])} | {_fmt(r['logits_max_abs'])} | {_fmt(r['decode_logits_kl'])} "
+        f"| {r['top1_agreement']:.3f}, {r['decode_top1_agreement']:.3f} "
         f"| {r['nll']:.4f} | {g['agreement']:.3f} | {g['first_divergence_mean']:.1f}, "
         f"{g['first_divergence_min']} | {r['accuracy']:.3f} | {c['time_ratio']:.2f} |")
-  lines.append(f"| reference (fp32/HIGHEST) | 0 | 0 | 0 | 0 | 0 | 0 | {ref['nll']:.4f} | 1 | "
-               f"{g['steps'] if g else '-'}, - | {ref['accuracy']:.3f} | - |")
+  lines.append(f"| reference (fp32/HIGHEST) | 0 | 0 | 0 | 0 | 0 | 0 | 1, 1 | {ref['nll']:.4f} | "
+               f"1 | {g['steps'] if g else '-'}, - | {ref['accuracy']:.3f} | - |")
   return "\n".join(lines)
 
 
 def per_length_table(res: dict) -> str:
   acc_name = "recall acc." if res["kind"] == "recall" else "passkey acc."
   lines = [f"| config | context | attn rel L2 prefill | attn rel L2 decode | logits KL | "
-           f"decode logits KL | greedy agreement | first div. (min) | {acc_name} |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+           f"decode logits KL | top-1 (prefill, decode) | greedy agreement | "
+           f"first div. (min) | {acc_name} |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for ref in res["reference"]["per_length"]:
-    lines.append(f"| reference | {ref['label']} ({ref['context_tokens']} tok) | | | | | | | "
+    lines.append(f"| reference | {ref['label']} ({ref['context_tokens']} tok) | | | | | | | | "
                  f"{ref['accuracy']:.3f} |")
   for c in res["configs"]:
     for r in c["per_length"]:
@@ -81,8 +85,9 @@ def per_length_table(res: dict) -> str:
       lines.append(
           f"| {c['name']} | {r['label']} ({r['context_tokens']} tok) | "
           f"{_fmt(_worst(r['prefill_attn_rel_l2']))} | {_fmt(_worst(r['decode_attn_rel_l2']))} "
-          f"| {_fmt(r['logits_kl'])} | {_fmt(r['decode_logits_kl'])} | {g['agreement']:.3f} | "
-          f"{g['first_divergence_min']} | {r['accuracy']:.3f} |")
+          f"| {_fmt(r['logits_kl'])} | {_fmt(r['decode_logits_kl'])} | "
+          f"{r['top1_agreement']:.3f}, {r['decode_top1_agreement']:.3f} | {g['agreement']:.3f} "
+          f"| {g['first_divergence_min']} | {r['accuracy']:.3f} |")
   return "\n".join(lines)
 
 
@@ -92,12 +97,20 @@ def float64_table(res: dict) -> str:
     return (f"(no context short enough for the float64 pass: study.float64_max_tokens = "
             f"{res['settings']['float64_max_tokens']})")
   lines = ["| context | sequences | attn rel L2 (worst layer) | attn max abs | "
-           "logits max abs | logits KL |", "|---|---:|---:|---:|---:|---:|"]
+           "logits max abs | logits KL | largest attention logit | median row max (layer "
+           "range) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     f = r["float64"]
+    st = f.get("attention_logits") or [{"max_abs_logit": float("nan"),
+                                        "median_row_max": float("nan")}]
+    med = [x["median_row_max"] for x in st]
     lines.append(f"| {r['label']} | {f['sequences']} | {_fmt(_worst(f['attn_rel_l2']))} | "
                  f"{_fmt(_worst(f['attn_max_abs']))} | {_fmt(f['logits_max_abs'])} | "
-                 f"{_fmt(f['logits_kl'])} |")
+                 f"{_fmt(f['logits_kl'])} | {max(x['max_abs_logit'] for x in st):.1f} | "
+                 f"{min(med):.1f} to {max(med):.1f} |")
+  lines += ["", "Attention logits (scaled q·k over visible keys, float64 pass): bf16 spacing is "
+            "0.125 in [16, 32) and 0.25 in [32, 64), so flags-off logits of that size carry "
+            "rounding errors of up to half of that."]
   return "\n".join(lines)
 
 
@@ -110,6 +123,16 @@ def precision_table(res: dict) -> str:
                  f"{p['float32_logits']} | {p['einsum_precision']} | {p['matmul_precision']} | "
                  f"{p['kernel']} |")
   return "\n".join(lines)
+
+
+def identical_groups(res: dict):
+  """Configurations whose measurements are all identical (same numerics)."""
+  groups = {}
+  for c in res["configs"]:
+    key = json.dumps([{k: v for k, v in r.items() if k != "label"} for r in c["per_length"]],
+                     sort_keys=True)
+    groups.setdefault(key, []).append(c["name"])
+  return [g for g in groups.values() if len(g) > 1]
 
 
 def to_markdown(res: dict) -> str:
@@ -144,7 +167,10 @@ def to_markdown(res: dict) -> str:
       f"steps from a cache at the end of each sequence; greedy agreement compares "
       f"{s['greedy_steps']} greedy tokens after each task prompt; logits KL / max abs over the "
       f"last {s['logit_positions']} positions.", "",
-      "## Results", "", summary_table(res), "",
+      "## Results", "", summary_table(res), ""] + [
+      f"{' and '.join(g)} gave identical measurements (the same numbers on this backend"
+      f"{': a float32 QK product makes the softmax float32 too' if 'fp32_qk' in g else ''})."
+      for g in identical_groups(res)] + ["",
       "![error vs context](error_vs_context.png)", "",
       "![accuracy vs context](accuracy_vs_context.png)", "",
       "## Per context length", "", per_length_table(res), "",

@@ -5,8 +5,9 @@ and against an independent float64 NumPy forward pass where the size allows.
 Per configuration and context length:
   * attention-output error per layer (relative L2, max abs) in prefill (full forward) and
     in decode (teacher-forced single-token steps from a cache, as in serving);
-  * final logits: KL(reference || config) and max abs difference (last positions), NLL
-    per token (recall: of the answer tokens; real models: of the stdlib text);
+  * final logits: KL(reference || config), max abs difference and how often the top token
+    is the reference's (last positions, teacher-forced, in prefill and in decode steps),
+    NLL per token (recall: of the answer tokens; real models: of the stdlib text);
   * decoding from the task prompts: greedy-token agreement with the reference (recall:
     over the answer slots of an episode whose queries arrive between answers; real
     models: M greedy tokens after a passkey prompt) and the first diverging step;
@@ -120,6 +121,8 @@ def _compare(out, ref, case, kind, tokenizer):
       "logits_max_abs": measure.max_abs(out["logits"], ref["logits"]),
       "decode_logits_kl": measure.kl(ref["dec_logits"], out["dec_logits"]),
       "decode_logits_max_abs": measure.max_abs(out["dec_logits"], ref["dec_logits"]),
+      "top1_agreement": measure.top1_agreement(out["logits"], ref["logits"]),
+      "decode_top1_agreement": measure.top1_agreement(out["dec_logits"], ref["dec_logits"]),
       "nll": float((out["nll"] * mask).sum() / mask.sum()),
       "greedy": measure.greedy_agreement(out["generated"], ref["generated"], out["answered"]),
       "accuracy": _accuracy(kind, out["generated"], out["answered"], case, tokenizer),
@@ -128,12 +131,14 @@ def _compare(out, ref, case, kind, tokenizer):
 
 def _float64_floor(model, config, ref, case, batch):
   """The fp32/HIGHEST reference against float64 NumPy on the first `batch` sequences."""
-  logits64, attn64 = float64.forward(config, model.params, case.tokens_BxL[:batch])
+  stats = []
+  logits64, attn64 = float64.forward(config, model.params, case.tokens_BxL[:batch], stats)
   keep = ref["logits"].shape[1]
   rel, mx = measure.per_layer(ref["attn"][:, :batch], np.stack(attn64), 0)
   return {"sequences": batch, "attn_rel_l2": rel, "attn_max_abs": mx,
           "logits_max_abs": measure.max_abs(ref["logits"][:batch], logits64[:, -keep:]),
-          "logits_kl": measure.kl(logits64[:, -keep:], ref["logits"][:batch])}
+          "logits_kl": measure.kl(logits64[:, -keep:], ref["logits"][:batch]),
+          "attention_logits": stats}
 
 
 def _check_environment():
