@@ -48,6 +48,19 @@ def stage_dtypes(compute_dtype, *, float32_qk_product: bool,
   return {"qkv": c, "logits": logits, "softmax": softmax, "probs": softmax, "output": c}
 
 
+def check_heads(q, k, v) -> int:
+  """Checks q [B, T, N, H] against k, v [B, S, K, H]; returns G = N // K (every kernel)."""
+  B, _, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  if N % K:
+    raise UserError(f"Number of query heads N={N} is not a multiple of key/value heads "
+                    f"K={K}; valid K values for N={N} are: "
+                    f"{[d for d in range(1, N + 1) if N % d == 0]}.")
+  chex.assert_shape(k, (B, S, K, H))
+  chex.assert_shape(v, (B, S, K, H))
+  return N // K
+
+
 def mask_value(dtype) -> float:
   """A large finite negative number valid in `dtype` (never -inf: no NaN on empty rows)."""
   return -0.7 * float(jnp.finfo(dtype).max)
@@ -76,13 +89,7 @@ def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   c = q.dtype
-  if N % K:
-    raise UserError(f"Number of query heads N={N} is not a multiple of key/value heads "
-                    f"K={K}; valid K values for N={N} are: "
-                    f"{[d for d in range(1, N + 1) if N % d == 0]}.")
-  G = N // K
-  chex.assert_shape(k, (B, S, K, H))
-  chex.assert_shape(v, (B, S, K, H))
+  G = check_heads(q, k, v)
   expected = stage_dtypes(c, float32_qk_product=float32_qk_product,
                           float32_logits=float32_logits)
   chex.assert_type([q, k, v], [expected["qkv"]] * 3)

@@ -1,7 +1,6 @@
 """`make decode` on a real model: generate a continuation under the decode precision, and
 compare it token by token with an fp32-attention reference decode of the same prompt."""
 import dataclasses
-import os
 import time
 from typing import Optional
 

@@ -101,13 +101,7 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   c = q.dtype
-  if N % K:
-    raise UserError(f"Number of query heads N={N} is not a multiple of key/value heads "
-                    f"K={K}; valid K values for N={N} are: "
-                    f"{[d for d in range(1, N + 1) if N % d == 0]}.")
-  G = N // K
-  chex.assert_shape(k, (B, S, K, H))
-  chex.assert_shape(v, (B, S, K, H))
+  G = attention_lib.check_heads(q, k, v)
   expected = attention_lib.stage_dtypes(c, float32_qk_product=float32_qk_product,
                                         float32_logits=float32_logits)
   chex.assert_type([q, k, v], [expected["qkv"]] * 3)

@@ -66,14 +66,8 @@ def jax_nn_attention(q, k, v, *, mask=None, float32_qk_product=True, float32_log
                   einsum_precision=einsum_precision, logits_soft_cap=logits_soft_cap,
                   implementation=implementation)
   B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
   c = q.dtype
-  if N % K:
-    raise UserError(f"Number of query heads N={N} is not a multiple of key/value heads "
-                    f"K={K}; valid K values for N={N} are: "
-                    f"{[d for d in range(1, N + 1) if N % d == 0]}.")
-  chex.assert_shape(k, (B, S, K, H))
-  chex.assert_shape(v, (B, S, K, H))
+  attention_lib.check_heads(q, k, v)
   expected = attention_lib.stage_dtypes(c, float32_qk_product=True, float32_logits=True)
   chex.assert_type([q, k, v], [expected["qkv"]] * 3)
   scale = H ** -0.5 if scale is None else scale
