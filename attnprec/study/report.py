@@ -32,6 +32,10 @@ def _worst(xs):
   return float(np.max(xs))
 
 
+def _context(r) -> str:
+  return r["label"] if r["label"].endswith("tokens") else f"{r['label']} ({r['context_tokens']} tok)"
+
+
 def _fmt(x, digits=2):
   if x == 0:
     return "0"
@@ -77,13 +81,13 @@ def per_length_table(res: dict) -> str:
            f"first div. (min) | {acc_name} |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for ref in res["reference"]["per_length"]:
-    lines.append(f"| reference | {ref['label']} ({ref['context_tokens']} tok) | | | | | | | | "
+    lines.append(f"| reference | {_context(ref)} | | | | | | | | "
                  f"{ref['accuracy']:.3f} |")
   for c in res["configs"]:
     for r in c["per_length"]:
       g = r["greedy"]
       lines.append(
-          f"| {c['name']} | {r['label']} ({r['context_tokens']} tok) | "
+          f"| {c['name']} | {_context(r)} | "
           f"{_fmt(_worst(r['prefill_attn_rel_l2']))} | {_fmt(_worst(r['decode_attn_rel_l2']))} "
           f"| {_fmt(r['logits_kl'])} | {_fmt(r['decode_logits_kl'])} | "
           f"{r['top1_agreement']:.3f}, {r['decode_top1_agreement']:.3f} | {g['agreement']:.3f} "
@@ -199,7 +203,10 @@ def _figures(res: dict):
   exact = [c["name"] for c in res["configs"]
            if all(_worst(r["prefill_attn_rel_l2"]) == 0 and _worst(r["decode_attn_rel_l2"]) == 0
                   for r in c["per_length"])]
-  exact_note = f"error 0 (identical to the reference): {', '.join(exact)}" if exact else None
+  notes = [f"error 0 (identical to the reference): {', '.join(exact)}"] if exact else []
+  notes += [f"identical results: {' = '.join(g)}" for g in identical_groups(res)
+            if not set(g) & set(exact)]
+  exact_note = "; ".join(notes) or None
 
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
   for i, c in enumerate(res["configs"]):
@@ -212,7 +219,7 @@ def _figures(res: dict):
   floor = [(r["context_tokens"], _worst(r["float64"]["attn_rel_l2"]))
            for r in res["reference"]["per_length"] if "float64" in r]
   if floor:
-    axes[0].plot(*zip(*floor), "k--", label="fp32 reference vs float64")
+    axes[0].plot(*zip(*floor), "k--o", ms=4, label="fp32 reference vs float64")
   for ax, title in zip(axes, ("prefill (full forward)", "decode (single-token steps)")):
     ax.set_yscale("log")
     ax.set_xlabel(x_label)
