@@ -3,7 +3,7 @@
 
 Plots (matplotlib, Agg backend):
   error_vs_context.png     attention-output error (worst layer) vs context, prefill | decode
-  accuracy_vs_context.png  task accuracy | greedy agreement with the reference vs context
+  accuracy_vs_context.png  task accuracy | decoded tokens differing from the reference
   cost_vs_error.png        time relative to bf16 vs decode attention error (longest context)
   error_by_layer.png       decode attention error per layer at the longest context
 """
@@ -238,16 +238,20 @@ def _figures(res: dict):
     color, marker = _style(c["name"], i)
     axes[0].plot(ctx, [r["accuracy"] for r in c["per_length"]], marker=marker, color=color,
                  label=c["name"], alpha=0.85)
-    axes[1].plot(ctx, [r["greedy"]["agreement"] for r in c["per_length"]], marker=marker,
+    axes[1].plot(ctx, [1 - r["greedy"]["agreement"] for r in c["per_length"]], marker=marker,
                  color=color, label=c["name"], alpha=0.85)
   axes[0].set_title("recall accuracy" if res["kind"] == "recall" else "passkey accuracy")
-  axes[1].set_title(f"greedy tokens equal to the reference "
-                    f"({res['settings']['greedy_steps']} steps)")
+  axes[1].set_title("decoded answer tokens that differ from the reference" if
+                    res["kind"] == "recall" else
+                    f"greedy tokens that differ from the reference "
+                    f"({res['settings']['greedy_steps']} steps)", fontsize=10)
+  axes[0].set_ylim(-0.03, 1.03)
+  axes[1].set_ylim(bottom=0)
   for ax in axes:
     ax.set_xlabel(x_label)
-    ax.set_ylim(-0.03, 1.03)
     ax.grid(True, alpha=0.3)
   axes[0].set_ylabel("fraction")
+  axes[1].set_ylabel("fraction (1 - greedy agreement)")
   axes[0].legend(fontsize=8, loc="best")
   fig.suptitle(res["model"][:110], fontsize=9)
   fig.tight_layout()
