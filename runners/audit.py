@@ -5,13 +5,12 @@ single-token decode step under the decode phase's, lists every dot and checks th
 attention dots against the precision contract. Exit code 0: PASS, 1: a mismatch, 2: bad
 input. Writes audit.json and audit.md into --run_dir.
 """
-import os
 import sys
 
 # Same XLA:CPU numerics as the tests and the other runners (set before jax is imported).
-if "--xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_allow_excess_precision=false").strip()
+from attnprec.xla_env import disable_excess_precision  # noqa: E402
+
+disable_excess_precision()
 
 from attnprec import cli, ginutils  # noqa: E402
 from attnprec.audit import audit_job  # noqa: E402

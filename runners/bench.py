@@ -9,9 +9,9 @@ import os
 import sys
 
 # Same XLA:CPU numerics as the tests and the other runners (set before jax is imported).
-if "--xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_allow_excess_precision=false").strip()
+from attnprec.xla_env import disable_excess_precision  # noqa: E402
+
+disable_excess_precision()
 
 from attnprec.bench import attention as bench  # noqa: E402
 

@@ -5,9 +5,13 @@ precision (prefill and every decode step use it), and runs the configured decode
 """
 import sys
 
-from attnprec import cli, ginutils
-from attnprec.jobs import decode_job
-from attnprec.precision import phase_precision
+from attnprec.xla_env import disable_excess_precision
+
+disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
+
+from attnprec import cli, ginutils  # noqa: E402
+from attnprec.jobs import decode_job  # noqa: E402
+from attnprec.precision import phase_precision  # noqa: E402
 
 
 def run(run_dir: str):

@@ -5,12 +5,11 @@ against an fp32/HIGHEST reference and writes report.md, results.json and PNG plo
 --run_dir. Runs with XLA_FLAGS=--xla_allow_excess_precision=false (set here, before jax
 is imported). Exit code 2 on bad input.
 """
-import os
 import sys
 
-if "--xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_allow_excess_precision=false").strip()
+from attnprec.xla_env import disable_excess_precision  # noqa: E402
+
+disable_excess_precision()
 
 from attnprec import cli, ginutils  # noqa: E402
 from attnprec.study.sweep import study  # noqa: E402

@@ -7,10 +7,14 @@ into --run_dir. An existing --run_dir resumes from its newest checkpoint.
 """
 import sys
 
-from attnprec import cli, ginutils, sharding
-from attnprec.config import model_config
-from attnprec.jobs import train_job
-from attnprec.precision import phase_precision
+from attnprec.xla_env import disable_excess_precision
+
+disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
+
+from attnprec import cli, ginutils, sharding  # noqa: E402
+from attnprec.config import model_config  # noqa: E402
+from attnprec.jobs import train_job  # noqa: E402
+from attnprec.precision import phase_precision  # noqa: E402
 
 
 def run(run_dir: str):

@@ -3,11 +3,9 @@
 By default XLA:CPU may silently drop f32->bf16->f32 roundings (excess precision),
 depending on shape, which hides exactly the effect the precision flags control.
 """
-import os
+from attnprec.xla_env import disable_excess_precision
 
-_flag = "--xla_allow_excess_precision=false"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+disable_excess_precision()
 
 import gin  # noqa: E402
 import pytest  # noqa: E402

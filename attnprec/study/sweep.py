@@ -31,10 +31,11 @@ from attnprec import runs
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE
 from attnprec.tasks import recall
+from attnprec import xla_env
 from attnprec.study import float64, inputs, measure, models, report
 from attnprec.study import presets as preset_lib
 
-EXCESS_FLAG = "--xla_allow_excess_precision=false"
+EXCESS_FLAG = xla_env.FLAG
 
 
 @dataclasses.dataclass
