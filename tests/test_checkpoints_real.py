@@ -38,17 +38,10 @@ from attnprec import checkpoints, decoding  # noqa: E402
 from attnprec.checkpoints.gguf_reader import GGUFFile  # noqa: E402
 from attnprec.checkpoints.tokenizer import Tokenizer  # noqa: E402
 from attnprec.precision import Precision  # noqa: E402
+from attnprec.study.inputs import DOC_MODULES  # noqa: E402
 
 LOGITS_TOL = 1e-3
 T, PROMPT, NEW = 256, 32, 64
-DOC_MODULES = (
-    "argparse", "json", "collections", "functools", "re", "string", "textwrap", "typing",
-    "difflib", "unittest", "csv", "decimal", "fractions", "heapq", "pathlib", "pickle",
-    "random", "shutil", "statistics", "subprocess", "tarfile", "threading", "zipfile",
-    "calendar", "codecs", "datetime", "doctest", "email", "getopt", "gettext", "glob",
-    "hashlib", "hmac", "inspect", "locale", "logging", "mailbox", "optparse", "pdb",
-    "pprint", "pydoc", "queue", "sched", "secrets", "shlex", "smtplib", "socket", "tempfile",
-    "tokenize", "trace", "traceback", "uuid", "warnings", "weakref", "zipapp")
 EXTRA_LINES = [
     "Prices: 3.14, 2718, 1,000,000 and 0x1F; dates 2024-02-29T12:00:00Z.",
     "Ünïcödé: naïve café, Straße, Ελληνικά, русский, 日本語のテキスト, 中文, 한국어.",

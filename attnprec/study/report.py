@@ -313,13 +313,4 @@ def write_outputs(run_dir: str, res: dict) -> None:
     for fig in figs.values():
       plt.close(fig)
   runs.atomic_write(os.path.join(run_dir, "report.md"), to_markdown(res))
-  runs.atomic_write(os.path.join(run_dir, "results.json"),
-                    json.dumps(res, indent=1, default=_jsonable) + "\n")
-
-
-def _jsonable(x):
-  if isinstance(x, (np.floating, np.integer)):
-    return x.item()
-  if isinstance(x, np.ndarray):
-    return x.tolist()
-  raise TypeError(f"not JSON serializable: {type(x)}")
+  runs.write_json(run_dir, "results.json", res)
