@@ -28,7 +28,10 @@ def main(argv: Sequence[str], *, prog: str, default_files: Sequence[str],
     body(args.run_dir)
     return 0
   except UserError as e:
-    print(f"{prog}: error: {e}", file=sys.stderr)
+    # gin appends "In call to configurable ..." lines to errors raised inside
+    # configurables; the user's paragraph is what comes before them.
+    message = str(e).split("\n  In call to configurable")[0]
+    print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     print(f"{prog}: interrupted", file=sys.stderr)

@@ -80,4 +80,5 @@ def test_decode_bad_input_exit_2(args, needle, tmp_path):
   assert proc.returncode == 2, (proc.returncode, proc.stderr)
   assert needle in proc.stderr
   assert "Traceback" not in proc.stderr
+  assert "In call to configurable" not in proc.stderr   # one paragraph, no gin trailer
   assert not (tmp_path / "results.json").exists()
