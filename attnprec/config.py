@@ -43,6 +43,8 @@ class ModelConfig:
   sliding_window: Optional[int] = None  # window of "local" layers
   layer_pattern: Tuple[str, ...] = ("global",)  # repeated cyclically over the layers
   max_seq_len: int = 8192               # longest context the model is meant for
+  key_offset: bool = False              # a key bias added after RoPE (attn/k_offset [K, H]);
+                                        # shifts each query's logits by q.b: see layers.py
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",

@@ -107,10 +107,11 @@ class Attention(hk.Module):
 
     cache_kv: the stacked cache (k, v), each [L, B, S, K, H], or None.
 
-    Returns (out_BxTxD, the updated stacked (k, v) cache or None, out_BxTxNxH).
+    Returns (out_BxTxD, the updated stacked (k, v) cache or None, out_BxTxNxH, q_BxTxNxH).
 
     out_BxTxNxH is the attention kernel's output before the o projection (what the
-    precision study compares against a reference).
+    precision study compares against a reference); q_BxTxNxH the queries after RoPE,
+    unscaled (what the study's key-offset calibration reads).
     """
     cfg, prec = self.config, self.precision
     B, T, _ = x_BxTxD.shape
@@ -128,6 +129,13 @@ class Attention(hk.Module):
     base, pos_scale = cfg.rope(self.layer)
     q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, base=base, scale=pos_scale)
     k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, base=base, scale=pos_scale)
+    if cfg.key_offset:
+      # A bias b on every key after RoPE: each query's logits all move by q.b, which the
+      # softmax ignores in exact arithmetic, but a bfloat16 QK product rounds them at the
+      # shifted magnitude. The precision study sets b (attnprec/study/offsets.py) to show
+      # what large logit offsets, as key biases can give, do to each precision choice.
+      b_KxH = hk.get_parameter("k_offset", (K, H), jnp.float32, init=jnp.zeros)
+      k_BxTxKxH = k_BxTxKxH + b_KxH.astype(k_BxTxKxH.dtype)
 
     new_kv = None
     if cache_kv is not None:
@@ -150,4 +158,4 @@ class Attention(hk.Module):
         mask=mask, logits_soft_cap=cfg.attn_logit_soft_cap, scale=cfg.query_scale)
     chex.assert_shape(out_BxTxNxH, (B, T, N, H))
     out_BxTxD = Dense(cfg.d_model, precision=mp, name="o")(out_BxTxNxH.reshape(B, T, N * H))
-    return out_BxTxD, new_kv, out_BxTxNxH
+    return out_BxTxD, new_kv, out_BxTxNxH, q_BxTxNxH

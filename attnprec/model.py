@@ -8,6 +8,7 @@ Parameter names (what checkpoint importers produce; see `param_shapes`):
   decoder/layer_{i}/pre_attn_norm    scale [D]
   decoder/layer_{i}/attn/{q,k,v}     w [D, N*H | K*H], b (qkv_bias)
   decoder/layer_{i}/attn/{q,k}_norm  scale [H] (qk_norm)
+  decoder/layer_{i}/attn             k_offset [K, H] (key_offset; study only)
   decoder/layer_{i}/attn/o           w [N*H, D]
   decoder/layer_{i}/post_attn_norm   scale [D] (post_attn_norm)
   decoder/layer_{i}/pre_mlp_norm     scale [D]
@@ -38,6 +39,7 @@ class Output(NamedTuple):
   logits: jax.Array                 # [B, T, V] float32
   cache: Optional[KVCache]          # updated cache (None without one)
   attn: Optional[tuple]             # per layer [B, T, N, H] kernel outputs (if collected)
+  queries: Optional[tuple] = None   # per layer [B, T, N, H] queries after RoPE (if collected)
 
 
 @dataclasses.dataclass
@@ -51,8 +53,8 @@ class Block(hk.Module):
     cfg = self.config
     norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.norm_plus_one)
     h_BxTxD = norm(name="pre_attn_norm")(x_BxTxD)
-    h_BxTxD, new_kv, attn_BxTxNxH = Attention(cfg, self.precision, self.layer, name="attn")(
-        h_BxTxD, positions_BxT, mask, cache_kv)
+    h_BxTxD, new_kv, attn_BxTxNxH, q_BxTxNxH = Attention(
+        cfg, self.precision, self.layer, name="attn")(h_BxTxD, positions_BxT, mask, cache_kv)
     if cfg.post_attn_norm:
       h_BxTxD = norm(name="post_attn_norm")(h_BxTxD)
     x_BxTxD = x_BxTxD + h_BxTxD
@@ -60,7 +62,7 @@ class Block(hk.Module):
     h_BxTxD = MLP(cfg, self.precision, name="mlp")(h_BxTxD)
     if cfg.post_mlp_norm:
       h_BxTxD = norm(name="post_mlp_norm")(h_BxTxD)
-    return x_BxTxD + h_BxTxD, new_kv, attn_BxTxNxH
+    return x_BxTxD + h_BxTxD, new_kv, attn_BxTxNxH, q_BxTxNxH
 
 
 @dataclasses.dataclass
@@ -93,13 +95,14 @@ class Decoder(hk.Module):
              for w in {cfg.window(i) for i in range(cfg.num_layers)}}
 
     cache_kv = (cache.k, cache.v) if cache is not None else None
-    attn_outs = []
+    attn_outs, queries = [], []
     for i in range(cfg.num_layers):
-      x_BxTxD, cache_kv, attn_BxTxNxH = Block(cfg, prec, i, name=f"layer_{i}")(
+      x_BxTxD, cache_kv, attn_BxTxNxH, q_BxTxNxH = Block(cfg, prec, i, name=f"layer_{i}")(
           x_BxTxD, positions_BxT, masks[cfg.window(i)], cache_kv)
       chex.assert_type(x_BxTxD, c)
       if collect:
         attn_outs.append(attn_BxTxNxH)
+        queries.append(q_BxTxNxH)
 
     x_BxTxD = RMSNorm(cfg.norm_eps, cfg.norm_plus_one, name="final_norm")(x_BxTxD)
     if cfg.tie_embeddings:
@@ -116,7 +119,8 @@ class Decoder(hk.Module):
     chex.assert_shape(logits_BxTxV, (B, T, cfg.vocab_size))
     chex.assert_type(logits_BxTxV, jnp.float32)
     new_cache = KVCache(k=cache_kv[0], v=cache_kv[1]) if cache is not None else None
-    return Output(logits_BxTxV, new_cache, tuple(attn_outs) if collect else None)
+    return Output(logits_BxTxV, new_cache, tuple(attn_outs) if collect else None,
+                  tuple(queries) if collect else None)
 
 
 def transformed(config: ModelConfig) -> hk.Transformed:

@@ -94,6 +94,8 @@ def forward(config: ModelConfig, params, tokens_BxT, stats=None):
       k = norm(k, f"{pre}/attn/k_norm")
     base, scale = cfg.rope(i)
     q, k = _rope(q, pos_BxT, base, scale), _rope(k, pos_BxT, base, scale)
+    if cfg.key_offset:
+      k = k + _p(params, f"{pre}/attn", "k_offset")
     allowed = pos_BxT[:, None, None, :] <= pos_BxT[:, None, :, None]       # [B, 1, T, S]
     window = cfg.window(i)
     if window is not None:

@@ -157,6 +157,7 @@ def to_markdown(res: dict) -> str:
       f"{cfg['num_layers']} layers, d={cfg['d_model']}, {cfg['num_heads']} heads / "
       f"{cfg['num_kv_heads']} kv heads, head dim {cfg['head_dim']}; query scale multiplier "
       f"{res['query_scale_multiplier']} (1 = as trained). Backend: {res['backend']}.", "",
+      ] + _offset_lines(res) + [
       f"**Numerics:** run with `XLA_FLAGS={res['xla_flags']}`: XLA:CPU otherwise drops some "
       f"f32->bf16->f32 roundings (excess precision) and hides part of the effect studied. "
       f"On CPU `einsum_precision` / `matmul_precision` have no numeric effect (DEFAULT and "
@@ -299,6 +300,24 @@ def _figures(res: dict):
   fig.tight_layout()
   figs["error_by_layer.png"] = fig
   return figs, plt
+
+
+def _offset_lines(res) -> list:
+  """The key-offset paragraph (study.logit_offset > 0), else nothing."""
+  stats = res.get("offset_stats")
+  if not res.get("logit_offset") or not stats:
+    return []
+  p10 = min(st["p10"] for st in stats)
+  p90 = max(st["p90"] for st in stats)
+  big = max(st["max_abs"] for st in stats)
+  return [
+      f"**Logit offset:** every layer adds a key bias after RoPE (`attnprec.study.offsets`) "
+      f"that shifts each query's logits by {res['logit_offset']:g} on average (per-layer "
+      f"10th-90th percentiles within {p10:.0f} to {p90:.0f}, largest {big:.0f}, on the "
+      f"calibration inputs). The softmax ignores a per-query constant, so the model and the "
+      f"reference compute the same function as without it; only rounding sees the larger "
+      f"logits (bf16 spacing 0.5 in [64, 128), 1 in [128, 256)), as with learned key "
+      f"biases that line up with the queries.", ""]
 
 
 def write_outputs(run_dir: str, res: dict) -> None:

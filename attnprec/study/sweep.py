@@ -32,7 +32,7 @@ from attnprec.errors import UserError
 from attnprec.precision import REFERENCE
 from attnprec.tasks import recall
 from attnprec import xla_env
-from attnprec.study import float64, inputs, measure, models, report
+from attnprec.study import float64, inputs, measure, models, offsets, report
 from attnprec.study import presets as preset_lib
 
 EXCESS_FLAG = xla_env.FLAG
@@ -155,7 +155,7 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
           context_lengths: Sequence[int] = (256, 512), batch: int = 32,
           decode_steps: int = 8, greedy_steps: int = 16, num_queries: int = 16, logit_positions: int = 64,
           float64_max_tokens: int = 1024, float64_batch: int = 2, timing_rounds: int = 3,
-          query_scale_multiplier: float = 1.0, seed: int = 0, progress: bool = True) -> dict:
+          query_scale_multiplier: float = 1.0, logit_offset: float = 0.0, seed: int = 0, progress: bool = True) -> dict:
   """Runs the sweep and writes results.json, report.md and PNG plots into run_dir.
 
   model: 'recall-tiny', a recall train run directory, or a real model ('smollm2-135m',
@@ -165,6 +165,9 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
   pair_counts: recall context lengths (pairs); context_lengths: real-model lengths (tokens).
   query_scale_multiplier: multiplies the model's query scale at inference (a sharper or
     flatter attention with the same weights; 1.0 = the model as trained).
+  logit_offset: if > 0, adds a key bias after RoPE that shifts every query's logits by
+    this much on average: the same function in exact arithmetic, large logits in bf16
+    (`attnprec.study.offsets`); calibrated on the first context length's inputs.
   """
   _check_environment()
   sweep = preset_lib.load_sweep(presets, extra_presets)
@@ -175,6 +178,9 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
       raise UserError(f"study.{name} must be a positive integer, got {value!r}.")
   if query_scale_multiplier <= 0:
     raise UserError(f"study.query_scale_multiplier must be > 0, got {query_scale_multiplier}.")
+  if not isinstance(logit_offset, (int, float)) or logit_offset < 0:
+    raise UserError(f"study.logit_offset must be a number >= 0 (0 = none), got "
+                    f"{logit_offset!r}.")
   runs.ensure_dir(run_dir)
   m = models.load_model(model)
   config = m.config
@@ -189,6 +195,11 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
     cases = _recall_cases(m.task, lengths, batch, decode_steps, num_queries, seed)
   else:
     cases, text_info = _real_cases(m.tokenizer, lengths, batch, decode_steps, seed)
+  offset_stats = None
+  if logit_offset:
+    config, params, offset_stats = offsets.add_key_offsets(config, m.params, cases[0].tokens_BxL,
+                                                           float(logit_offset))
+    m = m._replace(config=config, params=params)
   for case in cases:
     need = case.tokens_BxL.shape[1] + (0 if case.template_BxM is not None else greedy_steps)
     if need > config.max_seq_len:
@@ -234,6 +245,7 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
 
   out = {"model": m.description, "model_arg": model, "kind": m.kind,
          "config": runs.config_dict(config), "query_scale_multiplier": query_scale_multiplier,
+         "logit_offset": float(logit_offset), "offset_stats": offset_stats,
          "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
          "settings": dict(batch=batch, decode_steps=decode_steps, greedy_steps=greedy_steps,
                           logit_positions=logit_positions, float64_max_tokens=float64_max_tokens,

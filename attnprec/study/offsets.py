@@ -1,0 +1,79 @@
+"""Large attention logits without changing the model: a key bias after RoPE.
+
+With a bias b added to every key after RoPE (`model.key_offset`, param `attn/k_offset`),
+all of a query's logits move by scale * q.b. The softmax ignores a per-query constant, so in
+exact arithmetic the model computes the same function; but a bfloat16 QK product rounds
+each logit at the shifted magnitude (spacing 0.5 in [64, 128), 1 in [128, 256)), which a
+float32 QK product does not. Learned key biases (Qwen2 has q/k/v biases) give such offsets
+when they line up with the queries; `study.logit_offset` emulates them on any model.
+
+`add_key_offsets` points b, per layer and kv head, along the mean direction of that group's
+queries after RoPE (measured on the given tokens under the fp32/HIGHEST reference), with
+the norm that makes the mean per-query offset equal to the requested one. The queries of
+trained models share a large common direction (SmolLM2's: |mean q| / mean |q| 0.6-0.9), so
+the offset is a coherent sum over the head dimension, as a large learned bias would be.
+
+Shapes: B batch, T tokens, N/K/G heads, kv heads, heads per kv head, H head dim, R rows.
+"""
+import dataclasses
+
+import jax
+import numpy as np
+
+from attnprec import model as model_lib
+from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+from attnprec.precision import REFERENCE
+
+
+def _with_zero_offsets(config: ModelConfig, params) -> dict:
+  K, H = config.num_kv_heads, config.head_dim
+  out = dict(params)
+  for i in range(config.num_layers):
+    module = f"decoder/layer_{i}/attn"
+    out[module] = {**params.get(module, {}), "k_offset": np.zeros((K, H), np.float32)}
+  return out
+
+
+def offset_stats(config: ModelConfig, queries, params) -> list:
+  """Per layer: the per-query logit offsets scale * q.b (over every query row and head),
+  as {"mean", "p10", "p90", "max_abs"}. queries: per layer [B, T, N, H] after RoPE."""
+  K, H = config.num_kv_heads, config.head_dim
+  G = config.num_heads // K
+  scale = config.query_scale if config.query_scale is not None else H ** -0.5
+  stats = []
+  for i, q_BxTxNxH in enumerate(queries):
+    q_RxKxGxH = np.asarray(q_BxTxNxH, np.float64).reshape(-1, K, G, H)
+    b_KxH = np.asarray(params[f"decoder/layer_{i}/attn"]["k_offset"], np.float64)
+    off = scale * np.einsum("rkgh,kh->rkg", q_RxKxGxH, b_KxH).reshape(-1)
+    stats.append({"mean": float(off.mean()), "p10": float(np.percentile(off, 10)),
+                  "p90": float(np.percentile(off, 90)), "max_abs": float(np.abs(off).max())})
+  return stats
+
+
+def add_key_offsets(config: ModelConfig, params, tokens_BxT, logit_offset: float):
+  """(config with key_offset=True, params with attn/k_offset set, per-layer offset stats on
+  tokens_BxT). The mean offset scale * q.b is `logit_offset` in every layer and kv head."""
+  if not logit_offset > 0:
+    raise UserError(f"The logit offset must be > 0, got {logit_offset!r}.")
+  cfg = dataclasses.replace(config, key_offset=True)
+  K, H = cfg.num_kv_heads, cfg.head_dim
+  G = cfg.num_heads // K
+  scale = cfg.query_scale if cfg.query_scale is not None else H ** -0.5
+  apply = model_lib.transformed(cfg).apply
+  queries_fn = jax.jit(lambda p, t: apply(p, t, precision=REFERENCE, collect=True).queries)
+  new = _with_zero_offsets(cfg, params)
+  queries = queries_fn(new, np.asarray(tokens_BxT, np.int32))
+  for i, q_BxTxNxH in enumerate(queries):
+    # rows of this kv head's group: [K, B*T*G, H]
+    q_KxRxH = np.asarray(q_BxTxNxH, np.float64).reshape(-1, K, G, H).transpose(1, 0, 2, 3)
+    q_KxRxH = q_KxRxH.reshape(K, -1, H)
+    mean_KxH = q_KxRxH.mean(axis=1)
+    # mean of scale * q.b with b = beta * mean / |mean| is scale * beta * |mean|
+    norm_K = np.linalg.norm(mean_KxH, axis=-1)
+    if np.any(norm_K == 0):
+      raise UserError(f"Layer {i}: the queries average to zero, so no key bias direction "
+                      f"gives them a common logit offset; use other calibration tokens.")
+    b_KxH = mean_KxH * (logit_offset / (scale * norm_K ** 2))[:, None]
+    new[f"decoder/layer_{i}/attn"]["k_offset"] = b_KxH.astype(np.float32)
+  return cfg, new, offset_stats(cfg, queries, new)

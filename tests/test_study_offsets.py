@@ -1,0 +1,101 @@
+"""The study's logit offset (`study.logit_offset`, attnprec/study/offsets.py): a key bias after
+RoPE that shifts each query's logits by a constant.
+
+Comparisons: the float64 NumPy forward pass (an independent implementation) with and
+without the offset — the same function, since the softmax ignores a per-query constant;
+the offsets the calibration promises against a per-head loop over the collected queries;
+and each precision preset's attention error against float64 with and without the offset.
+"""
+import jax
+import numpy as np
+import pytest
+
+from attnprec import model as model_lib
+from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+from attnprec.precision import REFERENCE, Precision
+from attnprec.study import float64, measure, offsets
+
+CONFIG = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=64, mlp_hidden=96, qkv_bias=True, max_seq_len=128)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  params = jax.device_get(model_lib.init_params(CONFIG, jax.random.PRNGKey(0)))
+  rng = np.random.default_rng(0)
+  # A common query component, as trained models have (their queries share a large mean
+  # direction); random-init queries have none.
+  for i in range(CONFIG.num_layers):
+    b = params[f"decoder/layer_{i}/attn/q"]["b"]
+    params[f"decoder/layer_{i}/attn/q"]["b"] = (3.0 * rng.standard_normal(b.shape)).astype(
+        np.float32)
+  tokens = rng.integers(0, CONFIG.vocab_size, (2, 96)).astype(np.int32)
+  cfg, p, stats = offsets.add_key_offsets(CONFIG, params, tokens, 200.0)
+  return params, tokens, cfg, p, stats
+
+
+def test_offset_leaves_the_function_unchanged(setup):
+  params, tokens, cfg, p, _ = setup
+  assert cfg.key_offset and not CONFIG.key_offset
+  logits64, attn64 = float64.forward(CONFIG, params, tokens)
+  logits64_off, attn64_off = float64.forward(cfg, p, tokens)
+  assert np.abs(p["decoder/layer_0/attn"]["k_offset"]).max() > 10      # a real offset
+  np.testing.assert_allclose(logits64_off, logits64, rtol=0, atol=1e-9 * np.abs(logits64).max())
+  for a, a_off in zip(attn64, attn64_off):
+    assert measure.rel_l2(a_off, a) < 1e-9
+  # the fp32 reference is fp32-accurate with the offset too
+  out = model_lib.transformed(cfg).apply(p, tokens, precision=REFERENCE, collect=True)
+  for a, a64 in zip(out.attn, attn64):
+    assert measure.rel_l2(a, a64) < 1e-4
+
+
+def test_offsets_are_what_was_asked(setup):
+  _, tokens, cfg, p, stats = setup
+  out = model_lib.transformed(cfg).apply(p, tokens, precision=REFERENCE, collect=True)
+  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  for i, q_BxTxNxH in enumerate(out.queries):
+    b_KxH = np.asarray(p[f"decoder/layer_{i}/attn"]["k_offset"], np.float64)
+    q = np.asarray(q_BxTxNxH, np.float64)
+    for kv in range(K):   # query head n reads kv head n // (N // K)
+      heads = [n for n in range(N) if n // (N // K) == kv]
+      shift = H ** -0.5 * q[:, :, heads, :] @ b_KxH[kv]
+      assert shift.mean() == pytest.approx(200.0, rel=1e-4)
+    assert stats[i]["mean"] == pytest.approx(200.0, rel=1e-4)
+    assert stats[i]["p10"] > 50     # coherent queries: most rows get a large offset
+
+
+def test_bf16_qk_product_suffers_and_the_float32_product_restores(setup):
+  """With the offset, an all-bf16 attention's error grows several-fold; float32_logits
+  alone does not help (the rounding happens in the QK product); float32_qk_product does."""
+  params, tokens, cfg, p, _ = setup
+  _, attn64 = float64.forward(CONFIG, params, tokens)
+
+  def err(config, prm, float32_qk_product=False, float32_logits=False):
+    prec = Precision(dtype="bfloat16", float32_qk_product=float32_qk_product,
+                     float32_logits=float32_logits)
+    out = model_lib.transformed(config).apply(prm, tokens, precision=prec, collect=True)
+    return max(measure.rel_l2(a, a64) for a, a64 in zip(out.attn, attn64))
+
+  plain = err(CONFIG, params)
+  bf16 = err(cfg, p)
+  logits_only = err(cfg, p, float32_logits=True)
+  qk = err(cfg, p, float32_qk_product=True)
+  print(f"bf16 {plain:.4f} -> {bf16:.4f} with the offset; fp32 logits {logits_only:.4f}; "
+        f"fp32 qk {qk:.4f}")
+  assert bf16 > 3 * plain
+  assert logits_only > 0.7 * bf16
+  assert qk < 0.5 * bf16
+
+
+def test_bad_offset_is_refused(setup):
+  params, tokens, *_ = setup
+  with pytest.raises(UserError, match="must be > 0"):
+    offsets.add_key_offsets(CONFIG, params, tokens, -1.0)
+
+
+def test_check_params_wants_the_offset():
+  cfg = ModelConfig(**{**CONFIG.__dict__, "key_offset": True})
+  params = jax.device_get(model_lib.init_params(CONFIG, jax.random.PRNGKey(0)))
+  with pytest.raises(UserError, match="k_offset missing"):
+    model_lib.check_params(cfg, params, "test")
