@@ -228,7 +228,7 @@ def _figures(res: dict):
     ax.grid(True, which="both", alpha=0.3)
   axes[0].set_ylabel("relative L2 vs fp32 reference (worst layer)")
   axes[0].legend(fontsize=8, loc="best")
-  fig.suptitle(res["model"][:110] + (f"\n{exact_note}" if exact_note else ""), fontsize=9)
+  fig.suptitle(_title(res) + (f"\n{exact_note}" if exact_note else ""), fontsize=9)
   fig.tight_layout()
   figs["error_vs_context.png"] = fig
 
@@ -254,7 +254,7 @@ def _figures(res: dict):
   axes[0].set_ylabel("fraction")
   axes[1].set_ylabel("fraction (1 - greedy agreement)")
   axes[0].legend(fontsize=8, loc="best")
-  fig.suptitle(res["model"][:110], fontsize=9)
+  fig.suptitle(_title(res), fontsize=9)
   fig.tight_layout()
   figs["accuracy_vs_context.png"] = fig
 
@@ -300,6 +300,16 @@ def _figures(res: dict):
   fig.tight_layout()
   figs["error_by_layer.png"] = fig
   return figs, plt
+
+
+def _title(res) -> str:
+  """Plot title: the model, and what the study changed about it."""
+  extra = []
+  if res.get("query_scale_multiplier", 1.0) != 1.0:
+    extra.append(f"query scale x{res['query_scale_multiplier']:g}")
+  if res.get("logit_offset"):
+    extra.append(f"logit offset {res['logit_offset']:g}")
+  return res["model"][:110] + (f" ({', '.join(extra)})" if extra else "")
 
 
 def _offset_lines(res) -> list:
