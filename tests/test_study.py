@@ -177,6 +177,7 @@ def test_runner_bad_input_exits_2_and_writes_nothing(tmp_path):
       "empty_sweep": ["--gin.study.presets=()", "--gin.study.extra_presets=()"],
       "too_long": ["--gin.study.presets=('bf16',)", "--gin.study.pair_counts=(8,)"],
       "bad_model": ["--gin.study.model='no-such-model'"],
+      "negative_offset": ["--gin.study.logit_offset=-5.0"],
   }
   for name, flags in cases.items():
     run_dir = tmp_path / name
