@@ -155,7 +155,8 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
           context_lengths: Sequence[int] = (256, 512), batch: int = 32,
           decode_steps: int = 8, greedy_steps: int = 16, num_queries: int = 16, logit_positions: int = 64,
           float64_max_tokens: int = 1024, float64_batch: int = 2, timing_rounds: int = 3,
-          query_scale_multiplier: float = 1.0, logit_offset: float = 0.0, seed: int = 0, progress: bool = True) -> dict:
+          query_scale_multiplier: float = 1.0, logit_offset: float = 0.0, seed: int = 0,
+          progress: bool = True) -> dict:
   """Runs the sweep and writes results.json, report.md and PNG plots into run_dir.
 
   model: 'recall-tiny', a recall train run directory, or a real model ('smollm2-135m',
