@@ -10,7 +10,7 @@ when they line up with the queries; `study.logit_offset` emulates them on any mo
 `add_key_offsets` points b, per layer and kv head, along the mean direction of that group's
 queries after RoPE (measured on the given tokens under the fp32/HIGHEST reference), with
 the norm that makes the mean per-query offset equal to the requested one. The queries of
-trained models share a large common direction (SmolLM2's: |mean q| / mean |q| 0.6-0.9), so
+trained models share a large common direction (SmolLM2's: |mean q| / mean |q| 0.61-0.94), so
 the offset is a coherent sum over the head dimension, as a large learned bias would be.
 
 Shapes: B batch, T tokens, N/K/G heads, kv heads, heads per kv head, H head dim, R rows.
