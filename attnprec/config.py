@@ -67,6 +67,11 @@ class ModelConfig:
       raise UserError("model.layer_pattern has 'local' layers but model.sliding_window is "
                       "not set; set it to a positive window length.")
 
+  @property
+  def effective_query_scale(self) -> float:
+    """The query scale the attention applies: query_scale, or H ** -0.5 when unset."""
+    return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
   def layer_kind(self, i: int) -> str:
     return self.layer_pattern[i % len(self.layer_pattern)]
 

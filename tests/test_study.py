@@ -147,6 +147,24 @@ def test_tiny_sweep_end_to_end(tmp_path):
   assert [c["time_ratio"] for c in res["configs"]][0] == 1.0
 
 
+def test_study_with_a_logit_offset_reports_it(tmp_path):
+  """The offset (attnprec/study/offsets.py) is calibrated, applied to every configuration
+  and the reference alike (fp32 matches the reference exactly, float64 follows it), and
+  reported."""
+  ckpt = _checkpoint(tmp_path / "ckpt")
+  out_dir = tmp_path / "study"
+  study(run_dir=str(out_dir), model=ckpt, **{**SMALL, "pair_counts": (3,)}, logit_offset=100.0)
+  saved = json.loads((out_dir / "results.json").read_text())
+  assert saved["logit_offset"] == 100.0 and saved["config"]["key_offset"] is True
+  assert [st["mean"] for st in saved["offset_stats"]] == pytest.approx([100.0, 100.0], rel=1e-4)
+  fp32 = saved["configs"][1]["per_length"][0]
+  assert max(fp32["prefill_attn_rel_l2"]) == 0 and fp32["greedy"]["agreement"] == 1
+  floor = saved["reference"]["per_length"][0]["float64"]
+  assert max(floor["attn_rel_l2"]) < 1e-4     # the float64 pass applies the offset too
+  report = (out_dir / "report.md").read_text()
+  assert "**Logit offset:**" in report and "shifts each query's logits by 100" in report
+
+
 def test_decode_errors_come_from_decode_steps(tmp_path):
   """The decode measurement runs single-token steps from a cache: under fp32 it agrees
   with the full forward pass at the same positions (a check of the measurement itself)."""

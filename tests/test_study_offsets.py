@@ -100,32 +100,3 @@ def test_check_params_wants_the_offset():
   with pytest.raises(UserError, match="k_offset missing"):
     model_lib.check_params(cfg, params, "test")
 
-
-def test_study_with_an_offset_reports_it(tmp_path):
-  """End to end on a tiny recall checkpoint: the offset is calibrated, applied to every
-  configuration and the reference alike (fp32 matches the reference exactly), and reported."""
-  import dataclasses
-  import json
-  from attnprec import runs
-  from attnprec.study.sweep import study
-  from attnprec.tasks.recall import RecallTask
-  task = RecallTask(num_keys=8, value_vocab=8, value_len=1, num_pairs=4, num_queries=4)
-  config = ModelConfig(vocab_size=task.vocab_size, d_model=16, num_layers=2, num_heads=2,
-                       num_kv_heads=1, head_dim=8, mlp_hidden=32, max_seq_len=64)
-  ckpt = str(tmp_path / "ckpt")
-  runs.save_params(ckpt, jax.device_get(model_lib.init_params(config, jax.random.PRNGKey(0))))
-  runs.write_json(ckpt, "model.json", runs.config_dict(config))
-  runs.write_json(ckpt, "task.json", dataclasses.asdict(task))
-  out_dir = tmp_path / "study"
-  study(run_dir=str(out_dir), model=ckpt, presets=("bf16", "fp32"), pair_counts=(3,),
-        batch=4, decode_steps=2, num_queries=4, logit_positions=4, timing_rounds=1,
-        logit_offset=100.0, progress=False)
-  saved = json.loads((out_dir / "results.json").read_text())
-  assert saved["logit_offset"] == 100.0 and saved["config"]["key_offset"] is True
-  assert [st["mean"] for st in saved["offset_stats"]] == pytest.approx([100.0, 100.0], rel=1e-4)
-  fp32 = saved["configs"][1]["per_length"][0]
-  assert max(fp32["prefill_attn_rel_l2"]) == 0 and fp32["greedy"]["agreement"] == 1
-  floor = saved["reference"]["per_length"][0]["float64"]
-  assert max(floor["attn_rel_l2"]) < 1e-4     # the float64 pass applies the offset too
-  report = (out_dir / "report.md").read_text()
-  assert "**Logit offset:**" in report and "shifts each query's logits by 100" in report

@@ -100,9 +100,9 @@ def forward(config: ModelConfig, params, tokens_BxT, stats=None):
     window = cfg.window(i)
     if window is not None:
       allowed &= pos_BxT[:, None, None, :] > pos_BxT[:, None, :, None] - window
-    scale_q = cfg.query_scale if cfg.query_scale is not None else H ** -0.5
     if stats is not None:
-      stats.append(logit_stats(q, k, allowed, scale_q, cfg.attn_logit_soft_cap))
+      stats.append(logit_stats(q, k, allowed, cfg.effective_query_scale,
+                               cfg.attn_logit_soft_cap))
     a = reference_attention_np(q, k, v, mask=allowed, logits_soft_cap=cfg.attn_logit_soft_cap,
                                scale=cfg.query_scale)
     attn_outs.append(a)

@@ -35,17 +35,23 @@ def _with_zero_offsets(config: ModelConfig, params) -> dict:
   return out
 
 
+def _rows_by_kv_head(config: ModelConfig, q_BxTxNxH) -> np.ndarray:
+  """[K, R, H] float64: every query row (position, batch entry, head) that reads kv head k
+  (query head n reads kv head n // G)."""
+  K, H = config.num_kv_heads, config.head_dim
+  G = config.num_heads // K
+  q_RxKxGxH = np.asarray(q_BxTxNxH, np.float64).reshape(-1, K, G, H)
+  return q_RxKxGxH.transpose(1, 0, 2, 3).reshape(K, -1, H)
+
+
 def offset_stats(config: ModelConfig, queries, params) -> list:
   """Per layer: the per-query logit offsets scale * q.b (over every query row and head),
   as {"mean", "p10", "p90", "max_abs"}. queries: per layer [B, T, N, H] after RoPE."""
-  K, H = config.num_kv_heads, config.head_dim
-  G = config.num_heads // K
-  scale = config.query_scale if config.query_scale is not None else H ** -0.5
   stats = []
   for i, q_BxTxNxH in enumerate(queries):
-    q_RxKxGxH = np.asarray(q_BxTxNxH, np.float64).reshape(-1, K, G, H)
     b_KxH = np.asarray(params[f"decoder/layer_{i}/attn"]["k_offset"], np.float64)
-    off = scale * np.einsum("rkgh,kh->rkg", q_RxKxGxH, b_KxH).reshape(-1)
+    q_KxRxH = _rows_by_kv_head(config, q_BxTxNxH)
+    off = config.effective_query_scale * np.einsum("krh,kh->kr", q_KxRxH, b_KxH).reshape(-1)
     stats.append({"mean": float(off.mean()), "p10": float(np.percentile(off, 10)),
                   "p90": float(np.percentile(off, 90)), "max_abs": float(np.abs(off).max())})
   return stats
@@ -57,23 +63,17 @@ def add_key_offsets(config: ModelConfig, params, tokens_BxT, logit_offset: float
   if not logit_offset > 0:
     raise UserError(f"The logit offset must be > 0, got {logit_offset!r}.")
   cfg = dataclasses.replace(config, key_offset=True)
-  K, H = cfg.num_kv_heads, cfg.head_dim
-  G = cfg.num_heads // K
-  scale = cfg.query_scale if cfg.query_scale is not None else H ** -0.5
   apply = model_lib.transformed(cfg).apply
   queries_fn = jax.jit(lambda p, t: apply(p, t, precision=REFERENCE, collect=True).queries)
   new = _with_zero_offsets(cfg, params)
   queries = queries_fn(new, np.asarray(tokens_BxT, np.int32))
   for i, q_BxTxNxH in enumerate(queries):
-    # rows of this kv head's group: [K, B*T*G, H]
-    q_KxRxH = np.asarray(q_BxTxNxH, np.float64).reshape(-1, K, G, H).transpose(1, 0, 2, 3)
-    q_KxRxH = q_KxRxH.reshape(K, -1, H)
-    mean_KxH = q_KxRxH.mean(axis=1)
-    # mean of scale * q.b with b = beta * mean / |mean| is scale * beta * |mean|
-    norm_K = np.linalg.norm(mean_KxH, axis=-1)
-    if np.any(norm_K == 0):
+    mean_KxH = _rows_by_kv_head(cfg, q_BxTxNxH).mean(axis=1)
+    # mean of scale * q.b with b = c * mean is scale * c * |mean|^2
+    norm2_K = np.sum(mean_KxH ** 2, axis=-1)
+    if np.any(norm2_K == 0):
       raise UserError(f"Layer {i}: the queries average to zero, so no key bias direction "
                       f"gives them a common logit offset; use other calibration tokens.")
-    b_KxH = mean_KxH * (logit_offset / (scale * norm_K ** 2))[:, None]
+    b_KxH = mean_KxH * (logit_offset / (cfg.effective_query_scale * norm2_K))[:, None]
     new[f"decoder/layer_{i}/attn"]["k_offset"] = b_KxH.astype(np.float32)
   return cfg, new, offset_stats(cfg, queries, new)

@@ -186,8 +186,7 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
   m = models.load_model(model)
   config = m.config
   if query_scale_multiplier != 1.0:
-    base = config.query_scale if config.query_scale is not None else config.head_dim ** -0.5
-    config = dataclasses.replace(config, query_scale=base * query_scale_multiplier)
+    config = dataclasses.replace(config, query_scale=config.effective_query_scale * query_scale_multiplier)
   lengths = list(pair_counts if m.kind == "recall" else context_lengths)
   if not lengths:
     raise UserError(f"No context lengths: set study.{'pair_counts' if m.kind == 'recall' else 'context_lengths'}.")
