@@ -7,10 +7,9 @@ input. Writes audit.json and audit.md into --run_dir.
 """
 import sys
 
-# Same XLA:CPU numerics as the tests and the other runners (set before jax is imported).
-from attnprec.xla_env import disable_excess_precision  # noqa: E402
+from attnprec.xla_env import disable_excess_precision
 
-disable_excess_precision()
+disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 
 from attnprec import cli, ginutils  # noqa: E402
 from attnprec.audit import audit_job  # noqa: E402

@@ -8,10 +8,9 @@ import json
 import os
 import sys
 
-# Same XLA:CPU numerics as the tests and the other runners (set before jax is imported).
-from attnprec.xla_env import disable_excess_precision  # noqa: E402
+from attnprec.xla_env import disable_excess_precision
 
-disable_excess_precision()
+disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 
 from attnprec.bench import attention as bench  # noqa: E402
 

@@ -7,9 +7,9 @@ is imported). Exit code 2 on bad input.
 """
 import sys
 
-from attnprec.xla_env import disable_excess_precision  # noqa: E402
+from attnprec.xla_env import disable_excess_precision
 
-disable_excess_precision()
+disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 
 from attnprec import cli, ginutils  # noqa: E402
 from attnprec.study.sweep import study  # noqa: E402
