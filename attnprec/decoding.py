@@ -108,6 +108,15 @@ def decode_step(params, state: DecodeState, tokens_B, *, config: ModelConfig,
   return DecodeState(out.cache, out.logits[:, 0], state.positions_B + 1)
 
 
+@functools.lru_cache(maxsize=32)
+def step_fn(config: ModelConfig, precision: Precision):
+  """`decode_step` jitted for a serving loop, (params, state, tokens_B) -> state, with the
+  state DONATED: the cache is updated in place (the state passed in is consumed; use
+  the one returned). `generate` needs no donation: its loop carries the cache."""
+  return jax.jit(functools.partial(decode_step, config=config, precision=precision),
+                 donate_argnums=(1,))
+
+
 @functools.partial(jax.jit, static_argnames=("config", "precision", "sampler",
                                              "max_new_tokens", "cache_length"))
 def generate(params, prompt_BxP, lengths_B, rng, *, config: ModelConfig, precision: Precision,

@@ -1,6 +1,6 @@
 """An independent float64 NumPy forward pass of `attnprec.model` (no JAX): the study's
 error floor. Given the same params it returns the logits and each layer's attention
-kernel output, like `transformed(config).apply(..., collect=True)`.
+kernel output, like the model with the study's probes attached (`attnprec.study.probes`).
 
 Shapes: B batch, T tokens, D width, N/K/H heads, kv heads, head dim, V vocabulary.
 """
@@ -94,7 +94,7 @@ def forward(config: ModelConfig, params, tokens_BxT, stats=None):
       k = norm(k, f"{pre}/attn/k_norm")
     base, scale = cfg.rope(i)
     q, k = _rope(q, pos_BxT, base, scale), _rope(k, pos_BxT, base, scale)
-    if cfg.key_offset:
+    if "k_offset" in params.get(f"{pre}/attn", {}):   # the study's key bias (probes.py)
       k = k + _p(params, f"{pre}/attn", "k_offset")
     allowed = pos_BxT[:, None, None, :] <= pos_BxT[:, None, :, None]       # [B, 1, T, S]
     window = cfg.window(i)
