@@ -3,7 +3,7 @@
 For one model and the two phases' `Precision`s (train for the train step, decode for the
 prefill and the single-token decode step), `run_audit` lowers the three programs, lists
 every dot_general from the lowered StableHLO (`attnprec.hlo`) and checks each attention
-dot against the contract table (`attnprec.attention.stage_dtypes`):
+dot against the contract table (`attnprec.contract.stage_dtypes`):
 
   qk dot   operands c x c (or f32 x f32 upcast from c when float32_qk_product), result =
            the table's logits dtype;
@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from attnprec import decoding, hlo, runs, train
-from attnprec.attention import stage_dtypes
+from attnprec.contract import stage_dtypes
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
@@ -424,9 +424,10 @@ def model_config_for(model: Optional[str]) -> tuple:
   recall checkpoint name or train run directory; a real checkpoint (shipped name, HF
   directory, .gguf)."""
   if model is None:
+    # The gin-configured ModelConfig; a missing required value raises TypeError, which
+    # the runner's call of this configurable reports as a user error.
     from attnprec.config import model_config
-    from attnprec import ginutils
-    return ginutils.call(model_config), "architecture from model.* (gin)"
+    return model_config(), "architecture from model.* (gin)"
   from attnprec.study import models
   m = models.load_model(model, params=False)
   return m.config, m.description

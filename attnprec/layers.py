@@ -14,7 +14,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from attnprec import attention as attention_lib
+from attnprec import kernels
 from attnprec.cache import LayerCache
 from attnprec.config import ModelConfig
 from attnprec.precision import Precision
@@ -151,6 +151,6 @@ class Attention(hk.Module):
     this step with `hk.experimental.intercept_methods` (the precision study records the
     kernel outputs and queries here, and adds its key bias: `attnprec.study.probes`);
     the model itself returns only what a model returns."""
-    return attention_lib.attend(self.precision, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask,
-                                logits_soft_cap=self.config.attn_logit_soft_cap,
-                                scale=self.config.query_scale)
+    return kernels.attend(self.precision, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask,
+                          logits_soft_cap=self.config.attn_logit_soft_cap,
+                          scale=self.config.query_scale)
