@@ -69,8 +69,12 @@ class Decoder(hk.Module):
   precision: Precision      # this phase's numerics
   name: Optional[str] = "decoder"
 
-  def __call__(self, tokens_BxT, positions_BxT=None,
-               cache: Optional[KVCache] = None) -> Output:
+  def __call__(self, tokens_BxT, positions_BxT=None, cache: Optional[KVCache] = None,
+               logits_at_B: Optional[jax.Array] = None) -> Output:
+    """logits_at_B: if given, the index (0..T-1) of the one token per sequence whose
+    logits are computed (logits [B, 1, V]); prefill needs only each prompt's last token,
+    and the unembedding of all T tokens is the costliest single product of a long
+    prefill (T x D x V). None: logits of every token."""
     cfg, prec = self.config, self.precision
     c = prec.compute_dtype
     B, T = tokens_BxT.shape
@@ -100,6 +104,9 @@ class Decoder(hk.Module):
       chex.assert_type(x_BxTxD, c)
       new_layers.append(layer_cache)
 
+    if logits_at_B is not None:
+      x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_at_B[:, None, None], axis=1)  # [B, 1, D]
+      T = 1
     x_BxTxD = RMSNorm(cfg.norm_eps, cfg.norm_plus_one, name="final_norm")(x_BxTxD)
     if cfg.tie_embeddings:
       w_DxV = embed_VxD.T
@@ -120,10 +127,11 @@ class Decoder(hk.Module):
 
 def transformed(config: ModelConfig) -> hk.Transformed:
   """Pure init/apply for `config`; apply(params, tokens, positions=None, cache=None, *,
-  precision) -> Output. `precision` is a static, per-phase value."""
+  precision, logits_at_B=None) -> Output. `precision` is a static, per-phase value."""
 
-  def fn(tokens_BxT, positions_BxT=None, cache=None, *, precision: Precision):
-    return Decoder(config, precision)(tokens_BxT, positions_BxT, cache)
+  def fn(tokens_BxT, positions_BxT=None, cache=None, *, precision: Precision,
+         logits_at_B=None):
+    return Decoder(config, precision)(tokens_BxT, positions_BxT, cache, logits_at_B)
 
   return hk.without_apply_rng(hk.transform(fn))
 
