@@ -365,18 +365,36 @@ def _softmax_at(g: Graph, exp: Node, cone: Set[int]) -> Optional[dict]:
       exp_cone.add(user.id)
       if user.kind in LAYOUT - {"loop_carry", "merge"}:
         stack.extend(user.outputs)
+  def is_sum(v: Value) -> bool:
+    # the sum itself, through layout ops and a safe-division select / maximum
+    for n in _back(v, lambda n: n.kind in LAYOUT or n.kind in (
+        "stablehlo.select", "stablehlo.maximum"), limit=64):
+      if n.id in sum_ids:
+        return True
+    return False
+
+  def is_reciprocal_of_sum(v: Value) -> bool:
+    n = _through_layout(v).producer
+    if n is None:
+      return False
+    if n.kind == "stablehlo.divide":
+      return _is_constant(n.inputs[0]) and is_sum(n.inputs[1])
+    if n.kind == "stablehlo.power":
+      return is_sum(n.inputs[0]) and _is_constant(n.inputs[1])
+    return False
+
   probs = []
-  for v_node in list(exp_cone):
-    n = g.nodes[v_node]
+  for i in sorted(exp_cone):
+    n = g.nodes[i]
     if n.kind not in ("stablehlo.divide", "stablehlo.multiply"):
       continue
     a, b = n.inputs
     fed_a = a.producer is not None and a.producer.id in exp_cone
     fed_b = b.producer is not None and b.producer.id in exp_cone
-    other = b if fed_a else a
-    if not (fed_a or fed_b) or (n.kind == "stablehlo.divide" and not fed_a):
-      continue
-    if other.producer is not None and other.producer.id in sum_cone:
+    if n.kind == "stablehlo.divide" and fed_a and is_sum(b):
+      probs.append(n.outputs[0])
+    elif n.kind == "stablehlo.multiply" and (fed_a and is_reciprocal_of_sum(b) or
+                                             fed_b and is_reciprocal_of_sum(a)):
       probs.append(n.outputs[0])
   return dict(max=max_node, sums=sums, axis=axis, stabilised=stabilised,
               probs=probs, sum_cone=sum_cone)
@@ -434,6 +452,7 @@ def _attention(g, d1, exp, sm, d2, idx, casts, probs, online, cone) -> Attention
   path = {n.id: n for n in _back(exp.inputs[0], lambda n: n.id in cone and n.kind != DOT)
           if n.id in cone}
   downcasts, upcasts, mask, soft_cap, scale = [], [], [], False, False
+  cone = cone | {d1.id}
   for n in path.values():
     if n.kind == CONVERT:
       a, b = n.inputs[0].dtype, n.outputs[0].dtype
