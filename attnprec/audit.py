@@ -3,7 +3,7 @@
 For one model and the two phases' `Precision`s (train for the train step, decode for the
 prefill and the single-token decode step), `run_audit` lowers the three programs, lists
 every dot_general from the lowered StableHLO (`attnprec.hlo`) and checks each attention
-dot against the contract table (`attnprec.attention.stage_dtypes`):
+dot against the contract table (`attnprec.contract.stage_dtypes`):
 
   qk dot   operands c x c (or f32 x f32 upcast from c when float32_qk_product), result =
            the table's logits dtype;
@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from attnprec import decoding, hlo, runs, train
-from attnprec.attention import stage_dtypes
+from attnprec.contract import stage_dtypes
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError

@@ -20,7 +20,7 @@ import dataclasses
 import re
 from typing import Dict, List, Optional
 
-from attnprec.attention import QK_SCOPE, WV_SCOPE
+from attnprec.contract import QK_SCOPE, WV_SCOPE
 
 _DOT = re.compile(
     r"stablehlo\.dot_general (?P<lhs>%[\w#.]+), (?P<rhs>%[\w#.]+),(?P<attrs>.*?) : "
