@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from attnprec import audit
+from attnprec import audit, kernels
 from attnprec.config import ModelConfig
 from attnprec.inspect import attention_report, examples, inspect_lowered
 from attnprec.precision import Precision
@@ -199,10 +199,16 @@ def test_flax_nnx_multi_head_attention_if_installed():
 
 
 # ----------------------------------------------------------------------------- attnprec
-@pytest.mark.parametrize("kernel,flags", [
-    ("dot_product", (True, True)), ("dot_product", (False, False)),
-    ("dot_product", (True, False)), ("blockwise", (False, True)),
-    ("blockwise", (True, True)), ("jax_nn", (True, True))])
+KERNEL_CASES = [("dot_product", (True, True)), ("dot_product", (False, False)),
+                ("dot_product", (True, False)), ("blockwise", (False, True)),
+                ("blockwise", (True, True)), ("jax_nn", (True, True))]
+
+
+def test_kernel_cases_cover_the_registry():
+  assert {k for k, _ in KERNEL_CASES} == set(kernels.NAMES)
+
+
+@pytest.mark.parametrize("kernel,flags", KERNEL_CASES)
 def test_attnprecs_kernels_agree_with_the_audit(kernel, flags):
   """attnprec's own programs (train step, prefill, decode step): one attention per layer,
   the table's stage types, and the same verdict as `make audit` (which reads the same

@@ -1,6 +1,6 @@
 """Verdicts and rendering: the attentions found, checked against a stated `Precision`.
 
-The contract is attnprec's own table (`stage_dtypes`, the one every kernel asserts with
+The contract is attnprec's own table (`attnprec.contract.stage_dtypes`, the one every kernel asserts with
 chex), for the compute dtype c = `Precision.dtype` and the two flags:
 
   qk dot   operands c x c (or f32 x f32 upcast from c, allowed when float32_qk_product
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from attnprec import runs
-from attnprec.attention import stage_dtypes
+from attnprec.contract import stage_dtypes
 from attnprec.errors import UserError
 from attnprec.inspect.finder import Attention, DotSite, Findings
 from attnprec.precision import ALGORITHM_PRESETS, Precision, parse_precision
