@@ -336,9 +336,10 @@ def model_config_for(model: Optional[str]) -> tuple:
   recall checkpoint name or train run directory; a real checkpoint (shipped name, HF
   directory, .gguf)."""
   if model is None:
+    # The gin-configured ModelConfig; a missing required value raises TypeError, which
+    # the runner's call of this configurable reports as a user error.
     from attnprec.config import model_config
-    from attnprec import ginutils
-    return ginutils.call(model_config), "architecture from model.* (gin)"
+    return model_config(), "architecture from model.* (gin)"
   from attnprec.study import models
   m = models.load_model(model, params=False)
   return m.config, m.description
