@@ -299,7 +299,7 @@ def _label(a: str, b: str) -> str:
     if x != y:
       break
     common.append(x)
-  keep = [_unwrap(p) for p in common
+  keep = [unwrap(p) for p in common
           if not (p.startswith("jit(") or p in ("while", "body", "cond", "closed_call")
                   or p.startswith("branch_") or "->" in p)]
   return "/".join(keep)
@@ -309,7 +309,7 @@ TRANSFORMS = ("jvp", "transpose", "vmap", "remat", "checkpoint", "pjit", "custom
               "custom_vjp_call", "linearize")
 
 
-def _unwrap(part: str) -> str:
+def unwrap(part: str) -> str:
   """'transpose(jvp(decoder))' -> 'decoder' (jax's transformation wrappers)."""
   while True:
     head, sep, rest = part.partition("(")

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from attnprec import runs
 from attnprec.contract import stage_dtypes
 from attnprec.errors import UserError
-from attnprec.inspect.finder import Attention, DotSite, Findings
+from attnprec.inspect.finder import DOT, Attention, DotSite, Findings, unwrap
+from attnprec.inspect.mlir_graph import Graph, dot_info
 from attnprec.precision import ALGORITHM_PRESETS, Precision, parse_precision
 
 SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
@@ -51,12 +52,11 @@ def expected_stages(precision: Precision) -> Dict[str, str]:
 @functools.lru_cache(maxsize=None)
 def algorithm_text(preset_name: str) -> str:
   """The dot algorithm a preset lowers to (read from a plain f32 dot lowered with it)."""
-  from attnprec.inspect import lowered_graph
   preset = ALGORITHM_PRESETS[preset_name]
   x = jax.ShapeDtypeStruct((2, 2), jnp.float32)
-  g = lowered_graph(jax.jit(lambda a, b: jnp.dot(a, b, precision=preset)).lower(x, x))
-  from attnprec.inspect.finder import DOT, _dot_site
-  found = [_dot_site(n).algorithm for n in g.ops(DOT)]
+  lowered = jax.jit(lambda a, b: jnp.dot(a, b, precision=preset)).lower(x, x)
+  g = Graph(lowered.compiler_ir("stablehlo"))
+  found = [dot_info(n)["algorithm"] for n in g.ops(DOT)]
   if not found or found[0] is None:
     raise UserError(f"The dot algorithm preset {preset_name!r} does not lower to a dot "
                     f"algorithm on backend {jax.default_backend()!r}.")
@@ -353,7 +353,6 @@ def short_source(source: str) -> str:
 
 
 def _dense_name(d: DotSite) -> str:
-  from attnprec.inspect.finder import _unwrap
-  parts = [_unwrap(p) for p in d.name.split("/")[:-1] if not p.startswith("jit(")]
+  parts = [unwrap(p) for p in d.name.split("/")[:-1] if not p.startswith("jit(")]
   name = "/".join(parts) or short_source(d.source) or "(unnamed)"
   return name + (" (grad)" if d.backward else "")
