@@ -257,8 +257,8 @@ class Report:
     for i, a in enumerate(self.attentions):
       checks = check_attention(a, self.expect) if self.expect is not None else None
       verdict = "-" if checks is None else (
-          "ok" if not any(checks.values()) else "MISMATCH: " + "; ".join(
-              f"{stage}: {p}" for stage, ps in checks.items() for p in ps))
+          "ok" if not any(checks.values()) else "MISMATCH (" + ", ".join(
+              stage for stage, ps in checks.items() if ps) + ")")
       sm = "/".join(f"{k} {v}" for k, v in a.softmax.items())
       if a.online:
         sm += " (online)"
@@ -300,7 +300,8 @@ class Report:
                f"softmax {e['softmax']}, probabilities into wv {e['probs']}, einsum "
                f"{precision_expectation(self.expect.einsum_precision)}, dense "
                f"{precision_expectation(self.expect.matmul_precision)}.", ""]
-    return "\n".join(head + [f"**{self.verdict()}**", "", "## Attentions", "",
+    problems = [f"- {p}" for p in self.problems()] if self.expect is not None else []
+    return "\n".join(head + [f"**{self.verdict()}**", ""] + problems + ["", "## Attentions", "",
                              "Types are lhs x rhs -> result; `f32<-bf16`: an operand "
                              "upcast right before the dot; `f32->bf16`: a result cast "
                              "right after it.", "", self.attention_table(), "",
