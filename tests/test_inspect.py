@@ -186,16 +186,25 @@ def test_no_attention_in_an_mlp_with_a_log_softmax_loss():
 
 
 def test_flax_nnx_multi_head_attention_if_installed():
-  """Flax is optional (not a dependency): nnx.MultiHeadAttention when it is importable."""
+  """Flax is optional (not a dependency): nnx.MultiHeadAttention when it is importable.
+  Its `precision` reaches the four projections; the attention itself is delegated to
+  jax.nn.dot_product_attention, which takes no precision (as read in flax 0.12.8):
+  the report must show both."""
   nnx = pytest.importorskip("flax.nnx")
-  mha = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32,
-                               decode=False, rngs=nnx.Rngs(0), dtype=BF16)
+  mha = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32, decode=False,
+                               rngs=nnx.Rngs(0), dtype=BF16,
+                               precision=jax.lax.Precision.HIGHEST)
   graphdef, state = nnx.split(mha)
 
   def apply(state, x):
     return nnx.merge(graphdef, state)(x)
-  r = attention_report(apply, state, jax.ShapeDtypeStruct((2, 8, 32), BF16))
-  assert len(r.attentions) == 1
+  r = attention_report(apply, state, jax.ShapeDtypeStruct((2, 8, 32), BF16),
+                       expect=Precision(dtype="bfloat16", einsum_precision="highest",
+                                        matmul_precision="highest"))
+  (a,) = r.attentions
+  assert len(r.dense) == 4 and all(d.precision == "HIGHEST" for d in r.dense)
+  assert a.wv.precision != "HIGHEST" or a.qk.precision != "HIGHEST"
+  assert any("precision" in p and "expected HIGHEST" in p for p in r.problems())
 
 
 # ----------------------------------------------------------------------------- attnprec

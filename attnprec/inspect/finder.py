@@ -404,7 +404,13 @@ def find(g: Graph) -> Findings:
   dots = g.ops(DOT)
   attentions: List[Attention] = []
   used: Dict[int, str] = {}
+  # Only dots that an exp depends on (through anything but another dot) can be a qk dot:
+  # walking back from the exps is cheap, a forward cone from every dense dot is not.
+  candidates = {n.id for e in g.ops(EXP)
+                for n in _back(e.inputs[0], lambda n: n.kind != DOT) if n.kind == DOT}
   for d1 in dots:
+    if d1.id not in candidates:
+      continue
     cone = _forward_cone(d1.outputs[0])
     for exp in (g.nodes[i] for i in sorted(cone)):
       if exp.kind != EXP:
