@@ -137,20 +137,28 @@ class Attention(hk.Module):
     else:
       k_BxSxKxH, v_BxSxKxH = k_BxTxKxH, v_BxTxKxH
 
-    out_BxTxNxH = self.attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask)
+    out_BxTxNxH = AttentionKernel(cfg, prec, self.layer, name="kernel")(
+        q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask)
     chex.assert_shape(out_BxTxNxH, (B, T, N, H))
     out_BxTxD = Dense(cfg.d_model, precision=mp, name="o")(out_BxTxNxH.reshape(B, T, N * H))
     return out_BxTxD, cache
 
-  def attend(self, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask):
-    """The attention kernel the phase's `Precision` selects: queries after RoPE
-    (unscaled), keys/values of every visible position -> [B, T, N, H] before the o
-    projection.
 
-    A method of its own so that code outside the model can observe or alter exactly
-    this step with `hk.experimental.intercept_methods` (the precision study records the
-    kernel outputs and queries here, and adds its key bias: `attnprec.study.probes`);
-    the model itself returns only what a model returns."""
+@dataclasses.dataclass
+class AttentionKernel(hk.Module):
+  """The attention kernel the phase's `Precision` selects: queries after RoPE (unscaled),
+  keys/values of every visible position -> [B, T, N, H] before the o projection.
+
+  A module of its own (no parameters) so that code outside the model can observe or
+  alter exactly this step with `hk.experimental.intercept_methods`: the precision study
+  records the kernel outputs and queries here and adds its key bias
+  (`attnprec.study.probes`); the model itself returns only what a model returns."""
+  config: ModelConfig       # architecture (soft-cap, query scale)
+  precision: Precision      # this phase's numerics (kernel and attention flags)
+  layer: int                # the layer it belongs to
+  name: Optional[str] = None
+
+  def __call__(self, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask):
     return kernels.attend(self.precision, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask,
                           logits_soft_cap=self.config.attn_logit_soft_cap,
                           scale=self.config.query_scale)

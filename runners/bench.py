@@ -1,6 +1,7 @@
 """Benchmarks: `python runners/bench.py [--suite=model|attention|all] [--quick] [--out=bench]`.
 
-`model` (the default, `make bench`): decode tokens/s and prefill time of a real model under
+`model` (the default, `make bench`; `--cases=1x32,8x1000`, `--model_presets=fp32,bf16_flags`,
+`--steps`, `--rounds`, `--no_torch`): decode tokens/s and prefill time of a real model under
 the fp32 and bf16 + flags presets beside transformers, the bandwidth roofline, the cost of
 the flags per phase, compile times (`attnprec.bench.model`). Writes <out>/model.json,
 model.md, model.png. `--quick`: batch 1 and 8 at a 32-token prompt, 8 steps, 2 rounds.
@@ -50,6 +51,7 @@ def run_model(args):
   result = model_bench.run_model_bench(
       model=args.model,
       cases=args.cases or (model_bench.QUICK_CASES if quick else model_bench.DEFAULT_CASES),
+      presets=args.model_presets.split(","),
       steps=args.steps or (8 if quick else 32), rounds=args.rounds or (2 if quick else 3),
       include_torch=not args.no_torch, flag_phases=not quick,
       flag_case=(1, 1000))
@@ -86,6 +88,8 @@ def main(argv):
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--model", default="smollm2-135m")
   parser.add_argument("--cases", type=_cases, default=None)
+  parser.add_argument("--model_presets", default="fp32,bf16_flags",
+                      help=f"comma-separated, from {','.join(model_bench.PRESETS)}")
   parser.add_argument("--steps", type=int, default=0)
   parser.add_argument("--rounds", type=int, default=0)
   parser.add_argument("--seq_lens", type=_ints, default=bench.DEFAULT_SEQ_LENS)

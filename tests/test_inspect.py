@@ -233,7 +233,7 @@ def test_attnprecs_kernels_agree_with_the_audit(kernel, flags):
     r = inspect_lowered(lowered, expect=prec)
     assert sorted(a.layer for a in r.attentions) == [0, 1], phase
     for a in r.attentions:
-      assert a.label == f"decoder/layer_{a.layer}/attn"
+      assert a.label == f"decoder/layer_{a.layer}/attn/kernel"
       assert a.softmax["exp"] == want["softmax"], (phase, a.softmax)
       assert a.online == (kernel == "blockwise") and a.loop == (kernel == "blockwise")
       assert not a.downcasts

@@ -41,7 +41,7 @@ def test_offset_leaves_the_function_unchanged(setup):
   assert probes.has_offsets(p) and not probes.has_offsets(params)
   logits64, attn64 = float64.forward(CONFIG, params, tokens)
   logits64_off, attn64_off = float64.forward(cfg, p, tokens)
-  assert np.abs(p["decoder/layer_0/attn"]["k_offset"]).max() > 10      # a real offset
+  assert np.abs(p["decoder/layer_0/attn/kernel"]["k_offset"]).max() > 10      # a real offset
   np.testing.assert_allclose(logits64_off, logits64, rtol=0, atol=1e-9 * np.abs(logits64).max())
   for a, a_off in zip(attn64, attn64_off):
     assert measure.rel_l2(a_off, a) < 1e-9
@@ -56,7 +56,7 @@ def test_offsets_are_what_was_asked(setup):
   _, _, queries = measure.collect(cfg, p, tokens, REFERENCE)
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   for i, q_BxTxNxH in enumerate(queries):
-    b_KxH = np.asarray(p[f"decoder/layer_{i}/attn"]["k_offset"], np.float64)
+    b_KxH = np.asarray(p[f"decoder/layer_{i}/attn/kernel"]["k_offset"], np.float64)
     q = np.asarray(q_BxTxNxH, np.float64)
     for kv in range(K):   # query head n reads kv head n // (N // K)
       heads = [n for n in range(N) if n // (N // K) == kv]
@@ -100,7 +100,7 @@ def test_offsets_must_match_the_architecture(setup):
   offsets.check_offsets(cfg, p)
   with pytest.raises(UserError, match="k_offset missing"):
     offsets.check_offsets(cfg, params, "test")
-  bad = {**p, "decoder/layer_1/attn": {"k_offset": np.zeros((3, 3), np.float32)}}
+  bad = {**p, "decoder/layer_1/attn/kernel": {"k_offset": np.zeros((3, 3), np.float32)}}
   with pytest.raises(UserError, match=r"has shape \(3, 3\), expected \(2, 64\)"):
     offsets.check_offsets(cfg, bad, "test")
 

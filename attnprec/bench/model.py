@@ -45,6 +45,9 @@ PRESETS: Dict[str, Precision] = {
     "fp32": Precision(),
     "bf16_flags": Precision(dtype="bfloat16", float32_qk_product=True, float32_logits=True),
     "bf16": Precision(dtype="bfloat16", float32_qk_product=False, float32_logits=False),
+    # the same numerics with the blockwise (flash-style) kernel, both phases
+    "bf16_flags_blockwise": Precision(dtype="bfloat16", float32_qk_product=True,
+                                      float32_logits=True, kernel="blockwise"),
     # bf16 + flags with the weights STORED in bfloat16 (`decoding.compute_params`)
     "bf16_flags_bf16w": Precision(dtype="bfloat16", float32_qk_product=True,
                                   float32_logits=True),

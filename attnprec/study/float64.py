@@ -95,8 +95,9 @@ def forward(config: ModelConfig, params, tokens_BxT, stats=None):
       k = norm(k, "attn/k_norm", i)
     base, scale = cfg.rope(i)
     q, k = _rope(q, pos_BxT, base, scale), _rope(k, pos_BxT, base, scale)
-    if "k_offset" in params.get(f"{pre}/attn", {}):   # the study's key bias (probes.py)
-      k = k + np.asarray(params[f"{pre}/attn"]["k_offset"], np.float64)
+    offset = params.get(f"decoder/layer_{i}/attn/kernel", {}).get("k_offset")
+    if offset is not None:                 # the study's key bias (attnprec/study/probes.py)
+      k = k + np.asarray(offset, np.float64)
     allowed = pos_BxT[:, None, None, :] <= pos_BxT[:, None, :, None]       # [B, 1, T, S]
     window = cfg.window(i)
     if window is not None:

@@ -1,6 +1,6 @@
 """Large attention logits without changing the model: a key bias after RoPE.
 
-With a bias b added to every key after RoPE (param `attn/k_offset` [K, H], which the study
+With a bias b added to every key after RoPE (param `attn/kernel/k_offset` [K, H], which the study
 injects into the params and applies from outside the model: `attnprec.study.probes`),
 all of a query's logits move by scale * q.b. The softmax ignores a per-query constant, so in
 exact arithmetic the model computes the same function; but a bfloat16 QK product rounds
@@ -30,7 +30,7 @@ def _with_zero_offsets(config: ModelConfig, params) -> dict:
   K, H = config.num_kv_heads, config.head_dim
   out = dict(params)
   for i in range(config.num_layers):
-    module = f"decoder/layer_{i}/attn"
+    module = probes.offset_module(i)
     out[module] = {**params.get(module, {}), probes.OFFSET: np.zeros((K, H), np.float32)}
   return out
 
@@ -49,7 +49,7 @@ def offset_stats(config: ModelConfig, queries, params) -> list:
   as {"mean", "p10", "p90", "max_abs"}. queries: per layer [B, T, N, H] after RoPE."""
   stats = []
   for i, q_BxTxNxH in enumerate(queries):
-    b_KxH = np.asarray(params[f"decoder/layer_{i}/attn"][probes.OFFSET], np.float64)
+    b_KxH = np.asarray(params[probes.offset_module(i)][probes.OFFSET], np.float64)
     q_KxRxH = _rows_by_kv_head(config, q_BxTxNxH)
     off = config.effective_query_scale * np.einsum("krh,kh->kr", q_KxRxH, b_KxH).reshape(-1)
     stats.append({"mean": float(off.mean()), "p10": float(np.percentile(off, 10)),
@@ -74,11 +74,12 @@ def check_offsets(config: ModelConfig, params, source: str = "the params") -> No
   want = (config.num_kv_heads, config.head_dim)
   problems = []
   for i in range(config.num_layers):
-    got = params.get(f"decoder/layer_{i}/attn", {}).get(probes.OFFSET)
+    module = probes.offset_module(i)
+    got = params.get(module, {}).get(probes.OFFSET)
     if got is None:
-      problems.append(f"decoder/layer_{i}/attn/{probes.OFFSET} missing (expected shape {want})")
+      problems.append(f"{module}/{probes.OFFSET} missing (expected shape {want})")
     elif tuple(np.shape(got)) != want:
-      problems.append(f"decoder/layer_{i}/attn/{probes.OFFSET} has shape "
+      problems.append(f"{module}/{probes.OFFSET} has shape "
                       f"{tuple(np.shape(got))}, expected {want}")
   if problems:
     raise UserError(f"Key offsets in {source} do not match the architecture: "
@@ -101,5 +102,5 @@ def add_key_offsets(config: ModelConfig, params, tokens_BxT, logit_offset: float
       raise UserError(f"Layer {i}: the queries average to zero, so no key bias direction "
                       f"gives them a common logit offset; use other calibration tokens.")
     b_KxH = mean_KxH * (logit_offset / (cfg.effective_query_scale * norm2_K))[:, None]
-    new[f"decoder/layer_{i}/attn"][probes.OFFSET] = b_KxH.astype(np.float32)
+    new[probes.offset_module(i)][probes.OFFSET] = b_KxH.astype(np.float32)
   return new, offset_stats(cfg, queries_, new)
