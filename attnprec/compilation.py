@@ -21,8 +21,9 @@ SUBDIR = "jax-compilation"
 
 def enable() -> str:
   """Turns the persistent compilation cache on (every program, however fast it compiled);
-  returns its directory."""
-  path = str(cache_dir(SUBDIR))
+  returns its directory. A directory already chosen with $JAX_COMPILATION_CACHE_DIR is
+  kept."""
+  path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache_dir(SUBDIR))
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

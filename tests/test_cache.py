@@ -68,7 +68,7 @@ def test_decode_step_writes_the_cache_in_place(dtype):
   aliases = re.search(r"input_output_alias=\{(.*?)\}, entry", text).group(1)
   assert aliases.count("may-alias") >= 2 * CONFIG.num_layers
   ops = cache_sized(text)
-  write = [o for o in ops if "/attend/" not in o[2]]
+  write = [o for o in ops if "/attn/kernel/" not in o[2]]
   # Per layer, k and v: one scatter each, in the stored dtype, and nothing else.
   store = {"float32": "f32", "bfloat16": "u16"}[dtype]
   scatters = [o for o in write if o[1] in ("scatter", "fusion") and o[0] == store
@@ -101,7 +101,7 @@ def test_generate_loop_does_not_copy_the_cache(dtype):
   ops = cache_sized(text, skip_entry=True)
   assert [o for o in ops if "scatter" in o[2]], ops                  # the loop's writes
   assert not [o for o in ops if o[1] in ("copy", "convert", "transpose")
-              and "/attend/" not in o[2]], ops          # (the kernel's own upcast of v)
+              and "/attn/kernel/" not in o[2]], ops          # (the kernel's own upcast of v)
   if dtype == "float32":
     assert not [o for o in ops if o[1] in ("copy", "convert", "transpose")], ops
 
