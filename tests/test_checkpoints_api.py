@@ -147,3 +147,31 @@ def test_generate_errors(tiny):
     checkpoints.generate(tiny, [[1, 96]])
   with pytest.raises(UserError, match="exceed the model's context"):
     checkpoints.generate(tiny, [[1, 2]], max_new_tokens=tiny.config.max_seq_len)
+
+
+def test_one_loader_reads_train_runs(tmp_path):
+  """'recall-tiny' and a run directory load through checkpoints.load, params exactly the
+  run's params.npz (read here with NumPy), the recall task from task.json."""
+  import json
+  import shutil
+  from attnprec.checkpoints import trained
+  ckpt = checkpoints.load("recall-tiny")
+  assert ckpt.task is not None and ckpt.tokenizer is None
+  assert ckpt.source.startswith("recall checkpoint recall-tiny")
+  with open(os.path.join(trained.SHIPPED["recall-tiny"], "task.json")) as f:
+    assert ckpt.task.num_pairs == json.load(f)["num_pairs"]
+  with np.load(os.path.join(trained.SHIPPED["recall-tiny"], "params.npz")) as z:
+    for key in z.files:
+      module, name = key.split("//")
+      np.testing.assert_array_equal(np.asarray(ckpt.params[module][name]), z[key])
+  run = tmp_path / "run"
+  shutil.copytree(trained.SHIPPED["recall-tiny"], run)
+  os.remove(run / "task.json")
+  plain = checkpoints.load(run, param_dtype="bfloat16")
+  assert plain.task is None and plain.source.startswith("train run ")
+  assert all(v.dtype == jnp.bfloat16 for d in plain.params.values() for v in d.values())
+  os.remove(run / "params.npz")
+  with pytest.raises(UserError, match="has no params.npz"):
+    checkpoints.load(run)
+  with pytest.raises(UserError, match=r"neither a shipped checkpoint \(.*recall-tiny"):
+    checkpoints.load(tmp_path / "nope")
