@@ -119,6 +119,16 @@ def test_downcast_before_softmax_is_flagged():
   assert clean.ok and not clean.attentions[0].downcasts
 
 
+def test_softmax_as_exp_of_log_softmax():
+  """p = exp(log_softmax(x)): normalised by subtracting log(sum(exp)), no divide."""
+  def lse_attention(q, k, v):
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k)
+    probs = jnp.exp(jax.nn.log_softmax(logits, axis=-1))
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+  (a,) = attention_report(lse_attention, *_qkv(F32)).attentions
+  assert a.stabilised and not a.online and a.softmax["exp"] == "f32"
+
+
 def test_two_attentions_both_found():
   def two(q, k, v):
     return seed_attention(q, k, v) + plain_attention(q, k, v).astype(BF16)
@@ -182,7 +192,11 @@ def test_no_attention_in_an_mlp_with_a_log_softmax_loss():
   r = attention_report(jax.grad(loss, argnums=(0, 1)), s((8, 16), F32), s((16, 10), F32),
                        s((4, 8), F32), s((4,), jnp.int32))
   assert r.attentions == [] and len(r.dense) >= 4
-  assert r.verdict().startswith("NO ATTENTION FOUND")
+  assert r.verdict().startswith("NO ATTENTION FOUND") and r.ok
+  # with a Precision stated, finding nothing is not a pass
+  assert not attention_report(jax.grad(loss, argnums=(0, 1)), s((8, 16), F32),
+                              s((16, 10), F32), s((4, 8), F32), s((4,), jnp.int32),
+                              expect=Precision()).ok
 
 
 def test_flax_nnx_multi_head_attention_if_installed():
