@@ -129,6 +129,24 @@ def test_softmax_as_exp_of_log_softmax():
   assert a.stabilised and not a.online and a.softmax["exp"] == "f32"
 
 
+def test_dropout_on_the_probabilities():
+  """Dropout (Flax style: probs * keep / keep_prob) between the softmax and the wv dot:
+  found in the forward pass and in the gradient, whose dv dot reads the dropped probs."""
+  def dropped(q, k, v, key):
+    probs = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k), axis=-1)
+    keep = jax.random.bernoulli(key, 0.9, probs.shape)
+    probs = probs * (keep.astype(probs.dtype) / 0.9)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+  key = jax.random.PRNGKey(0)
+  (a,) = attention_report(dropped, *_qkv(F32), key).attentions
+  assert any("dropout" in c for c in a.probs_casts)
+  grad = jax.grad(lambda q, k, v: jnp.sum(jnp.square(dropped(q, k, v, key))),
+                  argnums=(0, 1, 2))
+  r = attention_report(grad, *_qkv(F32))
+  (a,) = r.attentions
+  assert sorted(b.role for b in a.backward) == ["dk", "dp", "dq", "dv"] and not r.dense
+
+
 def test_two_attentions_both_found():
   def two(q, k, v):
     return seed_attention(q, k, v) + plain_attention(q, k, v).astype(BF16)

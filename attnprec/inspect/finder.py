@@ -15,7 +15,8 @@ An attention is three things in the dataflow graph (`attnprec.inspect.mlir_graph
              is carried through the loop), by a divide of what that dot accumulated;
              an exp without the max (an unstabilised softmax) is accepted and marked;
   wv dot     a `dot_general` that reads the probabilities through converts, reshapes,
-             transposes, broadcasts and slices only, and contracts the axis the
+             transposes, broadcasts and slices (and scalings by values no dot made:
+             dropout, masks), and contracts the axis the
              softmax summed over (a dot that contracts another axis of the
              probabilities is the gradient dv = p^T dout).
 
@@ -87,7 +88,8 @@ class Attention:
   loop: bool               # inside a while loop (scan / fori_loop)
   downcasts: List[str]     # narrowing converts between the qk dot and the exp: 'f32->bf16'
   upcasts: List[str]
-  probs_casts: List[str]   # converts between the probabilities and the wv dot
+  probs_casts: List[str]   # converts (and dropout / mask scalings) between the
+                           # probabilities and the wv dot
   soft_cap: bool
   mask: List[str]          # 'select' and/or 'bias'
   logits_scale: bool       # a multiply/divide by a constant between qk and softmax
@@ -267,14 +269,37 @@ def _consumers(start: Value, axis: Optional[int], kinds) -> List[Tuple[Node, int
       seen.add(key)
       if user.kind == DOT:
         out.append((user, idx, ax, casts))
-      elif user.kind in kinds:
+      elif user.kind in kinds or (user.kind in SCALINGS and all(
+          _data_free(o) for j, o in enumerate(user.inputs) if j != idx)):
         c = casts + ([f"{v.dtype}->{user.outputs[0].dtype}"] if user.kind == CONVERT
                      and v.dtype != user.outputs[0].dtype else [])
+        if user.kind in SCALINGS and user.kind not in kinds:
+          c = c + [f"{user.kind.split('.')[-1]} (dropout / mask)"]
         nxt = _track(user, idx, ax) if user.kind not in ("loop_carry", "merge") else ax
         if user.kind == "stablehlo.select" and idx == 0:
           continue
         stack.extend((o, nxt, c) for o in user.outputs[:1])
   return out
+
+
+SCALINGS = ("stablehlo.multiply", "stablehlo.divide", "stablehlo.select")
+
+
+def _data_free(v: Value, limit: int = 4000) -> bool:
+  """True if v is computed without any dot (a dropout mask from random bits, a constant,
+  a mask from positions): what may scale the probabilities on their way to the wv dot.
+  (The softmax's gradient also multiplies the probabilities, by values made by dots.)"""
+  seen, stack = set(), [v]
+  while stack:
+    x = stack.pop()
+    n = x.producer
+    if n is None or n.id in seen:
+      continue
+    seen.add(n.id)
+    if n.kind == DOT or len(seen) > limit:
+      return False
+    stack.extend(n.inputs)
+  return True
 
 
 def _contracts(dot: Node, index: int, axis: Optional[int]) -> Optional[bool]:
@@ -556,7 +581,8 @@ def _backward(g: Graph, attentions: List[Attention], used: Dict[int, str]) -> No
     d1, d2, probs, idx = a._nodes
     v = d2.inputs[1 - idx]
     keys.append([("dk", _roots(d1.inputs[0], cache)), ("dq", _roots(d1.inputs[1], cache)),
-                 ("dp", _roots(v, cache)), ("dv", _roots(probs, cache))])
+                 ("dp", _roots(v, cache)),
+                 ("dv", _roots(probs, cache) | _roots(d2.inputs[idx], cache))])
   for d in g.ops(DOT):
     if d.id in used:
       continue
