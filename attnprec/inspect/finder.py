@@ -69,6 +69,9 @@ class DotSite:
   converted_to: Optional[str] = None  # the type the result is converted to right after
   role: str = "dense"      # qk / wv / dq / dk / dp / dv / dense
   backward: bool = False
+  reads: List[str] = dataclasses.field(default_factory=list)  # the program arguments its
+  # operands are made of (through data movement), by their pytree path in the location,
+  # e.g. "params['decoder/layer_0/attn/q']['w']": which parameter a dense dot applies
 
   @property
   def precision_text(self) -> str:
@@ -211,7 +214,10 @@ def _dot_site(node: Node) -> DotSite:
     return None
 
   ls, rs = source(lhs), source(rhs)
-  return DotSite(name=node.name, source=node.source, lhs=lhs.dtype, rhs=rhs.dtype,
+  reads = sorted({n.name for v in (lhs, rhs) for n in _back(v, lambda n: n.kind in MOVEMENT,
+                                                            limit=200)
+                  if n.kind == "argument" and n.name})
+  return DotSite(reads=reads, name=node.name, source=node.source, lhs=lhs.dtype, rhs=rhs.dtype,
                  result=out.dtype, precision=info["precision"], algorithm=info["algorithm"],
                  preferred=out.dtype, lhs_shape=list(lhs.shape), rhs_shape=list(rhs.shape),
                  result_shape=list(out.shape),
@@ -255,7 +261,8 @@ def _track(node: Node, index: int, axis: Optional[int]) -> Optional[int]:
   return None
 
 
-def _consumers(start: Value, axis: Optional[int], kinds) -> List[Tuple[Node, int, Optional[int], List[str]]]:
+def _consumers(start: Value, axis: Optional[int], kinds
+               ) -> List[Tuple[Node, int, Optional[int], List[str]]]:
   """Dots reached from `start` through `kinds` ops: (dot, operand index, tracked axis,
   converts on the way)."""
   out, seen = [], set()
