@@ -174,6 +174,23 @@ def test_forward_and_grad():
   assert any("backward: dq: precision HIGHEST, expected DEFAULT" in p for p in r.problems())
 
 
+def test_grad_with_remat():
+  """jax.checkpoint: the backward pass recomputes the QK dot (through an
+  optimization_barrier); it is told apart from dq and dk."""
+  def loss(q, k, v):
+    return jnp.sum(jnp.square(jax.checkpoint(plain_attention)(q, k, v)))
+  (a,) = attention_report(jax.grad(loss, argnums=(0, 1, 2)), *_qkv(F32)).attentions
+  assert sorted(b.role for b in a.backward) == ["dk", "dp", "dq", "dv", "qk (recomputed)"]
+
+
+def test_soft_cap_in_attnprecs_kernels():
+  for name in ("dot_product", "blockwise"):
+    prec = Precision(dtype="bfloat16", kernel=name)
+    (a,) = attention_report(lambda q, k, v: kernels.attend(
+        prec, q, k, v, logits_soft_cap=30.0), *_qkv()).attentions
+    assert a.soft_cap and a.softmax["exp"] == "f32", name
+
+
 def test_prefill_and_decode_with_a_kv_cache():
   """A KV cache written with dynamic_update_slice; a prefill over P tokens and a
   single-token decode step at position `pos` are both recognised."""

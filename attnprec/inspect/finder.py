@@ -67,7 +67,7 @@ class DotSite:
   lhs_source: Optional[str] = None  # the type an operand was upcast from right before
   rhs_source: Optional[str] = None
   converted_to: Optional[str] = None  # the type the result is converted to right after
-  role: str = "dense"      # qk / wv / dq / dk / dp / dv / dense
+  role: str = "dense"      # qk / wv / dq / dk / dp / dv / 'qk (recomputed)' / dense
   backward: bool = False
   reads: List[str] = dataclasses.field(default_factory=list)  # the program arguments its
   # operands are made of (through data movement), by their pytree path in the location,
@@ -570,7 +570,9 @@ def _roots(v: Value, cache: dict) -> Set[int]:
       out.add(id(x))
       continue
     inputs = n.inputs
-    if n.kind == "stablehlo.select":
+    if n.kind == "stablehlo.optimization_barrier":   # (remat) output i is input i
+      inputs = [n.inputs[x.index]]
+    elif n.kind == "stablehlo.select":
       inputs = inputs[1:]
     elif n.kind in ("stablehlo.dynamic_slice", "stablehlo.gather", "stablehlo.pad"):
       inputs = inputs[:1]
@@ -595,7 +597,18 @@ def _backward(g: Graph, attentions: List[Attention], used: Dict[int, str]) -> No
       continue
     r0, r1 = _roots(d.inputs[0], cache), _roots(d.inputs[1], cache)
     for a, ks in zip(attentions, keys):
-      role = next((name for name, r in ks if r & r0 or r & r1), None)
+      roles = {name for name, r in ks if r & r0 or r & r1}
+      role = next((name for name, _ in ks if name in roles), None)
+      if {"dk", "dq"} <= roles:
+        role = "qk (recomputed)"            # jax.checkpoint recomputes the forward
+        # ... and its softmax: the gradient dv reads the recomputed probabilities
+        cone = _forward_cone(d.outputs[0])
+        for e in (g.nodes[i] for i in sorted(cone) if g.nodes[i].kind == EXP):
+          sm = _softmax_at(g, e, cone)
+          for p in (sm or {}).get("probs", []):
+            ks[3] = ("dv", ks[3][1] | _roots(p, cache))
+      elif {"dp", "dv"} <= roles:
+        role = "wv (recomputed)"
       if role:
         site = _dot_site(d)
         site.role, site.backward = role, True
