@@ -9,7 +9,7 @@ MLP hidden units must divide the model axis), `kv_columns` (k, v: split by kv he
 K % model == 0, else replicated), `rows` (o, down: w [in, D] split by input row), and
 `replicated` (embeddings, norm scales, unembed).
 Optimizer moments follow their parameter; scalars are replicated.
-Data: tokens [B, T] split over data (needs B % data == 0). The KV cache [L, B, S, K, H]
+Data: tokens [B, T] split over data (needs B % data == 0). Each layer's KV cache [B, K, S, H]
 that `decoding.generate` builds follows by propagation: B over data, K over model when the
 k/v projections are split (`cache_spec` says which; tests check the compiled program).
 
@@ -76,8 +76,9 @@ def make_mesh(*, shape: Sequence[int] = (-1, 1)) -> Mesh:
   if size != n and jax.process_count() > 1:
     raise UserError(f"mesh.shape={shape} uses {size} of {n} devices; with several processes "
                     f"the mesh must use all of them. Valid shapes: {_valid_shapes(n)}.")
-  devices = np.asarray(jax.devices()[:size]).reshape(shape)
-  return Mesh(devices, AXES, axis_types=(AxisType.Auto,) * 2)
+  # jax.make_mesh orders the devices for the topology (neighbours on the model axis).
+  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 2,
+                       devices=jax.devices()[:size])
 
 
 def describe(mesh: Mesh) -> str:
@@ -125,10 +126,8 @@ def param_shardings(params, config: ModelConfig, mesh: Mesh):
 
 
 def _path_names(path) -> Tuple[str, ...]:
-  out = []
-  for k in path:
-    out.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
-  return tuple(out)
+  """('opt_state', '0', 'mu', 'decoder/layer_0/attn/q', 'w') for a key path."""
+  return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)
 
 
 def tree_shardings(tree, params, config: ModelConfig, mesh: Mesh):
@@ -148,8 +147,8 @@ def tree_shardings(tree, params, config: ModelConfig, mesh: Mesh):
 
 
 def cache_spec(config: ModelConfig, mesh: Mesh) -> P:
-  """The KV cache [L, B, S, K, H]: batch over data, kv heads over model when split."""
-  return P(None, "data", None, "model" if kv_split(config, mesh) else None, None)
+  """Each layer's KV cache [B, K, S, H]: batch over data, kv heads over model when split."""
+  return P("data", "model" if kv_split(config, mesh) else None, None, None)
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

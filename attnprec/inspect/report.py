@@ -1,7 +1,7 @@
 """Verdicts and rendering: the attentions found, checked against a stated `Precision`.
 
-The contract is attnprec's own table (`attnprec.contract.stage_dtypes`, the one every kernel asserts with
-chex), for the compute dtype c = `Precision.dtype` and the two flags:
+The contract is attnprec's own table (`attnprec.contract.stage_dtypes`, the one every
+kernel asserts with chex), for the compute dtype c = `Precision.dtype` and the two flags:
 
   qk dot   operands c x c (or f32 x f32 upcast from c, allowed when float32_qk_product
            or a dot-algorithm preset widens the dot), result = the table's logits dtype;
@@ -199,7 +199,9 @@ class Report:
       return [f"attention {_where(a)}: logits cast down ({', '.join(a.downcasts)}) "
               f"between the QK^T product and the softmax"
               for a in self.attentions if a.downcasts]
-    out = []
+    out = [] if self.attentions else [
+        "no attention found, so the Precision cannot be checked: no dot -> softmax -> dot "
+        "pattern in the program (an attention inside a custom_call is invisible)"]
     for a in self.attentions:
       for stage, ps in check_attention(a, self.expect).items():
         out += [f"attention {_where(a)} {stage}: {p}" for p in ps]
@@ -354,6 +356,8 @@ def short_source(source: str) -> str:
 
 
 def _dense_name(d: DotSite) -> str:
-  parts = [unwrap(p) for p in d.name.split("/")[:-1] if not p.startswith("jit(")]
-  name = "/".join(parts) or short_source(d.source) or "(unnamed)"
+  parts = [unwrap(p) for p in d.name.split("/")[:-1]
+           if not p.startswith("jit(") and "->" not in p]
+  name = "/".join(parts) or (d.reads[0] if d.reads else "") or short_source(d.source) \
+      or "(unnamed)"
   return name + (" (grad)" if d.backward else "")

@@ -1,39 +1,25 @@
 """`make decode` on the recall task: decode answers at several context lengths under the
 decode precision and under an fp32 reference, side by side."""
 import dataclasses
-import json
 import os
 from typing import Sequence
 
 import gin
 import numpy as np
 
-from attnprec import decoding, runs
+from attnprec import checkpoints, decoding, runs
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 from attnprec.tasks import recall
 
-ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
-SHIPPED = {"recall-tiny": os.path.join(ASSETS, "recall-tiny")}
-
-
-def resolve_checkpoint(checkpoint: str) -> str:
-  """A shipped checkpoint name or a train run directory -> directory path."""
-  if checkpoint in SHIPPED:
-    return SHIPPED[checkpoint]
-  if not os.path.isdir(checkpoint):
-    raise UserError(f"Checkpoint {checkpoint!r} is neither a shipped checkpoint "
-                    f"({', '.join(SHIPPED)}) nor an existing run directory. Train one "
-                    f"with 'make train' (writes runs/recall).")
-  return checkpoint
-
-
-def load_task(ckpt_dir: str) -> recall.RecallTask:
-  path = os.path.join(ckpt_dir, "task.json")
-  if not os.path.isfile(path):
-    raise UserError(f"{ckpt_dir!r} has no task.json: it is not a recall training run.")
-  with open(path) as f:
-    return recall.RecallTask(**json.load(f))
+def load_recall_checkpoint(checkpoint: str):
+  """(config, params, RecallTask) of a recall checkpoint: 'recall-tiny' or a recall train
+  run directory, through `checkpoints.load`."""
+  ckpt = checkpoints.load(checkpoint)
+  if ckpt.task is None:
+    raise UserError(f"{checkpoint!r} has no task.json: it is not a recall training run "
+                    f"({ckpt.source}). Use 'recall-tiny' or a run of 'make train'.")
+  return ckpt.config, ckpt.params, ckpt.task
 
 
 def evaluate(params, config, task, precision: Precision, pair_counts: Sequence[int],
@@ -59,9 +45,7 @@ def recall_eval(*, precision: Precision, run_dir: str, checkpoint: str = "recall
   if not pair_counts:
     raise UserError("recall_eval.pair_counts is empty; give at least one pair count, "
                     "e.g. (8, 16, 32).")
-  ckpt_dir = resolve_checkpoint(checkpoint)
-  config, params = runs.load_checkpoint(ckpt_dir)
-  task = load_task(ckpt_dir)
+  config, params, task = load_recall_checkpoint(checkpoint)
   for p in pair_counts:
     if not 1 <= p <= task.max_pairs:
       raise UserError(f"recall_eval.pair_counts has {p}; valid pair counts for this "
