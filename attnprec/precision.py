@@ -16,6 +16,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from attnprec import checks
 from attnprec.errors import choice_error
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -60,6 +61,15 @@ def precision_name(p: PrecisionLike) -> str:
   return p.name
 
 
+_PRECISION_NAMES = list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS)
+
+
+@checks.validated(
+    "precision", dtype=lambda v: checks.parsed_by(parse_dtype, DTYPES)(v),
+    matmul_precision=lambda v: checks.parsed_by(parse_precision, _PRECISION_NAMES)(v),
+    einsum_precision=lambda v: checks.parsed_by(parse_precision, _PRECISION_NAMES)(v),
+    float32_qk_product=checks.boolean, float32_logits=checks.boolean,
+    kernel=lambda v: checks.one_of(*KERNELS)(v))
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Precision:
   """Numerics of one phase. Hashable, so it can be a static argument of jit."""

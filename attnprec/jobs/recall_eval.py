@@ -8,7 +8,7 @@ from typing import Sequence
 import gin
 import numpy as np
 
-from attnprec import decoding, runs
+from attnprec import checks, decoding, runs
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 from attnprec.tasks import recall
@@ -28,12 +28,34 @@ def resolve_checkpoint(checkpoint: str) -> str:
   return checkpoint
 
 
+# RecallTask fields added after runs were written without them, with the value those runs
+# had (the shipped recall-tiny predates shared_vocab).
+ADDED_LATER = {"shared_vocab": False}
+
+
 def load_task(ckpt_dir: str) -> recall.RecallTask:
+  """The RecallTask a run trained on, from its task.json: every field present, no other
+  (a missing field would silently take a default and evaluate a different task)."""
   path = os.path.join(ckpt_dir, "task.json")
   if not os.path.isfile(path):
     raise UserError(f"{ckpt_dir!r} has no task.json: it is not a recall training run.")
-  with open(path) as f:
-    return recall.RecallTask(**json.load(f))
+  fields = sorted(f.name for f in dataclasses.fields(recall.RecallTask))
+  try:
+    with open(path) as f:
+      raw = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UserError(f"Cannot read {path!r}: {e}. It should hold the recall task's settings "
+                    f"as a JSON object with the fields {fields}.") from None
+  if not isinstance(raw, dict):
+    raise UserError(f"{path!r} holds a JSON {type(raw).__name__}, not an object with the "
+                    f"recall task's fields {fields}.")
+  missing = sorted(set(fields) - set(raw) - set(ADDED_LATER))
+  unknown = sorted(set(raw) - set(fields))
+  if missing or unknown:
+    raise UserError(f"{path!r} does not describe a recall task: missing field(s) {missing}, "
+                    f"unknown field(s) {unknown}; a task.json written by `make train` has "
+                    f"exactly {fields}.")
+  return recall.RecallTask(**{**ADDED_LATER, **raw})
 
 
 def evaluate(params, config, task, precision: Precision, pair_counts: Sequence[int],
@@ -53,6 +75,10 @@ def evaluate(params, config, task, precision: Precision, pair_counts: Sequence[i
 
 
 @gin.configurable("recall_eval", denylist=["precision", "run_dir"])
+@checks.validated("recall_eval", checkpoint=checks.string,
+                  pair_counts=checks.sequence_of(checks.at_least(1)),
+                  num_prompts=checks.at_least(1), num_queries=checks.at_least(1),
+                  seed=checks.integer(min=0))
 def recall_eval(*, precision: Precision, run_dir: str, checkpoint: str = "recall-tiny",
                 pair_counts: Sequence[int] = (8, 16, 24, 32), num_prompts: int = 128,
                 num_queries: int = 16, seed: int = 1234) -> dict:
