@@ -155,7 +155,7 @@ def describe_task(task) -> dict:
 @checks.validated("train", steps=checks.at_least(1), batch_size=checks.at_least(1),
                   seed=checks.integer(min=0), log_every=checks.at_least(1),
                   eval_every=checks.at_least(1), eval_batch=checks.at_least(1),
-                  target_accuracy=checks.optional(checks.number(gt=0, le=1)),
+                  target_accuracy=checks.optional(checks.number(ge=0, le=1)),
                   checkpoint_every=checks.at_least(1), keep_checkpoints=checks.at_least(1))
 def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
           files: Optional[dict] = None, steps: int = 600, batch_size: int = 64, seed: int = 0,
