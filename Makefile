@@ -15,7 +15,7 @@ STUDY_GIN ?= gin/experiments/study_recall.gin
 RUN ?= runs/recall
 gin_files = $(foreach f,$(or $(GIN),$(1)),--gin_file=$(f))
 
-.PHONY: setup test train decode audit study bench plot clean
+.PHONY: setup test train decode audit inspect study bench plot clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ decode: setup
 
 audit: setup
 	$(PY) runners/audit.py $(call gin_files,$(AUDIT_GIN)) $(ARGS)
+
+# make inspect FN=package.module:function [INPUTS=package.module:make_inputs | SHAPES='bf16[2,8]']
+inspect: setup
+	$(PY) runners/inspect.py $(if $(FN),--gin.inspect.fn=$(FN)) \
+	  $(if $(INPUTS),--gin.inspect.inputs=$(INPUTS)) \
+	  $(if $(SHAPES),--gin.inspect.shapes='$(SHAPES)') $(call gin_files,) $(ARGS)
 
 study: setup
 	$(PY) runners/study.py $(call gin_files,$(STUDY_GIN)) $(ARGS)

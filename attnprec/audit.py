@@ -1,32 +1,39 @@
 """The audit: the precision contract, proven from the programs that actually run.
 
 For one model and the two phases' `Precision`s (train for the train step, decode for the
-prefill and the single-token decode step), `run_audit` lowers the three programs, lists
-every dot_general from the lowered StableHLO (`attnprec.hlo`) and checks each attention
-dot against the contract table (`attnprec.attention.stage_dtypes`):
+prefill and the single-token decode step), `run_audit` lowers the three programs and
+reads each with `attnprec.inspect` (the one reader of lowered programs: typed StableHLO
+through the MLIR bindings, attentions found by their structure, not by names). Every
+attention is checked against the contract table (`attnprec.contract.stage_dtypes`, by
+`attnprec.inspect.report`):
 
   qk dot   operands c x c (or f32 x f32 upcast from c when float32_qk_product), result =
-           the table's logits dtype;
+           the table's logits dtype; the softmax (its exp) in the table's softmax dtype,
+           and no down-cast of the logits between the two;
   wv dot   probabilities operand = the table's probs dtype, v operand c or probs dtype
            (either operand order: jnp.einsum may swap them),
            result probs dtype or f32 (an f32 accumulator is allowed; the output is cast
            to c after the dot);
   both     the phase's einsum_precision: `precision = [P, P]` for a jax.lax.Precision,
            or the dot algorithm a preset lowers to (read from a plain dot lowered with it);
-  layers   every layer has at least one qk and one wv dot.
+  layers   every layer has one attention (layer numbers from the Haiku module names in
+           the program's locations; the blockwise kernel's loop bodies are attributed
+           through the calls and loops they are inlined from).
 
 Dense dots (q/k/v/o, MLP, unembedding) are checked the same way against the phase's
-compute dtype and `matmul_precision`. A dot-algorithm preset may widen a dot's types (JAX
-upcasts bf16 operands for BF16_BF16_F32_X3 and converts the f32 result back); the audit
-then reads the contract's types through those converts and says so ("f32<-bf16").
-Backward (gradient) dots of the train step are listed and checked for precision only: the
-contract table is about the forward computation.
+compute dtype and `matmul_precision` (the unembedding returns f32). A dot-algorithm preset
+may widen a dot's types (JAX upcasts bf16 operands for BF16_BF16_F32_X3 and converts the
+f32 result back); the audit then reads the contract's types through those converts and
+says so ("f32<-bf16"). The gradient dots of the train step (dq, dk, dp, dv: found as the
+dots that read an attention's q, k, v or probabilities) are listed and checked for
+precision only: the contract table is about the forward computation.
 
 It also compiles each program and summarises what this backend turned it into
-(`lowered.compile().as_text()`): XLA:CPU computes bf16 dots as f32 dots fed by converts
-and rounds results with explicit f32->bf16->f32 converts (with excess precision disabled).
-That part is shown, not asserted: the lowered program is the program's own statement of
-its types; the compiled one is an implementation detail of the backend.
+(`lowered.compile().as_text()`, read by `attnprec.hlo`): XLA:CPU computes bf16 dots as f32
+dots fed by converts and rounds results with explicit f32->bf16->f32 converts (with excess
+precision disabled). That part is shown, not asserted: the lowered program is the
+program's own statement of its types; the compiled one is an implementation detail of the
+backend.
 
 Shapes: B batch, P prompt length, S cache length (P + new tokens).
 """
@@ -41,123 +48,38 @@ import gin
 import jax
 import jax.numpy as jnp
 
+<<<<<<< HEAD
 from attnprec import checks, decoding, hlo, runs, train
 from attnprec.attention import stage_dtypes
+=======
+from attnprec import decoding, hlo, runs, train
+>>>>>>> main
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
+from attnprec.inspect import DotSite, inspect_lowered
+from attnprec.inspect import report as contract_check
 from attnprec.model import init_params
-from attnprec.precision import ALGORITHM_PRESETS, Precision, parse_precision
+from attnprec.precision import Precision
 
 PHASES = ("train", "prefill", "decode")
-SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-
-
-def short(dtype) -> str:
-  return SHORT[jnp.dtype(dtype).name]
+short = contract_check.short
+algorithm_text = contract_check.algorithm_text
+precision_expectation = contract_check.precision_expectation
+expected_attention = contract_check.expected_stages
 
 
 # ----------------------------------------------------------------------------- contract
-@functools.lru_cache(maxsize=None)
-def algorithm_text(preset_name: str) -> str:
-  """The `algorithm = <...>` attributes JAX lowers a dot with this preset to (read from a
-  plain f32 dot), i.e. what the attention dots must carry."""
-  preset = ALGORITHM_PRESETS[preset_name]
-  x = jax.ShapeDtypeStruct((2, 2), jnp.float32)
-  text = jax.jit(lambda a, b: jnp.dot(a, b, precision=preset)).lower(x, x).as_text()
-  found = [d.algorithm for d in hlo.dots_from_text(text)]
-  if not found or found[0] is None:
-    raise UserError(f"The dot algorithm preset {preset_name!r} does not lower to a dot "
-                    f"algorithm on backend {jax.default_backend()!r}.")
-  return found[0]
-
-
-def precision_expectation(name: str) -> str:
-  """'HIGHEST' for a jax.lax.Precision, 'algorithm <...>' for a preset."""
-  p = parse_precision(name)
-  if isinstance(p, jax.lax.Precision):
-    return p.name
-  return f"algorithm {p.name}"
-
-
-def _precision_problems(dot: hlo.Dot, name: str) -> List[str]:
-  p = parse_precision(name)
-  if isinstance(p, jax.lax.Precision):
-    if dot.algorithm is not None or dot.precision != p.name:
-      got = f"algorithm <{dot.algorithm}>" if dot.algorithm else dot.precision
-      return [f"precision {got}, expected {p.name}"]
-    return []
-  want = algorithm_text(p.name)
-  if dot.algorithm != want:
-    return [f"algorithm <{dot.algorithm}>, expected <{want}> ({p.name})"]
-  return []
-
-
-def _upcast_from(operand: str, source: Optional[str]) -> Optional[str]:
-  """The narrower type an f32 operand was upcast from right before the dot, if any."""
-  return source if operand == "f32" and source in ("bf16", "f16") else None
-
-
-def _effective(dot: hlo.Dot, widened_ok: bool):
-  """(lhs, rhs, result) as the contract sees them: through an upcast into the operands,
-  and (only where a dot-algorithm preset widened the dot) through a downcast of the
-  result."""
-  lhs = _upcast_from(dot.lhs_type, dot.lhs_source_type) or dot.lhs_type
-  rhs = _upcast_from(dot.rhs_type, dot.rhs_source_type) or dot.rhs_type
-  result = dot.result_type
-  if widened_ok and dot.converted_to in ("bf16", "f16") and result == "f32":
-    result = dot.converted_to
-  return lhs, rhs, result
-
-
-def expected_attention(precision: Precision) -> Dict[str, str]:
-  table = stage_dtypes(precision.compute_dtype,
-                       float32_qk_product=precision.float32_qk_product,
-                       float32_logits=precision.float32_logits)
-  return {k: short(v) for k, v in table.items()}
-
-
-def check_attention_dot(dot: hlo.Dot, precision: Precision, *, types: bool = True
-                        ) -> List[str]:
-  """Problems of one attention dot (site qk or wv) under the contract; [] if it honours it."""
-  problems = _precision_problems(dot, precision.einsum_precision)
-  if not types:
-    return problems
-  e = expected_attention(precision)
-  preset = not isinstance(parse_precision(precision.einsum_precision), jax.lax.Precision)
-  lhs, rhs, result = _effective(dot, widened_ok=preset)
-  c = e["qkv"]
-  if dot.site == "qk":
-    allowed = {(c, c)}
-    if precision.float32_qk_product or preset:
-      allowed.add(("f32", "f32"))   # q and k upcast first (allowed by the contract)
-    if (lhs, rhs) not in allowed and (dot.lhs_type, dot.rhs_type) not in allowed:
-      problems.append(f"qk operands {lhs} x {rhs}, expected {c} x {c}")
-    if result != e["logits"]:
-      problems.append(f"QK^T logits are {result}, expected {e['logits']} "
-                      f"(float32_qk_product={precision.float32_qk_product})")
-  else:
-    # jnp.einsum may put either operand first: find the probabilities among the two.
-    P, pairs = e["probs"], [(lhs, rhs), (rhs, lhs)]
-    if not any(p == P and v in (c, P) for p, v in pairs):
-      problems.append(f"wv operands {lhs} x {rhs}: the probabilities must enter as {P} "
-                      f"and v as {c} or {P} (float32_logits={precision.float32_logits}, "
-                      f"float32_qk_product={precision.float32_qk_product})")
-    if result not in (P, "f32") and dot.result_type not in (P, "f32"):
-      problems.append(f"wv result {result}, expected {P} or f32")
-  return problems
-
-
-def check_dense_dot(dot: hlo.Dot, precision: Precision) -> List[str]:
-  problems = _precision_problems(dot, precision.matmul_precision)
+def check_dense_dot(dot: DotSite, precision: Precision) -> List[str]:
+  """The dense check of `attnprec.inspect`, plus: the unembedding returns f32 logits,
+  every other projection the compute dtype."""
+  problems = contract_check.check_dense(dot, precision)
   c = short(precision.compute_dtype)
-  preset = not isinstance(parse_precision(precision.matmul_precision), jax.lax.Precision)
-  lhs, rhs, result = _effective(dot, widened_ok=preset)
-  if (lhs, rhs) != (c, c) and (dot.lhs_type, dot.rhs_type) != (c, c):
-    problems.append(f"dense operands {lhs} x {rhs}, expected {c} x {c}")
-  unembed = "BTD,DV->BTV" in dot.name
+  _, _, result = contract_check.effective(
+      dot, widened_ok=contract_check.is_preset(precision.matmul_precision))
+  unembed = _module(dot.name) == "unembed"
   want = "f32" if unembed else c
-  if result != want and dot.result_type != want:
+  if result != want and dot.result != want and not any("result" in p for p in problems):
     problems.append(f"{'logits' if unembed else 'dense'} result {result}, expected {want}")
   return problems
 
@@ -203,21 +125,22 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
 
 
 # ----------------------------------------------------------------------------- audit
-def _row(phase: str, dot: hlo.Dot, problems: List[str], checked: str) -> dict:
-  def typed(t, src):
-    up = _upcast_from(t, src)
-    return f"{t}<-{up}" if up else t
-  result = dot.result_type + (f"->{dot.converted_to}" if dot.converted_to and
-                              dot.converted_to != dot.result_type else "")
-  return {"phase": phase, "site": dot.site, "layer": dot.layer, "backward": dot.backward,
-          "module": _module(dot.name), "lhs": typed(dot.lhs_type, dot.lhs_source_type),
-          "rhs": typed(dot.rhs_type, dot.rhs_source_type), "result": result,
-          "precision": (f"algorithm <{dot.algorithm}>" if dot.algorithm else dot.precision),
+def _row(phase: str, site: str, layer, dot: DotSite, problems: List[str], checked: str,
+         softmax: Optional[dict] = None, label: str = "") -> dict:
+  return {"phase": phase, "site": site, "layer": layer, "backward": dot.backward,
+          "module": _module(dot.name), "label": label, "source": dot.source,
+          "lhs": contract_check.typed(dot.lhs, dot.lhs_source),
+          "rhs": contract_check.typed(dot.rhs, dot.rhs_source),
+          "result": contract_check.result_text(dot),
+          "softmax": None if softmax is None else "/".join(
+              f"{k} {v}" for k, v in softmax.items()),
+          "precision": dot.precision_text,
           "shapes": f"{dot.lhs_shape} x {dot.rhs_shape} -> {dot.result_shape}",
           "checked": checked, "ok": not problems, "problems": problems}
 
 
 def _module(name: str) -> str:
+  """The model's module a dense dot belongs to, from its location name."""
   for part in ("attn/q/", "attn/k/", "attn/v/", "attn/o/", "mlp/gate/", "mlp/up/",
                "mlp/down/"):
     if part in name:
@@ -230,38 +153,35 @@ def _module(name: str) -> str:
 def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig, *,
                   compile: bool = True) -> dict:
   """Checks one lowered program; returns a JSON-able dict with rows, problems, compiled."""
-  dots = hlo.dots(lowered)
-  attn = [d for d in dots if d.site in ("qk", "wv")]
-  attributed = all(d.layer is not None for d in attn)
+  report = inspect_lowered(lowered, expect=precision, function=phase)
   rows, problems = [], []
-  for d in attn:
-    if d.backward:
-      p, checked = check_attention_dot(d, precision, types=False), "precision"
-    elif not attributed and phase == "train":
-      # Dots in a loop body shared by every layer carry no module path, so forward and
-      # gradient dots cannot be told apart: only the precision config is checkable.
-      p, checked = check_attention_dot(d, precision, types=False), "precision"
-    else:
-      p, checked = check_attention_dot(d, precision), "types+precision"
-    rows.append(_row(phase, d, p, checked))
+  for a in report.attentions:
+    checks = contract_check.check_attention(a, precision)
+    rows.append(_row(phase, "qk", a.layer, a.qk, checks["qk"] + checks["softmax"],
+                     "types+precision", a.softmax, a.label))
+    rows.append(_row(phase, "wv", a.layer, a.wv, checks["wv"], "types+precision",
+                     a.softmax, a.label))
+    for b in a.backward:
+      rows.append(_row(phase, b.role, a.layer, b, contract_check.precision_problems(
+          b, precision.einsum_precision), "precision", label=a.label))
   dense_rows = []
-  for d in dots:
-    if d.site == "dense":
-      p = check_dense_dot(d, precision) if not d.backward else _precision_problems(
-          d, precision.matmul_precision)
-      dense_rows.append(_row(phase, d, p, "types+precision" if not d.backward
-                             else "precision"))
-  forward = [d for d in attn if not d.backward]
+  for d in report.dense:
+    p = check_dense_dot(d, precision) if not d.backward else \
+        contract_check.precision_problems(d, precision.matmul_precision)
+    dense_rows.append(_row(phase, "dense", None, d, p,
+                           "precision" if d.backward else "types+precision"))
+  layers = sorted(a.layer for a in report.attentions if a.layer is not None)
+  attributed = len(layers) == len(report.attentions)
   if attributed:
     for i in range(config.num_layers):
-      for s in ("qk", "wv"):
-        if not any(d.layer == i and d.site == s for d in forward):
-          problems.append(f"{phase}: layer {i} has no {s} attention dot")
-  else:
-    for s in ("qk", "wv"):
-      if not any(d.site == s for d in forward):
-        problems.append(f"{phase}: no {s} attention dot found")
-  problems += [f"{phase} layer {r['layer']} {r['site']}: {q}" for r in rows + dense_rows
+      if layers.count(i) != 1:
+        problems.append(f"{phase}: layer {i} has {layers.count(i)} attentions, expected 1")
+  elif len(report.attentions) != config.num_layers:
+    problems.append(f"{phase}: {len(report.attentions)} attentions found, expected "
+                    f"{config.num_layers} (one per layer)")
+  problems += [f"{phase} layer {r['layer']} {r['site']}: {q}" for r in rows
+               for q in r["problems"]]
+  problems += [f"{phase} dense {r['module'] or r['label'] or '?'}: {q}" for r in dense_rows
                for q in r["problems"]]
   out = {"phase": phase, "precision": dataclasses.asdict(precision),
          "expected": expected_attention(precision),
@@ -306,7 +226,7 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
 def _layers(layers) -> str:
   known = sorted({x for x in layers if x is not None})
   if not known:
-    return "shared"
+    return "?"
   if known == list(range(known[0], known[-1] + 1)) and len(known) > 2:
     return f"{known[0]}-{known[-1]}"
   return ",".join(map(str, known))
@@ -321,23 +241,25 @@ def _grouped(rows, keys):
 
 def attention_table(result: dict) -> str:
   """Markdown: one line per (phase, dot, types, precision, verdict), layers grouped."""
-  lines = ["| phase | dot | layers | lhs | rhs | result | precision | contract | checked | verdict |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| phase | dot | layers | lhs | rhs | result | softmax | precision | contract "
+           "| checked | verdict |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for ph in PHASES:
     a = result["phases"][ph]
     e = a["expected"]
-    for (site, bwd, lhs, rhs, res, prec, checked, ok), rows in _grouped(
-        a["attention"], ("site", "backward", "lhs", "rhs", "result", "precision",
-                         "checked", "ok")).items():
+    for (site, bwd, lhs, rhs, res, sm, prec, checked, ok), rows in _grouped(
+        a["attention"], ("site", "backward", "lhs", "rhs", "result", "softmax",
+                         "precision", "checked", "ok")).items():
       P, c = e["probs"], e["qkv"]
-      contract = (f"{c} x {c} -> {e['logits']}" if site == "qk" else
-                  f"probs {P}, v {c if c == P else c + '/' + P} -> "
+      contract = (f"{c} x {c} -> {e['logits']}, softmax {e['softmax']}" if site == "qk"
+                  else f"probs {P}, v {c if c == P else c + '/' + P} -> "
                   f"{P if P == 'f32' else P + '/f32'}")
       contract += f", {a['einsum_precision']}"
       if bwd or checked == "precision":
         contract = f"precision {a['einsum_precision']}"
       lines.append(f"| {ph} | {site}{' (grad)' if bwd else ''} | "
                    f"{_layers(r['layer'] for r in rows)} | {lhs} | {rhs} | {res} | "
+                   f"{sm if site == 'qk' and sm else ''} | "
                    f"{_short_precision(prec)} | {contract} | {checked} | "
                    f"{'ok' if ok else 'MISMATCH'} |")
   return "\n".join(lines)
@@ -370,14 +292,7 @@ def compiled_table(result: dict) -> str:
   return "\n".join(lines)
 
 
-def _short_precision(p: str) -> str:
-  """'algorithm <lhs_precision_type = bf16, ..., num_primitive_operations = 3, ...>' ->
-  'alg bf16,bf16->f32 x3'."""
-  if not p.startswith("algorithm"):
-    return p
-  fields = dict(f.split(" = ") for f in p[len("algorithm <"):-1].split(", ") if " = " in f)
-  return (f"alg {fields.get('lhs_precision_type')},{fields.get('rhs_precision_type')}"
-          f"->{fields.get('accumulation_type')} x{fields.get('num_primitive_operations')}")
+_short_precision = contract_check.short_precision
 
 
 def verdict(result: dict) -> str:
@@ -402,7 +317,9 @@ def to_markdown(result: dict) -> str:
           "`f32<-bf16`: an f32 operand upcast from bf16 right before the dot; "
           "`f32->bf16`: an f32 result converted to bf16 right after it. "
           "`(grad)`: dots of the gradient computation (checked for precision only). "
-          "`shared`: dots in a loop body shared by all layers (blockwise kernel).", "",
+          "The attentions are found by their structure (`attnprec.inspect`): a dot whose "
+          "result flows into a softmax whose result flows into a second dot; `(grad)` rows "
+          "are the gradient dots that read their q, k, v or probabilities.", "",
           attention_table(result), "", "## Dense dots", "", dense_table(result), ""]
   if any("compiled" in ph[p] for p in PHASES):
     head += ["## What this backend compiled (`lowered.compile().as_text()`)", "",
@@ -424,9 +341,10 @@ def model_config_for(model: Optional[str]) -> tuple:
   recall checkpoint name or train run directory; a real checkpoint (shipped name, HF
   directory, .gguf)."""
   if model is None:
+    # The gin-configured ModelConfig; a missing required value raises TypeError, which
+    # the runner's call of this configurable reports as a user error.
     from attnprec.config import model_config
-    from attnprec import ginutils
-    return ginutils.call(model_config), "architecture from model.* (gin)"
+    return model_config(), "architecture from model.* (gin)"
   from attnprec.study import models
   m = models.load_model(model, params=False)
   return m.config, m.description

@@ -17,8 +17,8 @@ import jax
 
 from attnprec import checks
 from attnprec.errors import UserError
+from attnprec.paths import REPO_GIN_DIR
 
-REPO_GIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gin")
 PHASES = ("train", "decode")
 # The configurables the runners call inside a phase scope (`ginutils.phase`): the only
 # ones a scoped binding (`decode/precision.dtype = ...`) can reach.
@@ -39,15 +39,9 @@ def register_constants() -> None:
 
 
 def _import_configurables() -> None:
-  """Import every module that defines configurables, so gin files can bind them."""
-  import attnprec.audit  # noqa: F401
-  import attnprec.config  # noqa: F401
-  import attnprec.decoding  # noqa: F401
-  import attnprec.jobs  # noqa: F401
-  import attnprec.precision  # noqa: F401
-  import attnprec.study.sweep  # noqa: F401
-  import attnprec.tasks.recall  # noqa: F401
-  import attnprec.train  # noqa: F401
+  """Import every module that defines configurables, so gin files can bind them (the
+  list is `attnprec.configurables`, the top of the import graph)."""
+  import attnprec.configurables  # noqa: F401
 
 
 def split_flags(argv: Sequence[str]) -> Tuple[List[str], List[str], List[str]]:

@@ -14,7 +14,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from attnprec import attention as attention_lib
+from attnprec import kernels
 from attnprec.config import ModelConfig
 from attnprec.precision import Precision
 
@@ -153,7 +153,7 @@ class Attention(hk.Module):
     else:
       k_BxSxKxH, v_BxSxKxH = k_BxTxKxH, v_BxTxKxH
 
-    out_BxTxNxH = attention_lib.attend(
+    out_BxTxNxH = kernels.attend(
         prec, q_BxTxNxH, k_BxSxKxH.astype(q_BxTxNxH.dtype), v_BxSxKxH.astype(q_BxTxNxH.dtype),
         mask=mask, logits_soft_cap=cfg.attn_logit_soft_cap, scale=cfg.query_scale)
     chex.assert_shape(out_BxTxNxH, (B, T, N, H))

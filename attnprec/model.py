@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from attnprec.cache import KVCache
 from attnprec.config import ModelConfig
-from attnprec.kernels.masks import CausalMask
+from attnprec.contract import CausalMask
 from attnprec.layers import MLP, Attention, RMSNorm
 from attnprec.precision import Precision
 

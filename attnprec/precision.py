@@ -10,55 +10,16 @@ Strings are used for dtypes and precisions (simpler for users and gin files); th
 validated here, once, with errors that name the valid values.
 """
 import dataclasses
-from typing import Union
 
 import gin
-import jax
 import jax.numpy as jnp
 
-from attnprec import checks
-from attnprec.errors import choice_error
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-LAX_PRECISIONS = {p.name.lower(): p for p in jax.lax.Precision}  # default, high, highest
-ALGORITHM_PRESETS = {p.name: p for p in jax.lax.DotAlgorithmPreset if p.name != "DEFAULT"}
-KERNELS = ("dot_product", "blockwise", "jax_nn")  # see attnprec.attention.attend
-
-PrecisionLike = Union[jax.lax.Precision, jax.lax.DotAlgorithmPreset]
-
-
-def parse_dtype(name) -> jnp.dtype:
-  """'bfloat16' | 'float32' | 'float16' (or a dtype) -> jnp dtype."""
-  if not isinstance(name, str):
-    try:
-      name = jnp.dtype(name).name
-    except TypeError:
-      raise choice_error("dtype", name, DTYPES) from None
-  key = name.lower()
-  if key not in DTYPES:
-    raise choice_error("dtype", name, DTYPES)
-  return jnp.dtype(DTYPES[key])
-
-
-def parse_precision(name) -> PrecisionLike:
-  """A `jax.lax.Precision` name (any case) or a `jax.lax.DotAlgorithmPreset` name.
-
-  Returns the object to pass as `precision=` to `jnp.einsum` / `lax.dot_general`.
-  """
-  if isinstance(name, (jax.lax.Precision, jax.lax.DotAlgorithmPreset)):
-    return name
-  if isinstance(name, str):
-    if name.lower() in LAX_PRECISIONS:
-      return LAX_PRECISIONS[name.lower()]
-    if name.upper() in ALGORITHM_PRESETS:
-      return ALGORITHM_PRESETS[name.upper()]
-  raise choice_error("einsum/matmul precision", name,
-                     list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS))
-
-
-def precision_name(p: PrecisionLike) -> str:
-  """The name the lowered StableHLO shows for a precision (DEFAULT, HIGHEST, ...)."""
-  return p.name
+from attnprec import checks, kernels
+# The names of dtypes and dot precisions live on the ground floor (the kernels use them);
+# re-exported here, where users look for them.
+from attnprec.contract import (ALGORITHM_PRESETS, DTYPES, LAX_PRECISIONS,  # noqa: F401
+                               PrecisionLike, parse_dtype, parse_precision, precision_name)
+from attnprec.errors import UserError, choice_error
 
 
 _PRECISION_NAMES = list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS)
@@ -69,7 +30,7 @@ _PRECISION_NAMES = list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS)
     matmul_precision=lambda v: checks.parsed_by(parse_precision, _PRECISION_NAMES)(v),
     einsum_precision=lambda v: checks.parsed_by(parse_precision, _PRECISION_NAMES)(v),
     float32_qk_product=checks.boolean, float32_logits=checks.boolean,
-    kernel=lambda v: checks.one_of(*KERNELS)(v))
+    kernel=lambda v: checks.one_of(*kernels.NAMES)(v))
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Precision:
   """Numerics of one phase. Hashable, so it can be a static argument of jit."""
@@ -78,7 +39,7 @@ class Precision:
   float32_qk_product: bool = True      # QK^T dot accumulates and returns float32
   float32_logits: bool = True          # soft-cap, mask and softmax run in float32
   einsum_precision: str = "default"    # passed to BOTH the qk and the wv einsum
-  kernel: str = "dot_product"          # attention kernel (see attnprec.attention)
+  kernel: str = "dot_product"          # attention kernel: a name in attnprec.kernels.NAMES
 
   def __post_init__(self):
     # Validate eagerly so a bad gin value fails at configuration time, not mid-trace.
@@ -88,8 +49,11 @@ class Precision:
     for flag in ("float32_qk_product", "float32_logits"):
       if not isinstance(getattr(self, flag), bool):
         raise choice_error(flag, getattr(self, flag), (True, False))
-    if self.kernel not in KERNELS:
-      raise choice_error("attention kernel", self.kernel, KERNELS)
+    # The registry knows the kernels and what each refuses (e.g. 'jax_nn' has no
+    # float32_qk_product=False): an unusable combination fails here, not while tracing.
+    why = kernels.get(self.kernel).refusal(self)
+    if why:
+      raise UserError(why)
 
   @property
   def compute_dtype(self) -> jnp.dtype:
@@ -100,7 +64,7 @@ class Precision:
     return parse_precision(self.matmul_precision)
 
   def attention_kwargs(self) -> dict:
-    """Keyword arguments for `attnprec.attention.dot_product_attention`."""
+    """The contract's keyword arguments of every kernel function (`attnprec.kernels`)."""
     return dict(float32_qk_product=self.float32_qk_product,
                 float32_logits=self.float32_logits,
                 einsum_precision=self.einsum_precision)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from attnprec import attention
+from attnprec import contract
+from attnprec.kernels import dot_product
 from attnprec.errors import UserError
 
 FLAGS = list(itertools.product([False, True], [False, True]))  # (qk, logits)
@@ -25,7 +26,7 @@ def _inputs(key, B=2, T=8, S=8, N=4, K=2, H=16, sharp=1.0, dtype=jnp.float32):
 
 def _ref(q, k, v, **kw):
   # The reference sees exactly the (possibly bf16-rounded) inputs the kernel sees.
-  return attention.reference_attention_np(np.asarray(q, np.float64), np.asarray(k, np.float64),
+  return contract.reference_attention_np(np.asarray(q, np.float64), np.asarray(k, np.float64),
                                           np.asarray(v, np.float64), **kw)
 
 
@@ -40,12 +41,12 @@ class AttentionVsFloat64(parameterized.TestCase):
     mask = None
     cap = None
     if kind == "causal":
-      mask = attention.causal_mask(pos, pos)
+      mask = contract.causal_mask(pos, pos)
     if kind == "window":
-      mask = attention.causal_mask(pos, pos, sliding_window=3)
+      mask = contract.causal_mask(pos, pos, sliding_window=3)
     if kind == "softcap":
       cap = 2.0   # binds: logits of N(0, 1) inputs reach well past 2
-    fn = self.variant(lambda q, k, v: attention.dot_product_attention(
+    fn = self.variant(lambda q, k, v: dot_product.dot_product_attention(
         q, k, v, mask=mask, float32_qk_product=qk, float32_logits=lg, logits_soft_cap=cap))
     out = fn(q, k, v)
     chex.assert_shape(out, q.shape)
@@ -60,8 +61,8 @@ class AttentionVsFloat64(parameterized.TestCase):
     qk, lg = flags
     q, k, v = _inputs(1, dtype=jnp.bfloat16)
     pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
-    mask = attention.causal_mask(pos, pos)
-    out = self.variant(lambda q, k, v: attention.dot_product_attention(
+    mask = contract.causal_mask(pos, pos)
+    out = self.variant(lambda q, k, v: dot_product.dot_product_attention(
         q, k, v, mask=mask, float32_qk_product=qk, float32_logits=lg))(q, k, v)
     chex.assert_type(out, jnp.bfloat16)
     ref = _ref(q, k, v, mask=np.asarray(mask))
@@ -74,7 +75,7 @@ class AttentionVsFloat64(parameterized.TestCase):
     mask = jnp.zeros((2, 1, 8, 8), bool)
     for dtype in (jnp.float32, jnp.bfloat16):
       for qk, lg in FLAGS:
-        out = attention.dot_product_attention(q.astype(dtype), k.astype(dtype),
+        out = dot_product.dot_product_attention(q.astype(dtype), k.astype(dtype),
                                               v.astype(dtype), mask=mask,
                                               float32_qk_product=qk, float32_logits=lg)
         chex.assert_tree_all_finite(out)
@@ -90,11 +91,11 @@ def _sharp_errors(S=256, seed=0):
   v = rng.normal(size=(B, S, N, H))
   qb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
   pos = jnp.broadcast_to(jnp.arange(S), (B, S))
-  mask = attention.causal_mask(pos, pos)
+  mask = contract.causal_mask(pos, pos)
   ref = _ref(qb, kb, vb, mask=np.asarray(mask))
   errs = {}
   for qk, lg in FLAGS:
-    out = jax.jit(lambda q, k, v, qk=qk, lg=lg: attention.dot_product_attention(
+    out = jax.jit(lambda q, k, v, qk=qk, lg=lg: dot_product.dot_product_attention(
         q, k, v, mask=mask, float32_qk_product=qk, float32_logits=lg))(qb, kb, vb)
     errs[(qk, lg)] = float(np.abs(np.asarray(out, np.float64) - ref).max())
   return errs
@@ -115,18 +116,18 @@ def test_heads_not_divisible_is_a_clear_error(n, k):
   q = jnp.zeros((1, 2, n, 8))
   kv = jnp.zeros((1, 2, k, 8))
   with pytest.raises(UserError, match=rf"N={n} is not a multiple of key/value heads K={k}"):
-    attention.dot_product_attention(q, kv, kv)
+    dot_product.dot_product_attention(q, kv, kv)
 
 
 def test_invalid_precision_name_lists_valid_ones():
   q = jnp.zeros((1, 2, 2, 8))
   with pytest.raises(UserError, match="valid values are: 'default', 'high', 'highest'"):
-    attention.dot_product_attention(q, q, q, einsum_precision="ultra")
+    dot_product.dot_product_attention(q, q, q, einsum_precision="ultra")
 
 
 @pytest.mark.parametrize("name", ["DEFAULT", "High", "highest", "BF16_BF16_F32",
                                   "F32_F32_F32"])
 def test_precision_names_accepted(name):
   q, k, v = _inputs(3)
-  out = attention.dot_product_attention(q, k, v, einsum_precision=name)
+  out = dot_product.dot_product_attention(q, k, v, einsum_precision=name)
   np.testing.assert_allclose(out, _ref(q, k, v), atol=2e-5)

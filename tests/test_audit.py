@@ -1,7 +1,7 @@
 """The audit (`make audit`): passes on every precision preset in every phase, and FAILS when
 inference drops the attention flags (the seed's bug) or the einsum precision.
 
-What the audit compares against: the contract table `attnprec.attention.stage_dtypes` and
+What the audit compares against: the contract table `attnprec.contract.stage_dtypes` and
 the phase's `Precision`; the programs are lowered from the real train step, prefill and
 decode step (`attnprec.train`, `attnprec.decoding`). The broken variants below are built
 here by wrapping `decoding.prefill` / `decoding.decode_step`, exactly the way the seed

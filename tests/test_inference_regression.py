@@ -2,8 +2,9 @@
 prefill and single-token decode step carry the attention flags.
 
 On CPU `precision` changes no numbers (DEFAULT and HIGHEST are bitwise equal), so this is
-checked in the lowered StableHLO: the qk dot's result type is f32 exactly when
-`float32_qk_product` is set, and `einsum_precision` appears on both attention dots.
+checked in the lowered StableHLO (read by `attnprec.inspect`, which finds the attentions by
+their structure): the qk dot's result type is f32 exactly when `float32_qk_product` is set,
+and `einsum_precision` appears on both attention dots.
 """
 import functools
 import itertools
@@ -12,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from attnprec import decoding, hlo, train
+from attnprec import decoding, train
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
+from attnprec.inspect import inspect_lowered
 from attnprec.model import init_params
 from attnprec.precision import Precision
 
@@ -42,6 +44,12 @@ def lower_phases(precision):
   return lowered
 
 
+def attention_dots(lowered):
+  """The forward qk and wv dots of every attention, as (role, DotSite)."""
+  return [(role, dot) for a in inspect_lowered(lowered).attentions
+          for role, dot in (("qk", a.qk), ("wv", a.wv))]
+
+
 CASES = [("bfloat16", qk, lg, ep) for qk, lg in itertools.product([False, True], repeat=2)
          for ep in ("default", "highest")] + [("float32", False, False, "high"),
                                               ("float32", True, True, "default")]
@@ -53,40 +61,41 @@ def test_flags_reach_every_phase(dtype, qk, logits, einsum_precision):
                    einsum_precision=einsum_precision)
   c = {"bfloat16": "bf16", "float32": "f32"}[dtype]
   for phase, lowered in lower_phases(prec).items():
-    dots = hlo.attention_dots(lowered)
-    qk_dots = [d for d in dots if d.role == "qk"]
-    wv_dots = [d for d in dots if d.role == "wv"]
+    dots = attention_dots(lowered)
+    qk_dots = [d for role, d in dots if role == "qk"]
+    wv_dots = [d for role, d in dots if role == "wv"]
     assert len(qk_dots) == len(wv_dots) == CONFIG.num_layers, (phase, dots)
     for d in qk_dots:
-      assert (d.lhs_type, d.rhs_type) == (c, c), (phase, d)
-      assert d.result_type == ("f32" if qk else c), (phase, d)
+      assert (d.lhs, d.rhs) == (c, c), (phase, d)
+      assert d.result == ("f32" if qk else c), (phase, d)
     for d in wv_dots:
-      assert d.result_type == ("f32" if (qk or logits) else c), (phase, d)
-    for d in dots:
+      assert d.result == ("f32" if (qk or logits) else c), (phase, d)
+    for _, d in dots:
       assert d.precision == einsum_precision.upper(), (phase, d)
 
 
 def test_algorithm_preset_reaches_both_dots_in_decode():
   prec = Precision(dtype="bfloat16", einsum_precision="BF16_BF16_F32")
   for phase, lowered in lower_phases(prec).items():
-    dots = hlo.attention_dots(lowered)
+    dots = attention_dots(lowered)
     assert dots and all(d.algorithm and "accumulation_type = f32" in d.algorithm
-                        for d in dots), (phase, dots)
+                        for _, d in dots), (phase, dots)
 
 
 def test_dense_layers_get_matmul_precision_not_einsum_precision():
   prec = Precision(matmul_precision="highest", einsum_precision="default")
-  dots = hlo.dots(lower_phases(prec)["decode"])
-  dense = [d for d in dots if d.role == "dense"]
-  assert dense and all(d.precision == "HIGHEST" for d in dense)
-  assert all(d.precision == "DEFAULT" for d in dots if d.role in ("qk", "wv"))
+  lowered = lower_phases(prec)["decode"]
+  dense = inspect_lowered(lowered).dense
+  assert len(dense) == 7 * CONFIG.num_layers + 1
+  assert all(d.precision == "HIGHEST" for d in dense)
+  assert all(d.precision == "DEFAULT" for _, d in attention_dots(lowered))
 
 
 def test_train_only_flags_would_be_caught():
   """A model that applied the flags only in training (the seed's bug) fails this check:
   the decode-phase program lowered with flags-off differs from the flags-on one."""
-  on = hlo.attention_dots(lower_phases(Precision(dtype="bfloat16"))["decode"])
-  off = hlo.attention_dots(lower_phases(Precision(dtype="bfloat16", float32_qk_product=False,
-                                                  float32_logits=False))["decode"])
-  assert {d.result_type for d in on if d.role == "qk"} == {"f32"}
-  assert {d.result_type for d in off if d.role == "qk"} == {"bf16"}
+  on = attention_dots(lower_phases(Precision(dtype="bfloat16"))["decode"])
+  off = attention_dots(lower_phases(Precision(dtype="bfloat16", float32_qk_product=False,
+                                              float32_logits=False))["decode"])
+  assert {d.result for role, d in on if role == "qk"} == {"f32"}
+  assert {d.result for role, d in off if role == "qk"} == {"bf16"}

@@ -1,12 +1,13 @@
 """Attention kernels (blockwise, jax_nn) against the dot_product kernel and float64.
 
 Each test names what it compares against:
-  * `dot_product` — the independent, dense fp32 kernel of `attnprec.attention`;
-  * `float64` — `reference_attention_np`, NumPy in float64 (no JAX).
+  * `dot_product` — the independent, dense fp32 kernel `attnprec.kernels.dot_product`;
+  * `float64` — `contract.reference_attention_np`, NumPy in float64 (no JAX).
 Tolerances (fp32 inputs with O(1) values, outputs O(1)): ATOL = RTOL = 2e-5 for every
 kernel against both; measured differences are ~1e-6.
 """
 import functools
+import re
 
 import chex
 import gin
@@ -15,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 
-from attnprec import attention as attention_lib
+from attnprec import contract, kernels
+from attnprec.contract import CausalMask
 from attnprec.errors import UserError
-from attnprec.kernels import blockwise, jax_nn
-from attnprec.kernels.masks import CausalMask
+from attnprec.kernels import blockwise, dot_product, jax_nn
 from attnprec.precision import Precision, parse_precision
 
 ATOL = RTOL = 2e-5
@@ -27,7 +28,7 @@ FLAGS = [(qk, lg) for qk in (False, True) for lg in (False, True)]
 
 
 # The independent reference kernel, jitted (one compile instead of many eager op compiles).
-_dot_product = jax.jit(attention_lib.dot_product_attention,
+_dot_product = jax.jit(dot_product.dot_product_attention,
                        static_argnames=("float32_qk_product", "float32_logits",
                                         "einsum_precision", "logits_soft_cap", "scale"))
 
@@ -52,7 +53,7 @@ def _run(kernel, q, k, v, q_pos, k_pos, dense, *, window=None, **kw):
   structurally — or, when q_pos is None, on the dense mask."""
   cmask = None if q_pos is None else CausalMask(q_pos, k_pos, sliding_window=window)
   if kernel == "blockwise":
-    masking = cmask.blockwise_kwargs() if cmask is not None else dict(mask=dense)
+    masking = blockwise.mask_kwargs(cmask) if cmask is not None else dict(mask=dense)
     return blockwise.blockwise_attention(q, k, v, q_block=8, kv_block=16, **masking, **kw)
   return jax_nn.jax_nn_attention(q, k, v, mask=dense if cmask is None else cmask.dense(),
                                  **kw)
@@ -81,7 +82,7 @@ class KernelsMatchTest(chex.TestCase, parameterized.TestCase):
     q_pos = k_pos = dense = None
     if case.startswith("decode") or case in ("prefill_causal", "prefill_window"):
       q_pos, k_pos = _positions(T, S, decode_pos=[40, 71] if T == 1 else None)
-      dense = attention_lib.causal_mask(q_pos, k_pos, sliding_window=window)
+      dense = contract.causal_mask(q_pos, k_pos, sliding_window=window)
     elif case == "prefill_dense":
       dense = jnp.asarray(np.random.default_rng(1).random((B, 1, T, S)) < 0.7)
       dense = dense.at[..., 0].set(True)  # every row sees a key (see the empty-row test)
@@ -89,7 +90,7 @@ class KernelsMatchTest(chex.TestCase, parameterized.TestCase):
                                         logits_soft_cap=soft_cap))
     out = fn(q, k, v, q_pos, k_pos, dense)
     want = _dot_product(q, k, v, mask=dense, logits_soft_cap=soft_cap)
-    ref = attention_lib.reference_attention_np(q, k, v, mask=dense, logits_soft_cap=soft_cap)
+    ref = contract.reference_attention_np(q, k, v, mask=dense, logits_soft_cap=soft_cap)
     chex.assert_trees_all_close(out, want, atol=ATOL, rtol=RTOL)
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=ATOL, rtol=RTOL)
 
@@ -99,7 +100,7 @@ class KernelsMatchTest(chex.TestCase, parameterized.TestCase):
     out = jax.jit(functools.partial(blockwise.blockwise_attention, causal=True,
                                     q_block=4, kv_block=8))(q, k, v)
     q_pos, k_pos = _positions(5, 29)
-    want = _dot_product(q, k, v, mask=attention_lib.causal_mask(q_pos, k_pos))
+    want = _dot_product(q, k, v, mask=contract.causal_mask(q_pos, k_pos))
     chex.assert_trees_all_close(out, want, atol=ATOL, rtol=RTOL)
 
   def test_blockwise_gradients_match_dot_product(self):
@@ -109,8 +110,8 @@ class KernelsMatchTest(chex.TestCase, parameterized.TestCase):
     cmask = CausalMask(q_pos, k_pos, sliding_window=7)
     w = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32)
     loss_bw = lambda *x: jnp.sum(blockwise.blockwise_attention(
-        *x, q_block=8, kv_block=8, **cmask.blockwise_kwargs()) * w)
-    loss_dp = lambda *x: jnp.sum(attention_lib.dot_product_attention(
+        *x, q_block=8, kv_block=8, **blockwise.mask_kwargs(cmask)) * w)
+    loss_dp = lambda *x: jnp.sum(dot_product.dot_product_attention(
         *x, mask=cmask.dense()) * w)
     chex.assert_trees_all_close(jax.jit(jax.grad(loss_bw, (0, 1, 2)))(q, k, v),
                                 jax.jit(jax.grad(loss_dp, (0, 1, 2)))(q, k, v),
@@ -176,7 +177,7 @@ class BlockSkippingTest(chex.TestCase, parameterized.TestCase):
     k_bad, v_bad = jnp.where(hidden, jnp.nan, k), jnp.where(hidden, jnp.nan, v)
     cmask = CausalMask(q_pos, k_pos)
     out = blockwise.blockwise_attention(q, k_bad, v_bad, kv_block=16,
-                                        **cmask.blockwise_kwargs())
+                                        **blockwise.mask_kwargs(cmask))
     chex.assert_tree_all_finite(out)
     want = _dot_product(q, k, v, mask=cmask.dense())
     chex.assert_trees_all_close(out, want, atol=ATOL, rtol=RTOL)
@@ -221,7 +222,7 @@ class StageDtypesTest(parameterized.TestCase):
     """Prefill (T=12) and decode (T=1) paths."""
     qk, lg = flags
     c = jnp.dtype(dtype)
-    want = attention_lib.stage_dtypes(c, float32_qk_product=qk, float32_logits=lg)
+    want = contract.stage_dtypes(c, float32_qk_product=qk, float32_logits=lg)
     q, k, v = _qkv(T, 40, 2, c)  # Sk=8: qk dots contract H=16, wv dots Sk=8
     fn = functools.partial(blockwise.blockwise_attention, causal=True, q_block=4,
                            kv_block=8, float32_qk_product=qk, float32_logits=lg,
@@ -275,9 +276,9 @@ class StageDtypesTest(parameterized.TestCase):
     q_pos, k_pos = _positions(256, 256)
     cmask = CausalMask(q_pos, k_pos)
     off = dict(float32_qk_product=False, float32_logits=False)
-    ref = attention_lib.reference_attention_np(q, k, v, mask=cmask.dense())
+    ref = contract.reference_attention_np(q, k, v, mask=cmask.dense())
     err = lambda out: float(np.abs(np.asarray(out, np.float64) - ref).max())
-    err_bw = err(blockwise.blockwise_attention(q, k, v, **cmask.blockwise_kwargs(), **off))
+    err_bw = err(blockwise.blockwise_attention(q, k, v, **blockwise.mask_kwargs(cmask), **off))
     err_dp = err(_dot_product(q, k, v, mask=cmask.dense(), **off))
     self.assertLessEqual(err_bw, err_dp)
 
@@ -301,24 +302,58 @@ class JaxNnRefusesTest(parameterized.TestCase):
     self.assertIn(named, msg)
     self.assertTrue("valid" in msg.lower() or "Valid" in msg)
 
-  def test_via_attend_and_precision(self):
-    """Precision(kernel='jax_nn', float32_logits=False) fails in attend with UserError."""
-    q, k, v = _qkv(4, 4, 2)
+  def test_precision_refuses_when_constructed(self):
+    """Precision(kernel='jax_nn', float32_logits=False) fails at configuration time (the
+    registry asks the kernel), before anything is traced."""
     with self.assertRaisesRegex(UserError, "float32_logits=False.*Valid float32_logits"):
-      attention_lib.attend(Precision(kernel="jax_nn", float32_logits=False), q, k, v)
+      Precision(kernel="jax_nn", float32_logits=False)
+
+  def test_attend_refuses_soft_cap(self):
+    """The soft-cap comes from the model, not the Precision: attend asks the kernel."""
+    q, k, v = _qkv(4, 4, 2)
+    self.assertIsNotNone(kernels.refusal(Precision(kernel="jax_nn"), logits_soft_cap=5.0))
+    with self.assertRaisesRegex(UserError, "logits_soft_cap=5.0.*valid: None"):
+      kernels.attend(Precision(kernel="jax_nn"), q, k, v, logits_soft_cap=5.0)
+
+
+class RegistryTest(parameterized.TestCase):
+
+  def test_names(self):
+    self.assertEqual(kernels.NAMES, ("dot_product", "blockwise", "jax_nn"))
+    for name, spec in kernels.REGISTRY.items():
+      self.assertEqual(spec.name, name)
+
+  @parameterized.parameters(*kernels.NAMES)
+  def test_declared_scopes_hold_the_dots(self, kernel):
+    """A kernel that declares qk/wv scopes has a dot_general in each (the audit reads
+    them back); one that declares none has none of the contract's scopes."""
+    spec = kernels.get(kernel)
+    q, k, v = _qkv(4, 4, 2)
+    text = jax.jit(lambda *x: kernels.attend(Precision(kernel=kernel), *x)).lower(
+        q, k, v).as_text(debug_info=True)
+    # Debug locations name each op by its scope path: '.../attn_qk/<einsum>/dot_general'.
+    dot_scopes = set(re.findall(r'loc\("[^"]*?(\w+)/[A-Z]+,[A-Z]+->[A-Z]+/dot_general"', text))
+    for scope in (spec.qk_scope, spec.wv_scope):
+      if scope is not None:
+        self.assertIn(scope, dot_scopes)
+    if spec.qk_scope is None:
+      self.assertFalse({contract.QK_SCOPE, contract.WV_SCOPE} & dot_scopes, dot_scopes)
 
 
 class WiringTest(parameterized.TestCase):
 
-  @parameterized.parameters("blockwise", "jax_nn")
-  def test_attend_with_causal_mask_matches_dot_product(self, kernel):
-    """attend(kernel, CausalMask) == attend('dot_product', same CausalMask)."""
+  @parameterized.parameters(*kernels.NAMES)
+  def test_attend_with_causal_mask_matches_dot_product_and_float64(self, kernel):
+    """attend(kernel, CausalMask) == attend('dot_product', same CausalMask) and == the
+    float64 reference on the dense equivalent (every registered kernel)."""
     q, k, v = _qkv(1, 50, 2)
     q_pos, k_pos = _positions(1, 50, decode_pos=[10, 44])
     cmask = CausalMask(q_pos, k_pos, sliding_window=20)
-    out = attention_lib.attend(Precision(kernel=kernel), q, k, v, mask=cmask)
-    want = attention_lib.attend(Precision(kernel="dot_product"), q, k, v, mask=cmask)
+    out = kernels.attend(Precision(kernel=kernel), q, k, v, mask=cmask)
+    want = kernels.attend(Precision(kernel="dot_product"), q, k, v, mask=cmask)
     chex.assert_trees_all_close(out, want, atol=ATOL, rtol=RTOL)
+    ref = contract.reference_attention_np(q, k, v, mask=cmask.dense())
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=ATOL, rtol=RTOL)
 
   def test_gin_selects_kernel_and_block_sizes(self):
     """`precision.kernel` and `blockwise.kv_block` bind through gin."""

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from attnprec import attention
+from attnprec import contract
+from attnprec.kernels import dot_product
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 
@@ -23,11 +24,11 @@ TABLE = {
 @pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=2)))
 def test_stage_dtypes_table(flags):
   qk, lg = flags
-  got = attention.stage_dtypes(jnp.bfloat16, float32_qk_product=qk, float32_logits=lg)
+  got = contract.stage_dtypes(jnp.bfloat16, float32_qk_product=qk, float32_logits=lg)
   assert (got["logits"], got["softmax"], got["probs"]) == TABLE[flags]
   assert got["qkv"] == got["output"] == BF16
   # In float32 compute every stage is float32 whatever the flags.
-  f32 = attention.stage_dtypes(jnp.float32, float32_qk_product=qk, float32_logits=lg)
+  f32 = contract.stage_dtypes(jnp.float32, float32_qk_product=qk, float32_logits=lg)
   assert set(f32.values()) == {F32}
 
 
@@ -47,10 +48,10 @@ def test_observed_stage_dtypes(flags, monkeypatch):
     seen["softmax_in"] = x.dtype
     return real_softmax(x, **kw)
 
-  monkeypatch.setattr(attention.jnp, "einsum", spy_einsum)
-  monkeypatch.setattr(attention.jax.nn, "softmax", spy_softmax)
+  monkeypatch.setattr(dot_product.jnp, "einsum", spy_einsum)
+  monkeypatch.setattr(dot_product.jax.nn, "softmax", spy_softmax)
   x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
-  out = attention.dot_product_attention(x, x, x, float32_qk_product=qk, float32_logits=lg)
+  out = dot_product.dot_product_attention(x, x, x, float32_qk_product=qk, float32_logits=lg)
   logits_dt, softmax_dt, probs_dt = TABLE[flags]
   (qk_spec, qk_in, qk_out), (wv_spec, wv_in, wv_out) = seen["einsum"]
   assert qk_in == [BF16, BF16]          # operands stay bf16; f32 comes from accumulation
@@ -63,14 +64,14 @@ def test_observed_stage_dtypes(flags, monkeypatch):
 def test_violation_trips_chex(monkeypatch):
   """A softmax that silently returns bf16 while float32_logits is set must be caught."""
   real_softmax = jax.nn.softmax
-  monkeypatch.setattr(attention.jax.nn, "softmax",
+  monkeypatch.setattr(dot_product.jax.nn, "softmax",
                       lambda x, **kw: real_softmax(x, **kw).astype(jnp.bfloat16))
   x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
   with pytest.raises(AssertionError, match="bfloat16"):
-    attention.dot_product_attention(x, x, x, float32_qk_product=False, float32_logits=True)
+    dot_product.dot_product_attention(x, x, x, float32_qk_product=False, float32_logits=True)
   # ... and under jit too (chex checks run at trace time).
   with pytest.raises(AssertionError):
-    jax.jit(lambda a: attention.dot_product_attention(
+    jax.jit(lambda a: dot_product.dot_product_attention(
         a, a, a, float32_qk_product=False, float32_logits=True))(x)
 
 
@@ -81,7 +82,7 @@ def test_qk_product_not_upcast_is_caught(monkeypatch):
   def lossy(spec, *args, preferred_element_type=None, **kw):
     return real_einsum(spec, *args, **kw)
 
-  monkeypatch.setattr(attention.jnp, "einsum", lossy)
+  monkeypatch.setattr(dot_product.jnp, "einsum", lossy)
   x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
   with pytest.raises(AssertionError):
-    attention.dot_product_attention(x, x, x, float32_qk_product=True, float32_logits=True)
+    dot_product.dot_product_attention(x, x, x, float32_qk_product=True, float32_logits=True)

@@ -36,10 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnprec import attention as attention_lib
+from attnprec import kernels as kernel_lib
+from attnprec.contract import CausalMask
 from attnprec.errors import UserError
-from attnprec.kernels import jax_nn
-from attnprec.kernels.masks import CausalMask
 from attnprec.precision import Precision
 
 PRESETS: Dict[str, dict] = {
@@ -49,7 +48,7 @@ PRESETS: Dict[str, dict] = {
     "fp32_attention": dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True),
     "fp32": dict(dtype="float32", float32_qk_product=True, float32_logits=True),
 }
-KERNELS = ("dot_product", "blockwise", "jax_nn")
+KERNELS = kernel_lib.NAMES   # every registered kernel
 TORCH_PRESETS = ("bf16", "fp32")
 DEFAULT_SEQ_LENS = (1024, 4096, 16384)
 DEFAULT_MEMORY_SEQ_LENS = (4096, 16384, 32768)
@@ -64,13 +63,10 @@ def useful_flops(B, N, T, S, H, *, causal=True) -> float:
 
 
 def supported(kernel: str, preset: str) -> Optional[str]:
-  """None if `kernel` honours `preset`, else why not (jax_nn's refusal message)."""
-  if kernel != "jax_nn":
-    return None
-  p = PRESETS[preset]
+  """None if `kernel` honours `preset`, else why not (the kernel's refusal message, which
+  `Precision` raises when it is constructed)."""
   try:
-    jax_nn.check_supported(float32_qk_product=p["float32_qk_product"],
-                           float32_logits=p["float32_logits"], einsum_precision="default")
+    Precision(kernel=kernel, **PRESETS[preset])
   except UserError as e:
     return str(e)
   return None
@@ -102,7 +98,7 @@ def _attention_fn(kernel: str, preset: str):
   def fn(q, k, v):
     B, S = q.shape[0], q.shape[1]
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    return attention_lib.attend(prec, q, k, v, mask=CausalMask(pos, pos))
+    return kernel_lib.attend(prec, q, k, v, mask=CausalMask(pos, pos))
 
   return jax.jit(fn)
 
@@ -117,7 +113,7 @@ def _decode_fn(kernel: str, preset: str):
   def fn(q_Bx1xNxH, k, v, q_pos_Bx1):
     B, S = k.shape[0], k.shape[1]
     k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    return attention_lib.attend(prec, q_Bx1xNxH, k, v, mask=CausalMask(q_pos_Bx1, k_pos))
+    return kernel_lib.attend(prec, q_Bx1xNxH, k, v, mask=CausalMask(q_pos_Bx1, k_pos))
 
   return jax.jit(fn)
 
@@ -199,6 +195,8 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
   for name in presets:
     if name not in PRESETS:
       raise UserError(f"Unknown preset {name!r}; valid: {list(PRESETS)}.")
+  for name in kernels:
+    kernel_lib.get(name)                  # an unknown kernel is a UserError naming the valid
   B, N, H = batch, heads, head_dim
   K = kv_heads or heads
   t_start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Blockwise (flash-style) attention in pure JAX, under the precision contract.
 
-Shapes (as `attnprec.attention`): B batch, T queries, S keys, N query heads, K kv heads,
+Shapes (as `attnprec.contract`): B batch, T queries, S keys, N query heads, K kv heads,
 G = N // K, H head dim; Tq / Sk the query / key block lengths, nq / nk the block counts.
 
 The kernel loops (`lax.scan`) over query blocks and, inside, over key/value blocks,
@@ -9,7 +9,7 @@ It never materialises the [T, S] logits: its working set is one [Tq, Sk] block p
 
 Masking is given in two ways, ANDed:
   * structured: `causal`, `sliding_window` and the absolute positions `q_positions_BxT`,
-    `k_positions_BxS` (semantics of `attnprec.attention.causal_mask`). From the positions
+    `k_positions_BxS` (semantics of `attnprec.contract.causal_mask`). From the positions
     the kernel bounds every block pair and SKIPS (`lax.cond`) those in which no pair is
     visible: causal prefill computes ~half the blocks, a sliding window O(T * w), and a
     decode step at position p over a cache of S computes only the blocks holding keys
@@ -19,8 +19,9 @@ Masking is given in two ways, ANDed:
     A dense mask is applied inside each computed block but cannot skip any.
 A query that sees no key returns 0 (dot_product returns the mean of v there).
 
-Precision: the same contract table as `attnprec.attention.stage_dtypes`, asserted with
-chex in every block, with these documented differences (what flash kernels do):
+Precision: the same contract table as `attnprec.contract.stage_dtypes`, asserted with
+chex in every block (the two dots sit in the contract's named scopes `attn_qk` and
+`attn_wv`, inside the loop body), with these documented differences (what flash kernels do):
   * the softmax statistics m and l and the output accumulator are ALWAYS float32,
     whatever the flags; so the per-block wv dot returns float32
     (`preferred_element_type=float32`) on the table's probability dtype;
@@ -50,11 +51,10 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import attention as attention_lib
+from attnprec import contract
 from attnprec.errors import UserError
-from attnprec.kernels.masks import visible
-from attnprec.precision import parse_precision
 
+NAME = "blockwise"
 F32 = jnp.float32
 
 
@@ -101,12 +101,12 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   c = q.dtype
-  G = attention_lib.check_heads(q, k, v)
-  expected = attention_lib.stage_dtypes(c, float32_qk_product=float32_qk_product,
+  G = contract.check_heads(q, k, v)
+  expected = contract.stage_dtypes(c, float32_qk_product=float32_qk_product,
                                         float32_logits=float32_logits)
   chex.assert_type([q, k, v], [expected["qkv"]] * 3)
   sm = expected["softmax"]
-  precision = parse_precision(einsum_precision)
+  precision = contract.parse_precision(einsum_precision)
   scale = H ** -0.5 if scale is None else scale
   if sliding_window is not None and (not isinstance(sliding_window, int)
                                      or sliding_window <= 0):
@@ -148,16 +148,17 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
     k_src, v_src = _pad(k, 1, Sp), _pad(v, 1, Sp)    # no copy when Sk divides S
   kv_axis, kv_spec = (2, "BKSH") if kv_major else (1, "BSKH")
   dense_mask = None if mask is None else _pad_mask(
-      attention_lib._group_mask(mask, B, N, K, G, T, S), Tp, Sp)  # [B|1,K|1,G|1,Tp|1,Sp|1]
+      contract.group_mask(mask, B, N, K, G, T, S), Tp, Sp)  # [B|1,K|1,G|1,Tp|1,Sp|1]
 
   def kv_step(i, q_BxKxGxTqxH, qpos_BxTq, carry, j):
     """One key/value block j for query block i: the online-softmax update."""
     m_BxKxGxTq, l_BxKxGxTq, acc_BxKxGxTqxH, count = carry
     k_blk = jax.lax.dynamic_slice_in_dim(k_src, j * Sk, Sk, axis=kv_axis)  # Sk keys
     v_blk = jax.lax.dynamic_slice_in_dim(v_src, j * Sk, Sk, axis=kv_axis)
-    logits_BxKxGxTqxSk = jnp.einsum(
-        f"BKGTH,{kv_spec}->BKGTS", q_BxKxGxTqxH, k_blk, precision=precision,
-        preferred_element_type=F32 if float32_qk_product else c)
+    with jax.named_scope(contract.QK_SCOPE):
+      logits_BxKxGxTqxSk = jnp.einsum(
+          f"BKGTH,{kv_spec}->BKGTS", q_BxKxGxTqxH, k_blk, precision=precision,
+          preferred_element_type=F32 if float32_qk_product else c)
     chex.assert_shape(logits_BxKxGxTqxSk, (B, K, G, Tq, Sk))
     chex.assert_type(logits_BxKxGxTqxSk, expected["logits"])
     logits_BxKxGxTqxSk = logits_BxKxGxTqxSk.astype(sm)
@@ -168,13 +169,13 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
     allowed = jax.lax.dynamic_slice_in_dim(k_valid_Sp, j * Sk, Sk)[None, None, None, None]
     if structured:
       kpos_BxSk = jax.lax.dynamic_slice_in_dim(k_pos_BxSp, j * Sk, Sk, axis=1)
-      allowed = allowed & visible(qpos_BxTq[:, None, None, :, None],
+      allowed = allowed & contract.visible(qpos_BxTq[:, None, None, :, None],
                                   kpos_BxSk[:, None, None, None, :],
                                   causal=causal, sliding_window=sliding_window)
     if dense_mask is not None:
       allowed = allowed & _mask_block(dense_mask, i * Tq, Tq, j * Sk, Sk)
     logits_BxKxGxTqxSk = jnp.where(allowed, logits_BxKxGxTqxSk,
-                                   jnp.asarray(attention_lib.mask_value(sm), sm))
+                                   jnp.asarray(contract.mask_value(sm), sm))
 
     # Statistics in float32 whatever the flags; exp and probabilities in the table's dtype.
     m_new = jnp.maximum(m_BxKxGxTq, jnp.max(logits_BxKxGxTqxSk, axis=-1).astype(F32))
@@ -182,14 +183,15 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
     # seen a visible key. A row that has not (m is still the mask value) is shifted by 0
     # instead of m, so its masked entries also give 0, not exp(0) = 1: no element-wise
     # re-masking of the probabilities is needed (measured ~1.3x faster).
-    shift = jnp.where(m_new > 0.5 * attention_lib.mask_value(F32), m_new, 0.0)
+    shift = jnp.where(m_new > 0.5 * contract.mask_value(F32), m_new, 0.0)
     probs_BxKxGxTqxSk = jnp.exp(logits_BxKxGxTqxSk - shift.astype(sm)[..., None])
     chex.assert_type(probs_BxKxGxTqxSk, expected["probs"])
     correction = jnp.exp(m_BxKxGxTq - m_new)
     l_new = l_BxKxGxTq * correction + jnp.sum(probs_BxKxGxTqxSk, axis=-1, dtype=F32)
-    pv_BxKxGxTqxH = jnp.einsum(
-        f"BKGTS,{kv_spec}->BKGTH", probs_BxKxGxTqxSk, v_blk.astype(expected["probs"]),
-        precision=precision, preferred_element_type=F32)
+    with jax.named_scope(contract.WV_SCOPE):
+      pv_BxKxGxTqxH = jnp.einsum(
+          f"BKGTS,{kv_spec}->BKGTH", probs_BxKxGxTqxSk, v_blk.astype(expected["probs"]),
+          precision=precision, preferred_element_type=F32)
     acc_new = acc_BxKxGxTqxH * correction[..., None] + pv_BxKxGxTqxH
     return m_new, l_new, acc_new, count + 1
 
@@ -197,7 +199,7 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
     """Query block i against every key/value block it needs."""
     q_BxKxGxTqxH = jax.lax.dynamic_slice_in_dim(q_BxKxGxTpxH, i * Tq, Tq, axis=3)
     qpos_BxTq = jax.lax.dynamic_slice_in_dim(q_pos_BxTp, i * Tq, Tq, axis=1)
-    init = (jnp.full((B, K, G, Tq), attention_lib.mask_value(F32), F32),
+    init = (jnp.full((B, K, G, Tq), contract.mask_value(F32), F32),
             jnp.zeros((B, K, G, Tq), F32), jnp.zeros((B, K, G, Tq, H), F32), count)
 
     def body(carry, j):
@@ -217,6 +219,24 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
   if return_stats:
     return out_BxTxNxH, {"blocks_computed": count, "blocks_total": nq * nk}
   return out_BxTxNxH
+
+
+def mask_kwargs(mask) -> dict:
+  """None, a dense bool mask or a `contract.CausalMask` -> the masking keyword arguments
+  of `blockwise_attention` (a CausalMask is used structurally, to skip hidden blocks)."""
+  if isinstance(mask, contract.CausalMask):
+    return dict(causal=True, q_positions_BxT=mask.q_positions_BxT,
+                k_positions_BxS=mask.k_positions_BxS, sliding_window=mask.sliding_window)
+  return dict(mask=mask)
+
+
+def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
+  """The registry's entry: a phase's `Precision` flags, a dense mask or a `CausalMask`."""
+  return blockwise_attention(q, k, v, **mask_kwargs(mask), logits_soft_cap=logits_soft_cap,
+                             scale=scale, **precision.attention_kwargs())
+
+
+KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=contract.honours_everything)
 
 
 def _blocks_needed(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, *, causal, sliding_window):

@@ -1,6 +1,6 @@
 """`jax.nn.dot_product_attention` behind the precision contract, honestly mapped.
 
-Shapes as `attnprec.attention`: q [B, T, N, H], k/v [B, S, K, H] (GQA natively).
+Shapes as `attnprec.contract`: q [B, T, N, H], k/v [B, S, K, H] (GQA natively).
 
 `jax.nn.dot_product_attention` has no precision argument. Its 'xla' implementation
 always computes the QK dot with a float32 result, runs mask and softmax in float32, and
@@ -22,34 +22,56 @@ which is why 'xla' is the default.
 
 The query scale is applied to q in c before the call (scale=1.0 is passed), exactly as
 dot_product does, so both round q * scale identically.
+
+Its two dots sit inside `jax.nn`, so it declares no named scopes (`qk_scope=None`); the
+audit recognises them by their einsum equations. `Precision(kernel='jax_nn', ...)` refuses
+the unsupported flags when it is constructed (the registry calls `refusal`).
 """
+from typing import Optional
+
 import chex
 import jax
 import jax.numpy as jnp
 
-from attnprec import attention as attention_lib
+from attnprec import contract
 from attnprec.errors import UserError, choice_error
 
+NAME = "jax_nn"
 SUPPORTED = dict(float32_qk_product=(True,), float32_logits=(True,),
                  einsum_precision=("default",))
 IMPLEMENTATIONS = ("xla", "cudnn")
 
 
-def check_supported(*, float32_qk_product, float32_logits, einsum_precision,
-                    logits_soft_cap=None, implementation="xla"):
-  """Raises `UserError` naming the bad value and the valid ones."""
+def refusal(precision=None, *, float32_qk_product=None, float32_logits=None,
+            einsum_precision=None, logits_soft_cap=None) -> Optional[str]:
+  """None if 'jax_nn' honours the settings (a `Precision`'s, or given one by one), else
+  the paragraph that names the bad value and the valid ones."""
+  if precision is not None:
+    float32_qk_product = precision.float32_qk_product
+    float32_logits = precision.float32_logits
+    einsum_precision = precision.einsum_precision
   if float32_qk_product is not True:
-    raise _refuse("float32_qk_product", float32_qk_product, (True,))
+    return _refuse("float32_qk_product", float32_qk_product, (True,))
   if float32_logits is not True:
-    raise _refuse("float32_logits", float32_logits, (True,))
+    return _refuse("float32_logits", float32_logits, (True,))
   name = einsum_precision if isinstance(einsum_precision, str) else getattr(
       einsum_precision, "name", einsum_precision)
   if not isinstance(name, str) or name.lower() != "default":
-    raise _refuse("einsum_precision", einsum_precision, ("default",))
+    return _refuse("einsum_precision", einsum_precision, ("default",))
   if logits_soft_cap is not None:
-    raise UserError(f"The 'jax_nn' attention kernel cannot apply logits_soft_cap="
-                    f"{logits_soft_cap!r} (jax.nn.dot_product_attention has no soft-cap); "
-                    f"valid: None. Use kernel 'dot_product' or 'blockwise'.")
+    return (f"The 'jax_nn' attention kernel cannot apply logits_soft_cap="
+            f"{logits_soft_cap!r} (jax.nn.dot_product_attention has no soft-cap); "
+            f"valid: None. Use kernel 'dot_product' or 'blockwise'.")
+  return None
+
+
+def check_supported(*, float32_qk_product, float32_logits, einsum_precision,
+                    logits_soft_cap=None, implementation="xla"):
+  """Raises `UserError` naming the bad value and the valid ones."""
+  why = refusal(float32_qk_product=float32_qk_product, float32_logits=float32_logits,
+                einsum_precision=einsum_precision, logits_soft_cap=logits_soft_cap)
+  if why:
+    raise UserError(why)
   if implementation not in IMPLEMENTATIONS:
     raise choice_error("jax_nn implementation", implementation, IMPLEMENTATIONS)
   if implementation == "cudnn" and jax.default_backend() != "gpu":
@@ -67,16 +89,14 @@ def jax_nn_attention(q, k, v, *, mask=None, float32_qk_product=True, float32_log
                   implementation=implementation)
   B, T, N, H = q.shape
   c = q.dtype
-  attention_lib.check_heads(q, k, v)
-  expected = attention_lib.stage_dtypes(c, float32_qk_product=True, float32_logits=True)
+  contract.check_heads(q, k, v)
+  expected = contract.stage_dtypes(c, float32_qk_product=True, float32_logits=True)
   chex.assert_type([q, k, v], [expected["qkv"]] * 3)
   scale = H ** -0.5 if scale is None else scale
   q = q * jnp.asarray(scale, c)
   operand = jnp.float32 if implementation == "xla" else c
   if mask is not None:
-    mask = jnp.asarray(mask)
-    if mask.dtype != jnp.bool_:
-      raise UserError(f"mask must be a boolean array (True = attend), got dtype {mask.dtype}.")
+    mask = contract.check_bool_mask(mask)
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
   out_BxTxNxH = jax.nn.dot_product_attention(
       q.astype(operand), k.astype(operand), v.astype(operand), mask=mask, scale=1.0,
@@ -86,8 +106,19 @@ def jax_nn_attention(q, k, v, *, mask=None, float32_qk_product=True, float32_log
   return out_BxTxNxH
 
 
-def _refuse(flag: str, value, valid) -> UserError:
-  return UserError(
+def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
+  """The registry's entry: a phase's `Precision` flags, a dense mask or a `CausalMask`."""
+  return jax_nn_attention(q, k, v, mask=contract.dense_mask(mask),
+                          logits_soft_cap=logits_soft_cap, scale=scale,
+                          **precision.attention_kwargs())
+
+
+KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=refusal,
+                             qk_scope=None, wv_scope=None)
+
+
+def _refuse(flag: str, value, valid) -> str:
+  return (
       f"The 'jax_nn' attention kernel cannot honour {flag}={value!r}: "
       f"jax.nn.dot_product_attention has no precision argument and always computes the "
       f"QK product in float32 and the softmax in float32. Valid {flag} values for "

@@ -6,7 +6,7 @@ Shapes: B batch, T tokens, D width, N/K/H heads, kv heads, head dim, V vocabular
 """
 import numpy as np
 
-from attnprec.attention import reference_attention_np
+from attnprec.contract import reference_attention_np
 from attnprec.config import ModelConfig
 
 

@@ -13,7 +13,7 @@ import re
 from typing import List, Tuple
 
 from attnprec.errors import UserError
-from attnprec.ginutils import REPO_GIN_DIR
+from attnprec.paths import REPO_GIN_DIR
 from attnprec.precision import Precision
 
 PRESET_DIR = os.path.join(REPO_GIN_DIR, "precision")

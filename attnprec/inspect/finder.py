@@ -1,0 +1,538 @@
+"""Finds every attention in a lowered program by its structure, not by its names.
+
+An attention is three things in the dataflow graph (`attnprec.inspect.mlir_graph`):
+
+  qk dot     a `dot_general` whose result flows (through any op but another dot:
+             converts, broadcasts, reshapes, transposes, scaling, soft-cap tanh, masks
+             by select or bias, reductions, loop carries) into
+  softmax    an `exponential` of (x - m) where m comes from a max-reduction of x
+             (`stablehlo.reduce` with a `maximum` body; the blockwise kernel's running
+             max `maximum(m_old, reduce_max(x))` is found the same way), whose result
+             is summed by an add-reduction and normalised by that sum: `exp / sum` or
+             `exp * (1 / sum)` (jax.nn.softmax, its custom_jvp form,
+             jax.nn.dot_product_attention's xla path, Haiku's MultiHeadAttention), or,
+             online (flash / blockwise: the unnormalised exp enters the dot and the sum
+             is carried through the loop), by a divide of what that dot accumulated;
+             an exp without the max (an unstabilised softmax) is accepted and marked;
+  wv dot     a `dot_general` that reads the probabilities through converts, reshapes,
+             transposes, broadcasts and slices only, and contracts the axis the
+             softmax summed over (a dot that contracts another axis of the
+             probabilities is the gradient dv = p^T dout).
+
+Loops (`while` from scan / fori_loop), conditionals (`case` from lax.cond) and private
+functions (`func.call`) are resolved by the graph, so the blockwise kernel's online
+softmax inside scan bodies is found like a dense one. The log-softmax of a loss is not an
+attention: nothing divides by its sum.
+
+Gradient (backward) dots of an attention are the other dots that read the same q, k, v
+or probabilities (followed back through data movement: converts, reshapes, transposes,
+slices, dynamic_update_slice stacks, loop carries): dk reads q, dq reads k, dp reads v,
+dv reads p. Every other dot is a dense dot.
+"""
+import dataclasses
+from typing import Dict, List, Optional, Set, Tuple
+
+from attnprec.inspect.mlir_graph import Graph, Node, Value, dot_info, int_list
+
+DOT = "stablehlo.dot_general"
+EXP = "stablehlo.exponential"
+REDUCE = "stablehlo.reduce"
+CONVERT = "stablehlo.convert"
+# Ops a value passes through unchanged but for its layout / type / loop plumbing.
+LAYOUT = {CONVERT, "stablehlo.reshape", "stablehlo.transpose", "stablehlo.broadcast_in_dim",
+          "mhlo.copy", "stablehlo.copy", "loop_carry", "merge", "stablehlo.slice",
+          "stablehlo.dynamic_slice", "stablehlo.optimization_barrier"}
+# ... and data movement that can also join values (residual stacks, KV caches, masks).
+MOVEMENT = LAYOUT | {"stablehlo.dynamic_update_slice", "stablehlo.concatenate",
+                     "stablehlo.pad", "stablehlo.select", "stablehlo.gather"}
+BITS = {"f64": 64, "f32": 32, "bf16": 16, "f16": 16, "f8E4M3FN": 8, "f8E5M2": 8}
+
+
+# ----------------------------------------------------------------------------- plain data
+@dataclasses.dataclass
+class DotSite:
+  """One dot_general, as the contract sees it."""
+  name: str                # op name path from the locations ('' if none)
+  source: str              # file:line of the user code that made it
+  lhs: str                 # operand element types ('bf16', ...)
+  rhs: str
+  result: str
+  precision: str           # 'DEFAULT' / 'HIGHEST' / ... ('A,B' if the operands differ)
+  algorithm: Optional[str]  # dot algorithm attributes, when a preset was used
+  preferred: str           # the result type asked for (preferred_element_type)
+  lhs_shape: List[int]
+  rhs_shape: List[int]
+  result_shape: List[int]
+  lhs_source: Optional[str] = None  # the type an operand was upcast from right before
+  rhs_source: Optional[str] = None
+  converted_to: Optional[str] = None  # the type the result is converted to right after
+  role: str = "dense"      # qk / wv / dq / dk / dp / dv / dense
+  backward: bool = False
+
+  @property
+  def precision_text(self) -> str:
+    return f"algorithm <{self.algorithm}>" if self.algorithm else self.precision
+
+
+@dataclasses.dataclass
+class Attention:
+  """One attention found in the program (plain data; `report` renders and checks it)."""
+  label: str               # common name path of its two dots ('' if none)
+  layer: Optional[int]     # from a 'layer_N' name component, if any
+  qk: DotSite
+  wv: DotSite
+  softmax: Dict[str, str]  # {'max': dtype, 'exp': dtype, 'sum': dtype}
+  stabilised: bool         # exp(x - max x), not exp(x)
+  online: bool             # normalised after the wv dot (blockwise / flash)
+  loop: bool               # inside a while loop (scan / fori_loop)
+  downcasts: List[str]     # narrowing converts between the qk dot and the exp: 'f32->bf16'
+  upcasts: List[str]
+  probs_casts: List[str]   # converts between the probabilities and the wv dot
+  soft_cap: bool
+  mask: List[str]          # 'select' and/or 'bias'
+  logits_scale: bool       # a multiply/divide by a constant between qk and softmax
+  backward: List[DotSite] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Findings:
+  attentions: List[Attention]
+  dense: List[DotSite]
+
+
+# ----------------------------------------------------------------------------- helpers
+def _producer(v: Value) -> Optional[Node]:
+  return v.producer
+
+
+def _reducer_kind(node: Node) -> Optional[str]:
+  if node.kind != REDUCE:
+    return None
+  body = set(node.reducer)
+  if "stablehlo.maximum" in body:
+    return "max"
+  if "stablehlo.add" in body:
+    return "add"
+  return None
+
+
+def _forward_cone(start: Value) -> Set[int]:
+  """Ids of the nodes reachable from `start` without passing through another dot."""
+  seen: Set[int] = set()
+  stack = [start]
+  while stack:
+    v = stack.pop()
+    for user, _ in v.users:
+      if user.id in seen:
+        continue
+      seen.add(user.id)
+      if user.kind != DOT:
+        stack.extend(user.outputs)
+  return seen
+
+
+def _back(v: Value, through, limit: int = 100000) -> List[Node]:
+  """Producers walked back from v through ops for which through(node) is True."""
+  out, seen, stack = [], set(), [v]
+  while stack and len(seen) < limit:
+    x = stack.pop()
+    n = x.producer
+    if n is None or n.id in seen:
+      continue
+    seen.add(n.id)
+    out.append(n)
+    if through(n):
+      stack.extend(n.inputs)
+  return out
+
+
+def _through_layout(v: Value) -> Value:
+  """v walked back through single-input layout ops (reshape, transpose, broadcast...)."""
+  for _ in range(32):
+    n = v.producer
+    if n is None or n.kind not in LAYOUT - {CONVERT, "loop_carry", "merge"} \
+        or not n.inputs:
+      return v
+    v = n.inputs[0]
+  return v
+
+
+def _narrowing(src: str, dst: str) -> bool:
+  return src in BITS and dst in BITS and BITS[dst] < BITS[src]
+
+
+def _widening(src: str, dst: str) -> bool:
+  return src in BITS and dst in BITS and BITS[dst] > BITS[src]
+
+
+def _is_constant(v: Value) -> bool:
+  for _ in range(16):
+    n = v.producer
+    if n is None:
+      return False
+    if n.kind == "stablehlo.constant":
+      return True
+    if n.kind not in LAYOUT or not n.inputs:
+      return False
+    v = n.inputs[0]
+  return False
+
+
+def _dot_site(node: Node) -> DotSite:
+  info = dot_info(node)
+  lhs, rhs = node.inputs[0], node.inputs[1]
+  out = node.outputs[0]
+
+  def source(v: Value) -> Optional[str]:
+    # the type of an operand before a convert that feeds the dot through layout ops only
+    for _ in range(16):
+      n = v.producer
+      if n is None:
+        return None
+      if n.kind == CONVERT:
+        return n.inputs[0].dtype
+      if n.kind not in LAYOUT or not n.inputs:
+        return None
+      v = n.inputs[0]
+    return None
+
+  def converted_to(v: Value) -> Optional[str]:
+    for _ in range(16):
+      if len(v.users) != 1:
+        return None
+      n = v.users[0][0]
+      if n.kind == CONVERT:
+        return n.outputs[0].dtype
+      if n.kind not in LAYOUT - {"loop_carry", "merge"}:
+        return None
+      v = n.outputs[0]
+    return None
+
+  ls, rs = source(lhs), source(rhs)
+  return DotSite(name=node.name, source=node.source, lhs=lhs.dtype, rhs=rhs.dtype,
+                 result=out.dtype, precision=info["precision"], algorithm=info["algorithm"],
+                 preferred=out.dtype, lhs_shape=list(lhs.shape), rhs_shape=list(rhs.shape),
+                 result_shape=list(out.shape),
+                 lhs_source=ls if ls != lhs.dtype else None,
+                 rhs_source=rs if rs != rhs.dtype else None,
+                 converted_to=converted_to(out))
+
+
+def _reshape_axis(axis: int, src: Tuple[int, ...], dst: Tuple[int, ...]) -> Optional[int]:
+  """The result axis of a reshape that holds exactly operand axis `axis`, if one does."""
+  def spans(shape):
+    out, acc = [], 1
+    for d in shape:
+      out.append((acc, acc * d))
+      acc *= d
+    return out
+  # spans of the row-major strides from the innermost axis
+  s_spans = spans(tuple(reversed(src)))
+  d_spans = spans(tuple(reversed(dst)))
+  want = s_spans[len(src) - 1 - axis]
+  for j, sp in enumerate(d_spans):
+    if sp == want:
+      return len(dst) - 1 - j
+  return None
+
+
+def _track(node: Node, index: int, axis: Optional[int]) -> Optional[int]:
+  """Where `axis` of input `index` of a layout/elementwise node ends up in its output."""
+  if axis is None:
+    return None
+  if node.kind == "stablehlo.transpose":
+    perm = int_list(node, "permutation")
+    return perm.index(axis) if perm is not None and axis in perm else None
+  if node.kind == "stablehlo.broadcast_in_dim":
+    dims = int_list(node, "broadcast_dimensions")
+    return dims[axis] if dims is not None and axis < len(dims) else None
+  if node.kind == "stablehlo.reshape":
+    return _reshape_axis(axis, node.inputs[0].shape, node.outputs[0].shape)
+  if node.inputs[index].shape == node.outputs[0].shape:
+    return axis
+  return None
+
+
+def _consumers(start: Value, axis: Optional[int], kinds) -> List[Tuple[Node, int, Optional[int], List[str]]]:
+  """Dots reached from `start` through `kinds` ops: (dot, operand index, tracked axis,
+  converts on the way)."""
+  out, seen = [], set()
+  stack = [(start, axis, [])]
+  while stack:
+    v, ax, casts = stack.pop()
+    for user, idx in v.users:
+      key = (user.id, idx)
+      if key in seen:
+        continue
+      seen.add(key)
+      if user.kind == DOT:
+        out.append((user, idx, ax, casts))
+      elif user.kind in kinds:
+        c = casts + ([f"{v.dtype}->{user.outputs[0].dtype}"] if user.kind == CONVERT
+                     and v.dtype != user.outputs[0].dtype else [])
+        nxt = _track(user, idx, ax) if user.kind not in ("loop_carry", "merge") else ax
+        if user.kind == "stablehlo.select" and idx == 0:
+          continue
+        stack.extend((o, nxt, c) for o in user.outputs[:1])
+  return out
+
+
+def _contracts(dot: Node, index: int, axis: Optional[int]) -> Optional[bool]:
+  info = dot_info(dot)
+  contract = info["lhs_contract"] if index == 0 else info["rhs_contract"]
+  return None if axis is None else axis in contract
+
+
+def _layer(name: str) -> Optional[int]:
+  for part in name.split("/"):
+    if part.startswith("layer_") and part[len("layer_"):].isdigit():
+      return int(part[len("layer_"):])
+  return None
+
+
+def _label(a: str, b: str) -> str:
+  """The common name path of two dots, without jit(...) / transformation wrappers and
+  the primitive itself."""
+  pa, pb = a.split("/"), b.split("/")
+  common = []
+  for x, y in zip(pa[:-1], pb[:-1]):
+    if x != y:
+      break
+    common.append(x)
+  keep = [unwrap(p) for p in common
+          if not (p.startswith("jit(") or p in ("while", "body", "cond", "closed_call")
+                  or p.startswith("branch_") or "->" in p)]
+  return "/".join(keep)
+
+
+TRANSFORMS = ("jvp", "transpose", "vmap", "remat", "checkpoint", "pjit", "custom_jvp_call",
+              "custom_vjp_call", "linearize")
+
+
+def unwrap(part: str) -> str:
+  """'transpose(jvp(decoder))' -> 'decoder' (jax's transformation wrappers)."""
+  while True:
+    head, sep, rest = part.partition("(")
+    if not (sep and head in TRANSFORMS and rest.endswith(")")):
+      return part
+    part = rest[:-1]
+
+
+# ----------------------------------------------------------------------------- the finder
+def _softmax_at(g: Graph, exp: Node, cone: Set[int]) -> Optional[dict]:
+  """The softmax an exp (inside a qk dot's cone) belongs to, or None."""
+  arg = exp.inputs[0]
+  # the max: exp(x - m), m from a max-reduction of the logits
+  sub = _through_layout(arg).producer
+  max_node, stabilised = None, False
+  if sub is not None and sub.kind == "stablehlo.subtract" and sub.id in cone:
+    for n in _back(sub.inputs[1], lambda n: n.kind != DOT and n.id in cone, limit=400):
+      if _reducer_kind(n) == "max" and n.inputs and n.id in cone:
+        max_node, stabilised = n, True
+        break
+  # the sum: an add-reduction of the exp (through converts / layout)
+  sums = []
+  stack, seen = [exp.outputs[0]], set()
+  while stack:
+    v = stack.pop()
+    for user, idx in v.users:
+      if user.id in seen:
+        continue
+      seen.add(user.id)
+      if _reducer_kind(user) == "add" and idx == 0:
+        sums.append(user)
+      elif user.kind in (CONVERT, "stablehlo.reshape", "mhlo.copy", "stablehlo.copy"):
+        stack.extend(user.outputs)
+  if not sums:
+    return None
+  total = sums[0]
+  dims = int_list(total, "dimensions") or []
+  axis = dims[0] if len(dims) == 1 and total.inputs[0].shape == exp.outputs[0].shape \
+      else None
+  sum_ids = {s.id for s in sums}
+  sum_cone = set()
+  for s in sums:
+    sum_cone |= _forward_cone(s.outputs[0])
+  sum_cone |= sum_ids
+  # direct normalisation: exp / sum or exp * (1 / sum)
+  exp_cone = {exp.id}
+  stack = [exp.outputs[0]]
+  while stack:
+    v = stack.pop()
+    for user, _ in v.users:
+      if user.id in exp_cone:
+        continue
+      exp_cone.add(user.id)
+      if user.kind in LAYOUT - {"loop_carry", "merge"}:
+        stack.extend(user.outputs)
+  def is_sum(v: Value) -> bool:
+    # the sum itself, through layout ops and a safe-division select / maximum
+    for n in _back(v, lambda n: n.kind in LAYOUT or n.kind in (
+        "stablehlo.select", "stablehlo.maximum"), limit=64):
+      if n.id in sum_ids:
+        return True
+    return False
+
+  def is_reciprocal_of_sum(v: Value) -> bool:
+    n = _through_layout(v).producer
+    if n is None:
+      return False
+    if n.kind == "stablehlo.divide":
+      return _is_constant(n.inputs[0]) and is_sum(n.inputs[1])
+    if n.kind == "stablehlo.power":
+      return is_sum(n.inputs[0]) and _is_constant(n.inputs[1])
+    return False
+
+  probs = []
+  for i in sorted(exp_cone):
+    n = g.nodes[i]
+    if n.kind not in ("stablehlo.divide", "stablehlo.multiply"):
+      continue
+    a, b = n.inputs
+    fed_a = a.producer is not None and a.producer.id in exp_cone
+    fed_b = b.producer is not None and b.producer.id in exp_cone
+    if n.kind == "stablehlo.divide" and fed_a and is_sum(b):
+      probs.append(n.outputs[0])
+    elif n.kind == "stablehlo.multiply" and (fed_a and is_reciprocal_of_sum(b) or
+                                             fed_b and is_reciprocal_of_sum(a)):
+      probs.append(n.outputs[0])
+  return dict(max=max_node, sums=sums, axis=axis, stabilised=stabilised,
+              probs=probs, sum_cone=sum_cone)
+
+
+def find(g: Graph) -> Findings:
+  dots = g.ops(DOT)
+  attentions: List[Attention] = []
+  used: Dict[int, str] = {}
+  for d1 in dots:
+    cone = _forward_cone(d1.outputs[0])
+    for exp in (g.nodes[i] for i in sorted(cone)):
+      if exp.kind != EXP:
+        continue
+      sm = _softmax_at(g, exp, cone)
+      if sm is None:
+        continue
+      found = None
+      # direct: the normalised probabilities enter a dot contracting the softmax axis
+      for p in sm["probs"]:
+        for d2, idx, ax, casts in _consumers(p, sm["axis"], LAYOUT):
+          if d2.id != d1.id and _contracts(d2, idx, ax) is not False:
+            found = (d2, idx, casts, p, False)
+            break
+        if found:
+          break
+      if not found:
+        # online: the unnormalised exp enters the dot, its sum divides what it accumulated
+        for d2, idx, ax, casts in _consumers(exp.outputs[0], sm["axis"], LAYOUT):
+          if d2.id == d1.id or _contracts(d2, idx, ax) is False:
+            continue
+          acc = _forward_cone(d2.outputs[0])
+          if any(g.nodes[i].kind == "stablehlo.divide" and i in sm["sum_cone"]
+                 for i in acc):
+            found = (d2, idx, casts, exp.outputs[0], True)
+            break
+      if not found:
+        continue
+      d2, idx, casts, probs, online = found
+      attentions.append(_attention(g, d1, exp, sm, d2, idx, casts, probs, online, cone))
+      used[d1.id], used[d2.id] = "qk", "wv"
+      break   # one softmax per qk dot
+  _backward(g, attentions, used)
+  dense = []
+  for d in dots:
+    if d.id not in used:
+      site = _dot_site(d)
+      site.backward = "transpose(" in d.name
+      dense.append(site)
+  return Findings(attentions, dense)
+
+
+def _attention(g, d1, exp, sm, d2, idx, casts, probs, online, cone) -> Attention:
+  # the nodes on the paths from the qk dot to the exp
+  path = {n.id: n for n in _back(exp.inputs[0], lambda n: n.id in cone and n.kind != DOT)
+          if n.id in cone}
+  downcasts, upcasts, mask, soft_cap, scale = [], [], [], False, False
+  cone = cone | {d1.id}
+  for n in path.values():
+    if n.kind == CONVERT:
+      a, b = n.inputs[0].dtype, n.outputs[0].dtype
+      if _narrowing(a, b):
+        downcasts.append(f"{a}->{b}")
+      elif _widening(a, b):
+        upcasts.append(f"{a}->{b}")
+    elif n.kind == "stablehlo.tanh":
+      soft_cap = True
+    elif n.kind == "stablehlo.select" and "select" not in mask:
+      mask.append("select")
+    elif n.kind in ("stablehlo.multiply", "stablehlo.divide"):
+      outside = [v for v in n.inputs if v.producer is None or v.producer.id not in cone]
+      if outside and all(_is_constant(v) for v in outside):
+        scale = True
+    elif n.kind == "stablehlo.add":
+      outside = [v for v in n.inputs if v.producer is None or v.producer.id not in cone]
+      if outside and not all(_is_constant(v) for v in outside) and "bias" not in mask:
+        mask.append("bias")
+  qk, wv = _dot_site(d1), _dot_site(d2)
+  qk.role, wv.role = "qk", "wv"
+  softmax = {"exp": exp.outputs[0].dtype, "sum": sm["sums"][0].outputs[0].dtype}
+  if sm["max"] is not None:
+    softmax = {"max": sm["max"].outputs[0].dtype, **softmax}
+  loop = any(n.kind == "loop_carry" for n in path.values()) or "while" in d1.name.split("/")
+  att = Attention(label=_label(d1.name, d2.name), layer=_layer(d1.name), qk=qk, wv=wv,
+                  softmax=softmax, stabilised=sm["stabilised"], online=online, loop=loop,
+                  downcasts=sorted(set(downcasts)), upcasts=sorted(set(upcasts)),
+                  probs_casts=list(dict.fromkeys(casts)), soft_cap=soft_cap, mask=mask,
+                  logits_scale=scale)
+  att._nodes = (d1, d2, probs, idx)   # for the backward search (not serialised)
+  return att
+
+
+def _roots(v: Value, cache: dict) -> Set[int]:
+  """Ids of the values v is made of, followed back through data movement only."""
+  key = id(v)
+  if key in cache:
+    return cache[key]
+  out, seen, stack = set(), set(), [v]
+  while stack:
+    x = stack.pop()
+    if id(x) in seen:
+      continue
+    seen.add(id(x))
+    n = x.producer
+    if n is None or n.kind not in MOVEMENT:
+      out.add(id(x))
+      continue
+    inputs = n.inputs
+    if n.kind == "stablehlo.select":
+      inputs = inputs[1:]
+    elif n.kind in ("stablehlo.dynamic_slice", "stablehlo.gather", "stablehlo.pad"):
+      inputs = inputs[:1]
+    elif n.kind == "stablehlo.dynamic_update_slice":
+      inputs = inputs[:2]
+    stack.extend(inputs)
+  cache[key] = out
+  return out
+
+
+def _backward(g: Graph, attentions: List[Attention], used: Dict[int, str]) -> None:
+  cache: dict = {}
+  keys = []
+  for a in attentions:
+    d1, d2, probs, idx = a._nodes
+    v = d2.inputs[1 - idx]
+    keys.append([("dk", _roots(d1.inputs[0], cache)), ("dq", _roots(d1.inputs[1], cache)),
+                 ("dp", _roots(v, cache)), ("dv", _roots(probs, cache))])
+  for d in g.ops(DOT):
+    if d.id in used:
+      continue
+    r0, r1 = _roots(d.inputs[0], cache), _roots(d.inputs[1], cache)
+    for a, ks in zip(attentions, keys):
+      role = next((name for name, r in ks if r & r0 or r & r1), None)
+      if role:
+        site = _dot_site(d)
+        site.role, site.backward = role, True
+        a.backward.append(site)
+        used[d.id] = role
+        break
+  for a in attentions:
+    del a._nodes

@@ -1,0 +1,359 @@
+"""Verdicts and rendering: the attentions found, checked against a stated `Precision`.
+
+The contract is attnprec's own table (`attnprec.contract.stage_dtypes`, the one every kernel asserts with
+chex), for the compute dtype c = `Precision.dtype` and the two flags:
+
+  qk dot   operands c x c (or f32 x f32 upcast from c, allowed when float32_qk_product
+           or a dot-algorithm preset widens the dot), result = the table's logits dtype;
+  softmax  the exp runs in the table's softmax dtype; nothing narrows the logits between
+           the qk dot and the exp ("a flag only ever upcasts");
+  wv dot   the probabilities enter as the table's probs dtype, v as c or the probs dtype
+           (either operand order), result the probs dtype or f32;
+  both     the phase's einsum_precision: `precision = [P, P]` for a jax.lax.Precision
+           name, or the dot algorithm the preset lowers to; the gradient dots too;
+  dense    operands c x c, result c or f32, matmul_precision.
+
+A dot-algorithm preset may widen a dot's types (JAX upcasts bf16 operands for
+BF16_BF16_F32_X3 and converts the f32 result back): the check then reads the contract's
+types through those converts ("f32<-bf16", "f32->bf16").
+"""
+import dataclasses
+import functools
+import json
+import os
+from typing import Dict, List, Optional
+
+import jax
+import jax.numpy as jnp
+
+from attnprec import runs
+from attnprec.contract import stage_dtypes
+from attnprec.errors import UserError
+from attnprec.inspect.finder import DOT, Attention, DotSite, Findings, unwrap
+from attnprec.inspect.mlir_graph import Graph, dot_info
+from attnprec.precision import ALGORITHM_PRESETS, Precision, parse_precision
+
+SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
+
+
+def short(dtype) -> str:
+  return SHORT[jnp.dtype(dtype).name]
+
+
+# ----------------------------------------------------------------------------- contract
+def expected_stages(precision: Precision) -> Dict[str, str]:
+  """The contract table's stage dtypes for this Precision, short names ('f32')."""
+  table = stage_dtypes(precision.compute_dtype,
+                       float32_qk_product=precision.float32_qk_product,
+                       float32_logits=precision.float32_logits)
+  return {k: short(v) for k, v in table.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def algorithm_text(preset_name: str) -> str:
+  """The dot algorithm a preset lowers to (read from a plain f32 dot lowered with it)."""
+  preset = ALGORITHM_PRESETS[preset_name]
+  x = jax.ShapeDtypeStruct((2, 2), jnp.float32)
+  lowered = jax.jit(lambda a, b: jnp.dot(a, b, precision=preset)).lower(x, x)
+  g = Graph(lowered.compiler_ir("stablehlo"))
+  found = [dot_info(n)["algorithm"] for n in g.ops(DOT)]
+  if not found or found[0] is None:
+    raise UserError(f"The dot algorithm preset {preset_name!r} does not lower to a dot "
+                    f"algorithm on backend {jax.default_backend()!r}.")
+  return found[0]
+
+
+def precision_expectation(name: str) -> str:
+  """'HIGHEST' for a jax.lax.Precision, 'algorithm <NAME>' for a preset."""
+  p = parse_precision(name)
+  return p.name if isinstance(p, jax.lax.Precision) else f"algorithm {p.name}"
+
+
+def is_preset(name: str) -> bool:
+  return not isinstance(parse_precision(name), jax.lax.Precision)
+
+
+def precision_problems(dot: DotSite, name: str) -> List[str]:
+  p = parse_precision(name)
+  if isinstance(p, jax.lax.Precision):
+    if dot.algorithm is not None or dot.precision != p.name:
+      got = f"algorithm <{dot.algorithm}>" if dot.algorithm else dot.precision
+      return [f"precision {got}, expected {p.name}"]
+    return []
+  want = algorithm_text(p.name)
+  if dot.algorithm != want:
+    return [f"algorithm <{dot.algorithm}>, expected <{want}> ({p.name})"]
+  return []
+
+
+def upcast_from(operand: str, source: Optional[str]) -> Optional[str]:
+  """The narrower type an f32 operand was upcast from right before the dot, if any."""
+  return source if operand == "f32" and source in ("bf16", "f16") else None
+
+
+def effective(dot: DotSite, widened_ok: bool):
+  """(lhs, rhs, result) as the contract sees them: through an upcast into the operands,
+  and (only where a dot-algorithm preset widened the dot) through a downcast of the
+  result."""
+  lhs = upcast_from(dot.lhs, dot.lhs_source) or dot.lhs
+  rhs = upcast_from(dot.rhs, dot.rhs_source) or dot.rhs
+  result = dot.result
+  if widened_ok and dot.converted_to in ("bf16", "f16") and result == "f32":
+    result = dot.converted_to
+  return lhs, rhs, result
+
+
+def check_qk(dot: DotSite, precision: Precision, *, types: bool = True) -> List[str]:
+  problems = precision_problems(dot, precision.einsum_precision)
+  if not types:
+    return problems
+  e = expected_stages(precision)
+  preset = is_preset(precision.einsum_precision)
+  lhs, rhs, result = effective(dot, widened_ok=preset)
+  c = e["qkv"]
+  allowed = {(c, c)}
+  if precision.float32_qk_product or preset:
+    allowed.add(("f32", "f32"))   # q and k upcast first (allowed by the contract)
+  if (lhs, rhs) not in allowed and (dot.lhs, dot.rhs) not in allowed:
+    problems.append(f"qk operands {lhs} x {rhs}, expected {c} x {c}")
+  if result != e["logits"]:
+    problems.append(f"QK^T logits are {result}, expected {e['logits']} "
+                    f"(float32_qk_product={precision.float32_qk_product})")
+  return problems
+
+
+def check_wv(dot: DotSite, precision: Precision, *, types: bool = True) -> List[str]:
+  problems = precision_problems(dot, precision.einsum_precision)
+  if not types:
+    return problems
+  e = expected_stages(precision)
+  preset = is_preset(precision.einsum_precision)
+  lhs, rhs, result = effective(dot, widened_ok=preset)
+  c, P = e["qkv"], e["probs"]
+  # jnp.einsum may put either operand first: find the probabilities among the two.
+  if not any(p == P and v in (c, P) for p, v in ((lhs, rhs), (rhs, lhs))):
+    problems.append(f"wv operands {lhs} x {rhs}: the probabilities must enter as {P} "
+                    f"and v as {c} or {P} (float32_logits={precision.float32_logits}, "
+                    f"float32_qk_product={precision.float32_qk_product})")
+  if result not in (P, "f32") and dot.result not in (P, "f32"):
+    problems.append(f"wv result {result}, expected {P if P == 'f32' else P + ' or f32'}")
+  return problems
+
+
+def check_softmax(att: Attention, precision: Precision) -> List[str]:
+  e = expected_stages(precision)
+  problems = []
+  if att.softmax["exp"] != e["softmax"]:
+    problems.append(f"softmax runs in {att.softmax['exp']}, expected {e['softmax']} "
+                    f"(float32_logits={precision.float32_logits})")
+  allowed = set()
+  if is_preset(precision.einsum_precision) and att.qk.converted_to == e["logits"]:
+    allowed.add(f"{att.qk.result}->{att.qk.converted_to}")  # the preset's own convert
+  bad = [d for d in att.downcasts if d not in allowed]
+  if bad:
+    problems.append(f"logits cast down ({', '.join(bad)}) between the QK^T product and "
+                    f"the softmax")
+  return problems
+
+
+def check_dense(dot: DotSite, precision: Precision, *, types: bool = True) -> List[str]:
+  problems = precision_problems(dot, precision.matmul_precision)
+  if not types:
+    return problems
+  c = short(precision.compute_dtype)
+  lhs, rhs, result = effective(dot, widened_ok=is_preset(precision.matmul_precision))
+  if (lhs, rhs) != (c, c) and (dot.lhs, dot.rhs) != (c, c):
+    problems.append(f"dense operands {lhs} x {rhs}, expected {c} x {c}")
+  if result not in (c, "f32") and dot.result not in (c, "f32"):
+    problems.append(f"dense result {result}, expected {c} or f32")
+  return problems
+
+
+def check_attention(att: Attention, precision: Precision) -> Dict[str, List[str]]:
+  """{'qk': [...], 'softmax': [...], 'wv': [...], 'backward': [...]}: [] where it honours
+  the contract."""
+  return {"qk": check_qk(att.qk, precision), "softmax": check_softmax(att, precision),
+          "wv": check_wv(att.wv, precision),
+          "backward": [f"{b.role}: {p}" for b in att.backward
+                       for p in precision_problems(b, precision.einsum_precision)]}
+
+
+# ----------------------------------------------------------------------------- report
+@dataclasses.dataclass
+class Report:
+  """What `attention_report` returns: plain data (`to_dict()` is JSON-able)."""
+  function: str
+  findings: Findings
+  expect: Optional[Precision] = None
+
+  @property
+  def attentions(self) -> List[Attention]:
+    return self.findings.attentions
+
+  @property
+  def dense(self) -> List[DotSite]:
+    return self.findings.dense
+
+  def problems(self) -> List[str]:
+    if self.expect is None:
+      return [f"attention {_where(a)}: logits cast down ({', '.join(a.downcasts)}) "
+              f"between the QK^T product and the softmax"
+              for a in self.attentions if a.downcasts]
+    out = []
+    for a in self.attentions:
+      for stage, ps in check_attention(a, self.expect).items():
+        out += [f"attention {_where(a)} {stage}: {p}" for p in ps]
+    for d in self.dense:
+      out += [f"dense {_dense_name(d)}: {p}"
+              for p in check_dense(d, self.expect, types=not d.backward)]
+    return out
+
+  @property
+  def ok(self) -> bool:
+    return not self.problems()
+
+  def to_dict(self) -> dict:
+    atts = []
+    for a in self.attentions:
+      d = dataclasses.asdict(a)
+      if self.expect is not None:
+        d["problems"] = check_attention(a, self.expect)
+      atts.append(d)
+    dense = []
+    for x in self.dense:
+      d = dataclasses.asdict(x)
+      if self.expect is not None:
+        d["problems"] = check_dense(x, self.expect, types=not x.backward)
+      dense.append(d)
+    return {"function": self.function, "backend": jax.default_backend(),
+            "expect": None if self.expect is None else dataclasses.asdict(self.expect),
+            "expected_stages": None if self.expect is None else
+            expected_stages(self.expect),
+            "attentions": atts, "dense": dense, "problems": self.problems(),
+            "ok": self.ok}
+
+  # ------------------------------------------------------------------- rendering
+  def verdict(self) -> str:
+    n = len(self.attentions)
+    if not n:
+      return "NO ATTENTION FOUND: no dot -> softmax -> dot pattern in the program."
+    ps = self.problems()
+    if self.expect is None:
+      if ps:
+        return f"FLAGGED: {'; '.join(ps)}"
+      return (f"{n} attention(s) found; no down-cast between a QK^T product and its "
+              f"softmax. State a Precision (expect=...) for a verdict.")
+    if not ps:
+      return (f"PASS: {n} attention(s) and {len(self.dense)} dense dot(s) match the "
+              f"contract for {self.expect.describe()}.")
+    shown = "; ".join(ps[:6])
+    more = f" (+{len(ps) - 6} more)" if len(ps) > 6 else ""
+    return f"FAIL: {len(ps)} mismatch(es): {shown}{more}"
+
+  def attention_table(self) -> str:
+    lines = ["| # | attention | qk dot | softmax | wv dot | precision | down-cast qk->softmax"
+             " | mask / soft-cap | grad dots | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, a in enumerate(self.attentions):
+      checks = check_attention(a, self.expect) if self.expect is not None else None
+      verdict = "-" if checks is None else (
+          "ok" if not any(checks.values()) else "MISMATCH (" + ", ".join(
+              stage for stage, ps in checks.items() if ps) + ")")
+      sm = "/".join(f"{k} {v}" for k, v in a.softmax.items())
+      if a.online:
+        sm += " (online)"
+      if not a.stabilised:
+        sm += " (no max)"
+      extras = ", ".join(a.mask + (["soft-cap"] if a.soft_cap else [])
+                         + (["scale on logits"] if a.logits_scale else [])) or "-"
+      precs = {a.qk.precision_text, a.wv.precision_text}
+      grads = ", ".join(f"{b.role} {dot_types(b)}" for b in a.backward) or "-"
+      lines.append(
+          f"| {i} | {_where(a)} | {dot_types(a.qk)} | {sm} | {dot_types(a.wv)}"
+          f"{' (probs ' + ', '.join(a.probs_casts) + ')' if a.probs_casts else ''} | "
+          f"{' / '.join(short_precision(p) for p in sorted(precs))} | "
+          f"{'**' + ', '.join(a.downcasts) + '**' if a.downcasts else 'none'} | {extras} "
+          f"| {grads} | {verdict} |")
+    return "\n".join(lines)
+
+  def dense_table(self) -> str:
+    lines = ["| dots | name | lhs | rhs | result | precision | verdict |",
+             "|---:|---|---|---|---|---|---|"]
+    groups: Dict[tuple, List[DotSite]] = {}
+    for d in self.dense:
+      ok = "-" if self.expect is None else (
+          "ok" if not check_dense(d, self.expect, types=not d.backward) else "MISMATCH")
+      key = (_dense_name(d), typed(d.lhs, d.lhs_source), typed(d.rhs, d.rhs_source),
+             result_text(d), short_precision(d.precision_text), ok)
+      groups.setdefault(key, []).append(d)
+    for (name, lhs, rhs, res, prec, ok), ds in groups.items():
+      lines.append(f"| {len(ds)} | {name} | {lhs} | {rhs} | {res} | {prec} | {ok} |")
+    return "\n".join(lines)
+
+  def to_markdown(self) -> str:
+    head = [f"# Attention precision: `{self.function}`", "",
+            f"Backend: {jax.default_backend()}. Expected: "
+            f"{self.expect.describe() if self.expect else '(no Precision stated)'}.", ""]
+    if self.expect is not None:
+      e = expected_stages(self.expect)
+      head += [f"Contract for this Precision: qk {e['qkv']} x {e['qkv']} -> {e['logits']}, "
+               f"softmax {e['softmax']}, probabilities into wv {e['probs']}, einsum "
+               f"{precision_expectation(self.expect.einsum_precision)}, dense "
+               f"{precision_expectation(self.expect.matmul_precision)}.", ""]
+    problems = [f"- {p}" for p in self.problems()] if self.expect is not None else []
+    return "\n".join(head + [f"**{self.verdict()}**", ""] + problems + ["", "## Attentions", "",
+                             "Types are lhs x rhs -> result; `f32<-bf16`: an operand "
+                             "upcast right before the dot; `f32->bf16`: a result cast "
+                             "right after it.", "", self.attention_table(), "",
+                             "## Dense dots", "", self.dense_table(), ""])
+
+  def write(self, run_dir: str) -> List[str]:
+    """inspect.json and inspect.md into run_dir (atomic writes)."""
+    runs.ensure_dir(run_dir)
+    paths = [os.path.join(run_dir, "inspect.json"), os.path.join(run_dir, "inspect.md")]
+    runs.atomic_write(paths[0], json.dumps(self.to_dict(), indent=1, default=str) + "\n")
+    runs.atomic_write(paths[1], self.to_markdown())
+    return paths
+
+
+def typed(t: str, src: Optional[str]) -> str:
+  up = upcast_from(t, src)
+  return f"{t}<-{up}" if up else t
+
+
+def result_text(d: DotSite) -> str:
+  return d.result + (f"->{d.converted_to}" if d.converted_to and d.converted_to != d.result
+                     else "")
+
+
+def dot_types(d: DotSite) -> str:
+  return f"{typed(d.lhs, d.lhs_source)} x {typed(d.rhs, d.rhs_source)} -> {result_text(d)}"
+
+
+def short_precision(p: str) -> str:
+  """'algorithm <lhs_precision_type = bf16, ..., num_primitive_operations = 3, ...>' ->
+  'alg bf16,bf16->f32 x3'."""
+  if not p.startswith("algorithm"):
+    return p
+  fields = dict(f.split(" = ") for f in p[len("algorithm <"):-1].split(", ") if " = " in f)
+  return (f"alg {fields.get('lhs_precision_type')},{fields.get('rhs_precision_type')}"
+          f"->{fields.get('accumulation_type')} x{fields.get('num_primitive_operations')}")
+
+
+def _where(a: Attention) -> str:
+  return a.label or short_source(a.qk.source) or "(unnamed)"
+
+
+def short_source(source: str) -> str:
+  """'file:line' relative to the working directory when it lies below it."""
+  path, _, line = source.rpartition(":")
+  if not path:
+    return source
+  rel = os.path.relpath(path)
+  return f"{rel if not rel.startswith('..') else os.path.basename(path)}:{line}"
+
+
+def _dense_name(d: DotSite) -> str:
+  parts = [unwrap(p) for p in d.name.split("/")[:-1] if not p.startswith("jit(")]
+  name = "/".join(parts) or short_source(d.source) or "(unnamed)"
+  return name + (" (grad)" if d.backward else "")

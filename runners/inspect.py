@@ -1,0 +1,37 @@
+"""Inspect: `python runners/inspect.py --gin.inspect.fn=package.module:function [...]`.
+
+Lowers the function on its example inputs, finds every attention in the program by its
+structure and reports the precision each really runs in; with a Precision stated (a
+gin/precision/ file), checks it against the contract. Exit code 0: nothing flagged, 1: a
+mismatch or a down-cast before a softmax, 2: bad input. Writes inspect.json and
+inspect.md into --run_dir.
+"""
+import os
+import sys
+
+# This file's name is also the standard library's `inspect` (which numpy and gin import):
+# run as a script, its directory must not shadow it.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+from attnprec.xla_env import disable_excess_precision  # noqa: E402
+
+disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
+
+from attnprec import cli, ginutils  # noqa: E402
+from attnprec.inspect.job import inspect_job  # noqa: E402
+
+
+def main(argv) -> int:
+  outcome = {}
+
+  def run(run_dir: str):
+    outcome["ok"] = ginutils.call(inspect_job, run_dir=run_dir).ok
+
+  rc = cli.main(argv, prog="inspect", default_files=["runs/inspect.gin"],
+                default_run_dir="runs/inspect", body=run)
+  return 1 if rc == 0 and not outcome.get("ok", False) else rc
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
