@@ -48,12 +48,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-<<<<<<< HEAD
 from attnprec import checks, decoding, hlo, runs, train
-from attnprec.attention import stage_dtypes
-=======
-from attnprec import decoding, hlo, runs, train
->>>>>>> main
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 
 from attnprec import ginutils, runs
 from attnprec.errors import UserError
-from attnprec.precision import DTYPES, KERNELS
+from attnprec.kernels import NAMES as KERNELS
+from attnprec.precision import DTYPES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
