@@ -3,19 +3,10 @@
 Shapes: B batch, T tokens in this call, S key length (T without a cache, the cache length
 with one), D model width, V vocabulary, L layers, N/K/H heads, kv heads, head dim.
 
-Parameter names (what checkpoint importers produce; see `param_shapes`):
-  decoder/embed                      embeddings [V, D]
-  decoder/layer_{i}/pre_attn_norm    scale [D]
-  decoder/layer_{i}/attn/{q,k,v}     w [D, N*H | K*H], b (qkv_bias)
-  decoder/layer_{i}/attn/{q,k}_norm  scale [H] (qk_norm)
-  decoder/layer_{i}/attn             k_offset [K, H] (key_offset; study only)
-  decoder/layer_{i}/attn/o           w [N*H, D]
-  decoder/layer_{i}/post_attn_norm   scale [D] (post_attn_norm)
-  decoder/layer_{i}/pre_mlp_norm     scale [D]
-  decoder/layer_{i}/mlp/{gate,up}    w [D, F];  decoder/layer_{i}/mlp/down  w [F, D]
-  decoder/layer_{i}/post_mlp_norm    scale [D] (post_mlp_norm)
-  decoder/final_norm                 scale [D]
-  decoder/unembed                    w [D, V] (untied only)
+Parameters: one row each in the parameter layout table, `attnprec.layout` (module path,
+shape rule, when the architecture has it, sharding role, HF and GGUF names); print it with
+`python -m attnprec.layout`. `param_shapes(config)` is what importers must produce, and
+tests check that it equals the table's `layout.shapes(config)`.
 Norm scales hold exactly the parameter the formula uses: y * w, or y * (1 + w) when
 `norm_plus_one` (Gemma's convention, as in HF checkpoints).
 """

@@ -3,14 +3,11 @@
 A 2-D mesh `(data, model)` of Auto axes; jit propagates the shardings of the inputs and
 XLA inserts the collectives (tensor parallelism over `model`, data parallelism over `data`).
 
-Parameters (names as in `attnprec.model`; D model width, N/K heads/kv heads, H head dim,
-F MLP hidden):
-  attn/q    w [D, N*H], b [N*H]   split over model by head (needs N % model == 0)
-  attn/k, v w [D, K*H], b [K*H]   split over model by kv head if K % model == 0, else replicated
-  attn/o    w [N*H, D]            rows split over model
-  mlp/gate, mlp/up w [D, F]       columns split over model (needs F % model == 0)
-  mlp/down  w [F, D]              rows split over model
-  embeddings, norm scales, unembed: replicated
+Parameters: each row of the parameter layout table (`attnprec.layout`) has a sharding
+role: `columns` (q, gate, up: w [D, out] split by output column, bias too; the heads or
+MLP hidden units must divide the model axis), `kv_columns` (k, v: split by kv head when
+K % model == 0, else replicated), `rows` (o, down: w [in, D] split by input row), and
+`replicated` (embeddings, norm scales, unembed).
 Optimizer moments follow their parameter; scalars are replicated.
 Data: tokens [B, T] split over data (needs B % data == 0). The KV cache [L, B, S, K, H]
 that `decoding.generate` builds follows by propagation: B over data, K over model when the
@@ -28,14 +25,11 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from attnprec import checks
+from attnprec import checks, layout
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 
 AXES = ("data", "model")
-_COLUMNS = ("attn/q", "mlp/gate", "mlp/up")   # w [in, out]: split the output columns
-_KV = ("attn/k", "attn/v")
-_ROWS = ("attn/o", "mlp/down")                # w [in, out]: split the input rows
 
 
 @gin.configurable("distributed")
@@ -117,12 +111,13 @@ def kv_split(config: ModelConfig, mesh: Mesh) -> bool:
 
 
 def param_spec(module: str, name: str, config: ModelConfig, mesh: Mesh) -> P:
-  """PartitionSpec of parameter `module/name` (see the module docstring)."""
-  kind = "/".join(module.split("/")[-2:])
-  is_w = name == "w"
-  if kind in _COLUMNS or (kind in _KV and kv_split(config, mesh)):
-    return P(None, "model") if is_w else P("model")
-  if kind in _ROWS and is_w:
+  """PartitionSpec of parameter `module/name`: its layout role (module docstring)."""
+  role = layout.role(module, name)
+  if role == "kv_columns":
+    role = "columns" if kv_split(config, mesh) else "replicated"
+  if role == "columns":
+    return P(None, "model") if name == "w" else P("model")
+  if role == "rows":
     return P("model", None)
   return P()
 

@@ -31,6 +31,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from attnprec import layout
 from attnprec.checkpoints.cache import cache_dir
 from attnprec.checkpoints.gguf_reader import GGUFFile
 from attnprec.checkpoints.hf_config import period
@@ -117,30 +118,9 @@ def config_from_gguf(meta: dict, embed_shape: Tuple[int, int], has_output: bool,
 
 
 def tensor_map(config: ModelConfig) -> dict:
-  """{GGUF name: (our module, our param name, transpose?)}."""
-  m = {"token_embd.weight": ("decoder/embed", "embeddings", False),
-       "output_norm.weight": ("decoder/final_norm", "scale", False)}
-  if not config.tie_embeddings:
-    m["output.weight"] = ("decoder/unembed", "w", True)
-  for i in range(config.num_layers):
-    g, o = f"blk.{i}.", f"decoder/layer_{i}/"
-    m[g + "attn_norm.weight"] = (o + "pre_attn_norm", "scale", False)
-    for p in "qkv":
-      m[g + f"attn_{p}.weight"] = (o + f"attn/{p}", "w", True)
-      if config.qkv_bias:
-        m[g + f"attn_{p}.bias"] = (o + f"attn/{p}", "b", False)
-    m[g + "attn_output.weight"] = (o + "attn/o", "w", True)
-    if config.qk_norm:
-      m[g + "attn_q_norm.weight"] = (o + "attn/q_norm", "scale", False)
-      m[g + "attn_k_norm.weight"] = (o + "attn/k_norm", "scale", False)
-    if config.post_attn_norm:
-      m[g + "post_attention_norm.weight"] = (o + "post_attn_norm", "scale", False)
-    m[g + "ffn_norm.weight"] = (o + "pre_mlp_norm", "scale", False)
-    if config.post_mlp_norm:
-      m[g + "post_ffw_norm.weight"] = (o + "post_mlp_norm", "scale", False)
-    for gg, p in (("ffn_gate", "gate"), ("ffn_up", "up"), ("ffn_down", "down")):
-      m[g + f"{gg}.weight"] = (o + f"mlp/{p}", "w", True)
-  return m
+  """{GGUF name: (our module, our param name, transpose?)}, from the layout table."""
+  return {name: (p.module(i), p.name, p.transpose)
+          for name, (p, i) in layout.tensor_map(config, "gguf").items()}
 
 
 def unpermute_qk(w_RxD: np.ndarray, n_heads: int) -> np.ndarray:
@@ -162,25 +142,26 @@ def load_gguf(path, *, param_dtype="float32", tokenizer: bool = True
     raise UserError(f"{path} has no 'token_embd.weight' tensor; it is not a decoder LM GGUF.")
   config = config_from_gguf(f.metadata, f.tensors["token_embd.weight"].shape,
                             "output.weight" in f.tensors, str(path))
-  mapping = tensor_map(config)
+  mapping = layout.tensor_map(config, "gguf")
   unexpected = sorted(set(f.tensors) - set(mapping))
   if unexpected:
     raise UserError(f"{path} holds tensor(s) {unexpected[:5]} that the {arch} model its "
                     f"metadata describes has no place for (an unsupported variant).")
   builder = ParamBuilder(config, param_dtype, origin=str(path))
-  for name, (module, pname, transpose) in mapping.items():
+  for name, (p, layer) in mapping.items():
     if name not in f.tensors:
       continue                       # finish() reports everything missing at once
     w = f.tensor(name)
-    if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-      n = config.num_heads if "attn_q" in name else config.num_kv_heads
+    if arch == "llama" and p.key in ("attn/q/w", "attn/k/w"):
+      n = config.num_heads if p.key == "attn/q/w" else config.num_kv_heads
       if w.ndim != 2 or w.shape[0] != n * config.head_dim:
         raise UserError(f"Tensor {name!r} in {path} has shape {w.shape}; expected "
                         f"({n * config.head_dim}, {config.d_model}).")
       w = unpermute_qk(w, n)
-    if arch in _GEMMA and name.endswith("norm.weight"):
+    if arch in _GEMMA and p.norm:
       w = w - np.float32(1.0)
-    builder.put(module, pname, w, source=name, file=str(path), transpose=transpose)
+    builder.put(p.module(layer), p.name, w, source=name, file=str(path),
+                transpose=p.transpose)
   params = builder.finish()
   has_tokenizer = tokenizer and "tokenizer.ggml.tokens" in f.metadata
   return config, params, (_cached_tokenizer(f) if has_tokenizer else None)

@@ -9,24 +9,14 @@ converted to the param dtype and (for Linear weights) transposed from HF's [out,
 the config has no place for (e.g. an o-projection bias) is an error, not silently dropped.
 The tokenizer is read from `tokenizer.json` when the directory has one (else None).
 
-HF name (under the text model's prefix)     ->  our parameter
-  embed_tokens.weight [V, D]                    decoder/embed embeddings
-  layers.{i}.input_layernorm.weight             decoder/layer_{i}/pre_attn_norm scale
-  layers.{i}.self_attn.{q,k,v}_proj.{weight,bias}  .../attn/{q,k,v} w^T, b
-  layers.{i}.self_attn.{q,k}_norm.weight        .../attn/{q,k}_norm scale     (gemma3)
-  layers.{i}.self_attn.o_proj.weight            .../attn/o w^T
-  layers.{i}.post_attention_layernorm.weight    .../pre_mlp_norm scale    (llama/qwen2/gemma)
-                                                .../post_attn_norm scale  (gemma2/gemma3)
-  layers.{i}.pre_feedforward_layernorm.weight   .../pre_mlp_norm scale    (gemma2/gemma3)
-  layers.{i}.post_feedforward_layernorm.weight  .../post_mlp_norm scale   (gemma2/gemma3)
-  layers.{i}.mlp.{gate,up,down}_proj.weight     .../mlp/{gate,up,down} w^T
-  norm.weight                                   decoder/final_norm scale
-  lm_head.weight [V, D] (untied only)           decoder/unembed w^T
+Which HF tensor goes where (names under the text model's prefix, the untied `lm_head`
+beside it, which are stored [out, in]): the parameter layout table, `attnprec.layout`.
 """
 import json
 import pathlib
 from typing import Dict, Optional, Tuple
 
+from attnprec import layout
 from attnprec.checkpoints.hf_config import config_from_hf
 from attnprec.checkpoints.params import ParamBuilder
 from attnprec.checkpoints.safetensors_file import SafetensorsFile
@@ -77,30 +67,11 @@ def weight_files(directory: pathlib.Path) -> Dict[str, pathlib.Path]:
 
 
 def tensor_map(config: ModelConfig) -> Dict[str, Tuple[str, str, bool]]:
-  """{HF name under the prefix: (our module, our param name, transpose?)}."""
-  m = {"embed_tokens.weight": ("decoder/embed", "embeddings", False),
-       "norm.weight": ("decoder/final_norm", "scale", False)}
-  for i in range(config.num_layers):
-    hf, ours = f"layers.{i}.", f"decoder/layer_{i}/"
-    m[hf + "input_layernorm.weight"] = (ours + "pre_attn_norm", "scale", False)
-    for p in "qkv":
-      m[hf + f"self_attn.{p}_proj.weight"] = (ours + f"attn/{p}", "w", True)
-      if config.qkv_bias:
-        m[hf + f"self_attn.{p}_proj.bias"] = (ours + f"attn/{p}", "b", False)
-    m[hf + "self_attn.o_proj.weight"] = (ours + "attn/o", "w", True)
-    if config.qk_norm:
-      m[hf + "self_attn.q_norm.weight"] = (ours + "attn/q_norm", "scale", False)
-      m[hf + "self_attn.k_norm.weight"] = (ours + "attn/k_norm", "scale", False)
-    if config.post_attn_norm:
-      m[hf + "post_attention_layernorm.weight"] = (ours + "post_attn_norm", "scale", False)
-      m[hf + "pre_feedforward_layernorm.weight"] = (ours + "pre_mlp_norm", "scale", False)
-    else:
-      m[hf + "post_attention_layernorm.weight"] = (ours + "pre_mlp_norm", "scale", False)
-    if config.post_mlp_norm:
-      m[hf + "post_feedforward_layernorm.weight"] = (ours + "post_mlp_norm", "scale", False)
-    for p in ("gate", "up", "down"):
-      m[hf + f"mlp.{p}_proj.weight"] = (ours + f"mlp/{p}", "w", True)
-  return m
+  """{HF name under the prefix: (our module, our param name, transpose?)}, from the
+  layout table (without the untied head, which sits beside the prefix)."""
+  return {name: (p.module(i), p.name, p.transpose)
+          for name, (p, i) in layout.tensor_map(config, "hf").items()
+          if p.key != layout.HF_HEAD_KEY}
 
 
 def load_hf_dir(path, *, param_dtype="float32"
@@ -115,7 +86,8 @@ def load_hf_dir(path, *, param_dtype="float32"
   builder = ParamBuilder(config, param_dtype, origin=str(directory))
   mapping = {prefix + k: v for k, v in tensor_map(config).items()}
   if not config.tie_embeddings:
-    mapping[head_name] = ("decoder/unembed", "w", True)
+    head = layout.param(layout.HF_HEAD_KEY)
+    mapping[head_name] = (head.module(), head.name, head.transpose)
   opened: Dict[pathlib.Path, SafetensorsFile] = {}
   for name, file in sorted(files.items()):
     if name not in mapping:

@@ -7,11 +7,13 @@ Shapes: B batch, T tokens, D width, N/K/H heads, kv heads, head dim, V vocabular
 import numpy as np
 
 from attnprec.contract import reference_attention_np
+from attnprec import layout
 from attnprec.config import ModelConfig
 
 
-def _p(params, module, name):
-  return np.asarray(params[module][name], np.float64)
+def _p(params, key, layer=None):
+  """The parameter `key` of the layout table (`attnprec.layout`), in float64."""
+  return np.asarray(layout.get(params, key, layer), np.float64)
 
 
 def _rms_norm(x, scale, eps, plus_one):
@@ -69,33 +71,32 @@ def forward(config: ModelConfig, params, tokens_BxT, stats=None):
   B, T = tokens_BxT.shape
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   pos_BxT = np.broadcast_to(np.arange(T), (B, T))
-  embed_VxD = _p(params, "decoder/embed", "embeddings")
+  embed_VxD = _p(params, "embed/embeddings")
   x = embed_VxD[tokens_BxT]
   if cfg.embed_scale:
     x = x * np.sqrt(cfg.d_model)
-  norm = lambda y, module: _rms_norm(y, _p(params, module, "scale"), cfg.norm_eps,
-                                     cfg.norm_plus_one)
+  norm = lambda y, key, layer=None: _rms_norm(y, _p(params, f"{key}/scale", layer),
+                                              cfg.norm_eps, cfg.norm_plus_one)
   attn_outs = []
   for i in range(cfg.num_layers):
-    pre = f"decoder/layer_{i}"
-    h = norm(x, f"{pre}/pre_attn_norm")
+    h = norm(x, "pre_attn_norm", i)
 
     def dense(y, name):
-      out = y @ _p(params, f"{pre}/attn/{name}", "w")
+      out = y @ _p(params, f"attn/{name}/w", i)
       if cfg.qkv_bias and name in "qkv":
-        out = out + _p(params, f"{pre}/attn/{name}", "b")
+        out = out + _p(params, f"attn/{name}/b", i)
       return out
 
     q = dense(h, "q").reshape(B, T, N, H)
     k = dense(h, "k").reshape(B, T, K, H)
     v = dense(h, "v").reshape(B, T, K, H)
     if cfg.qk_norm:
-      q = norm(q, f"{pre}/attn/q_norm")
-      k = norm(k, f"{pre}/attn/k_norm")
+      q = norm(q, "attn/q_norm", i)
+      k = norm(k, "attn/k_norm", i)
     base, scale = cfg.rope(i)
     q, k = _rope(q, pos_BxT, base, scale), _rope(k, pos_BxT, base, scale)
     if cfg.key_offset:
-      k = k + _p(params, f"{pre}/attn", "k_offset")
+      k = k + _p(params, "attn/k_offset", i)
     allowed = pos_BxT[:, None, None, :] <= pos_BxT[:, None, :, None]       # [B, 1, T, S]
     window = cfg.window(i)
     if window is not None:
@@ -106,19 +107,19 @@ def forward(config: ModelConfig, params, tokens_BxT, stats=None):
     a = reference_attention_np(q, k, v, mask=allowed, logits_soft_cap=cfg.attn_logit_soft_cap,
                                scale=cfg.query_scale)
     attn_outs.append(a)
-    h = a.reshape(B, T, N * H) @ _p(params, f"{pre}/attn/o", "w")
+    h = a.reshape(B, T, N * H) @ _p(params, "attn/o/w", i)
     if cfg.post_attn_norm:
-      h = norm(h, f"{pre}/post_attn_norm")
+      h = norm(h, "post_attn_norm", i)
     x = x + h
-    h = norm(x, f"{pre}/pre_mlp_norm")
-    gate = h @ _p(params, f"{pre}/mlp/gate", "w")
-    up = h @ _p(params, f"{pre}/mlp/up", "w")
-    h = (_act(gate, cfg.activation) * up) @ _p(params, f"{pre}/mlp/down", "w")
+    h = norm(x, "pre_mlp_norm", i)
+    gate = h @ _p(params, "mlp/gate/w", i)
+    up = h @ _p(params, "mlp/up/w", i)
+    h = (_act(gate, cfg.activation) * up) @ _p(params, "mlp/down/w", i)
     if cfg.post_mlp_norm:
-      h = norm(h, f"{pre}/post_mlp_norm")
+      h = norm(h, "post_mlp_norm", i)
     x = x + h
-  x = norm(x, "decoder/final_norm")
-  w_DxV = embed_VxD.T if cfg.tie_embeddings else _p(params, "decoder/unembed", "w")
+  x = norm(x, "final_norm")
+  w_DxV = embed_VxD.T if cfg.tie_embeddings else _p(params, "unembed/w")
   logits = x @ w_DxV
   if cfg.final_logit_soft_cap is not None:
     logits = cfg.final_logit_soft_cap * np.tanh(logits / cfg.final_logit_soft_cap)
