@@ -79,7 +79,7 @@ def one_of(*choices) -> Rule:
 
   def rule(v):
     if not any(type(v) is type(c) and v == c for c in choices):
-      return f"must be one of {listed}"
+      return f"valid values are: {listed}"
   return rule
 
 
@@ -116,7 +116,7 @@ def parsed_by(parse: Callable[[Any], Any], valid: Sequence) -> Rule:
     try:
       parse(v)
     except UserError:
-      return f"valid values are {listed}"
+      return f"valid values are: {listed}"
   return rule
 
 

@@ -61,13 +61,14 @@ def _print_error(prog: str, e: UserError) -> None:
 
 
 def main(argv: Sequence[str], *, prog: str, default_files: Sequence[str],
-         default_run_dir: str, body: Callable[[str], object], reads: Sequence[str]) -> int:
+         default_run_dir: str, body: Callable[[str], object],
+         reads: Optional[Sequence[str]] = None) -> int:
   """Parses `--gin_file/--gin_bindings/--gin.X=V` and `--run_dir`, checks the whole
   configuration and the run directory, then runs body(run_dir) (see `run`).
 
   `reads`: the configurables the runner calls itself (`phase/precision` for the phase
   precision it reads); gin's config and the command line's bindings are checked against
-  them (`ginutils.check_config`, `ginutils.check_command_line`).
+  them (`ginutils.check_config`, `ginutils.check_command_line`). None: only the config.
   """
   def parse_then_body():
     files, bindings, rest = ginutils.split_flags(argv)

@@ -22,7 +22,7 @@ from attnprec.paths import REPO_GIN_DIR
 PHASES = ("train", "decode")
 # The configurables the runners call inside a phase scope (`ginutils.phase`): the only
 # ones a scoped binding (`decode/precision.dtype = ...`) can reach.
-PHASE_CONFIGURABLES = ("precision",)
+PHASE_CONFIGURABLES = ("precision", "blockwise")
 
 _registered = False
 
@@ -257,8 +257,9 @@ def check_config(phases: Optional[Sequence[str]] = PHASES) -> None:
       raise UserError(
           f"{first} is set, but this runner does not read {name}.*: a study sweeps the "
           f"presets named by study.presets and study.extra_presets (files in "
-          f"gin/precision/ or paths). Remove the {name}.* bindings (and included "
-          f"gin/precision/ files), or name the preset in study.extra_presets.")
+          f"gin/precision/ or paths, with their defaults for the rest). Remove the "
+          f"{name}.* bindings (and included gin/precision/ files), or name the preset "
+          f"in study.extra_presets.")
     literal = {k: v for k, v in values.items() if not any(_is_gin_value(x) for x in _walk(v))}
     checks.rules_of(configurable.wrapped, name).check(literal,
                                                       where=_binding_name(scope, selector))

@@ -78,10 +78,10 @@ def test_bad_bindings_are_user_errors(binding, match):
 
 
 @pytest.mark.parametrize("binding,match", [
-    ("precision.dtype = 'float8'", "precision.dtype = 'float8': valid values are 'float32'"),
+    ("precision.dtype = 'float8'", "precision.dtype = 'float8': valid values are: 'float32'"),
     ("precision.einsum_precision = 'fastest'",
-     "precision.einsum_precision = 'fastest': valid values are 'default'"),
-    ("precision.kernel = 'magic'", "precision.kernel = 'magic': must be one of 'dot_product'"),
+     "precision.einsum_precision = 'fastest': valid values are: 'default'"),
+    ("precision.kernel = 'magic'", "precision.kernel = 'magic': valid values are: 'dot_product'"),
 ])
 def test_bad_values_fail_at_parse_time_and_at_construction(binding, match):
   with pytest.raises(UserError, match=match):
