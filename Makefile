@@ -45,7 +45,7 @@ audit: setup
 
 # make inspect FN=package.module:function [INPUTS=package.module:make_inputs | SHAPES='bf16[2,8]']
 inspect: setup
-	$(PY) runners/inspect.py $(if $(FN),--gin.inspect.fn=$(FN)) \
+	$(PY) runners/inspect_model.py $(if $(FN),--gin.inspect.fn=$(FN)) \
 	  $(if $(INPUTS),--gin.inspect.inputs=$(INPUTS)) \
 	  $(if $(SHAPES),--gin.inspect.shapes='$(SHAPES)') $(call gin_files,) $(ARGS)
 

@@ -56,8 +56,7 @@ class _PauseRestore(ocp.args.JsonRestore):
 
 def leaf_name(path) -> str:
   """'params/decoder/layer_0/attn/q/w' for a key path, whatever the container types."""
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                  for k in path)
+  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def leaf_table(tree) -> dict:

@@ -80,8 +80,9 @@ def make_mesh(*, shape: Sequence[int] = (-1, 1)) -> Mesh:
   if size != n and jax.process_count() > 1:
     raise UserError(f"mesh.shape={shape} uses {size} of {n} devices; with several processes "
                     f"the mesh must use all of them. Valid shapes: {_valid_shapes(n)}.")
-  devices = np.asarray(jax.devices()[:size]).reshape(shape)
-  return Mesh(devices, AXES, axis_types=(AxisType.Auto,) * 2)
+  # jax.make_mesh orders the devices for the topology (neighbours on the model axis).
+  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 2,
+                       devices=jax.devices()[:size])
 
 
 def describe(mesh: Mesh) -> str:
@@ -129,10 +130,8 @@ def param_shardings(params, config: ModelConfig, mesh: Mesh):
 
 
 def _path_names(path) -> Tuple[str, ...]:
-  out = []
-  for k in path:
-    out.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
-  return tuple(out)
+  """('opt_state', '0', 'mu', 'decoder/layer_0/attn/q', 'w') for a key path."""
+  return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)
 
 
 def tree_shardings(tree, params, config: ModelConfig, mesh: Mesh):

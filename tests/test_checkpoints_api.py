@@ -108,3 +108,42 @@ def test_gemma3_assembly_is_verified_and_atomic(tmp_path, monkeypatch):
   mtime = path.stat().st_mtime_ns
   assert checkpoints.shipped_path("gemma3-270m") == path   # reused, not re-assembled
   assert path.stat().st_mtime_ns == mtime
+
+
+def _greedy_by_full_forward(ckpt, prompt, n):
+  """Greedy continuation recomputed from full-sequence logits (no KV cache, no scan):
+  an independent path to the tokens `generate` must return."""
+  seq = list(prompt)
+  for _ in range(n):
+    seq.append(int(np.asarray(checkpoints.logits(ckpt, np.array([seq])))[0, -1].argmax()))
+  return seq[len(prompt):]
+
+
+def test_generate_token_prompts_match_full_forward_greedy(tiny):
+  """Two prompts of different lengths in one padded batch; greedy needs no rng."""
+  prompts = [[3, 17, 5, 60, 2], [44, 9]]
+  out = checkpoints.generate(tiny, prompts, max_new_tokens=5, eos_id=-1)
+  assert out.texts is None and out.stopped == [False, False]
+  assert out.tokens == [_greedy_by_full_forward(tiny, p, 5) for p in prompts]
+
+
+def test_generate_stops_at_the_end_token(tiny):
+  """With eos = the third greedy token, the sequence stops before it."""
+  full = checkpoints.generate(tiny, [[3, 17, 5]], max_new_tokens=6, eos_id=-1).tokens[0]
+  eos = full[2]
+  out = checkpoints.generate(tiny, [[3, 17, 5]], max_new_tokens=6, eos_id=eos)
+  assert out.tokens == [full[:full.index(eos)]] and out.stopped == [True]
+
+
+def test_generate_errors(tiny):
+  from attnprec import decoding
+  with pytest.raises(UserError, match="has no tokenizer"):
+    checkpoints.generate(tiny, "hello")
+  with pytest.raises(UserError, match=r"pass rng=jax.random.PRNGKey"):
+    checkpoints.generate(tiny, [[1, 2]], sampler=decoding.TopK(k=3))
+  with pytest.raises(UserError, match="max_new_tokens must be a positive integer"):
+    checkpoints.generate(tiny, [[1, 2]], max_new_tokens=0)
+  with pytest.raises(UserError, match=r"Token ids must lie in \[0, 96\)"):
+    checkpoints.generate(tiny, [[1, 96]])
+  with pytest.raises(UserError, match="exceed the model's context"):
+    checkpoints.generate(tiny, [[1, 2]], max_new_tokens=tiny.config.max_seq_len)

@@ -209,6 +209,54 @@ def test_tokenizer_cache_is_atomic_and_reused(hf_llama, tmp_path, monkeypatch):
   assert second.decode(second.encode("ab ab a")) == "ab ab a"
 
 
+def test_dequantized_params_cache(hf_llama, tmp_path, monkeypatch):
+  """Large files keep their converted float32 params in the cache (one .npy each); the
+  second load reads them instead of dequantizing and gives bitwise the same params (and
+  the same bf16 cast); a failed write leaves no entry and no temporary directory; a
+  damaged entry is rebuilt."""
+  from attnprec.checkpoints import gguf as gguf_lib
+  from attnprec.checkpoints.gguf_reader import GGUFFile
+  monkeypatch.setenv("ATTNPREC_CACHE", str(tmp_path / "cache"))
+  model, _ = hf_llama
+  path = write_gguf(tmp_path / "q.gguf", _gguf_tensors(model), quantize=True)
+  def entries():
+    root = tmp_path / "cache/gguf"
+    return sorted(e for e in os.listdir(root) if ".params" in e) if root.is_dir() else []
+
+  fresh = checkpoints.load(path)                    # below the size limit: not cached
+  assert entries() == []
+  monkeypatch.setattr(gguf_lib, "PARAMS_CACHE_MIN_BYTES", 0)
+
+  with monkeypatch.context() as m:
+    m.setattr(np, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    checkpoints.load(path)
+  assert entries() == []
+  first = checkpoints.load(path)
+  assert len(entries()) == 1 and ".tmp-" not in entries()[0]
+
+  def no_dequantizing(self, name):
+    raise AssertionError(f"dequantized {name} although the params are cached")
+
+  with monkeypatch.context() as m:
+    m.setattr(GGUFFile, "tensor", no_dequantizing)
+    second = checkpoints.load(path)
+    second_bf16 = checkpoints.load(path, param_dtype="bfloat16")
+  for ckpt in (first, second):
+    for mod, d in fresh.params.items():
+      for n, v in d.items():
+        np.testing.assert_array_equal(np.asarray(ckpt.params[mod][n]), np.asarray(v))
+  w = fresh.params["decoder/layer_0/attn/q"]["w"]
+  got = second_bf16.params["decoder/layer_0/attn/q"]["w"]
+  assert got.dtype == np.dtype("bfloat16")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(w).astype(got.dtype))
+  entry = tmp_path / "cache/gguf" / entries()[0]
+  next(entry.glob("*.npy")).write_bytes(b"not an array")         # damaged: rebuilt
+  again = checkpoints.load(path)
+  np.testing.assert_array_equal(np.asarray(again.params["decoder/embed"]["embeddings"]),
+                                np.asarray(fresh.params["decoder/embed"]["embeddings"]))
+  assert len(entries()) == 1
+
+
 # ----------------------------------------------------------------------------- errors
 def test_error_truncated_and_corrupt(hf_llama, tmp_path):
   model, _ = hf_llama

@@ -214,11 +214,14 @@ def test_error_unsupported_architecture(tmp_path):
     checkpoints.load(tmp_path)
 
 
-def test_error_truncated_safetensors(tmp_path):
+@pytest.mark.parametrize("keep", ["4 bytes", "mid header", "half", "all but 3 bytes"])
+def test_error_truncated_safetensors(tmp_path, keep):
   save_tiny("llama", tmp_path)
   path = tmp_path / "model.safetensors"
   data = path.read_bytes()
-  path.write_bytes(data[: len(data) // 2])
+  cut = {"4 bytes": 4, "mid header": 40, "half": len(data) // 2,
+         "all but 3 bytes": len(data) - 3}[keep]
+  path.write_bytes(data[:cut])
   with pytest.raises(UserError, match=r"model.safetensors is not a valid .safetensors file.*"
                                       r"truncated"):
     checkpoints.load(tmp_path)
@@ -244,3 +247,21 @@ def test_error_tensor_without_a_place(tmp_path):
   _edit_config(tmp_path, model_type="llama")
   with pytest.raises(UserError, match=r"'model.layers.0.self_attn.[qkv]_proj.bias'.*no place"):
     checkpoints.load(tmp_path)
+
+
+def test_safetensors_file_reads_bfloat16_exactly(tmp_path):
+  """bfloat16 and float32 tensors come back bit for bit (written by safetensors.numpy)."""
+  import ml_dtypes
+  from safetensors.numpy import save_file
+  from attnprec.checkpoints.safetensors_file import SafetensorsFile
+  rng = np.random.default_rng(0)
+  want = {"w": rng.normal(size=(3, 5)).astype(ml_dtypes.bfloat16),
+          "b": rng.normal(size=(7,)).astype(np.float32)}
+  save_file(want, str(tmp_path / "t.safetensors"))
+  f = SafetensorsFile(tmp_path / "t.safetensors")
+  assert sorted(f.keys()) == ["b", "w"] and f.shape("w") == (3, 5)
+  for name, array in want.items():
+    got = f.get(name)
+    assert got.dtype == array.dtype
+    np.testing.assert_array_equal(got.view(np.uint16) if name == "w" else got,
+                                  array.view(np.uint16) if name == "w" else array)

@@ -12,7 +12,8 @@ and model code. Per model (one test each, so each model is loaded once):
   logits over prompt + those tokens must have exactly that argmax at every step. By
   induction this is the same as running a greedy loop over our full-forward logits (the
   loop would pick the same token at each step), in one forward pass instead of 64;
-* `attnprec.decoding.generate` (cached prefill + scan decode) gives the same 64 tokens;
+* `attnprec.decoding.generate` (cached prefill + scan decode) gives the same 64 tokens,
+  and so does the public `checkpoints.generate` (cut at the end token);
 * the tokenizer gives transformers' ids on a few hundred lines of varied text, and
   decodes them back to the text; the same tokenizer saved by transformers as an HF
   tokenizer.json reads back equal; SmolLM2's chat template renders as transformers' Jinja.
@@ -163,6 +164,21 @@ def check_cached_generate(real):
   assert np.asarray(tokens_BxM)[0].tolist() == real.ref_new
 
 
+def check_public_generate(real):
+  """checkpoints.generate gives transformers' greedy tokens, cut before the tokenizer's
+  end token; a text prompt gives what its token ids give."""
+  tok = real.ckpt.tokenizer
+  stop = tok.eos_id in real.ref_new
+  want = real.ref_new[:real.ref_new.index(tok.eos_id)] if stop else real.ref_new
+  out = checkpoints.generate(real.ckpt, [real.prompt], precision=Precision(),
+                             max_new_tokens=NEW)
+  assert out.tokens == [want] and out.stopped == [stop]
+  assert out.texts == [tok.decode(want)]
+  text = "The capital of France is"
+  by_text = checkpoints.generate(real.ckpt, text, max_new_tokens=8)
+  assert by_text == checkpoints.generate(real.ckpt, [tok.encode(text)], max_new_tokens=8)
+
+
 def check_tokenizer(real):
   tok, ref = real.ckpt.tokenizer, real.tf_tok
   assert (tok.bos_id, tok.eos_id) == (ref.bos_token_id, ref.eos_token_id)
@@ -189,7 +205,7 @@ def check_hf_tokenizer_files(real):
 
 def check_chat_template(real):
   tok, ref = real.ckpt.tokenizer, real.tf_tok
-  if real.name != "smollm2-135m":
+  if real.name == "gemma3-270m":
     assert tok.chat_template is None            # the shipped Gemma 3 is a base model
     return
   chats = [[{"role": "user", "content": "What is 2+2?"}],
@@ -224,11 +240,12 @@ def check_dequantization(real):
   assert seen, "no quantized tensor checked"
 
 
-CHECKS = (check_logits, check_greedy_64_tokens, check_cached_generate, check_tokenizer,
+CHECKS = (check_logits, check_greedy_64_tokens, check_cached_generate, check_public_generate,
+          check_tokenizer,
           check_hf_tokenizer_files, check_chat_template, check_dequantization)
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"])
 def test_shipped_model_matches_transformers(name):
   """All checks of the module docstring for one shipped model. One test per model (not
   one per check) so that `pytest -n 2` loads each model once; every check runs and all

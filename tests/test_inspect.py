@@ -119,6 +119,16 @@ def test_downcast_before_softmax_is_flagged():
   assert clean.ok and not clean.attentions[0].downcasts
 
 
+def test_softmax_as_exp_of_log_softmax():
+  """p = exp(log_softmax(x)): normalised by subtracting log(sum(exp)), no divide."""
+  def lse_attention(q, k, v):
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k)
+    probs = jnp.exp(jax.nn.log_softmax(logits, axis=-1))
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+  (a,) = attention_report(lse_attention, *_qkv(F32)).attentions
+  assert a.stabilised and not a.online and a.softmax["exp"] == "f32"
+
+
 def test_two_attentions_both_found():
   def two(q, k, v):
     return seed_attention(q, k, v) + plain_attention(q, k, v).astype(BF16)
@@ -182,20 +192,33 @@ def test_no_attention_in_an_mlp_with_a_log_softmax_loss():
   r = attention_report(jax.grad(loss, argnums=(0, 1)), s((8, 16), F32), s((16, 10), F32),
                        s((4, 8), F32), s((4,), jnp.int32))
   assert r.attentions == [] and len(r.dense) >= 4
-  assert r.verdict().startswith("NO ATTENTION FOUND")
+  assert r.verdict().startswith("NO ATTENTION FOUND") and r.ok
+  # with a Precision stated, finding nothing is not a pass
+  assert not attention_report(jax.grad(loss, argnums=(0, 1)), s((8, 16), F32),
+                              s((16, 10), F32), s((4, 8), F32), s((4,), jnp.int32),
+                              expect=Precision()).ok
 
 
 def test_flax_nnx_multi_head_attention_if_installed():
-  """Flax is optional (not a dependency): nnx.MultiHeadAttention when it is importable."""
+  """Flax is optional (not a dependency): nnx.MultiHeadAttention when it is importable.
+  Its `precision` reaches the four projections; the attention itself is delegated to
+  jax.nn.dot_product_attention, which takes no precision (as read in flax 0.12.8):
+  the report must show both."""
   nnx = pytest.importorskip("flax.nnx")
-  mha = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32,
-                               decode=False, rngs=nnx.Rngs(0), dtype=BF16)
+  mha = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32, decode=False,
+                               rngs=nnx.Rngs(0), dtype=BF16,
+                               precision=jax.lax.Precision.HIGHEST)
   graphdef, state = nnx.split(mha)
 
   def apply(state, x):
     return nnx.merge(graphdef, state)(x)
-  r = attention_report(apply, state, jax.ShapeDtypeStruct((2, 8, 32), BF16))
-  assert len(r.attentions) == 1
+  r = attention_report(apply, state, jax.ShapeDtypeStruct((2, 8, 32), BF16),
+                       expect=Precision(dtype="bfloat16", einsum_precision="highest",
+                                        matmul_precision="highest"))
+  (a,) = r.attentions
+  assert len(r.dense) == 4 and all(d.precision == "HIGHEST" for d in r.dense)
+  assert a.wv.precision != "HIGHEST" or a.qk.precision != "HIGHEST"
+  assert any("precision" in p and "expected HIGHEST" in p for p in r.problems())
 
 
 # ----------------------------------------------------------------------------- attnprec

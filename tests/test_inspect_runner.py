@@ -1,4 +1,4 @@
-"""`make inspect` (runners/inspect.py): exit codes, files, one-paragraph errors.
+"""`make inspect` (runners/inspect_model.py): exit codes, files, one-paragraph errors.
 
 The inspected functions are `attnprec.inspect.examples` (written in other code bases'
 styles) and small functions defined here; what each must report is said next to it.
@@ -6,19 +6,22 @@ styles) and small functions defined here; what each must report is said next to 
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import gin
 import jax.numpy as jnp
 
 from attnprec import paths
 
-RUNNER = os.path.join(os.path.dirname(paths.REPO_GIN_DIR), "runners", "inspect.py")
+RUNNERS = os.path.join(os.path.dirname(paths.REPO_GIN_DIR), "runners")
+RUNNER = os.path.join(RUNNERS, "inspect_model.py")
 MAXTEXT = ["--gin.inspect.fn=attnprec.inspect.examples:maxtext_attention",
            "--gin.inspect.inputs=attnprec.inspect.examples:maxtext_inputs"]
 
 
 class _Runner:
-  """runners/inspect.py's main, each call with fresh gin bindings (as a new process)."""
+  """runners/inspect_model.py's main, each call with fresh gin bindings (as a new process)."""
 
   def __init__(self):
     spec = importlib.util.spec_from_file_location("inspect_runner", RUNNER)
@@ -86,3 +89,13 @@ def test_exit_codes_files_and_errors(tmp_path, capsys):
   blocker = tmp_path / "file"
   blocker.write_text("x")
   assert runner.main(MAXTEXT + [f"--run_dir={blocker / 'sub'}"]) == 2
+
+
+def test_no_runner_shadows_the_standard_library():
+  """A script's directory is first on sys.path: runners/inspect.py would replace the
+  standard library's `inspect` (imported by numpy, gin) for every runner."""
+  names = {f[:-3] for f in os.listdir(RUNNERS) if f.endswith(".py")}
+  assert not names & set(sys.stdlib_module_names), names & set(sys.stdlib_module_names)
+  out = subprocess.run([sys.executable, RUNNER], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(RUNNERS)})
+  assert out.returncode == 2 and "inspect.fn" in out.stderr, out.stderr

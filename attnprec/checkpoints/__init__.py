@@ -9,6 +9,8 @@ Public API (stable):
     ckpt.tokenizer     # attnprec.checkpoints.tokenizer.Tokenizer (or None)
     ckpt.source        # where it came from, in words
     logits_BxTxV = checkpoints.logits(ckpt, tokens_BxT, precision=Precision())
+    out = checkpoints.generate(ckpt, ["Once upon a time"], precision=REFERENCE,
+                               max_new_tokens=16)   # out.texts, out.tokens, out.stopped
 
 `load(path_or_name, *, param_dtype="float32")`:
   * "smollm2-135m", "gemma3-270m": the shipped models (`attnprec.checkpoints.shipped`);
@@ -21,6 +23,11 @@ Public API (stable):
 `logits(checkpoint_or_config_params, tokens_BxT, *, precision)`: full-sequence logits
 [B, T, V] float32 under the given attention/matmul precision; the forward pass is jitted
 once per (config, precision) and reused.
+
+`generate(ckpt, prompts, *, precision, max_new_tokens, sampler, rng=None, chat=False)`:
+texts or token id lists in, `Generation(texts, tokens, stopped)` out; each sequence stops
+at the tokenizer's end token; greedy (the default sampler) needs no rng
+(`attnprec.checkpoints.generation`).
 
 Every problem with the input (missing or corrupt file, unsupported architecture or
 quantization type, a tensor whose shape disagrees with the config) raises
@@ -35,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnprec.checkpoints.generation import Generation, generate
 from attnprec.checkpoints.gguf import load_gguf
 from attnprec.checkpoints.hf import load_hf_dir
 from attnprec.checkpoints.params import param_dtype as param_dtype_of
@@ -45,7 +53,8 @@ from attnprec.errors import UserError
 from attnprec.model import transformed
 from attnprec.precision import Precision
 
-__all__ = ["Checkpoint", "Tokenizer", "SHIPPED", "load", "logits", "shipped_path"]
+__all__ = ["Checkpoint", "Generation", "Tokenizer", "SHIPPED", "generate", "load", "logits",
+           "shipped_path"]
 
 
 class Checkpoint(NamedTuple):

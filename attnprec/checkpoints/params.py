@@ -65,7 +65,7 @@ class ParamBuilder:
     array = np.asarray(array)
     if not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
       raise UserError(f"Checkpoint {where} has dtype {array.dtype}; expected a float tensor.")
-    self.params.setdefault(module, {})[name] = np.array(array, dtype=self.dtype, order="C")
+    self.params.setdefault(module, {})[name] = np.asarray(array, dtype=self.dtype, order="C")
     self.sources[(module, name)] = source
 
   def finish(self) -> Dict[str, Dict[str, np.ndarray]]:

@@ -25,11 +25,14 @@ user-defined tokens (Gemma's newline and tab runs) become plain added tokens, ma
 BOS is added by `encode` itself (`add_bos`, default from `tokenizer.ggml.add_bos_token`),
 never by a post-processor, so it is explicit.
 """
+import functools
 import json
 import pathlib
-import re
 from typing import Dict, List, Optional, Sequence
 
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
@@ -74,29 +77,27 @@ class Tokenizer:
   # -- chat -----------------------------------------------------------------------------
   def apply_chat_template(self, messages: Sequence[Dict[str, str]], *,
                           add_generation_prompt: bool = True) -> str:
-    """The prompt text for `messages` ([{"role", "content"}]), for ChatML models.
-
-    ChatML (SmolLM2-Instruct): each message is `<|im_start|>{role}\\n{content}<|im_end|>\\n`;
-    when the first message is not a system message, the template's default system message
-    is put first; `add_generation_prompt` appends `<|im_start|>assistant\\n`. This is what
-    the shipped Jinja template renders, written out (no Jinja at run time).
+    """The prompt text for `messages` ([{"role", "content"}]): the model's own Jinja chat
+    template rendered as transformers renders it (a sandboxed jinja2 environment with
+    `trim_blocks`/`lstrip_blocks`, `tojson`, `raise_exception`; `tools` unset), so the
+    template's default system message (SmolLM2's, Qwen's) comes out exactly as shipped.
     """
-    template = self.chat_template or ""
-    if "<|im_start|>" not in template:
-      raise UserError("This model has no ChatML chat template (only ChatML templates are "
-                      "implemented); format the prompt yourself and call encode().")
-    default = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, re.S)
-    parts = []
+    if not self.chat_template:
+      raise UserError("This model has no chat template (a base model); format the prompt "
+                      "yourself and call encode().")
     for k, m in enumerate(messages):
       if set(m) - {"role", "content"} or not {"role", "content"} <= set(m):
         raise UserError(f"Chat message {k} must have exactly 'role' and 'content', got "
                         f"{sorted(m)}.")
-      if k == 0 and m["role"] != "system" and default:
-        parts.append(f"<|im_start|>system\n{default.group(1)}<|im_end|>\n")
-      parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
-    if add_generation_prompt:
-      parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
+    special = lambda i: None if i is None else self.token(i)   # noqa: E731
+    try:
+      return _compiled_template(self.chat_template).render(
+          messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+          tools=None, bos_token=special(self.bos_id) or "",
+          eos_token=special(self.eos_id) or "")
+    except jinja2.TemplateError as e:
+      raise UserError(f"The model's chat template cannot render these messages ({e}).") \
+          from None
 
   def encode_chat(self, messages, *, add_generation_prompt: bool = True) -> List[int]:
     """Token ids of the chat prompt (no extra BOS: the template writes what it needs)."""
@@ -183,6 +184,26 @@ class Tokenizer:
     return cls(backend, bos_id=bos_id, eos_id=token_id("eos_token"),
                pad_id=token_id("pad_token"), add_bos=bool(add_bos and bos_id is not None),
                chat_template=template)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str) -> jinja2.Template:
+  """A chat template compiled as transformers compiles it."""
+  def raise_exception(message):
+    raise jinja2.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  try:
+    return env.from_string(source)
+  except jinja2.TemplateError as e:
+    raise UserError(f"The model's chat template is not valid Jinja ({e}).") from None
 
 
 def bytes_to_unicode() -> Dict[int, str]:

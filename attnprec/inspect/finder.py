@@ -330,6 +330,21 @@ def _softmax_at(g: Graph, exp: Node, cone: Set[int]) -> Optional[dict]:
       if _reducer_kind(n) == "max" and n.inputs and n.id in cone:
         max_node, stabilised = n, True
         break
+    lse = _log_sum_exp(sub.inputs[1], cone)
+    if lse is not None:
+      # exp(x - logsumexp(x)), e.g. jnp.exp(jax.nn.log_softmax(x)): already normalised
+      inner_exp, total = lse
+      if max_node is None:
+        for n in _back(inner_exp.inputs[0], lambda n: n.kind != DOT and n.id in cone,
+                       limit=400):
+          if _reducer_kind(n) == "max" and n.id in cone:
+            max_node, stabilised = n, True
+            break
+      dims = int_list(total, "dimensions") or []
+      axis = dims[0] if len(dims) == 1 and total.inputs[0].shape == exp.outputs[0].shape \
+          else None
+      return dict(max=max_node, sums=[total], axis=axis, stabilised=stabilised,
+                  probs=[exp.outputs[0]], sum_cone=set())
   # the sum: an add-reduction of the exp (through converts / layout)
   sums = []
   stack, seen = [exp.outputs[0]], set()
@@ -400,11 +415,31 @@ def _softmax_at(g: Graph, exp: Node, cone: Set[int]) -> Optional[dict]:
               probs=probs, sum_cone=sum_cone)
 
 
+def _log_sum_exp(v: Value, cone: Set[int]) -> Optional[Tuple[Node, Node]]:
+  """(inner exp, add-reduction) if v is log(sum(exp(...))) (+ a max), through layout."""
+  for n in _back(v, lambda n: n.kind in LAYOUT or n.kind == "stablehlo.add", limit=64):
+    if n.kind != "stablehlo.log":
+      continue
+    total = _through_layout(n.inputs[0]).producer
+    if total is None or _reducer_kind(total) != "add":
+      continue
+    inner = _through_layout(total.inputs[0]).producer
+    if inner is not None and inner.kind == EXP and inner.id in cone:
+      return inner, total
+  return None
+
+
 def find(g: Graph) -> Findings:
   dots = g.ops(DOT)
   attentions: List[Attention] = []
   used: Dict[int, str] = {}
+  # Only dots that an exp depends on (through anything but another dot) can be a qk dot:
+  # walking back from the exps is cheap, a forward cone from every dense dot is not.
+  candidates = {n.id for e in g.ops(EXP)
+                for n in _back(e.inputs[0], lambda n: n.kind != DOT) if n.kind == DOT}
   for d1 in dots:
+    if d1.id not in candidates:
+      continue
     cone = _forward_cone(d1.outputs[0])
     for exp in (g.nodes[i] for i in sorted(cone)):
       if exp.kind != EXP:

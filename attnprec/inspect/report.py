@@ -199,7 +199,9 @@ class Report:
       return [f"attention {_where(a)}: logits cast down ({', '.join(a.downcasts)}) "
               f"between the QK^T product and the softmax"
               for a in self.attentions if a.downcasts]
-    out = []
+    out = [] if self.attentions else [
+        "no attention found, so the Precision cannot be checked: no dot -> softmax -> dot "
+        "pattern in the program (an attention inside a custom_call is invisible)"]
     for a in self.attentions:
       for stage, ps in check_attention(a, self.expect).items():
         out += [f"attention {_where(a)} {stage}: {p}" for p in ps]

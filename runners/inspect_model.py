@@ -1,4 +1,4 @@
-"""Inspect: `python runners/inspect.py --gin.inspect.fn=package.module:function [...]`.
+"""Inspect: `python runners/inspect_model.py --gin.inspect.fn=package.module:function [...]`.
 
 Lowers the function on its example inputs, finds every attention in the program by its
 structure and reports the precision each really runs in; with a Precision stated (a
@@ -6,18 +6,14 @@ gin/precision/ file), checks it against the contract. Exit code 0: nothing flagg
 mismatch or a down-cast before a softmax, 2: bad input. Writes inspect.json and
 inspect.md into --run_dir.
 """
-import os
 import sys
 
-# This file's name is also the standard library's `inspect` (which numpy and gin import):
-# run as a script, its directory must not shadow it.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-from attnprec.xla_env import disable_excess_precision  # noqa: E402
+from attnprec.xla_env import disable_excess_precision
 
 disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 
+# (Not runners/inspect.py: a script's directory comes first on sys.path, and a file named
+# inspect.py there would shadow the standard library's `inspect` for every runner.)
 from attnprec import cli, ginutils  # noqa: E402
 from attnprec.inspect.job import inspect_job  # noqa: E402
 
