@@ -48,7 +48,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import checks, decoding, hlo, runs, train
+from attnprec import checks, decoding, hlo, layout, runs, train
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
@@ -72,7 +72,7 @@ def check_dense_dot(dot: DotSite, precision: Precision) -> List[str]:
   c = short(precision.compute_dtype)
   _, _, result = contract_check.effective(
       dot, widened_ok=contract_check.is_preset(precision.matmul_precision))
-  unembed = _module(dot.name) == "unembed"
+  unembed = _module(dot) == "unembed"
   want = "f32" if unembed else c
   if result != want and dot.result != want and not any("result" in p for p in problems):
     problems.append(f"{'logits' if unembed else 'dense'} result {result}, expected {want}")
@@ -123,7 +123,7 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
 def _row(phase: str, site: str, layer, dot: DotSite, problems: List[str], checked: str,
          softmax: Optional[dict] = None, label: str = "") -> dict:
   return {"phase": phase, "site": site, "layer": layer, "backward": dot.backward,
-          "module": _module(dot.name), "label": label, "source": dot.source,
+          "module": _module(dot), "label": label, "source": dot.source,
           "lhs": contract_check.typed(dot.lhs, dot.lhs_source),
           "rhs": contract_check.typed(dot.rhs, dot.rhs_source),
           "result": contract_check.result_text(dot),
@@ -134,15 +134,33 @@ def _row(phase: str, site: str, layer, dot: DotSite, problems: List[str], checke
           "checked": checked, "ok": not problems, "problems": problems}
 
 
-def _module(name: str) -> str:
-  """The model's module a dense dot belongs to, from its location name."""
-  for part in ("attn/q/", "attn/k/", "attn/v/", "attn/o/", "mlp/gate/", "mlp/up/",
-               "mlp/down/"):
-    if part in name:
-      return part.rstrip("/")
-  if "BTD,DV->BTV" in name:
-    return "unembed"
+def _module(dot: DotSite) -> str:
+  """The model's dense module a dot applies ('attn/q', ..., 'unembed'), from the parameter
+  it reads (its argument's pytree path, e.g. "params['decoder/layer_0/attn/q']['w']")
+  and the parameter layout table; '' if it reads none. The tied unembedding reads the
+  embedding table."""
+  for arg in dot.reads:
+    path = _param_path(arg)
+    if path is None:
+      continue
+    module, name = path
+    parts = module.split("/")[1:]                     # below 'decoder'
+    if parts and parts[0].startswith("layer_"):
+      parts = parts[1:]
+    key = "/".join(parts + [name])
+    if key not in layout.BY_KEY:
+      continue
+    if layout.param(key).dense:
+      return layout.param(key).module_suffix
+    if key == "embed/embeddings":
+      return "unembed"                                # tied: the head is embeddings^T
   return ""
+
+
+def _param_path(arg: str):
+  """"state.params['decoder/layer_0/attn/q']['w']" -> ('decoder/layer_0/attn/q', 'w')."""
+  keys = [k.strip("'\"") for k in arg.replace("]", "[").split("[")[1:] if k.strip("'\"")]
+  return (keys[-2], keys[-1]) if len(keys) >= 2 else None
 
 
 def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig, *,

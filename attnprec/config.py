@@ -51,8 +51,6 @@ class ModelConfig:
   sliding_window: Optional[int] = None  # window of "local" layers
   layer_pattern: Tuple[str, ...] = ("global",)  # repeated cyclically over the layers
   max_seq_len: int = 8192               # longest context the model is meant for
-  key_offset: bool = False              # a key bias added after RoPE (attn/k_offset [K, H]);
-                                        # shifts each query's logits by q.b: see layers.py
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -103,6 +101,8 @@ class ModelConfig:
                       f"model.* fields.")
     fields = dataclasses.fields(cls)
     known = {f.name for f in fields}
+    if d.get("key_offset") is False:   # written by older versions; it meant "none"
+      d = {k: v for k, v in d.items() if k != "key_offset"}
     unknown = sorted(set(d) - known)
     if unknown:
       raise UserError(f"Unknown field(s) {unknown} in {origin}; valid: {sorted(known)}.")

@@ -89,6 +89,24 @@ SAMPLERS = (Greedy, Temperature, TopK, TopP)
 SAMPLER_NAMES = "@Greedy(), @Temperature(), @TopK() or @TopP()"
 
 
+# ----------------------------------------------------------------------------- weights
+def compute_params(params, precision: Precision):
+  """params with every matrix (dense weights, embeddings) stored in the phase's compute
+  dtype, norm scales and biases left as they are: the values the model would cast them to
+  at each use, cast once (bit-identical results, half the bytes held for bfloat16).
+
+  Not faster on XLA:CPU without bf16 matrix units: it runs a bf16 dot as an f32 dot and
+  converts bf16 weights to f32 inside every decode step (a size-inflating convert it does
+  not hoist out of the loop), while float32 weights cast at use are cast once per
+  `generate` (`make bench` measures both: preset `bf16_flags_bf16w`)."""
+  c = precision.compute_dtype
+
+  def cast(x):
+    return x.astype(c) if x.ndim == 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+  return jax.tree_util.tree_map(cast, params)
+
+
 # ----------------------------------------------------------------------------- steps
 class DecodeState(NamedTuple):
   cache: KVCache
@@ -104,9 +122,11 @@ def prefill(params, prompt_BxP, lengths_B, *, config: ModelConfig, precision: Pr
     raise UserError(f"Prompt of {P} tokens is longer than the KV cache ({cache_length} "
                     f"positions); raise the cache length or shorten the prompt.")
   cache = init_cache(config, B, cache_length, precision.compute_dtype)
+  # Logits of each prompt's last real token only (not of all P positions).
   out = model_lib.transformed(config).apply(params, prompt_BxP, None, cache,
-                                            precision=precision)
-  last_BxV = jnp.take_along_axis(out.logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+                                            precision=precision,
+                                            logits_at_B=(lengths_B - 1).astype(jnp.int32))
+  last_BxV = out.logits[:, 0]
   return DecodeState(out.cache, last_BxV, lengths_B.astype(jnp.int32))
 
 
@@ -117,6 +137,15 @@ def decode_step(params, state: DecodeState, tokens_B, *, config: ModelConfig,
                                             state.positions_B[:, None], state.cache,
                                             precision=precision)
   return DecodeState(out.cache, out.logits[:, 0], state.positions_B + 1)
+
+
+@functools.lru_cache(maxsize=32)
+def step_fn(config: ModelConfig, precision: Precision):
+  """`decode_step` jitted for a serving loop, (params, state, tokens_B) -> state, with the
+  state DONATED: the cache is updated in place (the state passed in is consumed; use
+  the one returned). `generate` needs no donation: its loop carries the cache."""
+  return jax.jit(functools.partial(decode_step, config=config, precision=precision),
+                 donate_argnums=(1,))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "precision", "sampler",
@@ -175,11 +204,28 @@ def decode_with_template(params, prompt_BxP, lengths_B, template_BxM, *, config:
   return tokens_MxB.T, template_BxM < 0
 
 
-def pad_prompts(prompts, pad_id: int = 0):
-  """List of token lists -> (prompt_BxP int32 right-padded, lengths_B int32)."""
+# Prompt-length buckets: powers of two and 1.5x powers of two (at most a third padding).
+BUCKETS = tuple(sorted({m * 2 ** e for e in range(4, 17) for m in (2, 3)}))
+
+
+def bucket_length(n: int) -> int:
+  """The smallest bucket >= n (32, 48, 64, 96, 128, 192, ...): prompts padded to it share
+  one compiled program."""
+  for b in BUCKETS:
+    if b >= n:
+      return b
+  return n
+
+
+def pad_prompts(prompts, pad_id: int = 0, *, bucket: bool = False):
+  """List of token lists -> (prompt_BxP int32 right-padded, lengths_B int32).
+
+  bucket: pad P up to `bucket_length(longest prompt)` instead of the longest prompt, so
+  prompts of other lengths reuse the same compiled `generate` (the causal mask hides the
+  padding and decode steps overwrite it; results are the same as unbucketed)."""
   lengths = [len(p) for p in prompts]
-  if min(lengths) == 0:
+  if not lengths or min(lengths) == 0:
     raise UserError("Empty prompt: every prompt needs at least one token.")
-  P = max(lengths)
+  P = bucket_length(max(lengths)) if bucket else max(lengths)
   rows = [list(p) + [pad_id] * (P - len(p)) for p in prompts]
   return jnp.asarray(rows, jnp.int32), jnp.asarray(lengths, jnp.int32)

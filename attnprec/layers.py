@@ -7,7 +7,7 @@ Parameters are created in float32 and cast to the phase's compute dtype at use; 
 phase's `Precision` is passed in explicitly (plain data), never read from globals.
 """
 import dataclasses
-from typing import Optional, Tuple
+from typing import Optional
 
 import chex
 import haiku as hk
@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from attnprec import kernels
+from attnprec.cache import LayerCache
 from attnprec.config import ModelConfig
 from attnprec.precision import Precision
 
@@ -101,17 +102,12 @@ class Attention(hk.Module):
   layer: int                # index: picks the window and RoPE base of this layer
   name: Optional[str] = None
 
-  def __call__(self, x_BxTxD, positions_BxT, mask,
-               cache_kv: Optional[Tuple[jax.Array, jax.Array]] = None):
+  def __call__(self, x_BxTxD, positions_BxT, mask, cache: Optional[LayerCache] = None):
     """mask: a `CausalMask` (or a dense bool [B, 1, T, S]), passed on to `attend`.
 
-    cache_kv: the stacked cache (k, v), each [L, B, S, K, H], or None.
+    cache: this layer's `LayerCache` (S positions), or None (then S = T).
 
-    Returns (out_BxTxD, the updated stacked (k, v) cache or None, out_BxTxNxH, q_BxTxNxH).
-
-    out_BxTxNxH is the attention kernel's output before the o projection (what the
-    precision study compares against a reference); q_BxTxNxH the queries after RoPE,
-    unscaled (what the study's key-offset calibration reads).
+    Returns (out_BxTxD, the updated LayerCache or None).
     """
     cfg, prec = self.config, self.precision
     B, T, _ = x_BxTxD.shape
@@ -129,33 +125,40 @@ class Attention(hk.Module):
     base, pos_scale = cfg.rope(self.layer)
     q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, base=base, scale=pos_scale)
     k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, base=base, scale=pos_scale)
-    if cfg.key_offset:
-      # A bias b on every key after RoPE: each query's logits all move by q.b, which the
-      # softmax ignores in exact arithmetic, but a bfloat16 QK product rounds them at the
-      # shifted magnitude. The precision study sets b (attnprec/study/offsets.py) to show
-      # what large logit offsets, as key biases can give, do to each precision choice.
-      b_KxH = hk.get_parameter("k_offset", (K, H), jnp.float32, init=jnp.zeros)
-      k_BxTxKxH = k_BxTxKxH + b_KxH.astype(k_BxTxKxH.dtype)
 
-    new_kv = None
-    if cache_kv is not None:
-      # Write this step's keys/values at their absolute positions into the stacked cache
-      # [L, B, S, K, H] (an in-place scatter under jit), then attend over this layer's
-      # whole cache; the mask hides positions not yet written (key pos > query pos).
-      cache_k, cache_v = cache_kv
-      b_idx_Bx1 = jnp.arange(B)[:, None]
-      cache_k = cache_k.at[self.layer, b_idx_Bx1, positions_BxT].set(
-          k_BxTxKxH.astype(cache_k.dtype))
-      cache_v = cache_v.at[self.layer, b_idx_Bx1, positions_BxT].set(
-          v_BxTxKxH.astype(cache_v.dtype))
-      new_kv = (cache_k, cache_v)
-      k_BxSxKxH, v_BxSxKxH = cache_k[self.layer], cache_v[self.layer]
+    if cache is not None:
+      # Write this step's keys/values at their absolute positions (in place under jit),
+      # then attend over the layer's whole cache; the mask hides positions not yet
+      # written (key pos > query pos). The cache lies [B, K, S, H]: the kernel's
+      # [B, S, K, H] view is a transpose XLA folds into the dots (no copy).
+      cache = cache.write(k_BxTxKxH, v_BxTxKxH, positions_BxT)
+      k_BxKxSxH, v_BxKxSxH = cache.read(q_BxTxNxH.dtype)
+      k_BxSxKxH, v_BxSxKxH = (jnp.swapaxes(x, 1, 2) for x in (k_BxKxSxH, v_BxKxSxH))
     else:
       k_BxSxKxH, v_BxSxKxH = k_BxTxKxH, v_BxTxKxH
 
-    out_BxTxNxH = kernels.attend(
-        prec, q_BxTxNxH, k_BxSxKxH.astype(q_BxTxNxH.dtype), v_BxSxKxH.astype(q_BxTxNxH.dtype),
-        mask=mask, logits_soft_cap=cfg.attn_logit_soft_cap, scale=cfg.query_scale)
+    out_BxTxNxH = AttentionKernel(cfg, prec, self.layer, name="kernel")(
+        q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask)
     chex.assert_shape(out_BxTxNxH, (B, T, N, H))
     out_BxTxD = Dense(cfg.d_model, precision=mp, name="o")(out_BxTxNxH.reshape(B, T, N * H))
-    return out_BxTxD, new_kv, out_BxTxNxH, q_BxTxNxH
+    return out_BxTxD, cache
+
+
+@dataclasses.dataclass
+class AttentionKernel(hk.Module):
+  """The attention kernel the phase's `Precision` selects: queries after RoPE (unscaled),
+  keys/values of every visible position -> [B, T, N, H] before the o projection.
+
+  A module of its own (no parameters) so that code outside the model can observe or
+  alter exactly this step with `hk.experimental.intercept_methods`: the precision study
+  records the kernel outputs and queries here and adds its key bias
+  (`attnprec.study.probes`); the model itself returns only what a model returns."""
+  config: ModelConfig       # architecture (soft-cap, query scale)
+  precision: Precision      # this phase's numerics (kernel and attention flags)
+  layer: int                # the layer it belongs to
+  name: Optional[str] = None
+
+  def __call__(self, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask):
+    return kernels.attend(self.precision, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask,
+                          logits_soft_cap=self.config.attn_logit_soft_cap,
+                          scale=self.config.query_scale)

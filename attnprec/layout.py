@@ -101,9 +101,6 @@ TABLE: Tuple[Param, ...] = (
     _layer("attn/k_norm/scale", lambda c: (c.head_dim,), "[H]", norm=True,
            when=lambda c: c.qk_norm,
            hf="layers.{i}.self_attn.k_norm.weight", gguf="blk.{i}.attn_k_norm.weight"),
-    # A bias on every key after RoPE: the precision study's offset probe, in no checkpoint.
-    _layer("attn/k_offset", lambda c: (c.num_kv_heads, c.head_dim), "[K, H]",
-           when=lambda c: bool(c.key_offset)),
     _layer("attn/o/w", lambda c: (c.num_heads * c.head_dim, c.d_model), "[N*H, D]",
            role="rows", dense=True, transpose=True,
            hf="layers.{i}.self_attn.o_proj.weight", gguf="blk.{i}.attn_output.weight"),

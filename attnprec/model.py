@@ -19,7 +19,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from attnprec.cache import KVCache
+from attnprec.cache import KVCache, LayerCache
 from attnprec.config import ModelConfig
 from attnprec.contract import CausalMask
 from attnprec.layers import MLP, Attention, RMSNorm
@@ -29,8 +29,6 @@ from attnprec.precision import Precision
 class Output(NamedTuple):
   logits: jax.Array                 # [B, T, V] float32
   cache: Optional[KVCache]          # updated cache (None without one)
-  attn: Optional[tuple]             # per layer [B, T, N, H] kernel outputs (if collected)
-  queries: Optional[tuple] = None   # per layer [B, T, N, H] queries after RoPE (if collected)
 
 
 @dataclasses.dataclass
@@ -40,12 +38,13 @@ class Block(hk.Module):
   layer: int
   name: Optional[str] = None
 
-  def __call__(self, x_BxTxD, positions_BxT, mask, cache_kv):
+  def __call__(self, x_BxTxD, positions_BxT, mask, cache: Optional[LayerCache] = None):
+    """Returns (x_BxTxD, this layer's updated cache or None)."""
     cfg = self.config
     norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.norm_plus_one)
     h_BxTxD = norm(name="pre_attn_norm")(x_BxTxD)
-    h_BxTxD, new_kv, attn_BxTxNxH, q_BxTxNxH = Attention(
-        cfg, self.precision, self.layer, name="attn")(h_BxTxD, positions_BxT, mask, cache_kv)
+    h_BxTxD, cache = Attention(cfg, self.precision, self.layer, name="attn")(
+        h_BxTxD, positions_BxT, mask, cache)
     if cfg.post_attn_norm:
       h_BxTxD = norm(name="post_attn_norm")(h_BxTxD)
     x_BxTxD = x_BxTxD + h_BxTxD
@@ -53,7 +52,7 @@ class Block(hk.Module):
     h_BxTxD = MLP(cfg, self.precision, name="mlp")(h_BxTxD)
     if cfg.post_mlp_norm:
       h_BxTxD = norm(name="post_mlp_norm")(h_BxTxD)
-    return x_BxTxD + h_BxTxD, new_kv, attn_BxTxNxH, q_BxTxNxH
+    return x_BxTxD + h_BxTxD, cache
 
 
 @dataclasses.dataclass
@@ -63,7 +62,11 @@ class Decoder(hk.Module):
   name: Optional[str] = "decoder"
 
   def __call__(self, tokens_BxT, positions_BxT=None, cache: Optional[KVCache] = None,
-               collect: bool = False) -> Output:
+               logits_at_B: Optional[jax.Array] = None) -> Output:
+    """logits_at_B: if given, the index (0..T-1) of the one token per sequence whose
+    logits are computed (logits [B, 1, V]); prefill needs only each prompt's last token,
+    and the unembedding of all T tokens is the costliest single product of a long
+    prefill (T x D x V). None: logits of every token."""
     cfg, prec = self.config, self.precision
     c = prec.compute_dtype
     B, T = tokens_BxT.shape
@@ -85,16 +88,17 @@ class Decoder(hk.Module):
     masks = {w: CausalMask(positions_BxT, k_positions_BxS, sliding_window=w)
              for w in {cfg.window(i) for i in range(cfg.num_layers)}}
 
-    cache_kv = (cache.k, cache.v) if cache is not None else None
-    attn_outs, queries = [], []
+    new_layers = []
     for i in range(cfg.num_layers):
-      x_BxTxD, cache_kv, attn_BxTxNxH, q_BxTxNxH = Block(cfg, prec, i, name=f"layer_{i}")(
-          x_BxTxD, positions_BxT, masks[cfg.window(i)], cache_kv)
+      x_BxTxD, layer_cache = Block(cfg, prec, i, name=f"layer_{i}")(
+          x_BxTxD, positions_BxT, masks[cfg.window(i)],
+          cache.layers[i] if cache is not None else None)
       chex.assert_type(x_BxTxD, c)
-      if collect:
-        attn_outs.append(attn_BxTxNxH)
-        queries.append(q_BxTxNxH)
+      new_layers.append(layer_cache)
 
+    if logits_at_B is not None:
+      x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_at_B[:, None, None], axis=1)  # [B, 1, D]
+      T = 1
     x_BxTxD = RMSNorm(cfg.norm_eps, cfg.norm_plus_one, name="final_norm")(x_BxTxD)
     if cfg.tie_embeddings:
       w_DxV = embed_VxD.T
@@ -109,18 +113,17 @@ class Decoder(hk.Module):
       logits_BxTxV = cap * jnp.tanh(logits_BxTxV / cap)
     chex.assert_shape(logits_BxTxV, (B, T, cfg.vocab_size))
     chex.assert_type(logits_BxTxV, jnp.float32)
-    new_cache = KVCache(k=cache_kv[0], v=cache_kv[1]) if cache is not None else None
-    return Output(logits_BxTxV, new_cache, tuple(attn_outs) if collect else None,
-                  tuple(queries) if collect else None)
+    new_cache = KVCache(layers=tuple(new_layers)) if cache is not None else None
+    return Output(logits_BxTxV, new_cache)
 
 
 def transformed(config: ModelConfig) -> hk.Transformed:
   """Pure init/apply for `config`; apply(params, tokens, positions=None, cache=None, *,
-  precision, collect=False) -> Output. `precision` is a static, per-phase value."""
+  precision, logits_at_B=None) -> Output. `precision` is a static, per-phase value."""
 
   def fn(tokens_BxT, positions_BxT=None, cache=None, *, precision: Precision,
-         collect: bool = False):
-    return Decoder(config, precision)(tokens_BxT, positions_BxT, cache, collect)
+         logits_at_B=None):
+    return Decoder(config, precision)(tokens_BxT, positions_BxT, cache, logits_at_B)
 
   return hk.without_apply_rng(hk.transform(fn))
 

@@ -1,9 +1,16 @@
-"""Attention benchmark: `python runners/bench.py [--seq_lens=1024,4096] [--out=bench]`.
+"""Benchmarks: `python runners/bench.py [--suite=model|attention|all] [--quick] [--out=bench]`.
 
-Writes <out>/results.json, <out>/results.md and <out>/results.png. See
-`attnprec.bench.attention` for the method (round-robin medians, FLOP convention).
-Every option and --out are checked before anything is compiled. Exit codes: 0 done,
-2 bad input (one paragraph, no traceback), 1 a crash (attnprec.cli).
+`model` (the default, `make bench`; `--cases=1x32,8x1000`, `--model_presets=fp32,bf16_flags`,
+`--steps`, `--rounds`, `--no_torch`): decode tokens/s and prefill time of a real model under
+the fp32 and bf16 + flags presets beside transformers, the bandwidth roofline, the cost of
+the flags per phase, compile times (`attnprec.bench.model`). Writes <out>/model.json,
+model.md, model.png. `--quick`: batch 1 and 8 at a 32-token prompt, 8 steps, 2 rounds.
+
+`attention`: every attention kernel x precision preset alone, plus torch SDPA
+(`attnprec.bench.attention`). Writes <out>/results.json, results.md, results.png.
+
+Every option and --out are checked before anything is loaded or compiled. Exit codes:
+0 done, 2 bad input (one paragraph, no traceback), 1 a crash (attnprec.cli).
 """
 import argparse
 import os
@@ -13,9 +20,12 @@ from attnprec.xla_env import disable_excess_precision
 
 disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 
-from attnprec import cli, runs  # noqa: E402
+from attnprec import cli, compilation, runs  # noqa: E402
 from attnprec.bench import attention as bench  # noqa: E402
+from attnprec.bench import model as model_bench  # noqa: E402
 from attnprec.errors import UserError  # noqa: E402
+
+SUITES = ("model", "attention", "all")
 
 
 def _ints(text):
@@ -29,6 +39,32 @@ def _ints(text):
   return values
 
 
+def _cases(text):
+  """'1x32,8x1000' -> ((1, 32), (8, 1000))."""
+  out = []
+  for part in text.split(","):
+    try:
+      B, P = part.lower().split("x")
+      out.append((int(B), int(P)))
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+          f"bad case {part!r}: expected BATCHxPROMPT, e.g. 1x32,8x1000") from None
+    if out[-1][0] < 1 or out[-1][1] < 1:
+      raise argparse.ArgumentTypeError(
+          f"bad case {part!r}: batch and prompt length must be >= 1, e.g. 1x32")
+  return tuple(out)
+
+
+def _count(text):
+  try:
+    value = int(text)
+  except ValueError:
+    value = -1
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0 (0: the default)")
+  return value
+
+
 def _names(flag: str, text: str, valid) -> list:
   names = [n.strip() for n in text.split(",") if n.strip()]
   bad = [n for n in names if n not in valid]
@@ -39,40 +75,89 @@ def _names(flag: str, text: str, valid) -> list:
   return names
 
 
+def _write(out, name, text, mode="w"):
+  runs.atomic_write(os.path.join(out, name), text, mode)
+
+
+def run_model(args):
+  quick = args.quick
+  result = model_bench.run_model_bench(
+      model=args.model,
+      cases=args.cases or (model_bench.QUICK_CASES if quick else model_bench.DEFAULT_CASES),
+      presets=args.model_presets,
+      steps=args.steps or (8 if quick else 32), rounds=args.rounds or (2 if quick else 3),
+      include_torch=not args.no_torch, flag_phases=not quick,
+      flag_case=(1, 1000))
+  runs.write_json(args.out, "model.json", result)
+  table = model_bench.to_markdown(result)
+  _write(args.out, "model.md", table)
+  tmp = os.path.join(args.out, ".model.tmp.png")
+  model_bench.plot(result, tmp)
+  os.replace(tmp, os.path.join(args.out, "model.png"))
+  print(table)
+  print(f"wrote {args.out}/model.json, model.md, model.png")
+
+
+def run_attention(args):
+  result = bench.run_attention_bench(
+      seq_lens=args.seq_lens, memory_seq_lens=args.memory_seq_lens,
+      decode_seq_lens=args.decode_seq_lens,
+      kernels=args.kernels, presets=args.presets,
+      include_torch=not args.no_torch)
+  runs.write_json(args.out, "results.json", result)
+  table = bench.to_markdown(result)
+  _write(args.out, "results.md", table)
+  tmp = os.path.join(args.out, ".results.tmp.png")
+  bench.plot(result, tmp)
+  os.replace(tmp, os.path.join(args.out, "results.png"))
+  print(table)
+  print(f"wall time {result['wall_s']:.0f} s; wrote {args.out}/results.json, results.md, "
+        f"results.png")
+
+
+def _parse(argv):
+  parser = cli.ArgumentParser(prog="bench", description=__doc__, allow_abbrev=False)
+  parser.add_argument("--suite", choices=SUITES, default="model")
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--model", default="smollm2-135m")
+  parser.add_argument("--cases", type=_cases, default=None)
+  parser.add_argument("--model_presets", default="fp32,bf16_flags",
+                      help=f"comma-separated, from {','.join(model_bench.PRESETS)}")
+  parser.add_argument("--steps", type=_count, default=0)
+  parser.add_argument("--rounds", type=_count, default=0)
+  parser.add_argument("--seq_lens", type=_ints, default=bench.DEFAULT_SEQ_LENS)
+  parser.add_argument("--memory_seq_lens", type=_ints, default=bench.DEFAULT_MEMORY_SEQ_LENS)
+  parser.add_argument("--decode_seq_lens", type=_ints, default=bench.DEFAULT_DECODE_SEQ_LENS)
+  parser.add_argument("--kernels", default=",".join(bench.KERNELS))
+  parser.add_argument("--presets", default=",".join(bench.PRESETS))
+  parser.add_argument("--no_torch", action="store_true")
+  parser.add_argument("--out", default="bench")
+  args = parser.parse_args(argv)
+  args.model_presets = _names("--model_presets", args.model_presets,
+                              list(model_bench.PRESETS))
+  args.kernels = _names("--kernels", args.kernels, bench.KERNELS)
+  args.presets = _names("--presets", args.presets, list(bench.PRESETS))
+  if not args.seq_lens:
+    raise UserError("--seq_lens is empty; give at least one length, e.g. 1024,4096.")
+  runs.check_output_dir(args.out, flag="--out")   # before minutes of benchmarking
+  return args
+
+
 def main(argv) -> int:
   def body():
-    parser = cli.ArgumentParser(prog="bench", description=__doc__, allow_abbrev=False)
-    parser.add_argument("--seq_lens", type=_ints, default=bench.DEFAULT_SEQ_LENS)
-    parser.add_argument("--memory_seq_lens", type=_ints,
-                        default=bench.DEFAULT_MEMORY_SEQ_LENS)
-    parser.add_argument("--decode_seq_lens", type=_ints,
-                        default=bench.DEFAULT_DECODE_SEQ_LENS)
-    parser.add_argument("--kernels", default=",".join(bench.KERNELS))
-    parser.add_argument("--presets", default=",".join(bench.PRESETS))
-    parser.add_argument("--no_torch", action="store_true")
-    parser.add_argument("--out", default="bench")
-    args = parser.parse_args(argv)
-    if not args.seq_lens:
-      raise UserError("--seq_lens is empty; give at least one length, e.g. 1024,4096.")
-    kernels = _names("--kernels", args.kernels, bench.KERNELS)
-    presets = _names("--presets", args.presets, list(bench.PRESETS))
-    runs.check_output_dir(args.out, flag="--out")   # before minutes of benchmarking
-    result = bench.run_attention_bench(
-        seq_lens=args.seq_lens, memory_seq_lens=args.memory_seq_lens,
-        decode_seq_lens=args.decode_seq_lens, kernels=kernels, presets=presets,
-        include_torch=not args.no_torch)
-    runs.write_json(args.out, "results.json", result)
-    table = bench.to_markdown(result)
-    runs.atomic_write(os.path.join(args.out, "results.md"), table)
-    bench.plot(result, os.path.join(args.out, "results.png"))
-    print(table)
-    print(f"wall time {result['wall_s']:.0f} s; wrote {args.out}/results.json, results.md, "
-          f"results.png")
+    args = _parse(argv)
+    compilation.enable()
+    runs.ensure_dir(args.out)
+    if args.suite in ("model", "all"):
+      run_model(args)
+    if args.suite in ("attention", "all"):
+      run_attention(args)
 
   return cli.run("bench", body, output_dir=_out_flag(argv))
 
 
 def _out_flag(argv) -> str:
+  """The --out a command line names (the last one), before full parsing."""
   out = "bench"
   for i, a in enumerate(argv):
     if a.startswith("--out="):

@@ -10,12 +10,13 @@ from attnprec.xla_env import disable_excess_precision
 
 disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 
-from attnprec import cli, ginutils  # noqa: E402
+from attnprec import cli, compilation, ginutils  # noqa: E402
 from attnprec.jobs import decode_job  # noqa: E402
 from attnprec.precision import phase_precision  # noqa: E402
 
 
 def run(run_dir: str):
+  compilation.enable()  # programs compiled by one run are loaded by the next
   with ginutils.phase("decode"):
     precision = ginutils.call(phase_precision)
   return ginutils.call(decode_job, precision=precision, run_dir=run_dir)

@@ -58,8 +58,10 @@ def _work(*args, **kwargs):
 
 @contextlib.contextmanager
 def _no_work():
-  """Replaces each runner's first heavy step by `_work`."""
+  """Replaces each runner's first heavy step by `_work` (loading a real model, the recall
+  evaluation, the train loop, the study's model, the audit, the benchmarks)."""
   import attnprec.bench.attention
+  import attnprec.bench.model
   import attnprec.checkpoints
   import attnprec.study.sweep
   import attnprec.train
@@ -67,10 +69,11 @@ def _no_work():
   recall_eval = importlib.import_module("attnprec.jobs.recall_eval")
   with mock.patch.object(attnprec.train.checkpointing, "Checkpointer", _work), \
        mock.patch.object(recall_eval, "evaluate", _work), \
-       mock.patch.object(attnprec.checkpoints, "load", _work), \
+       mock.patch.object(attnprec.checkpoints, "load_gguf", _work), \
        mock.patch.object(attnprec.study.sweep.models, "load_model", _work), \
        mock.patch.object(RUNNERS["audit"], "audit_job", _work), \
-       mock.patch.object(attnprec.bench.attention, "run_attention_bench", _work):
+       mock.patch.object(attnprec.bench.attention, "run_attention_bench", _work), \
+       mock.patch.object(attnprec.bench.model, "run_model_bench", _work):
     yield
 
 

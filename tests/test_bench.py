@@ -27,3 +27,34 @@ def test_tiny_run_reports_every_configuration(tmp_path):
   assert "| 64 | jax_nn | bf16 | unsupported" in bench.to_markdown(result)
   bench.plot(result, str(tmp_path / "a.png"))
   assert (tmp_path / "a.png").stat().st_size > 0
+
+
+def test_tiny_model_bench_reports_every_case(tmp_path):
+  """The whole-model bench (attnprec/bench/model.py) on a tiny random model, without
+  transformers: every case and preset timed, ratios to fp32, the roofline, the flag
+  cost per phase, markdown and plot (its numbers are not checked)."""
+  import jax
+
+  from attnprec.bench import model as model_bench
+  from attnprec.config import ModelConfig
+  from attnprec.model import init_params
+  config = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                       head_dim=8, mlp_hidden=16, max_seq_len=64)
+  params = init_params(config, jax.random.PRNGKey(0))
+  result = model_bench.run_model_bench(
+      config=config, params=params, model="tiny", cases=((2, 9),), steps=3, rounds=2,
+      include_torch=False, flag_case=(1, 6), train_tokens=8, copy_mbytes=1, progress=False)
+  rows = {(r["name"], r["batch"], r["prompt"]): r for r in result["rows"]}
+  assert set(rows) == {(n, 2, 9) for n in ("fp32", "bf16_flags")}
+  for r in rows.values():
+    assert len(r["step_times_s"]) == 2 and r["tokens_per_s"] > 0 and r["of_roofline"] > 0
+    assert set(r["compile_s"]) == {"prefill", "decode"}
+  assert rows[("fp32", 2, 9)]["step_vs_fp32"] == 1.0
+  # bf16 weights are read at half the bytes
+  assert rows[("bf16_flags", 2, 9)]["weight_bytes"] < rows[("fp32", 2, 9)]["weight_bytes"]
+  assert set(result["flags"]["flags_over_no_flags"]) == {"train", "prefill", "decode"}
+  json.dumps(result)
+  table = model_bench.to_markdown(result)
+  assert "| 2, 9 | bf16_flags |" in table and "| decode |" in table
+  model_bench.plot(result, str(tmp_path / "m.png"))
+  assert (tmp_path / "m.png").stat().st_size > 0

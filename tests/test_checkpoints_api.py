@@ -110,29 +110,35 @@ def test_gemma3_assembly_is_verified_and_atomic(tmp_path, monkeypatch):
   assert path.stat().st_mtime_ns == mtime
 
 
-def _greedy_by_full_forward(ckpt, prompt, n):
+def _greedy_by_full_forward(ckpt, prompt, n, length=8):
   """Greedy continuation recomputed from full-sequence logits (no KV cache, no scan):
-  an independent path to the tokens `generate` must return."""
+  an independent path to the tokens `generate` must return. The sequence is zero-padded
+  to `length` (one compiled shape); causal logits before the padding do not see it."""
   seq = list(prompt)
   for _ in range(n):
-    seq.append(int(np.asarray(checkpoints.logits(ckpt, np.array([seq])))[0, -1].argmax()))
+    padded = np.array([seq + [0] * (length - len(seq))])
+    seq.append(int(np.asarray(checkpoints.logits(ckpt, padded))[0, len(seq) - 1].argmax()))
   return seq[len(prompt):]
 
 
 def test_generate_token_prompts_match_full_forward_greedy(tiny):
   """Two prompts of different lengths in one padded batch; greedy needs no rng."""
   prompts = [[3, 17, 5, 60, 2], [44, 9]]
-  out = checkpoints.generate(tiny, prompts, max_new_tokens=5, eos_id=-1)
+  out = checkpoints.generate(tiny, prompts, max_new_tokens=3, eos_id=-1)
   assert out.texts is None and out.stopped == [False, False]
-  assert out.tokens == [_greedy_by_full_forward(tiny, p, 5) for p in prompts]
+  assert out.tokens == [_greedy_by_full_forward(tiny, p, 3) for p in prompts]
 
 
 def test_generate_stops_at_the_end_token(tiny):
-  """With eos = the third greedy token, the sequence stops before it."""
-  full = checkpoints.generate(tiny, [[3, 17, 5]], max_new_tokens=6, eos_id=-1).tokens[0]
-  eos = full[2]
-  out = checkpoints.generate(tiny, [[3, 17, 5]], max_new_tokens=6, eos_id=eos)
-  assert out.tokens == [full[:full.index(eos)]] and out.stopped == [True]
+  """With eos = the second greedy token of the first prompt, each sequence stops before
+  its first eos (same batch shape as above: the same compiled program)."""
+  prompts = [[3, 17, 5, 60, 2], [44, 9]]
+  full = checkpoints.generate(tiny, prompts, max_new_tokens=3, eos_id=-1).tokens
+  eos = full[0][1]
+  out = checkpoints.generate(tiny, prompts, max_new_tokens=3, eos_id=eos)
+  assert out.stopped[0] and out.tokens[0] == full[0][:full[0].index(eos)]
+  cut = full[1][:full[1].index(eos)] if eos in full[1] else full[1]
+  assert out.tokens[1] == cut and out.stopped[1] == (eos in full[1])
 
 
 def test_generate_errors(tiny):
@@ -147,3 +153,31 @@ def test_generate_errors(tiny):
     checkpoints.generate(tiny, [[1, 96]])
   with pytest.raises(UserError, match="exceed the model's context"):
     checkpoints.generate(tiny, [[1, 2]], max_new_tokens=tiny.config.max_seq_len)
+
+
+def test_one_loader_reads_train_runs(tmp_path):
+  """'recall-tiny' and a run directory load through checkpoints.load, params exactly the
+  run's params.npz (read here with NumPy), the recall task from task.json."""
+  import json
+  import shutil
+  from attnprec.checkpoints import trained
+  ckpt = checkpoints.load("recall-tiny")
+  assert ckpt.task is not None and ckpt.tokenizer is None
+  assert ckpt.source.startswith("recall checkpoint recall-tiny")
+  with open(os.path.join(trained.SHIPPED["recall-tiny"], "task.json")) as f:
+    assert ckpt.task.num_pairs == json.load(f)["num_pairs"]
+  with np.load(os.path.join(trained.SHIPPED["recall-tiny"], "params.npz")) as z:
+    for key in z.files:
+      module, name = key.split("//")
+      np.testing.assert_array_equal(np.asarray(ckpt.params[module][name]), z[key])
+  run = tmp_path / "run"
+  shutil.copytree(trained.SHIPPED["recall-tiny"], run)
+  os.remove(run / "task.json")
+  plain = checkpoints.load(run, param_dtype="bfloat16")
+  assert plain.task is None and plain.source.startswith("train run ")
+  assert all(v.dtype == jnp.bfloat16 for d in plain.params.values() for v in d.values())
+  os.remove(run / "params.npz")
+  with pytest.raises(UserError, match="has no params.npz"):
+    checkpoints.load(run)
+  with pytest.raises(UserError, match=r"neither a shipped checkpoint \(.*recall-tiny"):
+    checkpoints.load(tmp_path / "nope")

@@ -129,6 +129,24 @@ def test_softmax_as_exp_of_log_softmax():
   assert a.stabilised and not a.online and a.softmax["exp"] == "f32"
 
 
+def test_dropout_on_the_probabilities():
+  """Dropout (Flax style: probs * keep / keep_prob) between the softmax and the wv dot:
+  found in the forward pass and in the gradient, whose dv dot reads the dropped probs."""
+  def dropped(q, k, v, key):
+    probs = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k), axis=-1)
+    keep = jax.random.bernoulli(key, 0.9, probs.shape)
+    probs = probs * (keep.astype(probs.dtype) / 0.9)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+  key = jax.random.PRNGKey(0)
+  (a,) = attention_report(dropped, *_qkv(F32), key).attentions
+  assert any("dropout" in c for c in a.probs_casts)
+  grad = jax.grad(lambda q, k, v: jnp.sum(jnp.square(dropped(q, k, v, key))),
+                  argnums=(0, 1, 2))
+  r = attention_report(grad, *_qkv(F32))
+  (a,) = r.attentions
+  assert sorted(b.role for b in a.backward) == ["dk", "dp", "dq", "dv"] and not r.dense
+
+
 def test_two_attentions_both_found():
   def two(q, k, v):
     return seed_attention(q, k, v) + plain_attention(q, k, v).astype(BF16)
@@ -154,6 +172,23 @@ def test_forward_and_grad():
   r = attention_report(jax.grad(loss, argnums=(0, 1, 2)), *_qkv(F32),
                        expect=Precision(einsum_precision="default"))
   assert any("backward: dq: precision HIGHEST, expected DEFAULT" in p for p in r.problems())
+
+
+def test_grad_with_remat():
+  """jax.checkpoint: the backward pass recomputes the QK dot (through an
+  optimization_barrier); it is told apart from dq and dk."""
+  def loss(q, k, v):
+    return jnp.sum(jnp.square(jax.checkpoint(plain_attention)(q, k, v)))
+  (a,) = attention_report(jax.grad(loss, argnums=(0, 1, 2)), *_qkv(F32)).attentions
+  assert sorted(b.role for b in a.backward) == ["dk", "dp", "dq", "dv", "qk (recomputed)"]
+
+
+def test_soft_cap_in_attnprecs_kernels():
+  for name in ("dot_product", "blockwise"):
+    prec = Precision(dtype="bfloat16", kernel=name)
+    (a,) = attention_report(lambda q, k, v: kernels.attend(
+        prec, q, k, v, logits_soft_cap=30.0), *_qkv()).attentions
+    assert a.soft_cap and a.softmax["exp"] == "f32", name
 
 
 def test_prefill_and_decode_with_a_kv_cache():
@@ -247,7 +282,7 @@ def test_attnprecs_kernels_agree_with_the_audit(kernel, flags):
     r = inspect_lowered(lowered, expect=prec)
     assert sorted(a.layer for a in r.attentions) == [0, 1], phase
     for a in r.attentions:
-      assert a.label == f"decoder/layer_{a.layer}/attn"
+      assert a.label == f"decoder/layer_{a.layer}/attn/kernel"
       assert a.softmax["exp"] == want["softmax"], (phase, a.softmax)
       assert a.online == (kernel == "blockwise") and a.loop == (kernel == "blockwise")
       assert not a.downcasts

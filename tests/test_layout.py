@@ -17,7 +17,6 @@ VARIANTS = {
     "qwen2_bias": dict(qkv_bias=True, tie_embeddings=False),
     "gemma3": dict(qk_norm=True, post_attn_norm=True, post_mlp_norm=True,
                    norm_plus_one=True, embed_scale=True),
-    "key_offset": dict(key_offset=True),
 }
 
 
@@ -38,8 +37,7 @@ def test_format_names_are_unique_and_cover_every_checkpoint_param(fmt, variant):
   assert len(given) == len(set(given))
   missing = [p.module(i) + "/" + p.name for (p, i), n in zip(layout.entries(config), names)
              if n is None]
-  assert missing == ([f"decoder/layer_{i}/attn/k_offset" for i in range(2)]
-                     if config.key_offset else [])
+  assert missing == []
 
 
 def test_roles_and_lookups():

@@ -18,7 +18,7 @@ import pytest
 from attnprec import ginutils, runs
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
-from attnprec.model import init_params, transformed
+from attnprec.model import init_params
 from attnprec.precision import REFERENCE
 from attnprec.study import float64, measure
 from attnprec.study import presets as preset_lib
@@ -48,11 +48,11 @@ def test_float64_forward_matches_the_model(features):
   params = jax.tree_util.tree_map(lambda x: np.asarray(x) + 0.1 * rng.standard_normal(x.shape)
                                   .astype(np.float32), params)
   tokens = rng.integers(0, 23, (2, 11)).astype(np.int32)
-  out = transformed(config).apply(params, tokens, precision=REFERENCE, collect=True)
+  logits, attn, _ = measure.collect(config, params, tokens, REFERENCE)
   logits64, attn64 = float64.forward(config, params, tokens)
   scale = np.abs(logits64).max()
-  assert np.abs(np.asarray(out.logits) - logits64).max() <= 1e-5 * scale
-  for a, a64 in zip(out.attn, attn64):
+  assert np.abs(np.asarray(logits) - logits64).max() <= 1e-5 * scale
+  for a, a64 in zip(attn, attn64):
     assert measure.rel_l2(a, a64) < 1e-5
 
 
@@ -155,7 +155,7 @@ def test_study_with_a_logit_offset_reports_it(tmp_path):
   out_dir = tmp_path / "study"
   study(run_dir=str(out_dir), model=ckpt, **{**SMALL, "pair_counts": (3,)}, logit_offset=100.0)
   saved = json.loads((out_dir / "results.json").read_text())
-  assert saved["logit_offset"] == 100.0 and saved["config"]["key_offset"] is True
+  assert saved["logit_offset"] == 100.0 and saved["key_offset"] is True
   assert [st["mean"] for st in saved["offset_stats"]] == pytest.approx([100.0, 100.0], rel=1e-4)
   fp32 = saved["configs"][1]["per_length"][0]
   assert max(fp32["prefill_attn_rel_l2"]) == 0 and fp32["greedy"]["agreement"] == 1

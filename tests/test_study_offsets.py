@@ -3,7 +3,8 @@ RoPE that shifts each query's logits by a constant.
 
 Comparisons: the float64 NumPy forward pass (an independent implementation) with and
 without the offset — the same function, since the softmax ignores a per-query constant;
-the offsets the calibration promises against a per-head loop over the collected queries;
+the offsets the calibration promises against a per-head loop over the queries the probes
+collect (attnprec/study/probes.py);
 and each precision preset's attention error against float64 with and without the offset.
 """
 import jax
@@ -14,7 +15,7 @@ from attnprec import model as model_lib
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
-from attnprec.study import float64, measure, offsets
+from attnprec.study import float64, measure, offsets, probes
 
 CONFIG = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=64, mlp_hidden=96, qkv_bias=True, max_seq_len=128)
@@ -31,31 +32,31 @@ def setup():
     params[f"decoder/layer_{i}/attn/q"]["b"] = (3.0 * rng.standard_normal(b.shape)).astype(
         np.float32)
   tokens = rng.integers(0, CONFIG.vocab_size, (2, 96)).astype(np.int32)
-  cfg, p, stats = offsets.add_key_offsets(CONFIG, params, tokens, 200.0)
-  return params, tokens, cfg, p, stats
+  p, stats = offsets.add_key_offsets(CONFIG, params, tokens, 200.0)
+  return params, tokens, CONFIG, p, stats
 
 
 def test_offset_leaves_the_function_unchanged(setup):
   params, tokens, cfg, p, _ = setup
-  assert cfg.key_offset and not CONFIG.key_offset
+  assert probes.has_offsets(p) and not probes.has_offsets(params)
   logits64, attn64 = float64.forward(CONFIG, params, tokens)
   logits64_off, attn64_off = float64.forward(cfg, p, tokens)
-  assert np.abs(p["decoder/layer_0/attn"]["k_offset"]).max() > 10      # a real offset
+  assert np.abs(p["decoder/layer_0/attn/kernel"]["k_offset"]).max() > 10      # a real offset
   np.testing.assert_allclose(logits64_off, logits64, rtol=0, atol=1e-9 * np.abs(logits64).max())
   for a, a_off in zip(attn64, attn64_off):
     assert measure.rel_l2(a_off, a) < 1e-9
   # the fp32 reference is fp32-accurate with the offset too
-  out = model_lib.transformed(cfg).apply(p, tokens, precision=REFERENCE, collect=True)
-  for a, a64 in zip(out.attn, attn64):
+  _, attn, _ = measure.collect(cfg, p, tokens, REFERENCE)
+  for a, a64 in zip(attn, attn64):
     assert measure.rel_l2(a, a64) < 1e-4
 
 
 def test_offsets_are_what_was_asked(setup):
   _, tokens, cfg, p, stats = setup
-  out = model_lib.transformed(cfg).apply(p, tokens, precision=REFERENCE, collect=True)
+  _, _, queries = measure.collect(cfg, p, tokens, REFERENCE)
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  for i, q_BxTxNxH in enumerate(out.queries):
-    b_KxH = np.asarray(p[f"decoder/layer_{i}/attn"]["k_offset"], np.float64)
+  for i, q_BxTxNxH in enumerate(queries):
+    b_KxH = np.asarray(p[f"decoder/layer_{i}/attn/kernel"]["k_offset"], np.float64)
     q = np.asarray(q_BxTxNxH, np.float64)
     for kv in range(K):   # query head n reads kv head n // (N // K)
       heads = [n for n in range(N) if n // (N // K) == kv]
@@ -74,8 +75,8 @@ def test_bf16_qk_product_suffers_and_the_float32_product_restores(setup):
   def err(config, prm, float32_qk_product=False, float32_logits=False):
     prec = Precision(dtype="bfloat16", float32_qk_product=float32_qk_product,
                      float32_logits=float32_logits)
-    out = model_lib.transformed(config).apply(prm, tokens, precision=prec, collect=True)
-    return max(measure.rel_l2(a, a64) for a, a64 in zip(out.attn, attn64))
+    _, attn, _ = measure.collect(config, prm, tokens, prec)
+    return max(measure.rel_l2(a, a64) for a, a64 in zip(attn, attn64))
 
   plain = err(CONFIG, params)
   bf16 = err(cfg, p)
@@ -94,9 +95,24 @@ def test_bad_offset_is_refused(setup):
     offsets.add_key_offsets(CONFIG, params, tokens, -1.0)
 
 
-def test_check_params_wants_the_offset():
-  cfg = ModelConfig(**{**CONFIG.__dict__, "key_offset": True})
-  params = jax.device_get(model_lib.init_params(CONFIG, jax.random.PRNGKey(0)))
+def test_offsets_must_match_the_architecture(setup):
+  params, _, cfg, p, _ = setup
+  offsets.check_offsets(cfg, p)
   with pytest.raises(UserError, match="k_offset missing"):
-    model_lib.check_params(cfg, params, "test")
+    offsets.check_offsets(cfg, params, "test")
+  bad = {**p, "decoder/layer_1/attn/kernel": {"k_offset": np.zeros((3, 3), np.float32)}}
+  with pytest.raises(UserError, match=r"has shape \(3, 3\), expected \(2, 64\)"):
+    offsets.check_offsets(cfg, bad, "test")
 
+
+def test_the_model_returns_logits_and_cache_only(setup):
+  """The probes observe from outside: with them attached, the model's own output (and
+  its parameters) are what they are without them."""
+  params, tokens, cfg, _, _ = setup
+  apply = model_lib.transformed(cfg).apply
+  plain = apply(params, tokens, precision=REFERENCE)
+  assert plain._fields == ("logits", "cache")
+  logits, attn, queries = measure.collect(cfg, params, tokens, REFERENCE)
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(plain.logits))
+  assert len(attn) == len(queries) == cfg.num_layers
+  assert set(jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0)))) == set(params)

@@ -1,9 +1,9 @@
-"""Checkpoint import: HF directories, GGUF files and two shipped real models.
+"""Loading models: shipped models, train run directories, HF directories, GGUF files.
 
 Public API (stable):
 
     from attnprec import checkpoints
-    ckpt = checkpoints.load("smollm2-135m")           # or "gemma3-270m", an HF dir, a .gguf
+    ckpt = checkpoints.load("smollm2-135m")     # or "recall-tiny", a run dir, an HF dir, a .gguf
     ckpt.config        # attnprec.config.ModelConfig
     ckpt.params        # Haiku params {module: {name: jax.Array}}, == param_shapes(config)
     ckpt.tokenizer     # attnprec.checkpoints.tokenizer.Tokenizer (or None)
@@ -12,8 +12,11 @@ Public API (stable):
     out = checkpoints.generate(ckpt, ["Once upon a time"], precision=REFERENCE,
                                max_new_tokens=16)   # out.texts, out.tokens, out.stopped
 
-`load(path_or_name, *, param_dtype="float32")`:
-  * "smollm2-135m", "gemma3-270m": the shipped models (`attnprec.checkpoints.shipped`);
+`load(path_or_name, *, param_dtype="float32")`, the one way to load a model:
+  * a shipped model name (`attnprec.checkpoints.shipped`: "smollm2-135m", "gemma3-270m",
+    ...) or the shipped recall checkpoint "recall-tiny";
+  * a train run directory (model.json + params.npz, `attnprec.checkpoints.trained`);
+    `ckpt.task` is its `RecallTask` for a recall run (task.json), else None;
   * a directory with config.json + *.safetensors: HF format (`attnprec.checkpoints.hf`);
     model types llama, qwen2, gemma, gemma2, gemma3;
   * a `.gguf` file (`attnprec.checkpoints.gguf`): same architectures.
@@ -42,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnprec.checkpoints import trained
 from attnprec.checkpoints.generation import Generation, generate
 from attnprec.checkpoints.gguf import load_gguf
 from attnprec.checkpoints.hf import load_hf_dir
@@ -62,17 +66,29 @@ class Checkpoint(NamedTuple):
   params: dict                  # {module: {name: jax.Array}} in the requested param dtype
   tokenizer: Optional[Tokenizer]
   source: str                   # what was loaded, in words
+  task: object = None           # a train run's RecallTask (task.json), else None
+
+
+def _names() -> str:
+  return ", ".join(list(SHIPPED) + list(trained.SHIPPED))
 
 
 def load(path_or_name: Union[str, os.PathLike], *, param_dtype: str = "float32"
          ) -> Checkpoint:
-  """Loads a shipped model by name, an HF checkpoint directory or a .gguf file."""
-  param_dtype_of(param_dtype)             # a bad value fails before any file is read
+  """Loads a shipped model (or recall checkpoint) by name, a train run directory, an HF
+  checkpoint directory or a .gguf file (see the module docstring)."""
+  dtype = param_dtype_of(param_dtype)     # a bad value fails before any file is read
   key = str(path_or_name)
+  task = None
   if key in SHIPPED:
     path = shipped_path(key)
     config, params, tok = load_gguf(path, param_dtype=param_dtype)
     source = f"{key}: {SHIPPED[key].description} ({path})"
+  elif key in trained.SHIPPED or trained.is_run_dir(key):
+    config, params, task = trained.load_run(key, dtype=dtype)
+    tok = None
+    kind = "recall checkpoint" if task is not None else "train run"
+    source = (f"{kind} {key} ({config.num_layers} layers, d={config.d_model})")
   else:
     path = pathlib.Path(path_or_name)
     if path.is_dir():
@@ -83,13 +99,15 @@ def load(path_or_name: Union[str, os.PathLike], *, param_dtype: str = "float32"
       source = f"GGUF file {path}"
     elif path.exists():
       raise UserError(f"Cannot load {path}: expected an HF checkpoint directory "
-                      f"(config.json + *.safetensors) or a .gguf file.")
+                      f"(config.json + *.safetensors), a .gguf file or a train run "
+                      f"directory (model.json + params.npz).")
     else:
-      raise UserError(f"Checkpoint {key!r} does not exist: pass the path of an HF "
-                      f"checkpoint directory or a .gguf file, or a shipped model name "
-                      f"({', '.join(SHIPPED)}).")
+      raise UserError(f"Checkpoint {key!r} does not exist: it is neither a shipped "
+                      f"checkpoint ({_names()}) nor an existing path. Pass a train run "
+                      f"directory ('make train' writes runs/recall), an HF checkpoint "
+                      f"directory or a .gguf file.")
   params = jax.tree_util.tree_map(jnp.asarray, params)
-  return Checkpoint(config, params, tok, source)
+  return Checkpoint(config, params, tok, source, task)
 
 
 @functools.lru_cache(maxsize=32)

@@ -15,7 +15,8 @@ An attention is three things in the dataflow graph (`attnprec.inspect.mlir_graph
              is carried through the loop), by a divide of what that dot accumulated;
              an exp without the max (an unstabilised softmax) is accepted and marked;
   wv dot     a `dot_general` that reads the probabilities through converts, reshapes,
-             transposes, broadcasts and slices only, and contracts the axis the
+             transposes, broadcasts and slices (and scalings by values no dot made:
+             dropout, masks), and contracts the axis the
              softmax summed over (a dot that contracts another axis of the
              probabilities is the gradient dv = p^T dout).
 
@@ -66,8 +67,11 @@ class DotSite:
   lhs_source: Optional[str] = None  # the type an operand was upcast from right before
   rhs_source: Optional[str] = None
   converted_to: Optional[str] = None  # the type the result is converted to right after
-  role: str = "dense"      # qk / wv / dq / dk / dp / dv / dense
+  role: str = "dense"      # qk / wv / dq / dk / dp / dv / 'qk (recomputed)' / dense
   backward: bool = False
+  reads: List[str] = dataclasses.field(default_factory=list)  # the program arguments its
+  # operands are made of (through data movement), by their pytree path in the location,
+  # e.g. "params['decoder/layer_0/attn/q']['w']": which parameter a dense dot applies
 
   @property
   def precision_text(self) -> str:
@@ -87,7 +91,8 @@ class Attention:
   loop: bool               # inside a while loop (scan / fori_loop)
   downcasts: List[str]     # narrowing converts between the qk dot and the exp: 'f32->bf16'
   upcasts: List[str]
-  probs_casts: List[str]   # converts between the probabilities and the wv dot
+  probs_casts: List[str]   # converts (and dropout / mask scalings) between the
+                           # probabilities and the wv dot
   soft_cap: bool
   mask: List[str]          # 'select' and/or 'bias'
   logits_scale: bool       # a multiply/divide by a constant between qk and softmax
@@ -209,7 +214,10 @@ def _dot_site(node: Node) -> DotSite:
     return None
 
   ls, rs = source(lhs), source(rhs)
-  return DotSite(name=node.name, source=node.source, lhs=lhs.dtype, rhs=rhs.dtype,
+  reads = sorted({n.name for v in (lhs, rhs) for n in _back(v, lambda n: n.kind in MOVEMENT,
+                                                            limit=200)
+                  if n.kind == "argument" and n.name})
+  return DotSite(reads=reads, name=node.name, source=node.source, lhs=lhs.dtype, rhs=rhs.dtype,
                  result=out.dtype, precision=info["precision"], algorithm=info["algorithm"],
                  preferred=out.dtype, lhs_shape=list(lhs.shape), rhs_shape=list(rhs.shape),
                  result_shape=list(out.shape),
@@ -253,7 +261,8 @@ def _track(node: Node, index: int, axis: Optional[int]) -> Optional[int]:
   return None
 
 
-def _consumers(start: Value, axis: Optional[int], kinds) -> List[Tuple[Node, int, Optional[int], List[str]]]:
+def _consumers(start: Value, axis: Optional[int], kinds
+               ) -> List[Tuple[Node, int, Optional[int], List[str]]]:
   """Dots reached from `start` through `kinds` ops: (dot, operand index, tracked axis,
   converts on the way)."""
   out, seen = [], set()
@@ -267,14 +276,37 @@ def _consumers(start: Value, axis: Optional[int], kinds) -> List[Tuple[Node, int
       seen.add(key)
       if user.kind == DOT:
         out.append((user, idx, ax, casts))
-      elif user.kind in kinds:
+      elif user.kind in kinds or (user.kind in SCALINGS and all(
+          _data_free(o) for j, o in enumerate(user.inputs) if j != idx)):
         c = casts + ([f"{v.dtype}->{user.outputs[0].dtype}"] if user.kind == CONVERT
                      and v.dtype != user.outputs[0].dtype else [])
+        if user.kind in SCALINGS and user.kind not in kinds:
+          c = c + [f"{user.kind.split('.')[-1]} (dropout / mask)"]
         nxt = _track(user, idx, ax) if user.kind not in ("loop_carry", "merge") else ax
         if user.kind == "stablehlo.select" and idx == 0:
           continue
         stack.extend((o, nxt, c) for o in user.outputs[:1])
   return out
+
+
+SCALINGS = ("stablehlo.multiply", "stablehlo.divide", "stablehlo.select")
+
+
+def _data_free(v: Value, limit: int = 4000) -> bool:
+  """True if v is computed without any dot (a dropout mask from random bits, a constant,
+  a mask from positions): what may scale the probabilities on their way to the wv dot.
+  (The softmax's gradient also multiplies the probabilities, by values made by dots.)"""
+  seen, stack = set(), [v]
+  while stack:
+    x = stack.pop()
+    n = x.producer
+    if n is None or n.id in seen:
+      continue
+    seen.add(n.id)
+    if n.kind == DOT or len(seen) > limit:
+      return False
+    stack.extend(n.inputs)
+  return True
 
 
 def _contracts(dot: Node, index: int, axis: Optional[int]) -> Optional[bool]:
@@ -538,7 +570,9 @@ def _roots(v: Value, cache: dict) -> Set[int]:
       out.add(id(x))
       continue
     inputs = n.inputs
-    if n.kind == "stablehlo.select":
+    if n.kind == "stablehlo.optimization_barrier":   # (remat) output i is input i
+      inputs = [n.inputs[x.index]]
+    elif n.kind == "stablehlo.select":
       inputs = inputs[1:]
     elif n.kind in ("stablehlo.dynamic_slice", "stablehlo.gather", "stablehlo.pad"):
       inputs = inputs[:1]
@@ -556,13 +590,25 @@ def _backward(g: Graph, attentions: List[Attention], used: Dict[int, str]) -> No
     d1, d2, probs, idx = a._nodes
     v = d2.inputs[1 - idx]
     keys.append([("dk", _roots(d1.inputs[0], cache)), ("dq", _roots(d1.inputs[1], cache)),
-                 ("dp", _roots(v, cache)), ("dv", _roots(probs, cache))])
+                 ("dp", _roots(v, cache)),
+                 ("dv", _roots(probs, cache) | _roots(d2.inputs[idx], cache))])
   for d in g.ops(DOT):
     if d.id in used:
       continue
     r0, r1 = _roots(d.inputs[0], cache), _roots(d.inputs[1], cache)
     for a, ks in zip(attentions, keys):
-      role = next((name for name, r in ks if r & r0 or r & r1), None)
+      roles = {name for name, r in ks if r & r0 or r & r1}
+      role = next((name for name, _ in ks if name in roles), None)
+      if {"dk", "dq"} <= roles:
+        role = "qk (recomputed)"            # jax.checkpoint recomputes the forward
+        # ... and its softmax: the gradient dv reads the recomputed probabilities
+        cone = _forward_cone(d.outputs[0])
+        for e in (g.nodes[i] for i in sorted(cone) if g.nodes[i].kind == EXP):
+          sm = _softmax_at(g, e, cone)
+          for p in (sm or {}).get("probs", []):
+            ks[3] = ("dv", ks[3][1] | _roots(p, cache))
+      elif {"dp", "dv"} <= roles:
+        role = "wv (recomputed)"
       if role:
         site = _dot_site(d)
         site.role, site.backward = role, True

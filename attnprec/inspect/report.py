@@ -1,7 +1,7 @@
 """Verdicts and rendering: the attentions found, checked against a stated `Precision`.
 
-The contract is attnprec's own table (`attnprec.contract.stage_dtypes`, the one every kernel asserts with
-chex), for the compute dtype c = `Precision.dtype` and the two flags:
+The contract is attnprec's own table (`attnprec.contract.stage_dtypes`, the one every
+kernel asserts with chex), for the compute dtype c = `Precision.dtype` and the two flags:
 
   qk dot   operands c x c (or f32 x f32 upcast from c, allowed when float32_qk_product
            or a dot-algorithm preset widens the dot), result = the table's logits dtype;
@@ -356,6 +356,8 @@ def short_source(source: str) -> str:
 
 
 def _dense_name(d: DotSite) -> str:
-  parts = [unwrap(p) for p in d.name.split("/")[:-1] if not p.startswith("jit(")]
-  name = "/".join(parts) or short_source(d.source) or "(unnamed)"
+  parts = [unwrap(p) for p in d.name.split("/")[:-1]
+           if not p.startswith("jit(") and "->" not in p]
+  name = "/".join(parts) or (d.reads[0] if d.reads else "") or short_source(d.source) \
+      or "(unnamed)"
   return name + (" (grad)" if d.backward else "")

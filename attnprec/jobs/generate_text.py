@@ -8,7 +8,7 @@ import gin
 import jax
 import numpy as np
 
-from attnprec import checkpoints, checks, decoding, runs
+from attnprec import checkpoints, checks, compilation, decoding, runs
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 
@@ -18,15 +18,22 @@ DEFAULT_PROMPT = ("Explain in three sentences why a language model's attention s
 
 def _compiled_generate(ckpt, prompt_BxP, lengths_B, *, precision, sampler, max_new_tokens,
                        eos_id):
-  """Compiles once (not timed), then runs and times the whole jitted prefill + decode."""
+  """Compiles (or loads from the persistent cache) once, timed apart, then runs and times
+  the whole jitted prefill + decode. Returns (tokens_BxM, run seconds, Compiled)."""
   args = (ckpt.params, prompt_BxP, lengths_B, jax.random.PRNGKey(0))
   static = dict(config=ckpt.config, precision=precision, sampler=sampler,
                 max_new_tokens=max_new_tokens)
-  compiled = decoding.generate.lower(*args, eos_id=eos_id, **static).compile()
+  compiled = compilation.compile_lowerable(decoding.generate, *args, eos_id=eos_id, **static)
   t0 = time.perf_counter()
-  tokens_BxM, _ = compiled(*args, eos_id=eos_id)
+  tokens_BxM, _ = compiled.program(*args, eos_id=eos_id)
   tokens_BxM = np.asarray(jax.block_until_ready(tokens_BxM))
-  return tokens_BxM, time.perf_counter() - t0
+  return tokens_BxM, time.perf_counter() - t0, compiled
+
+
+def _compile_note(compiled) -> str:
+  return (f"compile {compiled.seconds:.1f} s, "
+          + ("loaded from the compilation cache" if compiled.cached else
+             f"{compiled.new_entries} new program(s) written to the compilation cache"))
 
 
 def _until_eos(tokens, eos_id):
@@ -67,9 +74,12 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
   eos = -1 if eos is None else eos
   print(f"model: {ckpt.source} (loaded in {time.perf_counter() - t0:.1f} s)")
   print(f"attention precision in force (decode phase): {precision.describe()}")
-  prompt_BxP, lengths_B = decoding.pad_prompts([ids])
+  # Bucketed: prompts of other lengths in the same bucket reuse the compiled program.
+  prompt_BxP, lengths_B = decoding.pad_prompts([ids], bucket=True)
+  if prompt_BxP.shape[1] + max_new_tokens > ckpt.config.max_seq_len:
+    prompt_BxP, lengths_B = decoding.pad_prompts([ids])
 
-  tokens, seconds = _compiled_generate(ckpt, prompt_BxP, lengths_B, precision=precision,
+  tokens, seconds, compiled = _compiled_generate(ckpt, prompt_BxP, lengths_B, precision=precision,
                                        sampler=sampler, max_new_tokens=max_new_tokens,
                                        eos_id=eos)
   new = _until_eos(tokens[0], eos)
@@ -78,12 +88,15 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
   print(f"--- continuation ({len(new)} tokens) ---\n{text}\n---")
   tok_s = max_new_tokens / seconds
   print(f"{max_new_tokens} tokens in {seconds:.2f} s: {tok_s:.1f} tokens/s (batch 1, prefill "
-        f"included, compile excluded)")
+        f"included, compile excluded; {_compile_note(compiled)}; prompt padded to "
+        f"{prompt_BxP.shape[1]})")
   result = {"model": model, "source": ckpt.source, "prompt": prompt,
-            "prompt_tokens": len(ids), "precision": dataclasses.asdict(precision),
-            "tokens": new, "text": text, "seconds": seconds, "tokens_per_s": tok_s}
+            "prompt_tokens": len(ids), "padded_prompt_tokens": int(prompt_BxP.shape[1]),
+            "precision": dataclasses.asdict(precision),
+            "tokens": new, "text": text, "seconds": seconds, "tokens_per_s": tok_s,
+            "compile_s": compiled.seconds, "compile_new_entries": compiled.new_entries}
   if reference:
-    ref_tokens, _ = _compiled_generate(ckpt, prompt_BxP, lengths_B, precision=REFERENCE,
+    ref_tokens, _, ref_compiled = _compiled_generate(ckpt, prompt_BxP, lengths_B, precision=REFERENCE,
                                        sampler=decoding.Greedy(),
                                        max_new_tokens=max_new_tokens, eos_id=eos)
     a, b = tokens[0], ref_tokens[0]
@@ -92,10 +105,12 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
     agreement = float(np.mean(a == b))
     result.update(reference_precision=dataclasses.asdict(REFERENCE),
                   reference_tokens=_until_eos(b, eos), greedy_agreement=agreement,
-                  first_divergence=first)
+                  first_divergence=first, reference_compile_s=ref_compiled.seconds,
+                  reference_compile_new_entries=ref_compiled.new_entries)
     where = "none" if first is None else f"new token {first}"
     print(f"agreement with the fp32-attention reference decode ({REFERENCE.describe()}): "
-          f"{agreement:.1%} of {max_new_tokens} tokens identical; first divergence: {where}")
+          f"{agreement:.1%} of {max_new_tokens} tokens identical; first divergence: {where} "
+          f"(reference {_compile_note(ref_compiled)})")
     if not isinstance(sampler, decoding.Greedy):
       print("(the sampler is not greedy, so disagreement includes sampling noise)")
   path = runs.write_json(run_dir, "results.json", result)

@@ -1,61 +1,25 @@
 """`make decode` on the recall task: decode answers at several context lengths under the
 decode precision and under an fp32 reference, side by side."""
 import dataclasses
-import json
 import os
 from typing import Sequence
 
 import gin
 import numpy as np
 
-from attnprec import checks, decoding, runs
+from attnprec import checkpoints, checks, decoding, runs
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 from attnprec.tasks import recall
 
-ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
-SHIPPED = {"recall-tiny": os.path.join(ASSETS, "recall-tiny")}
-
-
-def resolve_checkpoint(checkpoint: str) -> str:
-  """A shipped checkpoint name or a train run directory -> directory path."""
-  if checkpoint in SHIPPED:
-    return SHIPPED[checkpoint]
-  if not os.path.isdir(checkpoint):
-    raise UserError(f"Checkpoint {checkpoint!r} is neither a shipped checkpoint "
-                    f"({', '.join(SHIPPED)}) nor an existing run directory. Train one "
-                    f"with 'make train' (writes runs/recall).")
-  return checkpoint
-
-
-# RecallTask fields added after runs were written without them, with the value those runs
-# had (the shipped recall-tiny predates shared_vocab).
-ADDED_LATER = {"shared_vocab": False}
-
-
-def load_task(ckpt_dir: str) -> recall.RecallTask:
-  """The RecallTask a run trained on, from its task.json: every field present, no other
-  (a missing field would silently take a default and evaluate a different task)."""
-  path = os.path.join(ckpt_dir, "task.json")
-  if not os.path.isfile(path):
-    raise UserError(f"{ckpt_dir!r} has no task.json: it is not a recall training run.")
-  fields = sorted(f.name for f in dataclasses.fields(recall.RecallTask))
-  try:
-    with open(path) as f:
-      raw = json.load(f)
-  except (OSError, ValueError) as e:
-    raise UserError(f"Cannot read {path!r}: {e}. It should hold the recall task's settings "
-                    f"as a JSON object with the fields {fields}.") from None
-  if not isinstance(raw, dict):
-    raise UserError(f"{path!r} holds a JSON {type(raw).__name__}, not an object with the "
-                    f"recall task's fields {fields}.")
-  missing = sorted(set(fields) - set(raw) - set(ADDED_LATER))
-  unknown = sorted(set(raw) - set(fields))
-  if missing or unknown:
-    raise UserError(f"{path!r} does not describe a recall task: missing field(s) {missing}, "
-                    f"unknown field(s) {unknown}; a task.json written by `make train` has "
-                    f"exactly {fields}.")
-  return recall.RecallTask(**{**ADDED_LATER, **raw})
+def load_recall_checkpoint(checkpoint: str):
+  """(config, params, RecallTask) of a recall checkpoint: 'recall-tiny' or a recall train
+  run directory, through `checkpoints.load`."""
+  ckpt = checkpoints.load(checkpoint)
+  if ckpt.task is None:
+    raise UserError(f"{checkpoint!r} has no task.json: it is not a recall training run "
+                    f"({ckpt.source}). Use 'recall-tiny' or a run of 'make train'.")
+  return ckpt.config, ckpt.params, ckpt.task
 
 
 def evaluate(params, config, task, precision: Precision, pair_counts: Sequence[int],
@@ -85,9 +49,7 @@ def recall_eval(*, precision: Precision, run_dir: str, checkpoint: str = "recall
   if not pair_counts:
     raise UserError("recall_eval.pair_counts is empty; give at least one pair count, "
                     "e.g. (8, 16, 32).")
-  ckpt_dir = resolve_checkpoint(checkpoint)
-  config, params = runs.load_checkpoint(ckpt_dir)
-  task = load_task(ckpt_dir)
+  config, params, task = load_recall_checkpoint(checkpoint)
   for p in pair_counts:
     if not 1 <= p <= task.max_pairs:
       raise UserError(f"recall_eval.pair_counts has {p}; valid pair counts for this "

@@ -1,6 +1,6 @@
 """An independent float64 NumPy forward pass of `attnprec.model` (no JAX): the study's
 error floor. Given the same params it returns the logits and each layer's attention
-kernel output, like `transformed(config).apply(..., collect=True)`.
+kernel output, like the model with the study's probes attached (`attnprec.study.probes`).
 
 Shapes: B batch, T tokens, D width, N/K/H heads, kv heads, head dim, V vocabulary.
 """
@@ -95,8 +95,9 @@ def forward(config: ModelConfig, params, tokens_BxT, stats=None):
       k = norm(k, "attn/k_norm", i)
     base, scale = cfg.rope(i)
     q, k = _rope(q, pos_BxT, base, scale), _rope(k, pos_BxT, base, scale)
-    if cfg.key_offset:
-      k = k + _p(params, "attn/k_offset", i)
+    offset = params.get(f"decoder/layer_{i}/attn/kernel", {}).get("k_offset")
+    if offset is not None:                 # the study's key bias (attnprec/study/probes.py)
+      k = k + np.asarray(offset, np.float64)
     allowed = pos_BxT[:, None, None, :] <= pos_BxT[:, None, :, None]       # [B, 1, T, S]
     window = cfg.window(i)
     if window is not None:

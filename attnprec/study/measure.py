@@ -15,6 +15,15 @@ from attnprec import decoding
 from attnprec import model as model_lib
 from attnprec.config import ModelConfig
 from attnprec.precision import Precision
+from attnprec.study import probes
+
+
+def collect(config: ModelConfig, params, tokens_BxT, precision: Precision):
+  """(logits [B, T, V], per-layer attention outputs, per-layer queries after RoPE) of one
+  full forward pass with the probes attached (not jitted: for tests and small inputs)."""
+  with probes.attached(params) as rec:
+    out = model_lib.transformed(config).apply(params, tokens_BxT, precision=precision)
+  return out.logits, tuple(rec.attn), tuple(rec.queries)
 
 
 @functools.lru_cache(maxsize=64)
@@ -24,10 +33,11 @@ def forward_fn(config: ModelConfig, precision: Precision, keep_positions: int):
   apply = model_lib.transformed(config).apply
 
   def fn(params, tokens_BxL):
-    out = apply(params, tokens_BxL, precision=precision, collect=True)
+    with probes.attached(params) as rec:
+      out = apply(params, tokens_BxL, precision=precision)
     logp_BxLxV = jax.nn.log_softmax(out.logits[:, :-1], axis=-1)
     nll_BxL = -jnp.take_along_axis(logp_BxLxV, tokens_BxL[:, 1:, None], axis=-1)[..., 0]
-    attn = jnp.stack([a.astype(jnp.float32) for a in out.attn])
+    attn = jnp.stack([a.astype(jnp.float32) for a in rec.attn])
     return nll_BxL, out.logits[:, -keep_positions:], attn
 
   return jax.jit(fn)
@@ -42,14 +52,17 @@ def decode_fn(config: ModelConfig, precision: Precision, prefix: int):
 
   def fn(params, tokens_BxL):
     B, L = tokens_BxL.shape
-    state = decoding.prefill(params, tokens_BxL[:, :prefix], jnp.full((B,), prefix, jnp.int32),
-                             config=config, precision=precision, cache_length=L)
+    with probes.attached(params, record=False):
+      state = decoding.prefill(params, tokens_BxL[:, :prefix],
+                               jnp.full((B,), prefix, jnp.int32), config=config,
+                               precision=precision, cache_length=L)
 
     def body(cache, t):
       token_Bx1 = jax.lax.dynamic_slice_in_dim(tokens_BxL, t, 1, axis=1)
-      out = apply(params, token_Bx1, jnp.full((B, 1), t, jnp.int32), cache,
-                  precision=precision, collect=True)
-      attn = jnp.stack([a[:, 0].astype(jnp.float32) for a in out.attn])
+      with probes.attached(params) as rec:
+        out = apply(params, token_Bx1, jnp.full((B, 1), t, jnp.int32), cache,
+                    precision=precision)
+      attn = jnp.stack([a[:, 0].astype(jnp.float32) for a in rec.attn])
       return out.cache, (out.logits[:, 0], attn)
 
     _, (logits_DxBxV, attn) = jax.lax.scan(body, state.cache, jnp.arange(prefix, L))
@@ -61,20 +74,22 @@ def decode_fn(config: ModelConfig, precision: Precision, prefix: int):
 def generate(params, prompts_BxP, config, precision, new_tokens: int):
   """Greedy tokens [B, M] after each prompt (cached prefill + scan of decode steps)."""
   B, P = prompts_BxP.shape
-  tokens, _ = decoding.generate(params, jnp.asarray(prompts_BxP),
-                                jnp.full((B,), P, jnp.int32), jax.random.PRNGKey(0),
-                                config=config, precision=precision,
-                                max_new_tokens=new_tokens)
+  with probes.attached(params, record=False):   # the key bias, if params carry one
+    tokens, _ = decoding.generate(params, jnp.asarray(prompts_BxP),
+                                  jnp.full((B,), P, jnp.int32), jax.random.PRNGKey(0),
+                                  config=config, precision=precision,
+                                  max_new_tokens=new_tokens)
   return np.asarray(tokens)
 
 
 def decode_template(params, prompts_BxP, template_BxM, config, precision):
   """Recall episodes: (tokens_BxM, answered_BxM) from `decoding.decode_with_template`."""
   B, P = prompts_BxP.shape
-  tokens, answered = decoding.decode_with_template(
-      params, jnp.asarray(prompts_BxP), jnp.full((B,), P, jnp.int32),
-      jnp.asarray(template_BxM), config=config, precision=precision,
-      cache_length=P + template_BxM.shape[1])
+  with probes.attached(params, record=False):   # the key bias, if params carry one
+    tokens, answered = decoding.decode_with_template(
+        params, jnp.asarray(prompts_BxP), jnp.full((B,), P, jnp.int32),
+        jnp.asarray(template_BxM), config=config, precision=precision,
+        cache_length=P + template_BxM.shape[1])
   return np.asarray(tokens), np.asarray(answered)
 
 

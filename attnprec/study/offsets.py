@@ -1,6 +1,7 @@
 """Large attention logits without changing the model: a key bias after RoPE.
 
-With a bias b added to every key after RoPE (`model.key_offset`, param `attn/k_offset`),
+With a bias b added to every key after RoPE (param `attn/kernel/k_offset` [K, H], which the study
+injects into the params and applies from outside the model: `attnprec.study.probes`),
 all of a query's logits move by scale * q.b. The softmax ignores a per-query constant, so in
 exact arithmetic the model computes the same function; but a bfloat16 QK product rounds
 each logit at the shifted magnitude (spacing 0.5 in [64, 128), 1 in [128, 256)), which a
@@ -15,8 +16,6 @@ the offset is a coherent sum over the head dimension, as a large learned bias wo
 
 Shapes: B batch, T tokens, N/K/G heads, kv heads, heads per kv head, H head dim, R rows.
 """
-import dataclasses
-
 import jax
 import numpy as np
 
@@ -24,14 +23,15 @@ from attnprec import model as model_lib
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE
+from attnprec.study import probes
 
 
 def _with_zero_offsets(config: ModelConfig, params) -> dict:
   K, H = config.num_kv_heads, config.head_dim
   out = dict(params)
   for i in range(config.num_layers):
-    module = f"decoder/layer_{i}/attn"
-    out[module] = {**params.get(module, {}), "k_offset": np.zeros((K, H), np.float32)}
+    module = probes.offset_module(i)
+    out[module] = {**params.get(module, {}), probes.OFFSET: np.zeros((K, H), np.float32)}
   return out
 
 
@@ -49,7 +49,7 @@ def offset_stats(config: ModelConfig, queries, params) -> list:
   as {"mean", "p10", "p90", "max_abs"}. queries: per layer [B, T, N, H] after RoPE."""
   stats = []
   for i, q_BxTxNxH in enumerate(queries):
-    b_KxH = np.asarray(params[f"decoder/layer_{i}/attn"]["k_offset"], np.float64)
+    b_KxH = np.asarray(params[probes.offset_module(i)][probes.OFFSET], np.float64)
     q_KxRxH = _rows_by_kv_head(config, q_BxTxNxH)
     off = config.effective_query_scale * np.einsum("krh,kh->kr", q_KxRxH, b_KxH).reshape(-1)
     stats.append({"mean": float(off.mean()), "p10": float(np.percentile(off, 10)),
@@ -57,17 +57,44 @@ def offset_stats(config: ModelConfig, queries, params) -> list:
   return stats
 
 
+def queries(config: ModelConfig, params, tokens_BxT, precision=REFERENCE) -> list:
+  """Per layer [B, T, N, H]: the queries after RoPE of a full forward pass."""
+  apply = model_lib.transformed(config).apply
+
+  def fn(p, t):
+    with probes.attached(p) as rec:
+      apply(p, t, precision=precision)
+    return rec.queries
+
+  return jax.jit(fn)(params, np.asarray(tokens_BxT, np.int32))
+
+
+def check_offsets(config: ModelConfig, params, source: str = "the params") -> None:
+  """Raises UserError unless every layer of `params` carries its attn/k_offset [K, H]."""
+  want = (config.num_kv_heads, config.head_dim)
+  problems = []
+  for i in range(config.num_layers):
+    module = probes.offset_module(i)
+    got = params.get(module, {}).get(probes.OFFSET)
+    if got is None:
+      problems.append(f"{module}/{probes.OFFSET} missing (expected shape {want})")
+    elif tuple(np.shape(got)) != want:
+      problems.append(f"{module}/{probes.OFFSET} has shape "
+                      f"{tuple(np.shape(got))}, expected {want}")
+  if problems:
+    raise UserError(f"Key offsets in {source} do not match the architecture: "
+                    f"{'; '.join(problems)}.")
+
+
 def add_key_offsets(config: ModelConfig, params, tokens_BxT, logit_offset: float):
-  """(config with key_offset=True, params with attn/k_offset set, per-layer offset stats on
-  tokens_BxT). The mean offset scale * q.b is `logit_offset` in every layer and kv head."""
+  """(params with attn/k_offset set in every layer, per-layer offset stats on tokens_BxT).
+  The mean offset scale * q.b is `logit_offset` in every layer and kv head."""
   if not logit_offset > 0:
     raise UserError(f"The logit offset must be > 0, got {logit_offset!r}.")
-  cfg = dataclasses.replace(config, key_offset=True)
-  apply = model_lib.transformed(cfg).apply
-  queries_fn = jax.jit(lambda p, t: apply(p, t, precision=REFERENCE, collect=True).queries)
+  cfg = config
   new = _with_zero_offsets(cfg, params)
-  queries = queries_fn(new, np.asarray(tokens_BxT, np.int32))
-  for i, q_BxTxNxH in enumerate(queries):
+  queries_ = queries(cfg, new, tokens_BxT)
+  for i, q_BxTxNxH in enumerate(queries_):
     mean_KxH = _rows_by_kv_head(cfg, q_BxTxNxH).mean(axis=1)
     # mean of scale * q.b with b = c * mean is scale * c * |mean|^2
     norm2_K = np.sum(mean_KxH ** 2, axis=-1)
@@ -75,5 +102,5 @@ def add_key_offsets(config: ModelConfig, params, tokens_BxT, logit_offset: float
       raise UserError(f"Layer {i}: the queries average to zero, so no key bias direction "
                       f"gives them a common logit offset; use other calibration tokens.")
     b_KxH = mean_KxH * (logit_offset / (cfg.effective_query_scale * norm2_K))[:, None]
-    new[f"decoder/layer_{i}/attn"]["k_offset"] = b_KxH.astype(np.float32)
-  return cfg, new, offset_stats(cfg, queries, new)
+    new[probes.offset_module(i)][probes.OFFSET] = b_KxH.astype(np.float32)
+  return new, offset_stats(cfg, queries_, new)

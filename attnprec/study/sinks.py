@@ -72,8 +72,8 @@ def capture(config: ModelConfig, params, tokens_BxT, dtype=np.float32) -> List[L
     if cfg.qkv_bias and not cfg.qk_norm:
       b = np.broadcast_to(p(f"{pre}/attn/k", "b").reshape(1, 1, K, H), (B, T, K, H))
       kb = _rope(b, pos_BxT, base, scale).astype(dtype)
-    if cfg.key_offset:
-      k = k + p(f"{pre}/attn", "k_offset")
+    if "k_offset" in params.get(f"{pre}/attn/kernel", {}):  # the study's key bias (probes.py)
+      k = k + p(f"{pre}/attn/kernel", "k_offset")
     v = proj["v"]
     out.append(LayerInputs(q, k, v, kb))
     allowed = pos_BxT[:, None, None, :] <= pos_BxT[:, None, :, None]

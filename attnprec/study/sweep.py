@@ -209,9 +209,9 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
     cases, text_info = _real_cases(m.tokenizer, lengths, batch, decode_steps, seed)
   offset_stats = None
   if logit_offset:
-    config, params, offset_stats = offsets.add_key_offsets(config, m.params, cases[0].tokens_BxL,
-                                                           float(logit_offset))
-    m = m._replace(config=config, params=params)
+    params, offset_stats = offsets.add_key_offsets(config, m.params, cases[0].tokens_BxL,
+                                                   float(logit_offset))
+    m = m._replace(params=params)
   for case in cases:
     need = case.tokens_BxL.shape[1] + (0 if case.template_BxM is not None else greedy_steps)
     if need > config.max_seq_len:
@@ -257,7 +257,8 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
 
   out = {"model": m.description, "model_arg": model, "kind": m.kind,
          "config": runs.config_dict(config), "query_scale_multiplier": query_scale_multiplier,
-         "logit_offset": float(logit_offset), "offset_stats": offset_stats,
+         "logit_offset": float(logit_offset), "key_offset": bool(logit_offset),
+         "offset_stats": offset_stats,
          "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
          "settings": dict(batch=batch, decode_steps=decode_steps, greedy_steps=greedy_steps,
                           logit_positions=logit_positions, float64_max_tokens=float64_max_tokens,

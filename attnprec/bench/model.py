@@ -1,0 +1,400 @@
+"""Whole-model benchmark (`make bench`): decode and prefill of a real model under the
+fp32 and the bf16 + attention-flags presets, beside transformers on the same weights.
+
+Shapes: B batch, P prompt length, S cache length (P + new tokens), M decode steps timed.
+
+Method
+  * attnprec: the model's `decoding.prefill` jitted per (preset, B, P), and a decode
+    program: M greedy `decoding.decode_step`s in one `lax.fori_loop` with the state
+    donated (the cache updated in place, as `generate` runs it), started from a copy of
+    the prefilled state made before the clock starts. Weights are stored in the compute
+    dtype (`decoding.compute_params`: bit-identical to casting at each use).
+    Compile time is measured apart (`compile_s`; the persistent compilation cache, if
+    enabled, turns it into a load).
+  * transformers (torch CPU, fp32, sdpa): the same GGUF file loaded by transformers'
+    own loader; prefill = one forward over the prompt with a cache; decode = M greedy
+    single-token forwards with its cache, under `torch.inference_mode`. Its fp32 is the
+    precision transformers serves on CPU (bf16 matmuls there are slower on CPUs without
+    bf16 units).
+  * Interleaved rounds: in every round each configuration of a (B, P) case runs once, so
+    drift on a shared machine hits all alike; medians over the rounds. Ratios are taken
+    between configurations measured side by side.
+  * Roofline: per decode step the weights are read once and the whole cache once (the
+    dense kernel reads all S positions; masked ones too). bytes / copy bandwidth (a
+    large jitted `x + 1`, read + write, measured in the same run at the start and the
+    end) is the floor; `of_roofline` = floor / measured step time.
+  * Flag cost per phase: bf16 compute with both flags vs without (the `bf16` preset), in
+    the full model: a train step, a prefill and a decode step, interleaved.
+"""
+import dataclasses
+import functools
+import os
+import statistics
+import time
+from typing import Dict, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnprec import compilation, decoding, train
+from attnprec.errors import UserError
+from attnprec.precision import Precision
+
+PRESETS: Dict[str, Precision] = {
+    "fp32": Precision(),
+    "bf16_flags": Precision(dtype="bfloat16", float32_qk_product=True, float32_logits=True),
+    "bf16": Precision(dtype="bfloat16", float32_qk_product=False, float32_logits=False),
+    # the same numerics with the blockwise (flash-style) kernel, both phases
+    "bf16_flags_blockwise": Precision(dtype="bfloat16", float32_qk_product=True,
+                                      float32_logits=True, kernel="blockwise"),
+    # bf16 + flags with the weights STORED in bfloat16 (`decoding.compute_params`)
+    "bf16_flags_bf16w": Precision(dtype="bfloat16", float32_qk_product=True,
+                                  float32_logits=True),
+}
+BF16_WEIGHTS = ("bf16_flags_bf16w",)
+DEFAULT_CASES: Tuple[Tuple[int, int], ...] = ((1, 32), (1, 1000), (8, 32), (8, 1000))
+QUICK_CASES: Tuple[Tuple[int, int], ...] = ((1, 32), (8, 32))
+TORCH = "transformers"
+
+
+# ----------------------------------------------------------------------------- programs
+def _decode_loop(params, state, token_B, *, config, precision, steps):
+  """`steps` greedy decode steps (state donated by the caller's jit)."""
+  def body(_, carry):
+    state, token_B = carry
+    state = decoding.decode_step(params, state, token_B, config=config, precision=precision)
+    return state, jnp.argmax(state.last_BxV, axis=-1).astype(jnp.int32)
+
+  return jax.lax.fori_loop(0, steps, body, (state, token_B))
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(config, precision, steps, cache_length):
+  prefill = jax.jit(functools.partial(decoding.prefill, config=config, precision=precision,
+                                      cache_length=cache_length))
+  decode = jax.jit(functools.partial(_decode_loop, config=config, precision=precision,
+                                     steps=steps), donate_argnums=(1,))
+  return prefill, decode
+
+
+class _AttnprecCase:
+  """Compiled prefill + decode of one (preset, B, P); `prefill()` / `decode()` time one
+  call each."""
+
+  def __init__(self, config, params, precision, prompt_BxP, steps, bf16_weights=False):
+    B, P = prompt_BxP.shape
+    self.steps = steps
+    self.params = decoding.compute_params(params, precision) if bf16_weights else params
+    self.prompt = jnp.asarray(prompt_BxP)
+    self.lengths = jnp.full((B,), P, jnp.int32)
+    prefill, decode = _programs(config, precision, steps, P + steps)
+    c1 = compilation.compile_lowerable(prefill, self.params, self.prompt, self.lengths)
+    self._prefill = c1.program
+    self.state0 = jax.block_until_ready(self._prefill(self.params, self.prompt, self.lengths))
+    self.first = jnp.argmax(self.state0.last_BxV, axis=-1).astype(jnp.int32)
+    c2 = compilation.compile_lowerable(decode, self.params, self.state0, self.first)
+    self._decode = c2.program
+    self.compile_s = {"prefill": c1.seconds, "decode": c2.seconds}
+
+  def prefill(self) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(self._prefill(self.params, self.prompt, self.lengths))
+    return time.perf_counter() - t0
+
+  def decode(self) -> float:
+    state = jax.tree_util.tree_map(jnp.copy, self.state0)   # donated below: a fresh copy
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    jax.block_until_ready(self._decode(self.params, state, self.first))
+    return time.perf_counter() - t0
+
+
+class _TorchCase:
+  """transformers' prefill + greedy decode loop with its cache, on the same prompt."""
+
+  def __init__(self, model, prompt_BxP, steps):
+    import torch
+    self.torch, self.model, self.steps = torch, model, steps
+    self.ids = torch.tensor(np.asarray(prompt_BxP), dtype=torch.long)
+
+  def _prefill(self):
+    with self.torch.inference_mode():
+      out = self.model(input_ids=self.ids, use_cache=True)
+    return out
+
+  def prefill(self) -> float:
+    t0 = time.perf_counter()
+    self._prefill()
+    return time.perf_counter() - t0
+
+  def decode(self) -> float:
+    out = self._prefill()
+    torch = self.torch
+    with torch.inference_mode():
+      past = out.past_key_values
+      token = out.logits[:, -1].argmax(-1, keepdim=True)
+      t0 = time.perf_counter()
+      for _ in range(self.steps):
+        out = self.model(input_ids=token, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+      return time.perf_counter() - t0
+
+
+def _cache_bytes(config, B, S, dtype) -> int:
+  return 2 * config.num_layers * B * config.num_kv_heads * S * config.head_dim * \
+      jnp.dtype(dtype).itemsize
+
+
+def weight_bytes(params, dtype=None) -> int:
+  """Bytes of the weights one decode step reads: every matrix (the tied embedding table
+  counts once: the unembedding reads it whole), in `dtype` if given."""
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(params):
+    size = jnp.dtype(dtype).itemsize if dtype is not None and leaf.ndim == 2 else \
+        leaf.dtype.itemsize
+    total += leaf.size * size
+  return total
+
+
+def copy_bandwidth(mbytes: int = 256, reps: int = 5) -> float:
+  """Bytes/s of a jitted `x + 1` over `mbytes` MB of float32 (read + write), median."""
+  x = jnp.zeros((mbytes * 2 ** 20 // 4,), jnp.float32)
+  f = jax.jit(lambda a: a + 1.0)
+  jax.block_until_ready(f(x))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    times.append(time.perf_counter() - t0)
+  return 2 * x.nbytes / statistics.median(times)
+
+
+def _round_robin(calls: Dict[str, callable], rounds: int) -> Dict[str, list]:
+  for call in calls.values():
+    call()                                   # untimed warm-up (also the ordering bias)
+  times = {k: [] for k in calls}
+  for _ in range(rounds):
+    for k, call in calls.items():
+      times[k].append(call())
+  return times
+
+
+# ----------------------------------------------------------------------------- the bench
+def load_torch_model(name: str):
+  """transformers' model for a shipped name or a .gguf path, fp32, sdpa (None: no torch)."""
+  try:
+    import torch
+    import transformers
+  except ImportError:
+    return None
+  from attnprec import checkpoints
+  path = checkpoints.shipped_path(name) if name in checkpoints.SHIPPED else None
+  if path is None:
+    import pathlib
+    path = pathlib.Path(name)
+    if path.suffix != ".gguf":
+      return None
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      str(path.parent), gguf_file=path.name, dtype=torch.float32,
+      attn_implementation="sdpa").eval()
+  return model
+
+
+def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
+                    cases: Sequence[Tuple[int, int]] = DEFAULT_CASES,
+                    presets: Sequence[str] = ("fp32", "bf16_flags"), steps: int = 32,
+                    rounds: int = 3, include_torch: bool = True, torch_threads: int = 0,
+                    flag_phases: bool = True, flag_case: Tuple[int, int] = (1, 1000),
+                    train_tokens: int = 256, copy_mbytes: int = 256, seed: int = 0,
+                    progress: bool = True) -> dict:
+  """Runs the bench; returns plain data (see the module docstring).
+
+  model: a shipped name or checkpoint path (or pass `config` and `params` directly).
+  cases: (batch, prompt length) pairs. steps: decode steps timed per round.
+  torch_threads: torch's intra-op threads (0: all cores).
+  flag_phases: also time bf16 with and without the flags (train step, prefill, decode)
+    at `flag_case` (batch, tokens; the train step uses `train_tokens` tokens).
+  """
+  for name in presets:
+    if name not in PRESETS:
+      raise UserError(f"Unknown bench preset {name!r}; valid: {list(PRESETS)}.")
+  for B, P in cases:
+    if B < 1 or P < 1:
+      raise UserError(f"Bench case (batch={B}, prompt={P}) must have batch >= 1 and "
+                      f"prompt >= 1.")
+  if steps < 1 or rounds < 1:
+    raise UserError(f"steps and rounds must be >= 1, got steps={steps}, rounds={rounds}.")
+  log = print if progress else (lambda *a, **k: None)
+  t_start = time.perf_counter()
+  if config is None:
+    from attnprec import checkpoints
+    ckpt = checkpoints.load(model)
+    config, params = ckpt.config, ckpt.params
+  torch_model = load_torch_model(model) if include_torch else None
+  result = dict(config=dict(model=model, cases=[list(c) for c in cases], presets={
+      p: dataclasses.asdict(PRESETS[p]) for p in presets}, steps=steps, rounds=rounds,
+      jax=jax.__version__, devices=str(jax.devices()), cpu_count=os.cpu_count(),
+      xla_flags=os.environ.get("XLA_FLAGS", "")), rows=[], flags=None)
+  if torch_model is not None:
+    import torch
+    import transformers
+    torch.set_num_threads(torch_threads or os.cpu_count())
+    result["config"].update(torch=torch.__version__, transformers=transformers.__version__,
+                            torch_threads=torch.get_num_threads())
+  result["copy_bandwidth"] = copy_bandwidth(copy_mbytes)
+  rng = np.random.default_rng(seed)
+
+  for B, P in cases:
+    if P + steps > config.max_seq_len:
+      raise UserError(f"Bench case prompt={P} + steps={steps} exceeds the model's "
+                      f"max_seq_len {config.max_seq_len}.")
+    prompt = rng.integers(0, config.vocab_size, (B, P)).astype(np.int32)
+    runners = {}
+    for name in presets:
+      log(f"compiling {name} B={B} P={P} ...", flush=True)
+      runners[name] = _AttnprecCase(config, params, PRESETS[name], prompt, steps,
+                                    bf16_weights=name in BF16_WEIGHTS)
+    if torch_model is not None:
+      runners[TORCH] = _TorchCase(torch_model, prompt, steps)
+    log(f"timing B={B} P={P} ({rounds} rounds) ...", flush=True)
+    pre = _round_robin({k: r.prefill for k, r in runners.items()}, rounds)
+    dec = _round_robin({k: r.decode for k, r in runners.items()}, rounds)
+    for name, r in runners.items():
+      step_s = statistics.median(dec[name]) / steps
+      dtype = PRESETS[name].compute_dtype if name in PRESETS else jnp.float32
+      S = P + steps if name in PRESETS else P + steps / 2   # transformers' cache grows
+      kv = _cache_bytes(config, B, 1, dtype) * S
+      wb = weight_bytes(params, dtype)   # the floor: weights read in the compute dtype
+      row = dict(name=name, batch=B, prompt=P, prefill_s=statistics.median(pre[name]),
+                 prefill_times_s=pre[name], step_s=step_s,
+                 step_times_s=[t / steps for t in dec[name]], tokens_per_s=B / step_s,
+                 weight_bytes=wb, kv_bytes=int(kv),
+                 roofline_step_s=(wb + kv) / result["copy_bandwidth"])
+      row["of_roofline"] = row["roofline_step_s"] / step_s
+      if name in PRESETS:
+        row["compile_s"] = r.compile_s
+      result["rows"].append(row)
+    _add_ratios(result["rows"], B, P)
+
+  if flag_phases:
+    result["flags"] = flag_cost(config, params, flag_case, train_tokens, rounds, log, rng)
+  result["copy_bandwidth_end"] = copy_bandwidth(copy_mbytes)
+  result["wall_s"] = time.perf_counter() - t_start
+  return result
+
+
+def _add_ratios(rows, B, P):
+  case = {r["name"]: r for r in rows if r["batch"] == B and r["prompt"] == P}
+  fp32, torch_row = case.get("fp32"), case.get(TORCH)
+  for r in case.values():
+    if fp32 is not None:
+      r["step_vs_fp32"] = r["step_s"] / fp32["step_s"]
+    if torch_row is not None:
+      r["tokens_per_s_vs_transformers"] = r["tokens_per_s"] / torch_row["tokens_per_s"]
+      r["prefill_vs_transformers"] = r["prefill_s"] / torch_row["prefill_s"]
+
+
+def flag_cost(config, params, case, train_tokens, rounds, log, rng) -> dict:
+  """bf16 with both flags / without, per phase, in the full model, interleaved."""
+  B, P = case
+  steps = 8
+  prompt = rng.integers(0, config.vocab_size, (B, P)).astype(np.int32)
+  calls, compile_s = {}, {}
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (1, train_tokens)), jnp.int32)
+  mask = jnp.ones((1, train_tokens), jnp.float32)
+  optimizer = train.make_optimizer(total_steps=10)
+  for name in ("bf16", "bf16_flags"):
+    prec = PRESETS[name]
+    log(f"compiling the flag-cost programs ({name}) ...", flush=True)
+    r = _AttnprecCase(config, params, prec, prompt, steps)
+    calls[f"prefill/{name}"] = r.prefill
+    calls[f"decode/{name}"] = lambda r=r: r.decode() / r.steps
+    state = train.TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32),
+                             jax.random.PRNGKey(0))
+    update = train.make_update(config, prec, optimizer)
+    c = compilation.compile_lowerable(update, state, tokens, mask)
+    compile_s[name] = dict(r.compile_s, train=c.seconds)
+
+    def train_call(program=c.program, state=state):
+      t0 = time.perf_counter()
+      jax.block_until_ready(program(state, tokens, mask))
+      return time.perf_counter() - t0
+
+    calls[f"train/{name}"] = train_call
+  log("timing the flag cost ...", flush=True)
+  times = _round_robin(calls, rounds)
+  med = {k: statistics.median(v) for k, v in times.items()}
+  return {"batch": B, "prompt": P, "train_tokens": train_tokens, "median_s": med,
+          "times_s": times, "compile_s": compile_s,
+          "flags_over_no_flags": {ph: med[f"{ph}/bf16_flags"] / med[f"{ph}/bf16"]
+                                  for ph in ("train", "prefill", "decode")}}
+
+
+# ----------------------------------------------------------------------------- output
+def to_markdown(result: dict) -> str:
+  cfg = result["config"]
+  torch_note = (f"transformers {cfg['transformers']} (torch {cfg['torch']}, fp32, sdpa, "
+                f"{cfg['torch_threads']} threads)" if "torch" in cfg else "no transformers")
+  lines = [f"Model {cfg['model']}; {cfg['steps']} greedy decode steps timed per round, "
+           f"{cfg['rounds']} interleaved rounds, medians; {torch_note}; copy bandwidth "
+           f"{result['copy_bandwidth'] / 1e9:.1f} GB/s (end of run "
+           f"{result.get('copy_bandwidth_end', float('nan')) / 1e9:.1f}).", "",
+           "| batch, prompt | config | decode ms/step | tokens/s | vs fp32 step "
+           "| vs transformers tok/s | of roofline | prefill s | prefill vs transformers "
+           "| compile s (prefill + decode) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in result["rows"]:
+    comp = r.get("compile_s")
+    comp = "" if comp is None else f"{comp['prefill']:.0f} + {comp['decode']:.0f}"
+    lines.append(
+        f"| {r['batch']}, {r['prompt']} | {r['name']} | {r['step_s'] * 1e3:.1f} "
+        f"| {r['tokens_per_s']:.1f} | {_f(r.get('step_vs_fp32'))} "
+        f"| {_f(r.get('tokens_per_s_vs_transformers'))} | {r['of_roofline']:.2f} "
+        f"| {r['prefill_s']:.2f} | {_f(r.get('prefill_vs_transformers'))} "
+        f"| {comp} |")
+  flags = result.get("flags")
+  if flags:
+    lines += ["", f"Cost of the attention flags (bf16 compute, both flags / none) in the "
+              f"full model: train step on {flags['train_tokens']} tokens, prefill and "
+              f"decode step at batch {flags['batch']}, prompt {flags['prompt']}", "",
+              "| phase | bf16 s | bf16 + flags s | ratio |", "|---|---:|---:|---:|"]
+    for ph, ratio in flags["flags_over_no_flags"].items():
+      lines.append(f"| {ph} | {flags['median_s'][f'{ph}/bf16']:.4f} "
+                   f"| {flags['median_s'][f'{ph}/bf16_flags']:.4f} | {ratio:.2f} |")
+  lines.append(f"\nwall time {result['wall_s']:.0f} s")
+  return "\n".join(lines) + "\n"
+
+
+def _f(x: Optional[float]) -> str:
+  return "" if x is None else f"{x:.2f}"
+
+
+def plot(result: dict, path: str) -> None:
+  """Decode tokens/s and prefill time per case and configuration."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  cases = [tuple(c) for c in result["config"]["cases"]]
+  names = list(dict.fromkeys(r["name"] for r in result["rows"]))
+  by = {(r["name"], r["batch"], r["prompt"]): r for r in result["rows"]}
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  width = 0.8 / max(len(names), 1)
+  for i, name in enumerate(names):
+    xs = [j + i * width for j in range(len(cases))]
+    tok = [by[(name, B, P)]["tokens_per_s"] if (name, B, P) in by else 0 for B, P in cases]
+    pre = [by[(name, B, P)]["prefill_s"] if (name, B, P) in by else 0 for B, P in cases]
+    axes[0].bar(xs, tok, width, label=name, color=f"C{i}")
+    axes[1].bar(xs, pre, width, label=name, color=f"C{i}")
+  for ax, title in zip(axes, ("decode tokens/s (higher is better)",
+                              "prefill seconds (lower is better)")):
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(cases))])
+    ax.set_xticklabels([f"B{B} P{P}" for B, P in cases])
+    ax.set_title(title)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend()
+  axes[1].set_yscale("log")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -1,0 +1,82 @@
+"""Train run directories as checkpoints: what `make train` writes (model.json + params.npz,
+and for the recall task its task.json), and the shipped recall checkpoint `recall-tiny`.
+
+    config, params, task = load_run("recall-tiny")       # or a run directory
+
+`task` is the run's `RecallTask` (from task.json) for a recall run, None for another run
+(a text run describes its data in text_task.json, which is not a task to evaluate).
+"""
+import dataclasses
+import json
+import os
+from typing import Optional, Tuple
+
+import numpy as np
+
+from attnprec import runs
+from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+from attnprec.tasks import recall
+
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+SHIPPED = {"recall-tiny": os.path.join(ASSETS, "recall-tiny")}
+TASK_FILE = "task.json"
+
+
+# What `make train` writes into a run directory (model.json and params.npz come last).
+_RUN_FILES = (runs.MODEL_FILE, runs.PARAMS_FILE, "operative_config.gin", "metrics.jsonl",
+              "checkpoints")
+
+
+def is_run_dir(path) -> bool:
+  """Whether `path` is a train run directory (finished or not: an unfinished one then
+  fails to load with an error that says what is missing)."""
+  path = str(path)
+  return os.path.isdir(path) and any(
+      os.path.exists(os.path.join(path, f)) for f in _RUN_FILES)
+
+
+def run_dir(name_or_path) -> str:
+  """A shipped recall checkpoint name or a run directory -> the directory."""
+  key = str(name_or_path)
+  return SHIPPED.get(key, key)
+
+
+# RecallTask fields added after runs were written without them, with the value those runs
+# had (the shipped recall-tiny predates shared_vocab).
+ADDED_LATER = {"shared_vocab": False}
+
+
+def load_task(directory: str) -> Optional[recall.RecallTask]:
+  """The RecallTask a run trained on (its task.json), or None without one. The file must
+  hold every field and no other: a missing field would silently take a default and
+  evaluate a different task."""
+  path = os.path.join(directory, TASK_FILE)
+  if not os.path.isfile(path):
+    return None
+  fields = sorted(f.name for f in dataclasses.fields(recall.RecallTask))
+  try:
+    with open(path) as f:
+      raw = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UserError(f"Cannot read the recall task of {directory!r} from {path}: {e}. It "
+                    f"should be a JSON object with the fields {fields}.") from None
+  if not isinstance(raw, dict):
+    raise UserError(f"{path!r} holds a JSON {type(raw).__name__}, not an object with the "
+                    f"recall task's fields {fields}.")
+  missing = sorted(set(fields) - set(raw) - set(ADDED_LATER))
+  unknown = sorted(set(raw) - set(fields))
+  if missing or unknown:
+    raise UserError(f"{path!r} does not describe a recall task: missing field(s) {missing}, "
+                    f"unknown field(s) {unknown}; a task.json written by `make train` has "
+                    f"exactly {fields}.")
+  return recall.RecallTask(**{**ADDED_LATER, **raw})
+
+
+def load_run(name_or_path, *, dtype=np.float32
+             ) -> Tuple[ModelConfig, dict, Optional[recall.RecallTask]]:
+  """(config, params {module: {name: np.ndarray}} in `dtype`, task or None)."""
+  directory = run_dir(name_or_path)
+  config, params = runs.load_checkpoint(directory)
+  params = {m: {n: np.asarray(a, dtype) for n, a in d.items()} for m, d in params.items()}
+  return config, params, load_task(directory)

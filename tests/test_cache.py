@@ -1,0 +1,143 @@
+"""The KV cache is written in place and read without copies, in every dtype.
+
+Checked in the compiled program (XLA:CPU, `compile().as_text()`): every instruction whose
+result has the shape of one layer's cache is listed with its opcode and where it comes
+from. The cache write must be an in-place scatter on the donated (aliased) buffer, never a
+copy or a conversion of the whole buffer (what a bfloat16 scatter on XLA:CPU does: it
+converts the buffer to float32 and back); and in float32 nothing else may produce a
+cache-sized buffer at all (no transpose copy for the kernel's view). In bfloat16 XLA:CPU
+materialises the uint16 -> bfloat16 reinterpretation of each layer's keys before the qk
+dot (one read-side copy per layer and step, allowed here and reported in the README);
+the values feed the float32 wv dot through the contract's upcast. Values: bits in, bits
+out (bfloat16 stored as uint16), compared with the values written.
+"""
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnprec import decoding
+from attnprec.cache import init_cache, storage_dtype
+from attnprec.config import ModelConfig
+from attnprec.model import init_params
+from attnprec.precision import Precision
+
+CONFIG = ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=16, mlp_hidden=32)
+PARAMS = init_params(CONFIG, jax.random.PRNGKey(0))
+B, S = 2, 256
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = (?P<type>\w+)\[(?P<dims>[\d,]*)\]\S* "
+                    r"(?P<op>[\w\-]+)\((?P<rest>.*)$")
+
+
+def cache_sized(text, *, skip_entry=False):
+  """[(dtype, opcode, op_name)] of the instructions whose result is one layer's cache in
+  either layout ([B, K, S, H] or [B, S, K, H]), parameters and tuple plumbing excluded;
+  `skip_entry`: only those in called computations (loop bodies, fusions), not the ones
+  the entry computation runs once per call."""
+  shapes = {f"{B},{CONFIG.num_kv_heads},{S},{CONFIG.head_dim}",
+            f"{B},{S},{CONFIG.num_kv_heads},{CONFIG.head_dim}"}
+  out, in_entry = [], False
+  for line in text.splitlines():
+    if line and not line.startswith(" "):
+      in_entry = line.startswith("ENTRY")
+    m = None if (skip_entry and in_entry) else _INSTR.match(line)
+    if m and m["dims"] in shapes and m["op"] not in ("parameter", "get-tuple-element",
+                                                      "tuple", "bitcast"):
+      name = re.search(r'op_name="([^"]*)"', m["rest"])
+      out.append((m["type"], m["op"], name.group(1) if name else ""))
+  return out
+
+
+def compiled_step(precision):
+  state = decoding.DecodeState(init_cache(CONFIG, B, S, precision.compute_dtype),
+                               jnp.zeros((B, CONFIG.vocab_size)),
+                               jnp.array([3, 7], jnp.int32))
+  step = decoding.step_fn(CONFIG, precision)
+  return step.lower(PARAMS, state, jnp.zeros((B,), jnp.int32)).compile(), state
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_step_writes_the_cache_in_place(dtype):
+  compiled, state = compiled_step(Precision(dtype=dtype))
+  text = compiled.as_text()
+  # Every cache buffer is donated: aliased to an output, not copied into a new one.
+  aliases = re.search(r"input_output_alias=\{(.*?)\}, entry", text).group(1)
+  assert aliases.count("may-alias") >= 2 * CONFIG.num_layers
+  ops = cache_sized(text)
+  write = [o for o in ops if "/attn/kernel/" not in o[2]]
+  # Per layer, k and v: one scatter each, in the stored dtype, and nothing else.
+  store = {"float32": "f32", "bfloat16": "u16"}[dtype]
+  scatters = [o for o in write if o[1] in ("scatter", "fusion") and o[0] == store
+              and "scatter" in o[2]]
+  assert len(scatters) >= 2 * CONFIG.num_layers, ops
+  converts_or_copies = [o for o in write if o[1] in ("convert", "copy", "transpose")
+                        or (o[1] == "fusion" and "scatter" not in o[2]
+                            and "bitcast_convert" not in o[2])]
+  assert not converts_or_copies, converts_or_copies
+  if dtype == "float32":
+    # Nothing at all makes a cache-sized buffer besides the in-place writes (the
+    # kernel reads the [B, K, S, H] cache as it lies), and the step needs less scratch
+    # memory than one layer's cache.
+    assert all(o in scatters or o[1] == "scatter" for o in ops), ops
+    layer_bytes = state.cache.layers[0].k.nbytes
+    assert compiled.memory_analysis().temp_size_in_bytes < layer_bytes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generate_loop_does_not_copy_the_cache(dtype):
+  """In `generate` the cache is created inside the program and carried by the loop: the
+  only cache-sized copies are the zero-filled initial buffers, once per call."""
+  prec = Precision(dtype=dtype)
+  tokens = jnp.ones((B, 8), jnp.int32)
+  lowered = decoding.generate.lower(PARAMS, tokens, jnp.array([8, 5], jnp.int32),
+                                    jax.random.PRNGKey(0), config=CONFIG, precision=prec,
+                                    max_new_tokens=S - 8)
+  text = lowered.compile().as_text()
+  assert [o for o in cache_sized(text) if o[1] == "copy"]          # the check sees them
+  ops = cache_sized(text, skip_entry=True)
+  assert [o for o in ops if "scatter" in o[2]], ops                  # the loop's writes
+  assert not [o for o in ops if o[1] in ("copy", "convert", "transpose")
+              and "/attn/kernel/" not in o[2]], ops          # (the kernel's own upcast of v)
+  if dtype == "float32":
+    assert not [o for o in ops if o[1] in ("copy", "convert", "transpose")], ops
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_write_then_read_returns_the_values_written(dtype):
+  cache = init_cache(CONFIG, B, 16, dtype).layers[0]
+  assert cache.k.dtype == storage_dtype(dtype)
+  rng = np.random.default_rng(0)
+  k = jnp.asarray(rng.standard_normal((B, 3, 2, 16)), dtype)
+  v = jnp.asarray(rng.standard_normal((B, 3, 2, 16)), dtype)
+  pos = jnp.array([[0, 1, 2], [5, 6, 7]])
+  got_k, got_v = jax.jit(lambda c: c.write(k, v, pos).read(dtype))(cache)
+  for got, want in ((got_k, k), (got_v, v)):
+    assert got.dtype == jnp.dtype(dtype)
+    got = np.asarray(got.astype(jnp.float32))
+    want = np.asarray(want.astype(jnp.float32))
+    np.testing.assert_array_equal(got[0, :, :3], want[0].transpose(1, 0, 2))
+    np.testing.assert_array_equal(got[1, :, 5:8], want[1].transpose(1, 0, 2))
+    assert not got[0, :, 3:].any() and not got[1, :, :5].any() and not got[1, :, 8:].any()
+
+
+def test_donated_step_decodes_like_generate():
+  """A serving loop of donated steps gives generate's tokens and logits."""
+  prec = Precision()
+  prompts, lengths = decoding.pad_prompts([[1, 2, 3, 4], [5, 6]])
+  want_tokens, want_logits = decoding.generate(PARAMS, prompts, lengths, jax.random.PRNGKey(0),
+                                               config=CONFIG, precision=prec, max_new_tokens=5)
+  state = jax.jit(functools.partial(decoding.prefill, config=CONFIG, precision=prec,
+                                    cache_length=9))(PARAMS, prompts, lengths)
+  step = decoding.step_fn(CONFIG, prec)
+  tokens, logits = [], []
+  for _ in range(5):
+    logits.append(np.asarray(state.last_BxV))
+    tokens.append(np.asarray(jnp.argmax(state.last_BxV, -1)))
+    state = step(PARAMS, state, jnp.asarray(tokens[-1], jnp.int32))
+  np.testing.assert_array_equal(np.stack(tokens, 1), np.asarray(want_tokens))
+  np.testing.assert_allclose(np.stack(logits, 1), np.asarray(want_logits), rtol=1e-5,
+                             atol=1e-5)
