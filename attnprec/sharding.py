@@ -9,7 +9,7 @@ MLP hidden units must divide the model axis), `kv_columns` (k, v: split by kv he
 K % model == 0, else replicated), `rows` (o, down: w [in, D] split by input row), and
 `replicated` (embeddings, norm scales, unembed).
 Optimizer moments follow their parameter; scalars are replicated.
-Data: tokens [B, T] split over data (needs B % data == 0). The KV cache [L, B, S, K, H]
+Data: tokens [B, T] split over data (needs B % data == 0). Each layer's KV cache [B, K, S, H]
 that `decoding.generate` builds follows by propagation: B over data, K over model when the
 k/v projections are split (`cache_spec` says which; tests check the compiled program).
 
@@ -151,8 +151,8 @@ def tree_shardings(tree, params, config: ModelConfig, mesh: Mesh):
 
 
 def cache_spec(config: ModelConfig, mesh: Mesh) -> P:
-  """The KV cache [L, B, S, K, H]: batch over data, kv heads over model when split."""
-  return P(None, "data", None, "model" if kv_split(config, mesh) else None, None)
+  """Each layer's KV cache [B, K, S, H]: batch over data, kv heads over model when split."""
+  return P("data", "model" if kv_split(config, mesh) else None, None, None)
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

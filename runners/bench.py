@@ -79,18 +79,23 @@ def _write(out, name, text, mode="w"):
   runs.atomic_write(os.path.join(out, name), text, mode)
 
 
+def _write_model(out, result):
+  runs.write_json(out, "model.json", result)
+  _write(out, "model.md", model_bench.to_markdown(result))
+
+
 def run_model(args):
   quick = args.quick
   result = model_bench.run_model_bench(
+      on_case=lambda partial: _write_model(args.out, partial),
       model=args.model,
       cases=args.cases or (model_bench.QUICK_CASES if quick else model_bench.DEFAULT_CASES),
       presets=args.model_presets,
       steps=args.steps or (8 if quick else 32), rounds=args.rounds or (2 if quick else 3),
       include_torch=not args.no_torch, flag_phases=not quick,
       flag_case=(1, 1000))
-  runs.write_json(args.out, "model.json", result)
+  _write_model(args.out, result)
   table = model_bench.to_markdown(result)
-  _write(args.out, "model.md", table)
   tmp = os.path.join(args.out, ".model.tmp.png")
   model_bench.plot(result, tmp)
   os.replace(tmp, os.path.join(args.out, "model.png"))

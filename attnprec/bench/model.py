@@ -208,7 +208,7 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
                     rounds: int = 3, include_torch: bool = True, torch_threads: int = 0,
                     flag_phases: bool = True, flag_case: Tuple[int, int] = (1, 1000),
                     train_tokens: int = 256, copy_mbytes: int = 256, seed: int = 0,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, on_case=None) -> dict:
   """Runs the bench; returns plain data (see the module docstring).
 
   model: a shipped name or checkpoint path (or pass `config` and `params` directly).
@@ -216,6 +216,8 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
   torch_threads: torch's intra-op threads (0: all cores).
   flag_phases: also time bf16 with and without the flags (train step, prefill, decode)
     at `flag_case` (batch, tokens; the train step uses `train_tokens` tokens).
+  on_case: called with the result so far after each case (so a long run that is
+    interrupted still leaves the cases it finished).
   """
   for name in presets:
     if name not in PRESETS:
@@ -277,6 +279,9 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
         row["compile_s"] = r.compile_s
       result["rows"].append(row)
     _add_ratios(result["rows"], B, P)
+    result["wall_s"] = time.perf_counter() - t_start
+    if on_case is not None:
+      on_case(result)
 
   if flag_phases:
     result["flags"] = flag_cost(config, params, flag_case, train_tokens, rounds, log, rng)
