@@ -99,7 +99,7 @@ def sequence_of(inner: Rule, *, nonempty: bool = True) -> Rule:
 
   def rule(v):
     if not isinstance(v, (tuple, list)) or (nonempty and not v):
-      return f"must be a {'non-empty ' if nonempty else ''}tuple, e.g. (8, 16)"
+      return f"must be a {'non-empty ' if nonempty else ''}tuple (or list) of values"
     for item in v:
       problem = inner(item)
       if problem:

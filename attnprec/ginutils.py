@@ -251,7 +251,7 @@ def check_config(phases: Optional[Sequence[str]] = PHASES) -> None:
       if name not in PHASE_CONFIGURABLES and (scope, name) not in scoped_refs:
         raise UserError(
             f"Scoped binding {first} would be ignored: only "
-            f"{', '.join(c + '.*' for c in PHASE_CONFIGURABLES)} is read per phase "
+            f"{' and '.join(c + '.*' for c in PHASE_CONFIGURABLES)} are read per phase "
             f"({', '.join(PHASES)}). Write {name}.{next(iter(values), '')} without a scope.")
     if name in PHASE_CONFIGURABLES and phases is not None and not phases:
       raise UserError(
