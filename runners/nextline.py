@@ -17,7 +17,7 @@ from attnprec.study.nextline import nextline  # noqa: E402
 
 def main(argv) -> int:
   return cli.main(argv, prog="nextline", default_files=["runs/nextline.gin"],
-                  default_run_dir="runs/nextline",
+                  default_run_dir="runs/nextline", reads=("nextline",),
                   body=lambda run_dir: ginutils.call(nextline, run_dir=run_dir))
 
 

@@ -18,7 +18,7 @@ from attnprec.study.sinks import sinks_job  # noqa: E402
 
 def main(argv) -> int:
   return cli.main(argv, prog="sinks", default_files=["runs/sinks.gin"],
-                  default_run_dir="runs/sinks",
+                  default_run_dir="runs/sinks", reads=("sinks",),
                   body=lambda run_dir: ginutils.call(sinks_job, run_dir=run_dir))
 
 

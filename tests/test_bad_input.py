@@ -46,10 +46,18 @@ def _load_runner(name):
 
 
 RUNNERS = {name: _load_runner(name) for name in ("train", "decode", "audit", "study",
-                                                 "bench", "plot")}
-# A valid experiment file per gin runner (the bad value comes on top of it).
-GIN_FILES = {"train": "experiments/recall.gin", "decode": "experiments/recall.gin",
-             "audit": "precision/fp32_attention.gin", "study": "experiments/study_recall.gin"}
+                                                 "bench", "plot", "sinks", "nextline")}
+RUNNERS["inspect"] = _load_runner("inspect_model")   # prog "inspect"
+# A valid configuration per gin runner (the bad value comes on top of it).
+GIN_ARGS = {"train": ["--gin_file=experiments/recall.gin"],
+            "decode": ["--gin_file=experiments/recall.gin"],
+            "audit": ["--gin_file=precision/fp32_attention.gin"],
+            "study": ["--gin_file=experiments/study_recall.gin"],
+            "sinks": ["--gin_file=runs/sinks.gin"],
+            "nextline": ["--gin_file=experiments/nextline_qwen2.gin"],
+            "inspect": ["--gin.inspect.fn=attnprec.inspect.examples:maxtext_attention",
+                        "--gin.inspect.inputs=attnprec.inspect.examples:maxtext_inputs"]}
+GIN_FILES = GIN_ARGS   # the runners that read gin
 
 
 def _work(*args, **kwargs):
@@ -63,6 +71,8 @@ def _no_work():
   import attnprec.bench.attention
   import attnprec.bench.model
   import attnprec.checkpoints
+  import attnprec.inspect.job
+  import attnprec.study.nextline
   import attnprec.study.sweep
   import attnprec.train
   # the module (attnprec.jobs re-exports its job function under the same name)
@@ -73,7 +83,9 @@ def _no_work():
        mock.patch.object(attnprec.study.sweep.models, "load_model", _work), \
        mock.patch.object(RUNNERS["audit"], "audit_job", _work), \
        mock.patch.object(attnprec.bench.attention, "run_attention_bench", _work), \
-       mock.patch.object(attnprec.bench.model, "run_model_bench", _work):
+       mock.patch.object(attnprec.bench.model, "run_model_bench", _work), \
+       mock.patch.object(attnprec.study.nextline, "checkpoints", mock.Mock(load=_work)), \
+       mock.patch.object(attnprec.inspect.job, "inspect_lowered", _work):
     yield
 
 
@@ -91,7 +103,7 @@ def call(runner, argv):
 
 
 def gin_argv(runner, run_dir, *extra):
-  return [f"--gin_file={GIN_FILES[runner]}", f"--run_dir={run_dir}", *extra]
+  return [*GIN_ARGS[runner], f"--run_dir={run_dir}", *extra]
 
 
 def assert_refused(runner, rc, err, run_dir, *needles):
@@ -270,7 +282,7 @@ def test_outputs_are_checked_before_work(tmp_path, runner):
   for target in (blocker, blocker / "sub"):
     flag = "--out" if runner == "bench" else "--run_dir"
     argv = ([f"{flag}={target}"] if runner in ("bench", "plot")
-            else [f"--gin_file={GIN_FILES[runner]}", f"{flag}={target}"])
+            else [*GIN_ARGS[runner], f"{flag}={target}"])
     rc, err = call(runner, argv)
     assert rc == 2, (runner, rc, err)
     assert str(target) in err and "Traceback" not in err
