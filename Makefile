@@ -1,4 +1,7 @@
 # attnprec — every target sets up what it needs (.venv) on a fresh machine.
+# Exit codes: a failing target exits 2 (make's own code); the runner's code (0 done,
+# 1 crash, 2 bad input, 3 audit mismatch: README "Errors") is in make's last line,
+# `make: *** [Makefile:N: target] Error CODE`. Scripts run runners/*.py directly to get it.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,10 +15,12 @@ TRAIN_GIN ?= gin/experiments/recall.gin
 DECODE_GIN ?= gin/experiments/smollm2.gin
 AUDIT_GIN ?= gin/precision/fp32_attention.gin
 STUDY_GIN ?= gin/experiments/study_recall.gin
+NEXTLINE_GIN ?= gin/experiments/nextline_qwen2.gin
+SINKS_GIN ?=
 RUN ?= runs/recall
 gin_files = $(foreach f,$(or $(GIN),$(1)),--gin_file=$(f))
 
-.PHONY: setup test train decode audit inspect study bench plot clean
+.PHONY: setup test train decode audit inspect study nextline sinks bench plot clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +53,12 @@ inspect: setup
 
 study: setup
 	$(PY) runners/study.py $(call gin_files,$(STUDY_GIN)) $(ARGS)
+
+nextline: setup
+	$(PY) runners/nextline.py $(call gin_files,$(NEXTLINE_GIN)) $(ARGS)
+
+sinks: setup
+	$(PY) runners/sinks.py $(call gin_files,$(SINKS_GIN)) $(ARGS)
 
 bench: setup
 	$(PY) runners/bench.py --out=bench $(ARGS)

@@ -48,7 +48,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import decoding, hlo, layout, runs, train
+from attnprec import checks, decoding, hlo, layout, runs, train
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
@@ -364,6 +364,8 @@ def model_config_for(model: Optional[str]) -> tuple:
 
 
 @gin.configurable("audit", denylist=["train_precision", "decode_precision", "run_dir"])
+@checks.validated("audit", model=checks.optional(checks.string), batch=checks.at_least(1),
+                  prompt_len=checks.at_least(1), new_tokens=checks.at_least(1))
 def audit_job(*, train_precision: Precision, decode_precision: Precision, run_dir: str,
               model: Optional[str] = None, batch: int = 2, prompt_len: int = 8,
               new_tokens: int = 8, compile: bool = True) -> dict:

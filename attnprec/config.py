@@ -9,12 +9,20 @@ from typing import Optional, Tuple
 
 import gin
 
+from attnprec import checks
 from attnprec.errors import UserError, choice_error
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 LAYER_KINDS = ("global", "local")
 
 
+@checks.validated(
+    "model", norm_eps=checks.number(gt=0), query_scale=checks.optional(checks.number(gt=0)),
+    attn_logit_soft_cap=checks.optional(checks.number(gt=0)), final_logit_soft_cap=checks.optional(checks.number(gt=0)),
+    rope_base=checks.number(gt=0), rope_base_local=checks.optional(checks.number(gt=0)),
+    rope_scale=checks.number(gt=0), sliding_window=checks.optional(checks.at_least(1)),
+    max_seq_len=checks.at_least(1),
+    layer_pattern=checks.sequence_of(checks.one_of(*LAYER_KINDS)))
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
   """A decoder-only transformer. Covers Llama, Qwen2, Gemma, Gemma 2 and Gemma 3."""
@@ -86,13 +94,22 @@ class ModelConfig:
     return json.dumps(dataclasses.asdict(self), indent=1)
 
   @classmethod
-  def from_dict(cls, d: dict) -> "ModelConfig":
-    known = {f.name for f in dataclasses.fields(cls)}
+  def from_dict(cls, d: dict, origin: str = "model config") -> "ModelConfig":
+    """From a model.json object; unknown or missing required fields are UserErrors."""
+    if not isinstance(d, dict):
+      raise UserError(f"{origin} holds a JSON {type(d).__name__}, not an object with the "
+                      f"model.* fields.")
+    fields = dataclasses.fields(cls)
+    known = {f.name for f in fields}
     if d.get("key_offset") is False:   # written by older versions; it meant "none"
       d = {k: v for k, v in d.items() if k != "key_offset"}
     unknown = sorted(set(d) - known)
     if unknown:
-      raise UserError(f"Unknown model config field(s) {unknown}; valid: {sorted(known)}.")
+      raise UserError(f"Unknown field(s) {unknown} in {origin}; valid: {sorted(known)}.")
+    missing = sorted(f.name for f in fields if f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING and f.name not in d)
+    if missing:
+      raise UserError(f"{origin} lacks the required field(s) {missing}.")
     return cls(**d)
 
 

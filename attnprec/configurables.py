@@ -19,6 +19,8 @@ import attnprec.jobs  # noqa: F401           decode.*, train_job.*, recall_eval.
 import attnprec.kernels  # noqa: F401        blockwise.* (block sizes)
 import attnprec.precision  # noqa: F401      precision.* (per phase)
 import attnprec.sharding  # noqa: F401       mesh.*, distributed.*
+import attnprec.study.nextline  # noqa: F401 nextline.*
+import attnprec.study.sinks  # noqa: F401    sinks.*
 import attnprec.study.sweep  # noqa: F401    study.*
 import attnprec.tasks.recall  # noqa: F401   recall.*
 import attnprec.tasks.text  # noqa: F401     text.*

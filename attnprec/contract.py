@@ -10,6 +10,7 @@ Stage dtypes (compute dtype c = the dtype of q, k, v), as in
 
   | stage                         | qk=F,lg=F | qk=F,lg=T | qk=T,lg=F | qk=T,lg=T |
   | q, k, v entering attention    | c         | c         | c         | c         |
+  | query scale applied to        | q, in c   | q, in c   | logits,f32| logits,f32|
   | QK^T logits                   | c         | c         | f32       | f32       |
   | soft-cap, mask, softmax       | c         | f32       | f32       | f32       |
   | probabilities into wv einsum  | c         | f32       | f32       | f32       |
@@ -20,6 +21,12 @@ product is computed with `preferred_element_type=float32` on the c-typed operand
 operands are NOT upcast first); the lowered StableHLO therefore shows
 `(tensor<..xbf16>, tensor<..xbf16>) -> tensor<..xf32>` for the qk dot. When the
 probabilities are float32, v is upcast to float32 for the wv einsum.
+The query scale (H ** -0.5 by default) multiplies q in c before the qk dot when the QK
+product is in c (one more rounding of c, as before), but multiplies the float32 logits
+after the dot when `float32_qk_product` is set: for H = 128 (1/sqrt(128) is not a power
+of two) scaling q in bf16 would add a bf16 rounding of every query that the float32
+product exists to avoid. The 'scale' entry of `stage_dtypes` is the dtype it is applied
+in.
 Every kernel checks every stage with `chex.assert_type` / `chex.assert_shape` against
 `stage_dtypes` (trace-time checks, free under jit); the audit reads the same table.
 
@@ -83,19 +90,43 @@ def precision_name(p: PrecisionLike) -> str:
 
 
 # ----------------------------------------------------------------------------- stages
-STAGES = ("qkv", "logits", "softmax", "probs", "output")
+STAGES = ("qkv", "scale", "logits", "softmax", "probs", "output")
 # Named scopes around the two attention dots: the audit finds them in the lowered program.
 QK_SCOPE, WV_SCOPE = "attn_qk", "attn_wv"
 
 
 def stage_dtypes(compute_dtype, *, float32_qk_product: bool,
                  float32_logits: bool) -> Dict[str, jnp.dtype]:
-  """The contract table as data: stage name -> dtype for one flag combination."""
+  """The contract table as data: stage name -> dtype for one flag combination.
+
+  'scale' is the dtype the query scale is applied in: on q in c (before the qk dot)
+  when the QK product is in c, on the float32 logits (after the dot) when it is f32."""
   c = jnp.dtype(compute_dtype)
   f32 = jnp.dtype(jnp.float32)
   logits = f32 if float32_qk_product else c
   softmax = f32 if (float32_logits or float32_qk_product) else c
-  return {"qkv": c, "logits": logits, "softmax": softmax, "probs": softmax, "output": c}
+  return {"qkv": c, "scale": logits, "logits": logits, "softmax": softmax,
+          "probs": softmax, "output": c}
+
+
+def scale_queries(q, scale, expected) -> jax.Array:
+  """q * scale in c when the contract applies the query scale to q (the QK product in c,
+  or c = float32); q unchanged when it applies it to the float32 logits
+  (`scale_logits`). Every kernel calls both, so exactly one of them scales."""
+  if expected["scale"] != q.dtype:
+    return q
+  q_scaled = q * jnp.asarray(scale, q.dtype)
+  chex.assert_type(q_scaled, expected["scale"])
+  return q_scaled
+
+
+def scale_logits(logits, scale, expected) -> jax.Array:
+  """logits * scale in float32 when the contract applies the query scale to the float32
+  logits (`float32_qk_product`); logits unchanged when q was scaled (`scale_queries`)."""
+  if expected["scale"] == expected["qkv"]:
+    return logits   # q was scaled (in c = f32 both places are the same)
+  chex.assert_type(logits, expected["scale"])
+  return logits * jnp.asarray(scale, logits.dtype)
 
 
 def check_heads(q, k, v) -> int:

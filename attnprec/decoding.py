@@ -19,6 +19,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from attnprec import checks
 from attnprec import model as model_lib
 from attnprec.cache import KVCache, init_cache
 from attnprec.config import ModelConfig
@@ -37,7 +38,11 @@ class Greedy:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
 
 
+_POSITIVE = checks.number(gt=0)
+
+
 @gin.configurable
+@checks.validated("Temperature", temperature=_POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class Temperature:
   """Sample from softmax(logits / temperature)."""
@@ -48,6 +53,7 @@ class Temperature:
 
 
 @gin.configurable
+@checks.validated("TopK", k=checks.at_least(1), temperature=_POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class TopK:
   """Sample among the k most likely tokens."""
@@ -61,6 +67,7 @@ class TopK:
 
 
 @gin.configurable
+@checks.validated("TopP", p=checks.number(gt=0, le=1), temperature=_POSITIVE)
 @dataclasses.dataclass(frozen=True)
 class TopP:
   """Nucleus sampling: the smallest set of tokens whose probability reaches p."""
@@ -76,6 +83,10 @@ class TopP:
     cutoff_Bx1 = jnp.min(jnp.where(keep_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
     logits_BxV = jnp.where(logits_BxV < cutoff_Bx1, -jnp.inf, logits_BxV)
     return jax.random.categorical(rng, logits_BxV).astype(jnp.int32)
+
+
+SAMPLERS = (Greedy, Temperature, TopK, TopP)
+SAMPLER_NAMES = "@Greedy(), @Temperature(), @TopK() or @TopP()"
 
 
 # ----------------------------------------------------------------------------- weights

@@ -10,15 +10,19 @@ import ast
 import contextlib
 import os
 import re
-from typing import List, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import gin
 import jax
 
+from attnprec import checks
 from attnprec.errors import UserError
 from attnprec.paths import REPO_GIN_DIR
 
 PHASES = ("train", "decode")
+# The configurables the runners call inside a phase scope (`ginutils.phase`): the only
+# ones a scoped binding (`decode/precision.dtype = ...`) can reach.
+PHASE_CONFIGURABLES = ("precision", "blockwise")
 
 _registered = False
 
@@ -93,8 +97,29 @@ def resolve_file(path: str) -> str:
   raise UserError(f"Gin file {path!r} not found. Available gin files: {', '.join(available)}.")
 
 
-def parse(files: Sequence[str], bindings: Sequence[str]) -> None:
-  """Parses gin files then bindings, turning gin's errors into one-paragraph UserErrors."""
+# Configurables a configurable calls itself (not through a `@reference` in a binding), by
+# gin name: with the references in the bindings, what a runner's roots reach.
+CALLS = {
+    "train_job": ("train_recall",),                   # its default job
+    "train_recall": ("train",), "train_text": ("train",),
+    "train": ("optimizer", "mesh", "fault_injection"),
+    "audit": ("model", "optimizer"),
+    "precision": ("blockwise",),                      # the blockwise kernel's block sizes
+}
+
+
+def parse(files: Sequence[str], bindings: Sequence[str],
+          phases: Optional[Sequence[str]] = PHASES,
+          reads: Optional[Sequence[str]] = None, prog: str = "this runner") -> None:
+  """Parses gin files then bindings, turning gin's errors into one-paragraph UserErrors,
+  then checks the whole configuration (`check_config`) before anything runs.
+
+  reads: the configurables the runner calls itself, `phase/name` for one called in a
+  phase scope (`train/precision`); then a binding given on the command line must be one
+  the runner reads (`check_command_line`), and `phases` are taken from `reads`.
+  """
+  if reads is not None:
+    phases = tuple(r.split("/")[0] for r in reads if "/" in r)
   _import_configurables()
   register_constants()
   prefixes = gin.config._LOCATION_PREFIXES  # noqa: SLF001
@@ -106,6 +131,143 @@ def parse(files: Sequence[str], bindings: Sequence[str]) -> None:
     gin.parse_config_files_and_bindings(resolved, list(bindings), finalize_config=False)
   except (ValueError, SyntaxError, KeyError, IOError) as e:
     raise UserError(_clean_gin_error(e)) from None
+  check_config(phases)
+  if reads is not None:
+    check_command_line(bindings, reads, prog)
+
+
+def reached(reads: Sequence[str]) -> set:
+  """Gin names of the configurables a runner with roots `reads` calls: the roots, what
+  they call (CALLS) and what the bindings of reached configurables reference."""
+  registry = gin.config._REGISTRY  # noqa: SLF001
+  names = {r.split("/")[-1] for r in reads}
+  refs = {}
+  for (_, selector), values in gin.config._CONFIG.items():  # noqa: SLF001
+    if selector.startswith("gin."):
+      continue
+    name = registry.get_match(selector).name
+    for v in _walk(list(values.values())):
+      if isinstance(v, gin.config.ConfigurableReference):
+        refs.setdefault(name, set()).add(v.configurable.name)
+  todo = list(names)
+  while todo:
+    name = todo.pop()
+    for nxt in set(CALLS.get(name, ())) | refs.get(name, set()):
+      if nxt not in names:
+        names.add(nxt)
+        todo.append(nxt)
+  return names
+
+
+def check_command_line(bindings: Sequence[str], reads: Sequence[str], prog: str) -> None:
+  """A binding typed on the command line must be read by this runner: `train.steps`
+  given to `decode`, or `decode/precision.dtype` given to `train`, would be silently
+  ignored. (Gin files may hold bindings for other runners: experiment files are shared.)"""
+  from gin import config_parser
+  registry = gin.config._REGISTRY  # noqa: SLF001
+  names = reached(reads)
+  phases = sorted({r.split("/")[0] for r in reads if "/" in r})
+  for text in bindings:
+    parser = config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True))
+    for statement in parser:
+      if not isinstance(statement, config_parser.BindingStatement) or \
+          not statement.arg_name:
+        continue   # an import, include or macro definition
+      configurable = registry.get_match(statement.selector)
+      if configurable is None or configurable.selector.startswith("gin."):
+        continue
+      name = configurable.name
+      key = (f"{statement.scope}/" if statement.scope else "") + \
+          f"{name}.{statement.arg_name}"
+      if name not in names:
+        raise UserError(
+            f"{key} is set on the command line but {prog} does not read {name}.*, so it "
+            f"would be ignored; {prog} reads {', '.join(sorted(names))}. Is it meant for "
+            f"another runner?")
+      if name in PHASE_CONFIGURABLES and statement.scope and statement.scope not in phases:
+        raise UserError(
+            f"{key} is set on the command line but {prog} reads {name}.* only in "
+            f"{' and '.join(phases) or 'no'} phase, so it would be ignored; use "
+            f"{', '.join(p + '/' + name for p in phases) or 'another runner'} (or no scope).")
+
+
+def _is_gin_value(value) -> bool:
+  """A reference, macro or constant (`@x`, `%x`): resolved by gin when it is called."""
+  return type(value).__module__.startswith("gin")
+
+
+def _walk(value) -> Iterator:
+  yield value
+  if isinstance(value, (list, tuple)):
+    for v in value:
+      yield from _walk(v)
+  elif isinstance(value, dict):
+    for v in value.values():
+      yield from _walk(v)
+
+
+def _scope_error(scope: str, where: str) -> UserError:
+  return UserError(
+      f"Unknown scope {scope!r} in {where}; valid scopes are: {', '.join(PHASES)} (a "
+      f"binding without a scope applies to every phase), e.g. "
+      f"decode/precision.float32_logits = True.")
+
+
+def check_config(phases: Optional[Sequence[str]] = PHASES) -> None:
+  """Checks every binding gin parsed, before any runner does work:
+
+  * a scope (`decode/` in `decode/precision.dtype`, or in a reference `@decode/x`) is
+    one of PHASES; a scoped binding names a configurable that is really called in that
+    scope (PHASE_CONFIGURABLES, or one referenced with that scope), else it would be
+    silently ignored;
+  * `phases` are the phases whose precision this runner reads; with none (the study
+    sweeps its own presets), any `precision.*` binding is an error;
+  * every literal value satisfies its configurable's argument rules
+    (`attnprec.checks`): types, ranges, choices.
+  """
+  config = gin.config._CONFIG  # noqa: SLF001  {(scope, complete selector): {arg: value}}
+  registry = gin.config._REGISTRY  # noqa: SLF001
+  scoped_refs = set()
+  for (scope, selector), values in config.items():
+    for value in _walk(list(values.values())):
+      if (isinstance(value, gin.config.ConfigurableReference)
+          and not value.configurable.selector.startswith("gin.")):   # not %macro/%constant
+        where = f"the reference @{value.scoped_selector} ({_binding_name(scope, selector)})"
+        for s in value.scopes:
+          if s not in PHASES:
+            raise _scope_error(s, where)
+        if value.scopes:
+          scoped_refs.add(("/".join(value.scopes), value.configurable.name))
+  for (scope, selector), values in config.items():
+    if selector.startswith("gin."):
+      continue   # a macro definition: its "scope" is the macro's name
+    configurable = registry.get_match(selector)
+    name = configurable.name
+    first = f"{scope + '/' if scope else ''}{name}.{next(iter(values), '')}"
+    if scope:
+      for s in scope.split("/"):
+        if s not in PHASES:
+          raise _scope_error(s, first)
+      if name not in PHASE_CONFIGURABLES and (scope, name) not in scoped_refs:
+        raise UserError(
+            f"Scoped binding {first} would be ignored: only "
+            f"{' and '.join(c + '.*' for c in PHASE_CONFIGURABLES)} are read per phase "
+            f"({', '.join(PHASES)}). Write {name}.{next(iter(values), '')} without a scope.")
+    if name in PHASE_CONFIGURABLES and phases is not None and not phases:
+      raise UserError(
+          f"{first} is set, but this runner does not read {name}.*: a study sweeps the "
+          f"presets named by study.presets and study.extra_presets (files in "
+          f"gin/precision/ or paths, with their defaults for the rest). Remove the "
+          f"{name}.* bindings (and included gin/precision/ files), or name the preset "
+          f"in study.extra_presets.")
+    literal = {k: v for k, v in values.items() if not any(_is_gin_value(x) for x in _walk(v))}
+    checks.rules_of(configurable.wrapped, name).check(literal,
+                                                      where=_binding_name(scope, selector))
+
+
+def _binding_name(scope: str, selector: str) -> str:
+  name = gin.config._REGISTRY.get_match(selector).name  # noqa: SLF001
+  return f"{scope}/{name}" if scope else name
 
 
 def _clean_gin_error(e: BaseException) -> str:
@@ -115,7 +277,25 @@ def _clean_gin_error(e: BaseException) -> str:
   m = re.search(r"No configurable matching '([^']+)'", text)
   if m:
     text += (f" Known configurables: {', '.join(sorted(_configurable_names()))}.")
+  m = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", text)
+  if m:
+    params = _parameter_names(m.group(1))
+    if params:
+      text += f" Valid parameters of {m.group(1)}: {', '.join(params)}."
   return f"Invalid gin configuration: {text}"
+
+
+def _parameter_names(selector: str) -> List[str]:
+  import inspect
+  configurable = gin.config._REGISTRY.get_match(selector)  # noqa: SLF001
+  if configurable is None:
+    return []
+  try:
+    params = inspect.signature(configurable.wrapped).parameters
+  except (TypeError, ValueError):
+    return []
+  deny = set(configurable.denylist or ())
+  return [p for p in params if p not in deny and p != "self"]
 
 
 def _configurable_names():

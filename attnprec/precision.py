@@ -14,14 +14,25 @@ import dataclasses
 import gin
 import jax.numpy as jnp
 
-from attnprec import kernels
+from attnprec import checks, kernels
 # The names of dtypes and dot precisions live on the ground floor (the kernels use them);
 # re-exported here, where users look for them.
 from attnprec.contract import (ALGORITHM_PRESETS, DTYPES, LAX_PRECISIONS,  # noqa: F401
                                PrecisionLike, parse_dtype, parse_precision, precision_name)
 from attnprec.errors import UserError, choice_error
+from attnprec.kernels.blockwise import BlockSizes, block_sizes
 
 
+_PRECISION_NAMES = list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS)
+
+
+@checks.validated(
+    "precision", dtype=lambda v: checks.parsed_by(parse_dtype, DTYPES)(v),
+    matmul_precision=lambda v: checks.parsed_by(parse_precision, _PRECISION_NAMES)(v),
+    einsum_precision=lambda v: checks.parsed_by(parse_precision, _PRECISION_NAMES)(v),
+    float32_qk_product=checks.boolean, float32_logits=checks.boolean,
+    kernel=lambda v: checks.one_of(*kernels.NAMES)(v),
+    block_sizes=checks.instance_of(BlockSizes, "a BlockSizes (gin: blockwise.*)"))
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Precision:
   """Numerics of one phase. Hashable, so it can be a static argument of jit."""
@@ -31,6 +42,9 @@ class Precision:
   float32_logits: bool = True          # soft-cap, mask and softmax run in float32
   einsum_precision: str = "default"    # passed to BOTH the qk and the wv einsum
   kernel: str = "dot_product"          # attention kernel: a name in attnprec.kernels.NAMES
+  # The blockwise kernel's block lengths (gin: blockwise.*, read with the phase's scope by
+  # `phase_precision`): static data in the jit key, never read while tracing.
+  block_sizes: BlockSizes = BlockSizes()
 
   def __post_init__(self):
     # Validate eagerly so a bad gin value fails at configuration time, not mid-trace.
@@ -63,13 +77,24 @@ class Precision:
   def describe(self) -> str:
     return (f"dtype={self.dtype} float32_qk_product={self.float32_qk_product} "
             f"float32_logits={self.float32_logits} einsum_precision={self.einsum_precision} "
-            f"matmul_precision={self.matmul_precision} kernel={self.kernel}")
+            f"matmul_precision={self.matmul_precision} kernel={self.kernel}"
+            + (f" blocks={self.block_sizes.describe()}" if self.kernel == "blockwise"
+               else ""))
 
 
 REFERENCE = Precision(dtype="float32", matmul_precision="highest", float32_qk_product=True,
                       float32_logits=True, einsum_precision="highest")
 
 
-# The gin root for a phase's numerics; call it under `gin.config_scope(phase)`. gin wraps a
-# copy of the class, so constructing `Precision` directly in code never reads gin bindings.
-phase_precision = gin.external_configurable(Precision, "precision")
+# The gin root of a phase's numerics (`precision.*`); gin wraps a copy of the class, so
+# constructing `Precision` directly in code never reads gin bindings. block_sizes is not
+# bound directly: `phase_precision` fills it from `blockwise.*`.
+precision_root = gin.external_configurable(Precision, "precision", denylist=["block_sizes"])
+
+
+def phase_precision() -> Precision:
+  """The Precision of the current gin scope (call it under `gin.config_scope(phase)`):
+  `precision.*` and the blockwise kernel's `blockwise.*`, both read in that scope, now,
+  into plain static data (so `decode/blockwise.kv_block = 128` is decode only, and a new
+  value is a new jit key)."""
+  return dataclasses.replace(precision_root(), block_sizes=block_sizes())

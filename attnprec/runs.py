@@ -1,8 +1,11 @@
 """Run directories: operative config, metrics, params, results. Every write is atomic
 (temporary file in the same directory, then rename), so nothing is ever half-written."""
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
+import shutil
 import tempfile
 import zipfile
 from typing import Any, Dict
@@ -42,6 +45,68 @@ def check_writable(run_dir: str) -> str:
     raise UserError(f"Run directory {run_dir!r} is not writable ({e.strerror}). Choose a "
                     f"writable path with --run_dir.") from None
   return run_dir
+
+
+def check_output_dir(path: str, *, flag: str = "--run_dir") -> str:
+  """Checks, before any work and without creating anything, that outputs can be written
+  to directory `path`: it is a writable directory, or it does not exist yet and its
+  nearest existing parent is a writable directory. Raises a UserError naming the path."""
+  if not isinstance(path, str) or not path.strip():
+    raise UserError(f"{flag} must name a directory, got {path!r}.")
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise UserError(f"{flag}={path!r} exists and is not a directory; choose a directory "
+                    f"(it is created if missing).")
+  probe_in = os.path.abspath(path)
+  while not os.path.isdir(probe_in):
+    parent = os.path.dirname(probe_in)
+    if os.path.lexists(probe_in) or parent == probe_in:
+      raise UserError(f"{flag}={path!r} cannot be created: {probe_in!r} is not a "
+                      f"directory. Choose a writable path with {flag}.")
+    probe_in = parent
+  try:
+    os.rmdir(tempfile.mkdtemp(dir=probe_in, prefix=".write-probe-"))
+  except OSError as e:
+    raise UserError(f"{flag}={path!r} is not writable: {probe_in!r}: {e.strerror}. Choose "
+                    f"a writable path with {flag}.") from None
+  return path
+
+
+def remove_if_empty(path: str) -> None:
+  """Removes directory `path` if it holds no file but the run lock (only empty
+  directories): what a run that failed before writing anything leaves."""
+  if not os.path.isdir(path) or os.path.islink(path):
+    return
+  for _, _, files in os.walk(path):
+    if any(f != LOCK_FILE for f in files):
+      return
+  shutil.rmtree(path, ignore_errors=True)
+
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def locked(run_dir: str):
+  """Holds an exclusive lock (flock on run_dir/.lock) while training into `run_dir`, so a
+  second training into the same directory fails at once instead of interleaving its
+  metrics and checkpoints. Released when the process ends, however it ends."""
+  ensure_dir(run_dir)
+  path = os.path.join(run_dir, LOCK_FILE)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      with open(path) as f:
+        holder = f.read().strip() or "another process"
+      raise UserError(f"Run directory {run_dir!r} is in use by another training (pid "
+                      f"{holder}); wait for it to finish, or choose another --run_dir.") \
+          from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    yield run_dir
+  finally:
+    os.close(fd)   # releases the lock
 
 
 def atomic_write(path: str, data, mode: str = "w") -> None:
@@ -133,8 +198,13 @@ def load_checkpoint(run_dir: str):
       raise UserError(f"Checkpoint directory {run_dir!r} has no {os.path.basename(p)}; a "
                       f"train run directory holds {MODEL_FILE} and {PARAMS_FILE}. Was the "
                       f"training run interrupted before it finished?")
-  with open(model_path) as f:
-    config = ModelConfig.from_dict(json.load(f))
+  try:
+    with open(model_path) as f:
+      raw = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UserError(f"Cannot read {model_path!r}: {e}. The file is corrupt or truncated.") \
+        from None
+  config = ModelConfig.from_dict(raw, origin=repr(model_path))
   try:
     with np.load(params_path) as z:
       params: Dict[str, Dict[str, np.ndarray]] = {}

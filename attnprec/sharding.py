@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from attnprec import layout
+from attnprec import checks, layout
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 
@@ -33,6 +33,9 @@ AXES = ("data", "model")
 
 
 @gin.configurable("distributed")
+@checks.validated("distributed", coordinator_address=checks.optional(checks.string),
+                  num_processes=checks.optional(checks.at_least(1)),
+                  process_id=checks.optional(checks.integer(min=0)))
 def initialize_distributed(*, coordinator_address: Optional[str] = None,
                            num_processes: Optional[int] = None,
                            process_id: Optional[int] = None) -> bool:
@@ -59,6 +62,7 @@ def _valid_shapes(n: int):
 
 
 @gin.configurable("mesh")
+@checks.validated("mesh", shape=checks.sequence_of(checks.integer(min=-1)))
 def make_mesh(*, shape: Sequence[int] = (-1, 1)) -> Mesh:
   """A (data, model) mesh over the first prod(shape) devices; -1 takes the rest."""
   n = jax.device_count()

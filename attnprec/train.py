@@ -10,6 +10,7 @@ Resuming is exact: the batch of step s is drawn from a numpy Generator seeded wi
 the newest checkpoint (`attnprec.checkpointing`); and the update is deterministic. Training
 2N steps straight or N steps, killed, then N more, gives the same params bit for bit.
 """
+import contextlib
 import dataclasses
 import functools
 import json
@@ -23,7 +24,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from attnprec import checkpointing, plotting, runs, sharding
+from attnprec import checkpointing, checks, plotting, runs, sharding
 from attnprec import model as model_lib
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
@@ -43,6 +44,11 @@ class TrainState(NamedTuple):
 
 
 @gin.configurable("optimizer")
+@checks.validated("optimizer", learning_rate=checks.number(gt=0),
+                  warmup_steps=checks.integer(min=0), total_steps=checks.at_least(1),
+                  end_value_ratio=checks.number(ge=0), weight_decay=checks.number(ge=0),
+                  clip_norm=checks.number(gt=0), b1=checks.number(ge=0, lt=1),
+                  b2=checks.number(ge=0, lt=1), eps=checks.number(gt=0))
 def make_optimizer(*, learning_rate: float = 3e-3, warmup_steps: int = 100,
                    total_steps: int = 1000, end_value_ratio: float = 0.1,
                    weight_decay: float = 0.01, clip_norm: float = 1.0, b1: float = 0.9,
@@ -146,6 +152,11 @@ def describe_task(task) -> dict:
 
 
 @gin.configurable("train", denylist=["config", "precision", "task", "run_dir", "files"])
+@checks.validated("train", steps=checks.at_least(1), batch_size=checks.at_least(1),
+                  seed=checks.integer(min=0), log_every=checks.at_least(1),
+                  eval_every=checks.at_least(1), eval_batch=checks.at_least(1),
+                  target_accuracy=checks.optional(checks.number(ge=0, le=1)),
+                  checkpoint_every=checks.at_least(1), keep_checkpoints=checks.at_least(1))
 def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
           files: Optional[dict] = None, steps: int = 600, batch_size: int = 64, seed: int = 0,
           log_every: int = 25, eval_every: int = 200, eval_batch: int = 256,
@@ -175,7 +186,9 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   state_sh = sharding.tree_shardings(abstract, abstract.params, config, mesh)
   task_desc = describe_task(task)
   main = jax.process_index() == 0
-  with checkpointing.Checkpointer(run_dir, keep=keep_checkpoints, fault=faults) as ckpt, \
+  # One training per run directory (process 0 holds the lock for a multi-host run).
+  with (runs.locked(run_dir) if main else contextlib.nullcontext()), \
+       checkpointing.Checkpointer(run_dir, keep=keep_checkpoints, fault=faults) as ckpt, \
        jax.set_mesh(mesh):
     restored = ckpt.restore_latest(jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -256,10 +269,10 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
         break
     bar.close()
     params = _host_params(state.params)
-  if main:
-    runs.save_params(run_dir, params)
-    if plot:
-      plotting.plot_run(run_dir)
+    if main:
+      runs.save_params(run_dir, params)
+      if plot:
+        plotting.plot_run(run_dir)
   return last
 
 

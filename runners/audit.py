@@ -2,8 +2,8 @@
 
 Lowers (and compiles) the train step under the train phase's precision and the prefill and
 single-token decode step under the decode phase's, lists every dot and checks the
-attention dots against the precision contract. Exit code 0: PASS, 1: a mismatch, 2: bad
-input. Writes audit.json and audit.md into --run_dir.
+attention dots against the precision contract. Exit code 0: PASS, 3: a mismatch, 2: bad
+input, 1: a crash (attnprec.cli). Writes audit.json and audit.md into --run_dir.
 """
 import sys
 
@@ -30,8 +30,9 @@ def main(argv) -> int:
     outcome["ok"] = result["ok"]
 
   rc = cli.main(argv, prog="audit", default_files=["runs/audit.gin"],
-                default_run_dir="runs/audit", body=run)
-  return 1 if rc == 0 and not outcome.get("ok", False) else rc
+                default_run_dir="runs/audit", body=run,
+                reads=("train/precision", "decode/precision", "audit"))
+  return cli.EXIT_MISMATCH if rc == 0 and not outcome.get("ok", False) else rc
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ model.md, model.png. `--quick`: batch 1 and 8 at a 32-token prompt, 8 steps, 2 r
 
 `attention`: every attention kernel x precision preset alone, plus torch SDPA
 (`attnprec.bench.attention`). Writes <out>/results.json, results.md, results.png.
+
+Every option and --out are checked before anything is loaded or compiled. Exit codes:
+0 done, 2 bad input (one paragraph, no traceback), 1 a crash (attnprec.cli).
 """
 import argparse
 import os
@@ -17,7 +20,7 @@ from attnprec.xla_env import disable_excess_precision
 
 disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 
-from attnprec import compilation, runs  # noqa: E402
+from attnprec import cli, compilation, runs  # noqa: E402
 from attnprec.bench import attention as bench  # noqa: E402
 from attnprec.bench import model as model_bench  # noqa: E402
 from attnprec.errors import UserError  # noqa: E402
@@ -26,7 +29,14 @@ SUITES = ("model", "attention", "all")
 
 
 def _ints(text):
-  return tuple(int(x) for x in text.split(",") if x)
+  try:
+    values = tuple(int(x) for x in text.split(",") if x.strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a comma-separated list of positive integers, e.g. 1024,4096")
+  if any(v < 1 for v in values):
+    raise argparse.ArgumentTypeError(f"{text!r}: every sequence length must be >= 1")
+  return values
 
 
 def _cases(text):
@@ -39,7 +49,30 @@ def _cases(text):
     except ValueError:
       raise argparse.ArgumentTypeError(
           f"bad case {part!r}: expected BATCHxPROMPT, e.g. 1x32,8x1000") from None
+    if out[-1][0] < 1 or out[-1][1] < 1:
+      raise argparse.ArgumentTypeError(
+          f"bad case {part!r}: batch and prompt length must be >= 1, e.g. 1x32")
   return tuple(out)
+
+
+def _count(text):
+  try:
+    value = int(text)
+  except ValueError:
+    value = -1
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0 (0: the default)")
+  return value
+
+
+def _names(flag: str, text: str, valid) -> list:
+  names = [n.strip() for n in text.split(",") if n.strip()]
+  bad = [n for n in names if n not in valid]
+  if bad or not names:
+    raise UserError(f"Invalid {flag}={text!r}" + (f" (unknown: {', '.join(bad)})" if bad
+                                                 else " (empty)")
+                    + f"; valid: a comma-separated list of {', '.join(valid)}.")
+  return names
 
 
 def _write(out, name, text, mode="w"):
@@ -57,7 +90,7 @@ def run_model(args):
       on_case=lambda partial: _write_model(args.out, partial),
       model=args.model,
       cases=args.cases or (model_bench.QUICK_CASES if quick else model_bench.DEFAULT_CASES),
-      presets=args.model_presets.split(","),
+      presets=args.model_presets,
       steps=args.steps or (8 if quick else 32), rounds=args.rounds or (2 if quick else 3),
       include_torch=not args.no_torch, flag_phases=not quick,
       flag_case=(1, 1000))
@@ -74,7 +107,7 @@ def run_attention(args):
   result = bench.run_attention_bench(
       seq_lens=args.seq_lens, memory_seq_lens=args.memory_seq_lens,
       decode_seq_lens=args.decode_seq_lens,
-      kernels=args.kernels.split(","), presets=args.presets.split(","),
+      kernels=args.kernels, presets=args.presets,
       include_torch=not args.no_torch)
   runs.write_json(args.out, "results.json", result)
   table = bench.to_markdown(result)
@@ -87,16 +120,16 @@ def run_attention(args):
         f"results.png")
 
 
-def main(argv):
-  parser = argparse.ArgumentParser(prog="bench", description=__doc__)
+def _parse(argv):
+  parser = cli.ArgumentParser(prog="bench", description=__doc__, allow_abbrev=False)
   parser.add_argument("--suite", choices=SUITES, default="model")
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--model", default="smollm2-135m")
   parser.add_argument("--cases", type=_cases, default=None)
   parser.add_argument("--model_presets", default="fp32,bf16_flags",
                       help=f"comma-separated, from {','.join(model_bench.PRESETS)}")
-  parser.add_argument("--steps", type=int, default=0)
-  parser.add_argument("--rounds", type=int, default=0)
+  parser.add_argument("--steps", type=_count, default=0)
+  parser.add_argument("--rounds", type=_count, default=0)
   parser.add_argument("--seq_lens", type=_ints, default=bench.DEFAULT_SEQ_LENS)
   parser.add_argument("--memory_seq_lens", type=_ints, default=bench.DEFAULT_MEMORY_SEQ_LENS)
   parser.add_argument("--decode_seq_lens", type=_ints, default=bench.DEFAULT_DECODE_SEQ_LENS)
@@ -105,17 +138,38 @@ def main(argv):
   parser.add_argument("--no_torch", action="store_true")
   parser.add_argument("--out", default="bench")
   args = parser.parse_args(argv)
-  try:
+  args.model_presets = _names("--model_presets", args.model_presets,
+                              list(model_bench.PRESETS))
+  args.kernels = _names("--kernels", args.kernels, bench.KERNELS)
+  args.presets = _names("--presets", args.presets, list(bench.PRESETS))
+  if not args.seq_lens:
+    raise UserError("--seq_lens is empty; give at least one length, e.g. 1024,4096.")
+  runs.check_output_dir(args.out, flag="--out")   # before minutes of benchmarking
+  return args
+
+
+def main(argv) -> int:
+  def body():
+    args = _parse(argv)
     compilation.enable()
     runs.ensure_dir(args.out)
     if args.suite in ("model", "all"):
       run_model(args)
     if args.suite in ("attention", "all"):
       run_attention(args)
-  except UserError as e:
-    print(f"bench: {e}", file=sys.stderr)
-    return 2
-  return 0
+
+  return cli.run("bench", body, output_dir=_out_flag(argv))
+
+
+def _out_flag(argv) -> str:
+  """The --out a command line names (the last one), before full parsing."""
+  out = "bench"
+  for i, a in enumerate(argv):
+    if a.startswith("--out="):
+      out = a.split("=", 1)[1]
+    elif a == "--out" and i + 1 < len(argv):
+      out = argv[i + 1]
+  return out
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 Composes gin files (gin/runs/decode.gin first), enters the `decode` phase scope for the
 precision (prefill and every decode step use it), and runs the configured decode job.
+Exit codes: 0 done, 2 bad input (one paragraph, no traceback), 1 a crash (attnprec.cli).
 """
 import sys
 
@@ -21,6 +22,11 @@ def run(run_dir: str):
   return ginutils.call(decode_job, precision=precision, run_dir=run_dir)
 
 
+def main(argv) -> int:
+  return cli.main(argv, prog="decode", default_files=["runs/decode.gin"],
+                  default_run_dir="runs/decode", body=run, 
+                  reads=("decode/precision", "decode"))
+
+
 if __name__ == "__main__":
-  sys.exit(cli.main(sys.argv[1:], prog="decode", default_files=["runs/decode.gin"],
-                    default_run_dir="runs/decode", body=run))
+  sys.exit(main(sys.argv[1:]))

@@ -2,8 +2,9 @@
 
 Lowers the function on its example inputs, finds every attention in the program by its
 structure and reports the precision each really runs in; with a Precision stated (a
-gin/precision/ file), checks it against the contract. Exit code 0: nothing flagged, 1: a
-mismatch or a down-cast before a softmax, 2: bad input. Writes inspect.json and
+gin/precision/ file), checks it against the contract. Exit code 0: nothing flagged, 3: a
+mismatch or a down-cast before a softmax (as the audit), 2: bad input, 1: a crash
+(attnprec.cli). Writes inspect.json and
 inspect.md into --run_dir.
 """
 import sys
@@ -25,8 +26,9 @@ def main(argv) -> int:
     outcome["ok"] = ginutils.call(inspect_job, run_dir=run_dir).ok
 
   rc = cli.main(argv, prog="inspect", default_files=["runs/inspect.gin"],
-                default_run_dir="runs/inspect", body=run)
-  return 1 if rc == 0 and not outcome.get("ok", False) else rc
+                default_run_dir="runs/inspect", body=run,
+                reads=("inspect", "decode/precision", "train/precision"))
+  return cli.EXIT_MISMATCH if rc == 0 and not outcome.get("ok", False) else rc
 
 
 if __name__ == "__main__":

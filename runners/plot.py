@@ -1,25 +1,24 @@
 """Plot a run's curves: `python runners/plot.py --run_dir=runs/recall` (or `make plot RUN=...`).
 
 Reads run_dir/metrics.jsonl and writes run_dir/metrics.png (train and held-out eval loss
-and accuracy). Errors (no such run, no metrics yet) exit with code 2.
+and accuracy). Exit codes: 0 done, 2 bad input (no such run, no metrics yet, a run
+directory that cannot be written), 1 a crash (attnprec.cli).
 """
-import argparse
 import sys
 
-from attnprec.errors import UserError
+from attnprec import cli, runs
 from attnprec.plotting import plot_run
 
 
 def main(argv) -> int:
-  parser = argparse.ArgumentParser(prog="plot", description=__doc__)
-  parser.add_argument("--run_dir", default="runs/recall", help="default: %(default)s")
-  args = parser.parse_args(argv)
-  try:
+  def body():
+    parser = cli.ArgumentParser(prog="plot", description=__doc__, allow_abbrev=False)
+    parser.add_argument("--run_dir", default="runs/recall", help="default: %(default)s")
+    args = parser.parse_args(argv)
+    runs.check_output_dir(args.run_dir)
     print(f"wrote {plot_run(args.run_dir)}")
-    return 0
-  except UserError as e:
-    print(f"plot: error: {e}", file=sys.stderr)
-    return 2
+
+  return cli.run("plot", body)
 
 
 if __name__ == "__main__":

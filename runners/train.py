@@ -3,7 +3,8 @@
 Composes gin files (gin/runs/train.gin first), initializes multi-host JAX when
 `distributed.coordinator_address` is bound, enters the `train` phase scope for the
 precision, and runs the configured train job (`train_job.job`, default @train_recall)
-into --run_dir. An existing --run_dir resumes from its newest checkpoint.
+into --run_dir. An existing --run_dir resumes from its newest checkpoint; a run directory
+another training is writing to is refused. Exit codes: 0 done, 2 bad input, 1 a crash.
 """
 import sys
 
@@ -25,6 +26,11 @@ def run(run_dir: str):
   return ginutils.call(train_job, config=config, precision=precision, run_dir=run_dir)
 
 
+def main(argv) -> int:
+  return cli.main(argv, prog="train", default_files=["runs/train.gin"],
+                  default_run_dir="runs/recall", body=run, 
+                  reads=("distributed", "model", "train/precision", "train_job"))
+
+
 if __name__ == "__main__":
-  sys.exit(cli.main(sys.argv[1:], prog="train", default_files=["runs/train.gin"],
-                    default_run_dir="runs/recall", body=run))
+  sys.exit(main(sys.argv[1:]))

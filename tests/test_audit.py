@@ -198,9 +198,9 @@ def test_runner_exit_codes_and_files(tmp_path, monkeypatch):
   blocker.write_text("x")
   assert runner.main([f"--run_dir={blocker / 'sub'}"] + small) == 2
 
-  # the seed's bug: exit 1, and the report says which dots
+  # the seed's bug: exit 3 (a mismatch), and the report says which dots
   _train_only_flags(monkeypatch, float32_qk_product=False, float32_logits=False)
   broken = tmp_path / "broken"
   assert runner.main(["--gin_file=precision/fp32_attention.gin", f"--run_dir={broken}"]
-                     + small) == 1
+                     + small) == 3
   assert "MISMATCH" in (broken / "audit.md").read_text()

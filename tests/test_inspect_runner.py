@@ -55,16 +55,16 @@ def test_exit_codes_files_and_errors(tmp_path, capsys):
   result = json.loads((ok / "inspect.json").read_text())
   assert len(result["attentions"]) == 1 and result["ok"]
   assert result["attentions"][0]["qk"]["lhs_source"] == "bf16"
-  # the stated einsum precision is not what the program runs: 1, and the report says so
+  # the stated einsum precision is not what the program runs: 3 (as the audit), and the report says so
   bad = tmp_path / "mismatch"
   assert runner.main(MAXTEXT + [f"--run_dir={bad}", "--gin_file=precision/fp32_attention.gin",
-                                "--gin.precision.einsum_precision=highest"]) == 1
+                                "--gin.precision.einsum_precision=highest"]) == 3
   assert "precision DEFAULT, expected HIGHEST" in (bad / "inspect.md").read_text()
-  # a down-cast before the softmax is flagged with no Precision stated: 1
+  # a down-cast before the softmax is flagged with no Precision stated: 3
   here = "tests.test_inspect_runner"
   flagged = tmp_path / "flagged"
   assert runner.main([f"--gin.inspect.fn={here}:seed_style", f"--run_dir={flagged}",
-                      "--gin.inspect.shapes=bf16[1,4,2,8] bf16[1,4,2,8] bf16[1,4,2,8]"]) == 1
+                      "--gin.inspect.shapes=bf16[1,4,2,8] bf16[1,4,2,8] bf16[1,4,2,8]"]) == 3
   assert "f32->bf16" in (flagged / "inspect.md").read_text()
   capsys.readouterr()
 

@@ -356,14 +356,47 @@ class WiringTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=ATOL, rtol=RTOL)
 
   def test_gin_selects_kernel_and_block_sizes(self):
-    """`precision.kernel` and `blockwise.kv_block` bind through gin."""
+    """`precision.kernel` and `blockwise.kv_block` bind through gin, into the Precision."""
     from attnprec.precision import phase_precision
     gin.parse_config("precision.kernel = 'blockwise'\nblockwise.kv_block = 4\n"
                      "blockwise.q_block = 2")
-    self.assertEqual(phase_precision().kernel, "blockwise")
+    prec = phase_precision()
+    self.assertEqual(prec.kernel, "blockwise")
+    self.assertEqual(prec.block_sizes, blockwise.BlockSizes(q_block=2, kv_block=4))
     q, k, v = _qkv(8, 8, 2)
-    _, stats = blockwise.blockwise_attention(q, k, v, return_stats=True)
+    _, stats = blockwise.blockwise_attention(q, k, v, block_sizes=prec.block_sizes,
+                                             return_stats=True)
     self.assertEqual(stats["blocks_total"], 4 * 2)
+
+  def test_block_sizes_are_static_data_in_the_jit_key(self):
+    """Rebinding blockwise.* after a first call is honoured: the sizes travel in the
+    Precision (a static jit argument), so a new value is a new program, and the kernel
+    never reads gin while tracing (the old Precision keeps its program)."""
+    from attnprec import ginutils
+    from attnprec.precision import phase_precision
+    q, k, v = _qkv(8, 8, 2)
+
+    @functools.partial(jax.jit, static_argnames="precision")
+    def blocks(q, k, v, *, precision):
+      return blockwise.blockwise_attention(q, k, v, block_sizes=precision.block_sizes,
+                                           return_stats=True)[1]["blocks_computed"]
+
+    gin.parse_config("blockwise.q_block = 2\nblockwise.kv_block = 2")
+    first = phase_precision()
+    self.assertEqual(int(blocks(q, k, v, precision=first)), 16)
+    gin.clear_config()
+    gin.parse_config("blockwise.q_block = 4\nblockwise.kv_block = 8")
+    second = phase_precision()
+    self.assertNotEqual(first, second)
+    self.assertEqual(int(blocks(q, k, v, precision=second)), 2)    # the new binding
+    self.assertEqual(int(blocks(q, k, v, precision=first)), 16)    # no gin read at trace
+    # A phase scope selects the sizes of its phase only.
+    gin.clear_config()
+    ginutils.parse([], ["decode/blockwise.kv_block = 2"])
+    with ginutils.phase("decode"):
+      self.assertEqual(phase_precision().block_sizes.kv_block, 2)
+    with ginutils.phase("train"):
+      self.assertEqual(phase_precision().block_sizes.kv_block, 256)
 
   def test_unknown_kernel_is_a_user_error(self):
     with self.assertRaisesRegex(UserError, "valid values are: 'dot_product', 'blockwise'"):
@@ -389,3 +422,53 @@ class WiringTest(parameterized.TestCase):
       return out.logits, step.logits
 
     chex.assert_trees_all_close(run("blockwise"), run("dot_product"), atol=1e-4, rtol=1e-4)
+
+
+class ScaleTest(parameterized.TestCase):
+  """The query scale goes where the contract table says, in every kernel: with the
+  float32 QK product on the f32 logits, so on sharp bf16 input the output is at the bf16
+  rounding floor (vs float64) for every head dim, also H = 128 whose 1/sqrt(H) is not a
+  power of two. Scaling q in bf16 first (the old way) is 1.5x+ above the floor there."""
+
+  S, N, SHARP = 128, 2, 8.0   # logit standard deviation ~ SHARP: sharp attention
+
+  def _inputs(self, H):
+    rng = np.random.default_rng(H)
+    q, k, v = (rng.standard_normal((1, self.S, self.N, H)) for _ in range(3))
+    q, k = q * self.SHARP ** 0.5, k * self.SHARP ** 0.5
+    return [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+
+  @staticmethod
+  def _rel(out, ref):
+    out = np.asarray(out, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+  @parameterized.product(kernel=kernels.NAMES, H=(64, 128, 256))
+  def test_output_at_the_bf16_floor_with_both_flags(self, kernel, H):
+    q, k, v = self._inputs(H)
+    pos = jnp.arange(self.S)[None]
+    cmask = CausalMask(pos, pos)
+    ref = contract.reference_attention_np(q, k, v, mask=np.asarray(cmask.dense()))  # f64
+    floor = self._rel(jnp.asarray(ref, jnp.bfloat16), ref)   # rounding the exact output
+    prec = Precision(dtype="bfloat16", kernel=kernel)        # both flags on (default)
+    err = self._rel(kernels.attend(prec, q, k, v, mask=cmask), ref)
+    self.assertLessEqual(err, 1.05 * floor, (err, floor))
+    # The old way (q * scale rounded to bf16, then an unscaled product) for contrast.
+    q_scaled = q * jnp.asarray(H ** -0.5, jnp.bfloat16)
+    old = self._rel(kernels.attend(prec, q_scaled, k, v, mask=cmask, scale=1.0), ref)
+    if H == 128:
+      self.assertGreater(old, 1.5 * floor, (old, floor))
+    else:                      # 1/8 and 1/16 are powers of two: exact in bf16 either way
+      self.assertLessEqual(old, 1.05 * floor, (old, floor))
+
+  @parameterized.parameters("dot_product", "blockwise")
+  def test_flags_off_keep_the_scale_on_q_in_c(self, kernel):
+    """With float32_qk_product off the table keeps the scale on q in c: the same program
+    as scaling q first (bitwise)."""
+    H = 128
+    q, k, v = self._inputs(H)
+    prec = Precision(dtype="bfloat16", kernel=kernel, float32_qk_product=False,
+                     float32_logits=False)
+    out = kernels.attend(prec, q, k, v)
+    pre = kernels.attend(prec, q * jnp.asarray(H ** -0.5, jnp.bfloat16), k, v, scale=1.0)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(pre, np.float32))

@@ -53,7 +53,8 @@ def test_decode_reads_the_train_run_with_decode_precision(trained, tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--gin.train/precision.dtype=float8"], "Invalid dtype 'float8'; valid values are"),
+    (["--gin.train/precision.dtype=float8"],
+     "Invalid train/precision.dtype = 'float8': valid values are"),
     (["--gin.nonexistent.x=1"], "No configurable matching 'nonexistent'"),
     (["--gin.precision.float32_logitz=True"], "doesn't have a parameter named"),
     (["--gin.model.num_kv_heads=3"], "num_heads=2 is not divisible by model.num_kv_heads=3"),
@@ -72,8 +73,9 @@ def test_train_bad_input_exit_2(args, needle, tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--gin.recall_eval.checkpoint=/nonexistent/run"], "is neither a shipped checkpoint"),
-    (["--gin.recall_eval.pair_counts=()"], "pair_counts is empty"),
-    (["--gin.decode/precision.einsum_precision=fastest"], "Invalid einsum/matmul precision"),
+    (["--gin.recall_eval.pair_counts=()"], "recall_eval.pair_counts = (): must be a non-empty"),
+    (["--gin.decode/precision.einsum_precision=fastest"],
+     "Invalid decode/precision.einsum_precision = 'fastest': valid values are"),
 ])
 def test_decode_bad_input_exit_2(args, needle, tmp_path):
   proc = run("decode.py", "--gin_file=experiments/recall.gin", f"--run_dir={tmp_path}", *args)

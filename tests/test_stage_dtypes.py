@@ -27,6 +27,7 @@ def test_stage_dtypes_table(flags):
   got = contract.stage_dtypes(jnp.bfloat16, float32_qk_product=qk, float32_logits=lg)
   assert (got["logits"], got["softmax"], got["probs"]) == TABLE[flags]
   assert got["qkv"] == got["output"] == BF16
+  assert got["scale"] == (F32 if qk else BF16)   # on the f32 logits, else on q in c
   # In float32 compute every stage is float32 whatever the flags.
   f32 = contract.stage_dtypes(jnp.float32, float32_qk_product=qk, float32_logits=lg)
   assert set(f32.values()) == {F32}
@@ -86,3 +87,35 @@ def test_qk_product_not_upcast_is_caught(monkeypatch):
   x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
   with pytest.raises(AssertionError):
     dot_product.dot_product_attention(x, x, x, float32_qk_product=True, float32_logits=True)
+
+
+def _scale_muls(fn, *args):
+  """(dtype, shape) of every multiplication by a scalar constant in fn's jaxpr."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "mul":
+        found.append((eqn.outvars[0].aval.dtype, eqn.outvars[0].aval.shape))
+      for param in eqn.params.values():
+        for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+          if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+            walk(sub.jaxpr)
+          elif hasattr(sub, "eqns"):
+            walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+@pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=2)))
+def test_query_scale_is_applied_where_the_table_says(flags):
+  """qk=F: q * scale in bf16 (q's shape) before the dot; qk=T: logits * scale in f32
+  (the logits' shape) after it, and q enters the dot unscaled."""
+  qk, lg = flags
+  x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+  muls = _scale_muls(lambda a: dot_product.dot_product_attention(
+      a, a, a, float32_qk_product=qk, float32_logits=lg), x)
+  on_q = [m for m in muls if m == (BF16, (1, 4, 2, 8))]
+  on_logits = [m for m in muls if m == (F32, (1, 2, 1, 4, 4))]   # [B, K, G, T, S]
+  assert (len(on_q), len(on_logits)) == ((0, 1) if qk else (1, 0)), muls

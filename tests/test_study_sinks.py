@@ -77,6 +77,7 @@ def test_logit_profile_by_hand():
   mass = [np.exp(10) / (np.exp(10) + np.exp(1)),
           np.exp(10) / (np.exp(10) + np.exp(1) + np.exp(2))]
   assert np.isclose(prof["median_sink_mass"], np.median(mass))
+  assert np.isclose(prof["mean_sink_mass"], np.mean(mass))
   assert prof["median_sink_bias_logit"] == 9.0
 
 
@@ -110,3 +111,19 @@ def test_analyze_and_plot(tmp_path):
   assert len(paths) == 3
   for p in paths:
     assert open(p, "rb").read(8) == PNG
+
+
+def test_runner_bad_input_exit_2(tmp_path):
+  """Refused before any model is loaded or anything is written."""
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for binding, needle in (("sinks.variants=('bos',)", "sinks.variants"),
+                          ("sinks.length=4", "sinks.length")):
+    proc = subprocess.run([sys.executable, "runners/sinks.py", f"--gin_bindings={binding}",
+                           f"--run_dir={tmp_path / 'run'}"], cwd=root, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=root), timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()

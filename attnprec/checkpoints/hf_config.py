@@ -75,7 +75,26 @@ def text_config(raw: dict) -> dict:
 
 
 def config_from_hf(raw: dict, *, origin: str = "config.json") -> ModelConfig:
-  """Builds the `ModelConfig` a transformers model with this config.json computes."""
+  """Builds the `ModelConfig` a transformers model with this config.json computes.
+
+  A config.json whose top level is not an object, or whose values have the wrong type or
+  range (`num_attention_heads: 0`, `"rms_norm_eps": "x"`), is a UserError naming it."""
+  if not isinstance(raw, dict):
+    raise UserError(f"{origin} holds a JSON {type(raw).__name__}; an HF config.json is a "
+                    f"JSON object (model_type, hidden_size, num_attention_heads, ...).")
+  if "text_config" in raw and not isinstance(raw["text_config"], dict):
+    raise UserError(f"{origin}: text_config must be a JSON object, got "
+                    f"{raw['text_config']!r}.")
+  try:
+    return _config_from_hf(raw, origin)
+  except UserError:
+    raise
+  except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:
+    raise UserError(f"{origin} has a value of the wrong type or range ({type(e).__name__}: "
+                    f"{e}); compare it with the model's published config.json.") from None
+
+
+def _config_from_hf(raw: dict, origin: str) -> ModelConfig:
   family = model_type(raw)
   d = dict(_DEFAULTS[family])
   d.update({k: v for k, v in text_config(raw).items()})
@@ -83,11 +102,22 @@ def config_from_hf(raw: dict, *, origin: str = "config.json") -> ModelConfig:
   def need(key):
     if d.get(key) is None:
       raise UserError(f"{origin} has no {key!r}, which a {family} config needs.")
-    return d[key]
+    return positive(key)
+
+  def positive(key):
+    value = d[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+      raise UserError(f"{origin}: {key} must be a positive integer, got {value!r}.")
+    return value
 
   heads = need("num_attention_heads")
-  kv_heads = d.get("num_key_value_heads") or heads
-  head_dim = d.get("head_dim") or need("hidden_size") // heads
+  kv_heads = positive("num_key_value_heads") if d.get("num_key_value_heads") is not None \
+      else heads
+  head_dim = positive("head_dim") if d.get("head_dim") is not None \
+      else need("hidden_size") // heads
+  if head_dim <= 0:
+    raise UserError(f"{origin}: hidden_size={d['hidden_size']} is smaller than "
+                    f"num_attention_heads={heads}; set head_dim.")
   num_layers = need("num_hidden_layers")
   for flag in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
     if d.get(flag):
@@ -112,7 +142,7 @@ def config_from_hf(raw: dict, *, origin: str = "config.json") -> ModelConfig:
       vocab_size=need("vocab_size"), d_model=need("hidden_size"), num_layers=num_layers,
       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
       mlp_hidden=need("intermediate_size"), activation=_ACTIVATIONS[act_name],
-      norm_eps=float(d["rms_norm_eps"]), norm_plus_one=gemma, embed_scale=gemma,
+      norm_eps=_float(d, "rms_norm_eps", origin), norm_plus_one=gemma, embed_scale=gemma,
       tie_embeddings=bool(d["tie_word_embeddings"]), qkv_bias=family == "qwen2",
       qk_norm=family == "gemma3", post_attn_norm=family in ("gemma2", "gemma3"),
       post_mlp_norm=family in ("gemma2", "gemma3"),
@@ -125,6 +155,13 @@ def config_from_hf(raw: dict, *, origin: str = "config.json") -> ModelConfig:
       sliding_window=int(d["sliding_window"]) if "local" in kinds else None,
       layer_pattern=period(kinds),
       max_seq_len=int(d.get("max_position_embeddings") or 8192))
+
+
+def _float(d: dict, key: str, origin: str) -> float:
+  value = d[key]
+  if not isinstance(value, (int, float)) or isinstance(value, bool):
+    raise UserError(f"{origin}: {key} must be a number, got {value!r}.")
+  return float(value)
 
 
 def _opt_float(x) -> Optional[float]:

@@ -6,6 +6,7 @@ and for the recall task its task.json), and the shipped recall checkpoint `recal
 `task` is the run's `RecallTask` (from task.json) for a recall run, None for another run
 (a text run describes its data in text_task.json, which is not a task to evaluate).
 """
+import dataclasses
 import json
 import os
 from typing import Optional, Tuple
@@ -41,17 +42,35 @@ def run_dir(name_or_path) -> str:
   return SHIPPED.get(key, key)
 
 
+# RecallTask fields added after runs were written without them, with the value those runs
+# had (the shipped recall-tiny predates shared_vocab).
+ADDED_LATER = {"shared_vocab": False}
+
+
 def load_task(directory: str) -> Optional[recall.RecallTask]:
-  """The RecallTask a run trained on (its task.json), or None without one."""
+  """The RecallTask a run trained on (its task.json), or None without one. The file must
+  hold every field and no other: a missing field would silently take a default and
+  evaluate a different task."""
   path = os.path.join(directory, TASK_FILE)
   if not os.path.isfile(path):
     return None
+  fields = sorted(f.name for f in dataclasses.fields(recall.RecallTask))
   try:
     with open(path) as f:
-      return recall.RecallTask(**json.load(f))
-  except (OSError, ValueError, TypeError) as e:
-    raise UserError(f"Cannot read the recall task of {directory!r} from {path}: {e}.") \
-        from None
+      raw = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UserError(f"Cannot read the recall task of {directory!r} from {path}: {e}. It "
+                    f"should be a JSON object with the fields {fields}.") from None
+  if not isinstance(raw, dict):
+    raise UserError(f"{path!r} holds a JSON {type(raw).__name__}, not an object with the "
+                    f"recall task's fields {fields}.")
+  missing = sorted(set(fields) - set(raw) - set(ADDED_LATER))
+  unknown = sorted(set(raw) - set(fields))
+  if missing or unknown:
+    raise UserError(f"{path!r} does not describe a recall task: missing field(s) {missing}, "
+                    f"unknown field(s) {unknown}; a task.json written by `make train` has "
+                    f"exactly {fields}.")
+  return recall.RecallTask(**{**ADDED_LATER, **raw})
 
 
 def load_run(name_or_path, *, dtype=np.float32

@@ -6,11 +6,20 @@ from attnprec.jobs.train_text import train_text  # noqa: F401
 
 import gin
 
+from attnprec.errors import UserError
+
+DECODE_JOBS = "@recall_eval (gin/experiments/recall.gin) or @generate_text " \
+              "(gin/experiments/smollm2.gin)"
+
 
 @gin.configurable("decode", denylist=["precision", "run_dir"])
 def decode_job(*, precision, run_dir: str, job=gin.REQUIRED):
   """Runs the decode job that `decode.job` names (e.g. @recall_eval) with the decode
   phase's precision."""
+  if not callable(job):
+    raise UserError(f"decode.job is not set, so there is nothing to decode: pass an "
+                    f"experiment file (--gin_file=gin/experiments/recall.gin, or `make decode "
+                    f"GIN=...`) or bind decode.job to {DECODE_JOBS}.")
   return job(precision=precision, run_dir=run_dir)
 
 
@@ -18,4 +27,6 @@ def decode_job(*, precision, run_dir: str, job=gin.REQUIRED):
 def train_job(*, config, precision, run_dir: str, job=train_recall):
   """Runs the train job that `train_job.job` names (@train_recall by default, or
   @train_text) with the train phase's precision."""
+  if not callable(job):
+    raise UserError(f"train_job.job must be @train_recall or @train_text, got {job!r}.")
   return job(config=config, precision=precision, run_dir=run_dir)

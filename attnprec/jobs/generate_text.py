@@ -8,7 +8,7 @@ import gin
 import jax
 import numpy as np
 
-from attnprec import checkpoints, compilation, decoding, runs
+from attnprec import checkpoints, checks, compilation, decoding, runs
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 
@@ -42,6 +42,11 @@ def _until_eos(tokens, eos_id):
 
 
 @gin.configurable("generate_text", denylist=["precision", "run_dir"])
+@checks.validated("generate_text", model=checks.string, prompt=checks.string,
+                  max_new_tokens=checks.at_least(1),
+                  sampler=checks.instance_of(decoding.SAMPLERS, decoding.SAMPLER_NAMES),
+                  param_dtype=checks.one_of("float32", "bfloat16", "float16"),
+                  eos_id=checks.optional(checks.integer(min=0)))
 def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-135m",
                   prompt: str = DEFAULT_PROMPT, chat: bool = True, max_new_tokens: int = 64,
                   sampler=decoding.Greedy(), reference: bool = True,
@@ -61,6 +66,10 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
   if len(ids) + max_new_tokens > ckpt.config.max_seq_len:
     raise UserError(f"Prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed "
                     f"the model's context ({ckpt.config.max_seq_len} tokens).")
+  k = getattr(sampler, "k", None)
+  if k is not None and k > ckpt.config.vocab_size:
+    raise UserError(f"Invalid TopK.k = {k}: must be <= the vocabulary size of {model!r} "
+                    f"({ckpt.config.vocab_size}).")
   eos = tok.eos_id if eos_id is None else eos_id
   eos = -1 if eos is None else eos
   print(f"model: {ckpt.source} (loaded in {time.perf_counter() - t0:.1f} s)")

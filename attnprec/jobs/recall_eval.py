@@ -7,7 +7,7 @@ from typing import Sequence
 import gin
 import numpy as np
 
-from attnprec import checkpoints, decoding, runs
+from attnprec import checkpoints, checks, decoding, runs
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 from attnprec.tasks import recall
@@ -39,6 +39,10 @@ def evaluate(params, config, task, precision: Precision, pair_counts: Sequence[i
 
 
 @gin.configurable("recall_eval", denylist=["precision", "run_dir"])
+@checks.validated("recall_eval", checkpoint=checks.string,
+                  pair_counts=checks.sequence_of(checks.at_least(1)),
+                  num_prompts=checks.at_least(1), num_queries=checks.at_least(1),
+                  seed=checks.integer(min=0))
 def recall_eval(*, precision: Precision, run_dir: str, checkpoint: str = "recall-tiny",
                 pair_counts: Sequence[int] = (8, 16, 24, 32), num_prompts: int = 128,
                 num_queries: int = 16, seed: int = 1234) -> dict:

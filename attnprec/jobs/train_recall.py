@@ -3,6 +3,7 @@ import dataclasses
 
 import gin
 
+from attnprec import checks
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.precision import Precision
@@ -11,6 +12,7 @@ from attnprec.train import train
 
 
 @gin.configurable("train_recall", denylist=["config", "precision", "run_dir"])
+@checks.validated("train_recall", task=checks.instance_of(RecallTask, "@recall()"))
 def train_recall(*, config: ModelConfig, precision: Precision, run_dir: str,
                  task: RecallTask = gin.REQUIRED) -> dict:
   if config.vocab_size != task.vocab_size:

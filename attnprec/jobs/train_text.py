@@ -1,6 +1,7 @@
 """`make train TRAIN_GIN=gin/experiments/text_bytes.gin`: a byte-level LM on local text."""
 import gin
 
+from attnprec import checks
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.precision import Precision
@@ -9,6 +10,7 @@ from attnprec.train import describe_task, train
 
 
 @gin.configurable("train_text", denylist=["config", "precision", "run_dir"])
+@checks.validated("train_text", task=checks.instance_of(TextTask, "@text()"))
 def train_text(*, config: ModelConfig, precision: Precision, run_dir: str,
                task: TextTask = gin.REQUIRED) -> dict:
   if config.vocab_size != task.vocab_size:

@@ -37,14 +37,18 @@ copied; blocks past the query's position are skipped, so the work is O(position)
 The partial (m, l, acc) of each block are combined online (the split-K combine, done
 sequentially: on a 2-core CPU there is nothing to gain from parallel splits).
 
-Block sizes default to `block_sizes()`, gin-configurable as `blockwise.q_block` etc.
+Block sizes are plain static data: a `BlockSizes` passed in (`Precision.block_sizes`,
+part of the jit key, so a new value is a new program), never read from gin while
+tracing. The runners read `blockwise.q_block` etc. from gin at configuration time, in the
+phase's scope (`decode/blockwise.kv_block = 128` is decode only), into that field.
 
 Gradients: the kernel is differentiable (scan + cond), but reverse mode keeps each
 computed block's residuals, so training gains no memory over dot_product; the memory
 advantage (O(Tq * Sk) per head instead of O(T * S)) is for prefill and decode.
 """
+import dataclasses
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import chex
 import gin
@@ -58,24 +62,33 @@ NAME = "blockwise"
 F32 = jnp.float32
 
 
-class BlockSizes(NamedTuple):
-  q_block: int          # Tq: query rows per block (prefill)
-  kv_block: int         # Sk: keys per block when T > 1
-  decode_kv_block: int  # Sk: keys per block when T == 1 (a decode step)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+  """The kernel's block lengths: hashable static data (a field of `Precision`).
+
+  Defaults measured on a 2-core XLA:CPU at B=1 N=8 H=64 (interleaved): prefill S=4096
+  with (Tq, Sk) in {256, 512, 1024}^2 is within ~15% for Tq, Sk <= 512 and 1.3-1.7x
+  slower with Sk = 1024; decode over a 16384 cache is fastest with Sk = 512-1024 (256
+  pays loop overhead, 2048 reads past the position)."""
+  q_block: int = 512          # Tq: query rows per block (prefill)
+  kv_block: int = 256         # Sk: keys per block when T > 1
+  decode_kv_block: int = 512  # Sk: keys per block when T == 1 (a decode step)
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UserError(f"Invalid blockwise.{f.name} = {value!r}: must be an integer "
+                        f">= 1.")
+
+  def describe(self) -> str:
+    return f"q{self.q_block}/kv{self.kv_block}/decode_kv{self.decode_kv_block}"
 
 
-@gin.configurable("blockwise")
-def block_sizes(q_block: int = 512, kv_block: int = 256,
-                decode_kv_block: int = 512) -> BlockSizes:
-  """Default block sizes, measured on a 2-core XLA:CPU at B=1 N=8 H=64 (interleaved):
-  prefill S=4096 with (Tq, Sk) in {256, 512, 1024}^2 is within ~15% for Tq, Sk <= 512
-  and 1.3-1.7x slower with Sk = 1024; decode over a 16384 cache is fastest with
-  Sk = 512-1024 (256 pays loop overhead, 2048 reads past the position)."""
-  for name, value in (("q_block", q_block), ("kv_block", kv_block),
-                      ("decode_kv_block", decode_kv_block)):
-    if not isinstance(value, int) or value <= 0:
-      raise UserError(f"blockwise.{name} must be a positive integer, got {value!r}.")
-  return BlockSizes(q_block, kv_block, decode_kv_block)
+# The gin root of the block sizes (`blockwise.q_block = 256`), read by the runners in a
+# phase's scope into `Precision.block_sizes`; gin wraps a copy, so BlockSizes(...) in code
+# reads no gin.
+block_sizes = gin.external_configurable(BlockSizes, "blockwise")
 
 
 def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
@@ -84,6 +97,7 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
                         q_positions_BxT=None, k_positions_BxS=None,
                         sliding_window: Optional[int] = None,
                         q_block: Optional[int] = None, kv_block: Optional[int] = None,
+                        block_sizes: BlockSizes = BlockSizes(),
                         return_stats: bool = False):
   """Flash-style attention; same contract and arguments as `dot_product_attention`.
 
@@ -91,8 +105,9 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
     causal: hide keys whose position is greater than the query's.
     q_positions_BxT, k_positions_BxS: int absolute positions (defaults above).
     sliding_window: hide keys at position <= q_pos - sliding_window.
-    q_block, kv_block: block lengths (default `block_sizes()`; kv uses
+    q_block, kv_block: block lengths (default from `block_sizes`; kv uses
       `decode_kv_block` when T == 1). Clipped to T and S.
+    block_sizes: a `BlockSizes` (static; `Precision.block_sizes` in the model).
     return_stats: also return {"blocks_computed": int32 scalar, "blocks_total": int}.
 
   Returns:
@@ -113,7 +128,7 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
     raise UserError(f"sliding_window must be a positive integer or None, "
                     f"got {sliding_window!r}.")
 
-  sizes = block_sizes()
+  sizes = block_sizes
   Tq = min(q_block or sizes.q_block, T)
   if T == 1:
     Sk = min(kv_block or _divisor_near(S, sizes.decode_kv_block), S)
@@ -135,8 +150,9 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
   need_NQxNK = _blocks_needed(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, causal=causal,
                               sliding_window=sliding_window)
 
-  q_BxKxGxTpxH = _pad(jnp.transpose((q * jnp.asarray(scale, c)).reshape(B, T, K, G, H),
-                                    (0, 2, 3, 1, 4)), 3, Tp)
+  q_BxKxGxTpxH = _pad(jnp.transpose(
+      contract.scale_queries(q, scale, expected).reshape(B, T, K, G, H), (0, 2, 3, 1, 4)),
+      3, Tp)
   # Prefill: K/V transposed once to [B, K, Sp, H], so each block's dots are plain batched
   # matmuls over (B, K) (measured 1.3-1.6x faster on XLA:CPU than slicing [B, S, K, H]).
   # A decode step reads each key once, and a transpose (or a pad) would copy the whole
@@ -161,6 +177,7 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
           preferred_element_type=F32 if float32_qk_product else c)
     chex.assert_shape(logits_BxKxGxTqxSk, (B, K, G, Tq, Sk))
     chex.assert_type(logits_BxKxGxTqxSk, expected["logits"])
+    logits_BxKxGxTqxSk = contract.scale_logits(logits_BxKxGxTqxSk, scale, expected)
     logits_BxKxGxTqxSk = logits_BxKxGxTqxSk.astype(sm)
     if logits_soft_cap is not None:
       cap = jnp.asarray(logits_soft_cap, sm)
@@ -233,7 +250,8 @@ def mask_kwargs(mask) -> dict:
 def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
   """The registry's entry: a phase's `Precision` flags, a dense mask or a `CausalMask`."""
   return blockwise_attention(q, k, v, **mask_kwargs(mask), logits_soft_cap=logits_soft_cap,
-                             scale=scale, **precision.attention_kwargs())
+                             scale=scale, block_sizes=precision.block_sizes,
+                             **precision.attention_kwargs())
 
 
 KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=contract.honours_everything)

@@ -29,7 +29,9 @@ def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
     einsum_precision: `jax.lax.Precision` name (default/high/highest, any case) or a
       `jax.lax.DotAlgorithmPreset` name; passed to BOTH the qk and the wv einsum.
     logits_soft_cap: if set, logits -> cap * tanh(logits / cap) before masking.
-    scale: query scale; defaults to H ** -0.5. Applied to q before the qk dot.
+    scale: query scale; defaults to H ** -0.5. Applied where the contract table says
+      (`contract.stage_dtypes(...)['scale']`): to q in c before the qk dot when the
+      QK product is in c, to the float32 logits after it with `float32_qk_product`.
 
   Returns:
     [B, T, N, H] in q's dtype.
@@ -45,13 +47,14 @@ def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
   if scale is None:
     scale = H ** -0.5
 
-  q_BxTxKxGxH = (q * jnp.asarray(scale, c)).reshape(B, T, K, G, H)
+  q_BxTxKxGxH = contract.scale_queries(q, scale, expected).reshape(B, T, K, G, H)
   with jax.named_scope(contract.QK_SCOPE):
     logits_BxKxGxTxS = jnp.einsum(
         "BTKGH,BSKH->BKGTS", q_BxTxKxGxH, k, precision=precision,
         preferred_element_type=jnp.float32 if float32_qk_product else c)
   chex.assert_shape(logits_BxKxGxTxS, (B, K, G, T, S))
   chex.assert_type(logits_BxKxGxTxS, expected["logits"])
+  logits_BxKxGxTxS = contract.scale_logits(logits_BxKxGxTxS, scale, expected)
 
   logits_BxKxGxTxS = logits_BxKxGxTxS.astype(expected["softmax"])
   if logits_soft_cap is not None:

@@ -20,8 +20,9 @@ implementation='cudnn' (GPU only) keeps q, k, v in c (cuDNN takes only bf16/fp16
 there the probabilities enter the wv dot in c: a documented deviation from the table,
 which is why 'xla' is the default.
 
-The query scale is applied to q in c before the call (scale=1.0 is passed), exactly as
-dot_product does, so both round q * scale identically.
+The query scale is passed on (`scale=`): jax.nn multiplies the float32 logits by it
+after the QK dot, which is where the contract puts it with `float32_qk_product` (the only
+setting this kernel accepts), as dot_product and blockwise do.
 
 Its two dots sit inside `jax.nn`, so it declares no named scopes (`qk_scope=None`); the
 audit recognises them by their einsum equations. `Precision(kernel='jax_nn', ...)` refuses
@@ -93,14 +94,13 @@ def jax_nn_attention(q, k, v, *, mask=None, float32_qk_product=True, float32_log
   expected = contract.stage_dtypes(c, float32_qk_product=True, float32_logits=True)
   chex.assert_type([q, k, v], [expected["qkv"]] * 3)
   scale = H ** -0.5 if scale is None else scale
-  q = q * jnp.asarray(scale, c)
   operand = jnp.float32 if implementation == "xla" else c
   if mask is not None:
     mask = contract.check_bool_mask(mask)
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
   out_BxTxNxH = jax.nn.dot_product_attention(
-      q.astype(operand), k.astype(operand), v.astype(operand), mask=mask, scale=1.0,
-      implementation=implementation).astype(c)
+      q.astype(operand), k.astype(operand), v.astype(operand), mask=mask,
+      scale=scale, implementation=implementation).astype(c)
   chex.assert_shape(out_BxTxNxH, (B, T, N, H))
   chex.assert_type(out_BxTxNxH, expected["output"])
   return out_BxTxNxH

@@ -10,7 +10,8 @@ attention kernel: q and k after RoPE, v, and the part of k that is the (rotated)
     of the row's largest logit, of the logit given to key 0 (the sink), of the gap between
     the sink's logit and the largest other one, and of the row's mean logit (the part every
     key shares, which the softmax ignores but a bf16 QK product rounds at its magnitude);
-    the attention mass on key 0; the share of the sink's logit that is q . b_k;
+    the attention mass on key 0 (median and mean over rows and heads); the part of the
+    sink's logit that is q . b_k;
   * the kernel's own error (`local_rel_l2`): the attention output of each precision preset
     from the same bf16 q, k, v against float64 attention of those inputs; error that
     enters in this layer, not error carried from earlier layers;
@@ -20,13 +21,15 @@ attention kernel: q and k after RoPE, v, and the part of k that is the (rotated)
   * the bias norms of the layer (max |b| of q, k, v).
 Shapes: B batch, T tokens, N/K/G heads, kv heads, heads per kv head, H head dim.
 """
-import dataclasses
+import os
 from typing import Dict, List, NamedTuple, Sequence
 
+import gin
 import jax.numpy as jnp
 import numpy as np
 
-from attnprec import contract, kernels
+from attnprec import contract, kernels, runs
+from attnprec.errors import UserError
 from attnprec.config import ModelConfig
 from attnprec.precision import Precision
 from attnprec.study.float64 import _act, _rms_norm, _rope
@@ -39,61 +42,122 @@ class LayerInputs(NamedTuple):
   kb_BxTxKxH: np.ndarray     # RoPE(b_k) at each position: the bias's part of k (0 if none)
 
 
-def capture(config: ModelConfig, params, tokens_BxT, dtype=np.float32) -> List[LayerInputs]:
-  """Per layer, the attention kernel's inputs (see `LayerInputs`), positions 0..T-1."""
-  cfg = config
-  tokens_BxT = np.asarray(tokens_BxT)
-  B, T = tokens_BxT.shape
+def _layer(cfg: ModelConfig, params, i: int, x_BxTxD, pos_BxT, dtype, precision=None):
+  """One block of the NumPy pass: (x after the block, LayerInputs). With `precision`, the
+  attention runs through attnprec's kernel under it (inputs rounded to its compute dtype);
+  otherwise float64 reference attention."""
+  B, T, _ = x_BxTxD.shape
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   p = lambda module, name: np.asarray(params[module][name], dtype)   # noqa: E731
-  pos_BxT = np.broadcast_to(np.arange(T), (B, T))
-  x = p("decoder/embed", "embeddings")[tokens_BxT]
-  if cfg.embed_scale:
-    x = x * dtype(np.sqrt(cfg.d_model))
   norm = lambda y, module: _rms_norm(y, p(module, "scale"), cfg.norm_eps,   # noqa: E731
                                      cfg.norm_plus_one).astype(dtype)
-  out = []
-  for i in range(cfg.num_layers):
-    pre = f"decoder/layer_{i}"
-    h = norm(x, f"{pre}/pre_attn_norm")
-    proj = {}
-    for name, heads in (("q", N), ("k", K), ("v", K)):
-      y = h @ p(f"{pre}/attn/{name}", "w")
-      if cfg.qkv_bias:
-        y = y + p(f"{pre}/attn/{name}", "b")
-      proj[name] = y.reshape(B, T, heads, H)
-    if cfg.qk_norm:
-      proj["q"] = norm(proj["q"], f"{pre}/attn/q_norm")
-      proj["k"] = norm(proj["k"], f"{pre}/attn/k_norm")
-    base, scale = cfg.rope(i)
-    q = _rope(proj["q"], pos_BxT, base, scale).astype(dtype)
-    k = _rope(proj["k"], pos_BxT, base, scale).astype(dtype)
-    kb = np.zeros_like(k)
-    if cfg.qkv_bias and not cfg.qk_norm:
-      b = np.broadcast_to(p(f"{pre}/attn/k", "b").reshape(1, 1, K, H), (B, T, K, H))
-      kb = _rope(b, pos_BxT, base, scale).astype(dtype)
-    if "k_offset" in params.get(f"{pre}/attn/kernel", {}):  # the study's key bias (probes.py)
-      k = k + p(f"{pre}/attn/kernel", "k_offset")
-    v = proj["v"]
-    out.append(LayerInputs(q, k, v, kb))
-    allowed = pos_BxT[:, None, None, :] <= pos_BxT[:, None, :, None]
-    window = cfg.window(i)
-    if window is not None:
-      allowed = allowed & (pos_BxT[:, None, None, :] > pos_BxT[:, None, :, None] - window)
+  pre = f"decoder/layer_{i}"
+  h = norm(x_BxTxD, f"{pre}/pre_attn_norm")
+  proj = {}
+  for name, heads in (("q", N), ("k", K), ("v", K)):
+    y = h @ p(f"{pre}/attn/{name}", "w")
+    if cfg.qkv_bias:
+      y = y + p(f"{pre}/attn/{name}", "b")
+    proj[name] = y.reshape(B, T, heads, H)
+  if cfg.qk_norm:
+    proj["q"] = norm(proj["q"], f"{pre}/attn/q_norm")
+    proj["k"] = norm(proj["k"], f"{pre}/attn/k_norm")
+  base, scale = cfg.rope(i)
+  q = _rope(proj["q"], pos_BxT, base, scale).astype(dtype)
+  k = _rope(proj["k"], pos_BxT, base, scale).astype(dtype)
+  kb = np.zeros_like(k)
+  if cfg.qkv_bias and not cfg.qk_norm:
+    b = np.broadcast_to(p(f"{pre}/attn/k", "b").reshape(1, 1, K, H), (B, T, K, H))
+    kb = _rope(b, pos_BxT, base, scale).astype(dtype)
+  if "k_offset" in params.get(f"{pre}/attn/kernel", {}):   # the study's key bias (probes.py)
+    k = k + p(f"{pre}/attn/kernel", "k_offset")
+  v = proj["v"]
+  allowed = pos_BxT[:, None, None, :] <= pos_BxT[:, None, :, None]
+  window = cfg.window(i)
+  if window is not None:
+    allowed = allowed & (pos_BxT[:, None, None, :] > pos_BxT[:, None, :, None] - window)
+  if precision is None:
     a = contract.reference_attention_np(q, k, v, mask=allowed, scale=cfg.query_scale,
                                         logits_soft_cap=cfg.attn_logit_soft_cap)
-    hh = a.astype(dtype).reshape(B, T, N * H) @ p(f"{pre}/attn/o", "w")
-    if cfg.post_attn_norm:
-      hh = norm(hh, f"{pre}/post_attn_norm")
-    x = x + hh
-    hh = norm(x, f"{pre}/pre_mlp_norm")
-    g = hh @ p(f"{pre}/mlp/gate", "w")
-    hh = (_act(g, cfg.activation).astype(dtype) * (hh @ p(f"{pre}/mlp/up", "w"))) \
-        @ p(f"{pre}/mlp/down", "w")
-    if cfg.post_mlp_norm:
-      hh = norm(hh, f"{pre}/post_mlp_norm")
-    x = x + hh
+  else:
+    c = contract.parse_dtype(precision.dtype)
+    a = np.asarray(kernels.attend(precision, *(jnp.asarray(t, c) for t in (q, k, v)),
+                                  mask=jnp.asarray(allowed), scale=cfg.query_scale,
+                                  logits_soft_cap=cfg.attn_logit_soft_cap), np.float64)
+  hh = a.astype(dtype).reshape(B, T, N * H) @ p(f"{pre}/attn/o", "w")
+  if cfg.post_attn_norm:
+    hh = norm(hh, f"{pre}/post_attn_norm")
+  x = x_BxTxD + hh
+  hh = norm(x, f"{pre}/pre_mlp_norm")
+  g = hh @ p(f"{pre}/mlp/gate", "w")
+  hh = (_act(g, cfg.activation).astype(dtype) * (hh @ p(f"{pre}/mlp/up", "w"))) \
+      @ p(f"{pre}/mlp/down", "w")
+  if cfg.post_mlp_norm:
+    hh = norm(hh, f"{pre}/post_mlp_norm")
+  return x + hh, LayerInputs(q, k, v, kb)
+
+
+def _embed(cfg, params, tokens_BxT, dtype):
+  x = np.asarray(params["decoder/embed"]["embeddings"], dtype)[np.asarray(tokens_BxT)]
+  return x * dtype(np.sqrt(cfg.d_model)) if cfg.embed_scale else x
+
+
+def _logits(cfg, params, x_BxTxD, dtype):
+  x = _rms_norm(x_BxTxD, np.asarray(params["decoder/final_norm"]["scale"], dtype),
+                cfg.norm_eps, cfg.norm_plus_one).astype(dtype)
+  w = (np.asarray(params["decoder/embed"]["embeddings"], dtype).T if cfg.tie_embeddings
+       else np.asarray(params["decoder/unembed"]["w"], dtype))
+  out = x @ w
+  if cfg.final_logit_soft_cap is not None:
+    out = cfg.final_logit_soft_cap * np.tanh(out / cfg.final_logit_soft_cap)
   return out
+
+
+def capture(config: ModelConfig, params, tokens_BxT, dtype=np.float32) -> List[LayerInputs]:
+  """Per layer, the attention kernel's inputs (see `LayerInputs`), positions 0..T-1."""
+  B, T = np.asarray(tokens_BxT).shape
+  pos_BxT = np.broadcast_to(np.arange(T), (B, T))
+  x, out = _embed(config, params, tokens_BxT, dtype), []
+  for i in range(config.num_layers):
+    x, inputs = _layer(config, params, i, x, pos_BxT, dtype)
+    out.append(inputs)
+  return out
+
+
+def injected_kl(config: ModelConfig, params, tokens_BxT, precision: Precision,
+                layers: Sequence, dtype=np.float32) -> Dict[str, float]:
+  """Where the error that matters enters: the mean KL(clean || injected) of the final
+  next-token distributions when the attention of ONE layer (or of 'all') runs through the
+  kernel under `precision` and everything else is the float32 NumPy pass. Positions 1..
+  T-1 (position 0 sees only itself)."""
+  B, T = np.asarray(tokens_BxT).shape
+  pos_BxT = np.broadcast_to(np.arange(T), (B, T))
+  xs = [_embed(config, params, tokens_BxT, dtype)]
+  for i in range(config.num_layers):
+    xs.append(_layer(config, params, i, xs[-1], pos_BxT, dtype)[0])
+  clean = _logits(config, params, xs[-1], dtype)[:, 1:]
+  out = {}
+  for which in layers:
+    if which == "all":
+      x = xs[0]
+      for i in range(config.num_layers):
+        x = _layer(config, params, i, x, pos_BxT, dtype, precision)[0]
+    else:
+      x = _layer(config, params, which, xs[which], pos_BxT, dtype, precision)[0]
+      for i in range(which + 1, config.num_layers):
+        x = _layer(config, params, i, x, pos_BxT, dtype)[0]
+    out[str(which)] = _kl(clean, _logits(config, params, x, dtype)[:, 1:])
+  return out
+
+
+def _kl(ref_logits, logits) -> float:
+  lr = ref_logits.astype(np.float64)
+  lr = lr - lr.max(-1, keepdims=True)
+  lr = lr - np.log(np.exp(lr).sum(-1, keepdims=True))
+  lp = logits.astype(np.float64)
+  lp = lp - lp.max(-1, keepdims=True)
+  lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+  return float(np.mean(np.sum(np.exp(lr) * (lr - lp), -1)))
 
 
 def _grouped_logits(cfg: ModelConfig, q_BxTxNxH, k_BxTxKxH) -> np.ndarray:
@@ -126,6 +190,7 @@ def logit_profile(cfg: ModelConfig, layer: LayerInputs) -> Dict[str, float]:
           "median_row_mean": float(np.median(mean[:, :, rows])),
           "median_abs_row_mean": float(np.median(np.abs(mean[:, :, rows]))),
           "median_sink_mass": float(np.median(p[:, :, rows, 0])),
+          "mean_sink_mass": float(np.mean(p[:, :, rows, 0])),
           "median_sink_bias_logit": float(np.median(bias)),
           "bf16_spacing_at_row_max": float(np.median(
               2.0 ** (np.floor(np.log2(np.abs(Lm[:, :, rows].max(-1)) + 1e-30)) - 7)))}
@@ -250,4 +315,115 @@ def plot(result: dict, path_prefix: str, title: str = "") -> List[str]:
   paths.append(f"{path_prefix}_biases.png")
   fig.savefig(paths[-1], dpi=120)
   plt.close(fig)
+
+  if result.get("injected"):
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for (label, per), ls in zip(result["injected"].items(), styles):
+      for k, (name, kl) in enumerate(per.items()):
+        keys = [l for l in kl if l != "all"]
+        ax.plot([int(l) for l in keys], [kl[l] for l in keys], ls, color=f"C{k}",
+                marker="o", label=f"{name}, {label} (all layers: {kl.get('all', 0):.1e})")
+    ax.set_yscale("log")
+    ax.set_xlabel("the one layer whose attention runs under the preset")
+    ax.set_ylabel("final next-token KL vs float32")
+    ax.set_title(f"{title}: which layer's attention error reaches the output")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(f"{path_prefix}_injected.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
   return paths
+
+
+VARIANTS = ("endoftext", "none")
+
+
+def _variant_tokens(tokenizer, ids: List[int], length: int, windows: int, variant: str
+                    ) -> np.ndarray:
+  from attnprec.study import inputs
+  bos = tokenizer.encode("", add_bos=True)
+  w = inputs.text_windows(ids, length, windows, bos)
+  return w if variant == "endoftext" else w[:, len(bos):]
+
+
+def report(result: dict) -> str:
+  """Markdown: per-layer table per variant, and the injected KL table."""
+  out = [f"# Attention sinks and key biases: {result['model']}", "",
+         f"{result['windows']} window(s) of {result['length']} tokens of stdlib text; "
+         f"variants: {', '.join(result['variants'])}.", ""]
+  bn = result["bias_norms"]
+  for label, res in result["variants"].items():
+    presets = list(res["local"])
+    out += [f"## {label}", "",
+            "| layer | max abs bk | max abs logit | row max | sink logit | largest other | "
+            "row mean | sink mass | q.b_k at sink | "
+            + " | ".join(f"kernel err {p}" for p in presets)
+            + " | kernel err bf16, keys centred |",
+            "|---:|" + "---:|" * (9 + len(presets))]
+    for i, prof in enumerate(res["profile"]):
+      errs = " | ".join(f"{res['local'][p][i]:.2e}" for p in presets)
+      cen = res["local_centered"].get("bf16", [float("nan")] * (i + 1))[i]
+      out.append(f"| {i} | {bn[i]['max_abs_bk']:.1f} | {prof['max_abs_logit']:.1f} | "
+                 f"{prof['median_row_max']:.1f} | {prof['median_sink_logit']:.1f} | "
+                 f"{prof['median_other_max']:.1f} | {prof['median_row_mean']:.1f} | "
+                 f"{prof['median_sink_mass']:.3f} | {prof['median_sink_bias_logit']:.1f} | "
+                 f"{errs} | {cen:.2e} |")
+    out.append("")
+  if result.get("injected"):
+    layers = list(next(iter(next(iter(result["injected"].values())).values())))
+    out += ["## Final-logit KL when one layer's attention runs under a preset",
+            "(everything else float32)", "",
+            "| variant | preset | " + " | ".join(f"layer {l}" for l in layers) + " |",
+            "|---|---|" + "---:|" * len(layers)]
+    for label, per in result["injected"].items():
+      for name, kl in per.items():
+        out.append(f"| {label} | {name} | " + " | ".join(f"{kl[l]:.2e}" for l in layers)
+                   + " |")
+  return "\n".join(out)
+
+
+@gin.configurable("sinks", denylist=["run_dir"])
+def sinks_job(*, run_dir: str, model: str = "qwen2.5-coder-0.5b", length: int = 256,
+              windows: int = 1, variants: Sequence[str] = VARIANTS,
+              presets: Sequence[str] = ("bf16", "fp32_logits", "fp32_qk"),
+              inject_presets: Sequence[str] = ("bf16", "fp32_qk"),
+              inject_layers: Sequence = ("all", 0, 1, 2, 4, 8, 16)) -> dict:
+  """The analysis of the module docstring on `windows` windows of `length` tokens of the
+  study's stdlib text, for each first-token variant ('endoftext': the tokenizer's BOS id
+  first; 'none': the same text without it); writes sinks.json, report.md and PNGs."""
+  from attnprec.study import inputs, models
+  from attnprec.study import presets as preset_lib
+  bad = [v for v in variants if v not in VARIANTS]
+  if bad or not variants:
+    raise UserError(f"Invalid sinks.variants {tuple(variants)!r}; valid values are: "
+                    f"{', '.join(map(repr, VARIANTS))}.")
+  for name, value, least in (("length", length, 8), ("windows", windows, 1)):
+    if not isinstance(value, int) or value < least:
+      raise UserError(f"sinks.{name} must be an integer >= {least}, got {value!r}.")
+  sweep = preset_lib.load_sweep(tuple(presets), ())
+  inject = preset_lib.load_sweep(tuple(inject_presets), ()) if inject_presets else []
+  m = models.load_model(model)
+  if m.kind != "real" or m.tokenizer is None:
+    raise UserError(f"sinks.model must be a real checkpoint with a tokenizer, got {model!r}.")
+  cfg = m.config
+  layers = []
+  for l in inject_layers:
+    if l != "all" and not (isinstance(l, int) and 0 <= l < cfg.num_layers):
+      raise UserError(f"sinks.inject_layers: {l!r} is not 'all' nor a layer index in "
+                      f"0..{cfg.num_layers - 1}.")
+    layers.append(l)
+  runs.ensure_dir(run_dir)
+  ids = m.tokenizer.encode(inputs.stdlib_text(), add_bos=False)
+  toks = {v: _variant_tokens(m.tokenizer, ids, length, windows, v) for v in variants}
+  result = analyze(cfg, m.params, toks, sweep)
+  result.update(model=m.description, length=length, windows=windows)
+  if inject:
+    result["injected"] = {v: {name: injected_kl(cfg, m.params, t, prec, layers)
+                              for name, prec in inject} for v, t in toks.items()}
+  runs.write_json(run_dir, "sinks.json", result)
+  runs.atomic_write(os.path.join(run_dir, "report.md"), report(result) + "\n")
+  paths = plot(result, os.path.join(run_dir, "sinks"), model)
+  print(report(result))
+  print(f"wrote {run_dir}/sinks.json, report.md, " + ", ".join(map(os.path.basename, paths)))
+  return result

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from attnprec import runs
+from attnprec import checks, runs
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE
 from attnprec.tasks import recall
@@ -150,6 +150,18 @@ def _check_environment():
 
 
 @gin.configurable("study", denylist=["run_dir"])
+@checks.validated(
+    "study", model=checks.string,
+    presets=checks.optional(checks.sequence_of(checks.string, nonempty=False)),
+    extra_presets=checks.sequence_of(checks.string, nonempty=False),
+    pair_counts=checks.sequence_of(checks.at_least(1), nonempty=False),
+    context_lengths=checks.sequence_of(checks.at_least(2), nonempty=False),
+    batch=checks.at_least(1), decode_steps=checks.at_least(1),
+    greedy_steps=checks.at_least(1), num_queries=checks.at_least(1),
+    logit_positions=checks.at_least(1), float64_max_tokens=checks.integer(min=0),
+    float64_batch=checks.at_least(1), timing_rounds=checks.at_least(1),
+    query_scale_multiplier=checks.number(gt=0), logit_offset=checks.number(ge=0),
+    seed=checks.integer(min=0))
 def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequence[str]] = None,
           extra_presets: Sequence[str] = (), pair_counts: Sequence[int] = (8, 16, 24, 32),
           context_lengths: Sequence[int] = (256, 512), batch: int = 32,

@@ -17,11 +17,15 @@ import dataclasses
 import gin
 import numpy as np
 
+from attnprec import checks
 from attnprec.errors import UserError
 
 PAD, BOS = 0, 1
 
 
+@checks.validated("recall", num_keys=checks.at_least(1), value_vocab=checks.at_least(1),
+                  value_len=checks.at_least(1), num_pairs=checks.at_least(1),
+                  num_queries=checks.at_least(1))
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RecallTask:
   num_keys: int = 48         # distinct key tokens (>= the most pairs ever asked for)

@@ -23,6 +23,7 @@ from typing import Tuple
 import gin
 import numpy as np
 
+from attnprec import checks
 from attnprec.errors import UserError
 
 PAD, BOS = 256, 257
@@ -55,6 +56,8 @@ def _load(files: Tuple[str, ...], heldout_fraction: float):
   return np.concatenate(train_parts), np.concatenate(eval_parts), listing
 
 
+@checks.validated("text", seq_len=checks.at_least(2),
+                  heldout_fraction=checks.number(gt=0, lt=1))
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TextTask:
   files: Tuple[str, ...] = ()      # text files; empty -> default_files() (stdlib sources)

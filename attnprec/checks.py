@@ -1,0 +1,232 @@
+"""Argument rules for every configurable: declared once, checked at configuration time.
+
+A rule is a function `value -> None` (fine) or `str` (what a valid value looks like).
+`@validated("train", steps=at_least(1), ...)` declares the rules of a function or a
+(frozen) dataclass and checks them on every call / construction, defaults included.
+`attnprec.ginutils` reads the same rules (`rules_of`) and checks every value bound in gin
+right after parsing, before a runner loads a model or compiles anything, so
+`train.checkpoint_every = 0` fails in a second, not after the first step.
+
+Messages name the binding and what is valid:
+  `Invalid train.checkpoint_every = 0: must be an integer >= 1.`
+"""
+import collections.abc
+import dataclasses
+import functools
+import inspect
+import math
+import numbers
+import typing
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from attnprec.errors import UserError
+
+Rule = Callable[[Any], Optional[str]]
+
+
+# ----------------------------------------------------------------------------- rules
+def _is_int(v) -> bool:
+  return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+  return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def integer(min: Optional[int] = None, max: Optional[int] = None) -> Rule:
+  """An int (not a bool) in [min, max]."""
+  what = ("an integer" + (f" >= {min}" if min is not None else "")
+          + (f" and <= {max}" if max is not None else ""))
+
+  def rule(v):
+    if not _is_int(v) or (min is not None and v < min) or (max is not None and v > max):
+      return f"must be {what}"
+  return rule
+
+
+def at_least(n: int) -> Rule:
+  return integer(min=n)
+
+
+def number(*, gt=None, ge=None, lt=None, le=None) -> Rule:
+  """A finite real number (int or float, not a bool) within the given bounds."""
+  parts = [f"> {gt}" if gt is not None else "", f">= {ge}" if ge is not None else "",
+           f"< {lt}" if lt is not None else "", f"<= {le}" if le is not None else ""]
+  bounds = " and ".join(p for p in parts if p)
+  what = "a finite number" + (f" {bounds}" if bounds else "")
+
+  def rule(v):
+    if not _is_real(v) or not math.isfinite(v):
+      return f"must be {what}"
+    if ((gt is not None and not v > gt) or (ge is not None and not v >= ge)
+        or (lt is not None and not v < lt) or (le is not None and not v <= le)):
+      return f"must be {what}"
+  return rule
+
+
+def boolean(v) -> Optional[str]:
+  if not isinstance(v, bool):
+    return "must be True or False"
+
+
+def string(v) -> Optional[str]:
+  if not isinstance(v, str) or not v:
+    return "must be a non-empty string"
+
+
+def one_of(*choices) -> Rule:
+  listed = ", ".join(repr(c) for c in choices)
+
+  def rule(v):
+    if not any(type(v) is type(c) and v == c for c in choices):
+      return f"valid values are: {listed}"
+  return rule
+
+
+def optional(inner: Rule) -> Rule:
+  """None, or a value `inner` accepts."""
+
+  def rule(v):
+    if v is None:
+      return None
+    problem = inner(v)
+    return problem and f"{problem}, or None"
+  return rule
+
+
+def sequence_of(inner: Rule, *, nonempty: bool = True) -> Rule:
+  """A tuple or list whose every item `inner` accepts."""
+
+  def rule(v):
+    if not isinstance(v, (tuple, list)) or (nonempty and not v):
+      return f"must be a {'non-empty ' if nonempty else ''}tuple (or list) of values"
+    for item in v:
+      problem = inner(item)
+      if problem:
+        return f"every item {problem} (got {item!r})"
+  return rule
+
+
+def parsed_by(parse: Callable[[Any], Any], valid: Sequence) -> Rule:
+  """A value `parse` accepts (it raises a UserError otherwise); `valid` lists the values
+  named in the message."""
+  listed = ", ".join(repr(v) for v in valid)
+
+  def rule(v):
+    try:
+      parse(v)
+    except UserError:
+      return f"valid values are: {listed}"
+  return rule
+
+
+def instance_of(types, what: str) -> Rule:
+  def rule(v):
+    if not isinstance(v, types):
+      return f"must be {what}"
+  return rule
+
+
+def is_callable(what: str) -> Rule:
+  def rule(v):
+    if not callable(v):
+      return f"must be {what}"
+  return rule
+
+
+# ----------------------------------------------------------------------------- types
+def type_rule(annotation) -> Optional[Rule]:
+  """A rule checking only the type an annotation promises (int, float, bool, str,
+  Optional[...] and Sequence[...] of those); None for anything else."""
+  if annotation is bool:
+    return boolean
+  if annotation is int:
+    return integer()
+  if annotation is float:
+    return number()
+  if annotation is str:
+    return lambda v: None if isinstance(v, str) else "must be a string"
+  origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+  if origin is typing.Union and len(args) == 2 and type(None) in args:
+    inner = type_rule(next(a for a in args if a is not type(None)))
+    return optional(inner) if inner else None
+  if origin in (tuple, list, collections.abc.Sequence):
+    items = [a for a in args if a is not Ellipsis]
+    inner = type_rule(items[0]) if len(set(items)) == 1 else None
+    if inner is not None:
+      return sequence_of(inner, nonempty=False)
+  return None
+
+
+def _annotations(obj) -> Dict[str, Any]:
+  try:
+    return typing.get_type_hints(obj)
+  except Exception:  # noqa: BLE001  (unresolvable forward references: no type rules)
+    return {}
+
+
+# ----------------------------------------------------------------------------- declare
+@dataclasses.dataclass(frozen=True)
+class Rules:
+  """The rules of one configurable: `name` as users write it, and a rule per argument."""
+  name: str
+  rules: Dict[str, Rule]
+
+  def check(self, values: Dict[str, Any], where: Optional[str] = None) -> None:
+    """Raises a UserError naming the first argument in `values` that breaks its rule."""
+    for arg, value in values.items():
+      rule = self.rules.get(arg)
+      problem = rule(value) if rule else None
+      if problem:
+        raise UserError(f"Invalid {where or self.name}.{arg} = {value!r}: {problem}.")
+
+
+def validated(name: str, **rules: Rule):
+  """Declares argument rules on a function or a dataclass and checks them on every call
+  (functions) or construction (dataclasses, before their own `__post_init__`).
+
+  Arguments without an explicit rule get one from their type annotation (see
+  `type_rule`) when it is a plain type.
+  """
+
+  def decorate(obj):
+    hints = _annotations(obj)
+    full = {k: r for k, r in ((k, type_rule(t)) for k, t in hints.items()) if r}
+    full.update(rules)
+    spec = Rules(name, full)
+    if inspect.isclass(obj):
+      original = getattr(obj, "__post_init__", None)
+
+      def __post_init__(self):
+        spec.check({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        if original is not None:
+          original(self)
+      obj.__post_init__ = __post_init__
+      obj.__checks__ = spec
+      return obj
+    signature = inspect.signature(obj)
+
+    @functools.wraps(obj)
+    def wrapper(*args, **kwargs):
+      try:
+        bound = signature.bind(*args, **kwargs)
+      except TypeError:
+        return obj(*args, **kwargs)   # let Python (or gin) name the wrong call
+      bound.apply_defaults()
+      spec.check({k: v for k, v in bound.arguments.items() if k in spec.rules})
+      return obj(*args, **kwargs)
+    wrapper.__checks__ = spec
+    return wrapper
+
+  return decorate
+
+
+def rules_of(obj, name: str = "") -> Rules:
+  """The `Rules` declared on a function or class; for one that declares none, the type
+  rules its annotations give (so every configurable's arguments are type-checked)."""
+  declared = getattr(obj, "__checks__", None)
+  if declared is not None:
+    return declared
+  hints = _annotations(obj)
+  return Rules(name or getattr(obj, "__name__", "?"),
+               {k: r for k, r in ((k, type_rule(t)) for k, t in hints.items()) if r})

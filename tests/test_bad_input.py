@@ -1,0 +1,422 @@
+"""Every runner refuses bad input the same way: exit code 2, one paragraph naming the bad
+value, no traceback, no file left behind — and before any work starts.
+
+The runners' `main(argv)` are driven in-process with generated bad bindings and values
+(hypothesis). The first heavy step of each runner (loading a model, the train loop, the
+benchmark) is replaced by a function raising `WorkStarted`: bad input must be refused
+before it, so every example takes milliseconds; a good input reaching it proves the
+harness is not vacuous. Two subprocess cases check the real exit code and stderr.
+"""
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import string
+import subprocess
+import sys
+from unittest import mock
+
+import gin
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attnprec import ginutils, runs
+from attnprec.errors import UserError
+from attnprec.kernels import NAMES as KERNELS
+from attnprec.precision import DTYPES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+
+
+class WorkStarted(BaseException):
+  """The runner got past every check and began its real work."""
+
+
+def _load_runner(name):
+  spec = importlib.util.spec_from_file_location(f"runner_{name}",
+                                                os.path.join(ROOT, "runners", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+RUNNERS = {name: _load_runner(name) for name in ("train", "decode", "audit", "study",
+                                                 "bench", "plot", "sinks", "nextline")}
+RUNNERS["inspect"] = _load_runner("inspect_model")   # prog "inspect"
+# A valid configuration per gin runner (the bad value comes on top of it).
+GIN_ARGS = {"train": ["--gin_file=experiments/recall.gin"],
+            "decode": ["--gin_file=experiments/recall.gin"],
+            "audit": ["--gin_file=precision/fp32_attention.gin"],
+            "study": ["--gin_file=experiments/study_recall.gin"],
+            "sinks": ["--gin_file=runs/sinks.gin"],
+            "nextline": ["--gin_file=experiments/nextline_qwen2.gin"],
+            "inspect": ["--gin.inspect.fn=attnprec.inspect.examples:maxtext_attention",
+                        "--gin.inspect.inputs=attnprec.inspect.examples:maxtext_inputs"]}
+GIN_FILES = GIN_ARGS   # the runners that read gin
+
+
+def _work(*args, **kwargs):
+  raise WorkStarted()
+
+
+@contextlib.contextmanager
+def _no_work():
+  """Replaces each runner's first heavy step by `_work` (loading a real model, the recall
+  evaluation, the train loop, the study's model, the audit, the benchmarks)."""
+  import attnprec.bench.attention
+  import attnprec.bench.model
+  import attnprec.checkpoints
+  import attnprec.inspect.job
+  import attnprec.study.nextline
+  import attnprec.study.sweep
+  import attnprec.train
+  # the module (attnprec.jobs re-exports its job function under the same name)
+  recall_eval = importlib.import_module("attnprec.jobs.recall_eval")
+  with mock.patch.object(attnprec.train.checkpointing, "Checkpointer", _work), \
+       mock.patch.object(recall_eval, "evaluate", _work), \
+       mock.patch.object(attnprec.checkpoints, "load_gguf", _work), \
+       mock.patch.object(attnprec.study.sweep.models, "load_model", _work), \
+       mock.patch.object(RUNNERS["audit"], "audit_job", _work), \
+       mock.patch.object(attnprec.bench.attention, "run_attention_bench", _work), \
+       mock.patch.object(attnprec.bench.model, "run_model_bench", _work), \
+       mock.patch.object(attnprec.study.nextline, "checkpoints", mock.Mock(load=_work)), \
+       mock.patch.object(attnprec.inspect.job, "inspect_lowered", _work):
+    yield
+
+
+def call(runner, argv):
+  """(exit code or 'work', stderr) of runners/<runner>.py main(argv), in-process."""
+  gin.clear_config()
+  err = io.StringIO()
+  with _no_work(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    try:
+      rc = RUNNERS[runner].main(list(argv))
+    except WorkStarted:
+      rc = "work"
+  gin.clear_config()
+  return rc, err.getvalue()
+
+
+def gin_argv(runner, run_dir, *extra):
+  return [*GIN_ARGS[runner], f"--run_dir={run_dir}", *extra]
+
+
+def assert_refused(runner, rc, err, run_dir, *needles):
+  assert rc == 2, (runner, rc, err)
+  assert "Traceback" not in err, err
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith(f"{runner}: error: "), err
+  for needle in needles:
+    assert needle in lines[0], (needle, lines[0])
+  assert not os.path.exists(run_dir), f"{run_dir} left behind"
+
+
+# ----------------------------------------------------------------------------- strategies
+identifiers = st.text(string.ascii_lowercase + "_", min_size=1, max_size=10).filter(
+    lambda s: s[0] != "_")
+gin_runners = st.sampled_from(sorted(GIN_FILES))
+# Values of the wrong type for a numeric or boolean parameter: gin literals as typed.
+non_numbers = st.sampled_from(["'abc'", "None", "(1, 2)", "[]", "{}", "'1'"])
+non_positive_ints = st.integers(max_value=0).map(str)
+non_ints = st.one_of(non_numbers, st.sampled_from(["1.5", "True", "False", "0.0"]))
+non_positive_numbers = st.one_of(st.integers(max_value=0).map(str),
+                                 st.floats(max_value=0, allow_nan=False).map(repr))
+not_finite = st.sampled_from(["float('nan')", "float('inf')"])
+non_bools = st.one_of(st.integers().map(str), st.sampled_from(["'True'", "'yes'", "None"]))
+
+# (binding, bad values): what the issue and README say is invalid, written out by hand.
+INT_AT_LEAST_1 = ["train.steps", "train.checkpoint_every", "train.keep_checkpoints",
+                  "train.log_every", "train.eval_every", "train.batch_size",
+                  "train.eval_batch", "TopK.k", "recall_eval.num_prompts",
+                  "recall_eval.num_queries", "generate_text.max_new_tokens",
+                  "recall.num_pairs", "recall.num_keys", "recall.value_len",
+                  "model.num_heads", "model.d_model", "model.max_seq_len", "study.batch",
+                  "study.timing_rounds", "audit.batch", "audit.prompt_len",
+                  "text.seq_len"]
+POSITIVE_NUMBERS = ["Temperature.temperature", "TopK.temperature", "TopP.temperature",
+                    "optimizer.learning_rate", "optimizer.clip_norm", "optimizer.eps",
+                    "model.norm_eps", "model.rope_base", "study.query_scale_multiplier"]
+bad_bindings = st.one_of(
+    st.tuples(st.sampled_from(INT_AT_LEAST_1), st.one_of(non_positive_ints, non_ints)),
+    st.tuples(st.sampled_from(POSITIVE_NUMBERS),
+              st.one_of(non_positive_numbers, not_finite, non_numbers)),
+    st.tuples(st.just("TopP.p"), st.one_of(non_positive_numbers, not_finite,
+                                           st.floats(min_value=1.0, exclude_min=True,
+                                                     allow_infinity=False).map(repr))),
+    st.tuples(st.sampled_from(["precision.dtype", "train/precision.dtype",
+                               "decode/precision.dtype"]),
+              identifiers.filter(lambda s: s not in DTYPES).map(repr)),
+    st.tuples(st.just("precision.kernel"),
+              identifiers.filter(lambda s: s not in KERNELS).map(repr)),
+    st.tuples(st.sampled_from(["precision.float32_qk_product", "precision.float32_logits",
+                               "train.skip_nonfinite_steps"]), non_bools),
+    st.tuples(st.sampled_from(["recall_eval.pair_counts", "study.pair_counts"]),
+              st.sampled_from(["(0,)", "(8, -1)", "('a',)", "8"])),
+    st.tuples(st.just("recall_eval.pair_counts"), st.just("()")),
+    st.tuples(st.just("mesh.shape"), st.sampled_from(["'ab'", "(1, -2)", "(1.5, 1)"])),
+    st.tuples(st.sampled_from(["train.seed", "recall_eval.seed", "optimizer.warmup_steps"]),
+              st.integers(max_value=-1).map(str)),
+)
+
+
+# ----------------------------------------------------------------------------- properties
+@SETTINGS
+@given(runner=gin_runners, binding=bad_bindings)
+def test_bad_values_are_refused_before_work(tmp_path, runner, binding):
+  if runner == "study" and "precision." in binding[0]:
+    return   # the study refuses any precision binding (tested below)
+  name, value = binding
+  run_dir = str(tmp_path / "run")
+  rc, err = call(runner, gin_argv(runner, run_dir, f"--gin.{name}={value}"))
+  assert_refused(runner, rc, err, run_dir, name.split("/")[-1])
+
+
+@SETTINGS
+@given(runner=gin_runners, scope=identifiers.filter(lambda s: s not in ginutils.PHASES),
+       field=st.sampled_from(["dtype", "float32_qk_product", "float32_logits", "kernel"]))
+def test_unknown_scopes_are_refused(tmp_path, runner, scope, field):
+  value = {"dtype": "'float32'", "kernel": "'dot_product'"}.get(field, "False")
+  run_dir = str(tmp_path / "run")
+  rc, err = call(runner, gin_argv(runner, run_dir, f"--gin.{scope}/precision.{field}={value}"))
+  assert_refused(runner, rc, err, run_dir, f"Unknown scope '{scope}'", "train, decode")
+
+
+@SETTINGS
+@given(runner=gin_runners, phase=st.sampled_from(ginutils.PHASES),
+       binding=st.sampled_from(["recall_eval.num_prompts=4", "train.steps=5",
+                                "model.d_model=32", "TopK.k=3", "study.batch=2"]))
+def test_scoped_bindings_that_nothing_reads_are_refused(tmp_path, runner, phase, binding):
+  run_dir = str(tmp_path / "run")
+  rc, err = call(runner, gin_argv(runner, run_dir, f"--gin.{phase}/{binding}"))
+  assert_refused(runner, rc, err, run_dir, f"{phase}/{binding.split('=')[0]}",
+                 "would be ignored")
+
+
+@SETTINGS
+@given(runner=gin_runners, name=identifiers, param=identifiers)
+def test_unknown_names_are_refused(tmp_path, runner, name, param):
+  run_dir = str(tmp_path / "run")
+  known = ginutils._configurable_names()  # noqa: SLF001
+  if name in known:
+    expect = "doesn't have a parameter named"
+    if param in ginutils._parameter_names(name):  # noqa: SLF001
+      return
+  else:
+    expect = f"No configurable matching '{name}'"
+  rc, err = call(runner, gin_argv(runner, run_dir, f"--gin.{name}.{param}=1"))
+  assert_refused(runner, rc, err, run_dir, expect)
+
+
+@SETTINGS
+@given(flag=st.sampled_from(["--presets", "--kernels"]), value=identifiers)
+def test_bench_refuses_unknown_names_before_running(tmp_path, flag, value):
+  out = str(tmp_path / "bench")
+  rc, err = call("bench", [f"{flag}={value}", f"--out={out}"])
+  assert_refused("bench", rc, err, out, f"{flag}={value!r}", "valid:")
+
+
+@SETTINGS
+@given(value=st.one_of(st.sampled_from(["x", "1,a", "1.5", "-4", "0", "16,0"]),
+                       st.integers(max_value=0).map(str)),
+       flag=st.sampled_from(["--seq_lens", "--memory_seq_lens", "--decode_seq_lens"]))
+def test_bench_refuses_bad_lengths(tmp_path, flag, value):
+  out = str(tmp_path / "bench")
+  rc, err = call("bench", [f"{flag}={value}", f"--out={out}"])
+  assert_refused("bench", rc, err, out, flag)
+
+
+# ----------------------------------------------------------------------------- explicit
+@pytest.mark.parametrize("runner", sorted(GIN_FILES) + ["bench"])
+def test_good_input_reaches_the_work(tmp_path, runner):
+  """The harness is not vacuous: valid input gets past every check, and the run
+  directory a run that failed at once created is removed again."""
+  run_dir = str(tmp_path / "run")
+  argv = ([f"--out={run_dir}"] if runner == "bench"
+          else gin_argv(runner, run_dir))
+  rc, err = call(runner, argv)
+  assert rc == "work", (rc, err)
+  assert not os.path.exists(run_dir)
+
+
+@pytest.mark.parametrize("runner,args,needles", [
+    ("decode", ["--gin.deocde/precision.float32_qk_product=False"],
+     ["Unknown scope 'deocde'", "valid scopes are: train, decode"]),
+    ("decode", ["--gin.serve/precision.dtype='float8'"], ["Unknown scope 'serve'"]),
+    ("train", ["--gin.train.checkpoint_every=0"], ["train.checkpoint_every = 0"]),
+    ("train", ["--gin.train.steps=0"], ["train.steps = 0"]),
+    ("train", ["--gin.train.keep_checkpoints=0"], ["train.keep_checkpoints = 0"]),
+    ("decode", ["--gin.TopK.k=0"], ["TopK.k = 0", ">= 1"]),
+    ("decode", ["--gin.Temperature.temperature=0"], ["Temperature.temperature = 0", "> 0"]),
+    ("decode", ["--gin.TopP.p=-1"], ["TopP.p = -1"]),
+    ("study", ["--gin.precision.dtype='bfloat16'"], ["does not read precision.*",
+                                                    "study.extra_presets"]),
+    ("train", ["--gin.recall_eval.pair_counts=(8, 0)"], ["recall_eval.pair_counts"]),
+])
+def test_issue_examples_are_refused(tmp_path, runner, args, needles):
+  run_dir = str(tmp_path / "run")
+  rc, err = call(runner, gin_argv(runner, run_dir, *args))
+  assert_refused(runner, rc, err, run_dir, *needles)
+
+
+def test_decode_without_an_experiment_file(tmp_path):
+  run_dir = str(tmp_path / "run")
+  rc, err = call("decode", [f"--run_dir={run_dir}"])
+  assert_refused("decode", rc, err, run_dir, "decode.job is not set", "--gin_file=")
+
+
+def test_bench_presets_nope(tmp_path):
+  rc, err = call("bench", ["--presets=nope", f"--out={tmp_path / 'b'}"])
+  assert_refused("bench", rc, err, str(tmp_path / "b"), "--presets='nope'", "fp32_attention")
+
+
+@pytest.mark.parametrize("runner", sorted(GIN_FILES) + ["bench", "plot"])
+def test_outputs_are_checked_before_work(tmp_path, runner):
+  """A --run_dir / --out that is a file, or lies below one, is refused before any work."""
+  blocker = tmp_path / "file"
+  blocker.write_text("x")
+  for target in (blocker, blocker / "sub"):
+    flag = "--out" if runner == "bench" else "--run_dir"
+    argv = ([f"{flag}={target}"] if runner in ("bench", "plot")
+            else [*GIN_ARGS[runner], f"{flag}={target}"])
+    rc, err = call(runner, argv)
+    assert rc == 2, (runner, rc, err)
+    assert str(target) in err and "Traceback" not in err
+  assert blocker.read_text() == "x"
+
+
+def test_failed_load_leaves_no_run_directory(tmp_path):
+  run_dir = tmp_path / "new" / "run"
+  rc, err = call("decode", gin_argv("decode", run_dir,
+                                    f"--gin.recall_eval.checkpoint={tmp_path / 'none'}"))
+  assert rc == 2 and "is neither a shipped checkpoint" in err
+  assert not run_dir.exists()
+
+
+def _fake_run(tmp_path, task):
+  """A recall run directory: the shipped checkpoint's model and params, a given task."""
+  import shutil
+  src = os.path.join(ROOT, "attnprec", "assets", "recall-tiny")
+  run = tmp_path / "ckpt"
+  run.mkdir()
+  for f in ("model.json", "params.npz"):
+    shutil.copy(os.path.join(src, f), run / f)
+  (run / "task.json").write_text(json.dumps(task))
+  return run
+
+
+def test_a_sampler_class_without_call_is_refused(tmp_path):
+  run_dir = str(tmp_path / "run")
+  rc, err = call("decode", [f"--gin_file=experiments/smollm2.gin", f"--run_dir={run_dir}",
+                            "--gin.generate_text.sampler=@TopK"])
+  assert_refused("decode", rc, err, run_dir, "generate_text.sampler", "@TopK()")
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda t: t.pop("value_len"), "missing field(s) ['value_len']"),
+    (lambda t: t.update(pairs=3), "unknown field(s) ['pairs']"),
+])
+def test_task_json_must_hold_exactly_the_task(tmp_path, edit, needle):
+  with open(os.path.join(ROOT, "attnprec", "assets", "recall-tiny", "task.json")) as f:
+    task = json.load(f)
+  edit(task)
+  run = _fake_run(tmp_path, task)
+  run_dir = str(tmp_path / "out")
+  rc, err = call("decode", gin_argv("decode", run_dir,
+                                    f"--gin.recall_eval.checkpoint='{run}'"))
+  assert_refused("decode", rc, err, run_dir, needle)
+
+
+def test_task_json_must_be_an_object(tmp_path):
+  run = _fake_run(tmp_path, [1, 2])
+  run_dir = str(tmp_path / "out")
+  rc, err = call("decode", gin_argv("decode", run_dir,
+                                    f"--gin.recall_eval.checkpoint='{run}'"))
+  assert_refused("decode", rc, err, run_dir, "not an object")
+
+
+def test_second_training_into_a_run_directory_is_refused(tmp_path):
+  run_dir = str(tmp_path / "run")
+  with runs.locked(run_dir):      # as a first training holds it
+    rc, err = call("train", gin_argv("train", run_dir))
+  assert rc == 2 and "is in use by another training" in err, err
+  assert "Traceback" not in err
+  rc, _ = call("train", gin_argv("train", run_dir))   # released: the next one may start
+  assert rc == "work"
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ([1, 2], "holds a JSON list"),
+    ({"model_type": "llama", "num_attention_heads": 0, "hidden_size": 64,
+      "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 10},
+     "num_attention_heads must be a positive integer, got 0"),
+    ({"model_type": "llama", "num_attention_heads": 2, "hidden_size": 64,
+      "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 10,
+      "rms_norm_eps": "tiny"}, "rms_norm_eps must be a number, got 'tiny'"),
+])
+def test_hf_config_json_is_checked(raw, needle):
+  from attnprec.checkpoints.hf_config import config_from_hf
+  with pytest.raises(UserError, match=needle.replace("(", r"\(").replace("[", r"\[")):
+    config_from_hf(raw)
+
+
+# ----------------------------------------------------------------------------- subprocess
+def _subprocess(script, *args):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "runners", script), *args],
+                        capture_output=True, text=True, cwd=ROOT, timeout=300,
+                        env={**os.environ, "XLA_FLAGS": "--xla_allow_excess_precision=false"})
+
+
+def test_real_exit_code_and_stderr(tmp_path):
+  proc = _subprocess("decode.py", "--gin_file=experiments/recall.gin",
+                     "--gin.deocde/precision.float32_qk_product=False",
+                     f"--run_dir={tmp_path / 'run'}")
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.startswith("decode: error: Unknown scope 'deocde'")
+  assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+  proc = _subprocess("bench.py", "--presets=nope", f"--out={tmp_path / 'bench'}")
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert not (tmp_path / "run").exists() and not (tmp_path / "bench").exists()
+
+
+# ----------------------------------------------------------------------------- unread
+@pytest.mark.parametrize("runner,files,args,needle", [
+    ("decode", ["experiments/recall.gin"], ["--gin.train.steps=5"],
+     "decode does not read train.*"),
+    ("decode", ["experiments/smollm2.gin"], ["--gin.TopK.k=3"], "does not read TopK.*"),
+    ("train", ["experiments/recall.gin"], ["--gin.decode/precision.dtype='float32'"],
+     "train reads precision.* only in train phase"),
+    ("decode", ["experiments/recall.gin"], ["--gin.train/precision.dtype='float32'"],
+     "decode reads precision.* only in decode phase"),
+    ("study", ["experiments/study_recall.gin"], ["--gin.model.d_model=32"],
+     "study does not read model.*"),
+    ("train", ["experiments/recall.gin"], ["--gin.recall_eval.num_prompts=8"],
+     "train does not read recall_eval.*"),
+])
+def test_command_line_bindings_the_runner_does_not_read_are_refused(tmp_path, runner, files,
+                                                                     args, needle):
+  run_dir = str(tmp_path / "run")
+  rc, err = call(runner, [f"--gin_file={f}" for f in files] + [f"--run_dir={run_dir}", *args])
+  assert_refused(runner, rc, err, run_dir, needle, "would be ignored")
+
+
+@pytest.mark.parametrize("runner,files,args", [
+    ("train", ["experiments/recall.gin"], ["--gin.optimizer.learning_rate=0.01",
+                                           "--gin.mesh.shape=(1, 1)", "--gin.recall.num_pairs=8",
+                                           "--gin.precision.kernel='blockwise'",
+                                           "--gin.train/precision.float32_logits=True"]),
+    ("train", ["experiments/text_bytes.gin"], ["--gin.text.seq_len=64"]),
+    ("decode", ["experiments/smollm2.gin"], ["--gin.generate_text.sampler=@TopK()",
+                                             "--gin.TopK.k=3", "--gin.blockwise.q_block=64"]),
+    ("audit", ["precision/bf16.gin"], ["--gin.model.d_model=32", "--gin.optimizer.b1=0.8",
+                                       "--gin.decode/precision.float32_logits=True"]),
+    ("study", ["experiments/study_recall.gin"], ["--gin.study.batch=2"]),
+])
+def test_command_line_bindings_the_runner_reads_are_accepted(tmp_path, runner, files, args):
+  rc, err = call(runner, [f"--gin_file={f}" for f in files]
+                 + [f"--run_dir={tmp_path / 'run'}", *args])
+  assert rc == "work", err
