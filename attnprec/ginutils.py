@@ -132,8 +132,36 @@ def parse(files: Sequence[str], bindings: Sequence[str],
   except (ValueError, SyntaxError, KeyError, IOError) as e:
     raise UserError(_clean_gin_error(e)) from None
   check_config(phases)
+  check_kernel_settings(phases)
   if reads is not None:
     check_command_line(bindings, reads, prog)
+
+
+def check_kernel_settings(phases: Optional[Sequence[str]]) -> None:
+  """A `blockwise.*` binding (block sizes) is read only when the phase it applies to runs
+  the blockwise kernel; with another kernel it would be silently ignored, so it is an
+  error naming the kernel each phase runs. A scoped binding applies to its phase, an
+  unscoped one to every phase the runner reads."""
+  if not phases:
+    return
+  from attnprec.precision import phase_precision
+  registry = gin.config._REGISTRY  # noqa: SLF001
+  kernels = {}
+  for (scope, selector), values in gin.config._CONFIG.items():  # noqa: SLF001
+    if selector.startswith("gin.") or registry.get_match(selector).name != "blockwise":
+      continue
+    applies = [scope] if scope else list(phases)
+    for p in applies:
+      if p not in kernels:
+        with gin.config_scope(p):
+          kernels[p] = phase_precision().kernel
+    if not any(kernels[p] == "blockwise" for p in applies):
+      first = f"{scope + '/' if scope else ''}blockwise.{next(iter(values), '')}"
+      runs = ", ".join(f"{p}: {kernels[p]!r}" for p in applies)
+      raise UserError(
+          f"{first} is set, but the attention kernel is not 'blockwise' there ({runs}), "
+          f"so the block size would be ignored; set precision.kernel = 'blockwise' (or "
+          f"{applies[0]}/precision.kernel) or remove the blockwise.* binding.")
 
 
 def reached(reads: Sequence[str]) -> set:

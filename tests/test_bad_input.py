@@ -396,6 +396,11 @@ def test_real_exit_code_and_stderr(tmp_path):
      "study does not read model.*"),
     ("train", ["experiments/recall.gin"], ["--gin.recall_eval.num_prompts=8"],
      "train does not read recall_eval.*"),
+    # block sizes for a kernel the phase does not run
+    ("decode", ["experiments/recall.gin"], ["--gin.decode/blockwise.q_block=128"],
+     "the attention kernel is not 'blockwise' there (decode: 'dot_product')"),
+    ("train", ["experiments/recall.gin"], ["--gin.blockwise.kv_block=64"],
+     "(train: 'dot_product')"),
 ])
 def test_command_line_bindings_the_runner_does_not_read_are_refused(tmp_path, runner, files,
                                                                      args, needle):
@@ -411,7 +416,8 @@ def test_command_line_bindings_the_runner_does_not_read_are_refused(tmp_path, ru
                                            "--gin.train/precision.float32_logits=True"]),
     ("train", ["experiments/text_bytes.gin"], ["--gin.text.seq_len=64"]),
     ("decode", ["experiments/smollm2.gin"], ["--gin.generate_text.sampler=@TopK()",
-                                             "--gin.TopK.k=3", "--gin.blockwise.q_block=64"]),
+                                             "--gin.TopK.k=3", "--gin.blockwise.q_block=64",
+                                             "--gin.precision.kernel='blockwise'"]),
     ("audit", ["precision/bf16.gin"], ["--gin.model.d_model=32", "--gin.optimizer.b1=0.8",
                                        "--gin.decode/precision.float32_logits=True"]),
     ("study", ["experiments/study_recall.gin"], ["--gin.study.batch=2"]),

@@ -392,7 +392,8 @@ class WiringTest(parameterized.TestCase):
     self.assertEqual(int(blocks(q, k, v, precision=first)), 16)    # no gin read at trace
     # A phase scope selects the sizes of its phase only.
     gin.clear_config()
-    ginutils.parse([], ["decode/blockwise.kv_block = 2"])
+    ginutils.parse([], ["decode/blockwise.kv_block = 2",
+                        "decode/precision.kernel = 'blockwise'"])
     with ginutils.phase("decode"):
       self.assertEqual(phase_precision().block_sizes.kv_block, 2)
     with ginutils.phase("train"):
