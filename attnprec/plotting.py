@@ -1,7 +1,13 @@
-"""Training curves: run_dir/metrics.jsonl -> run_dir/metrics.png (matplotlib, Agg backend).
+"""Plots: the one way the project makes and writes a figure, and the training curves.
 
-Left: train loss (every logged step) and held-out eval loss (every eval). Right: train and
-eval token accuracy. Written at the end of every training run and by `make plot RUN=...`.
+`pyplot()` gives matplotlib's pyplot on the Agg backend (no display needed);
+`save_figure(fig, path)` lays the figure out, writes the PNG atomically (a temporary file,
+then a rename: a killed run never leaves half a PNG) and closes it. Every plot in the
+project (train curves, study, sinks, next-line, benches) goes through these two.
+
+Training curves, run_dir/metrics.jsonl -> run_dir/metrics.png. Left: train loss (every
+logged step) and held-out eval loss (every eval). Right: train and eval token accuracy.
+Written at the end of every training run and by `make plot RUN=...`.
 """
 import json
 import os
@@ -11,6 +17,25 @@ from attnprec import runs
 from attnprec.errors import UserError
 
 PLOT_FILE = "metrics.png"
+
+
+def pyplot():
+  """matplotlib.pyplot on the Agg backend."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def save_figure(fig, path: str, dpi: int = 120) -> str:
+  """tight_layout, an atomic PNG write to `path`, close; returns `path`."""
+  import matplotlib.pyplot as plt
+  try:
+    fig.tight_layout()
+    runs.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi), mode="wb")
+  finally:
+    plt.close(fig)
+  return path
 
 
 def read_metrics(run_dir: str) -> List[Dict]:
@@ -38,10 +63,7 @@ def _series(records, key):
 
 def plot_run(run_dir: str) -> str:
   """Writes run_dir/metrics.png atomically and returns its path."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = pyplot()
   records = read_metrics(run_dir)
   fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
   for ax, key, label in ((ax_loss, "loss", "loss (nats/token)"),
@@ -58,8 +80,4 @@ def plot_run(run_dir: str) -> str:
   if losses and max(losses) / min(losses) > 10:
     ax_loss.set_yscale("log")   # decades only: long runs span several
   fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
-  fig.tight_layout()
-  path = os.path.join(run_dir, PLOT_FILE)
-  runs.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100), mode="wb")
-  plt.close(fig)
-  return path
+  return save_figure(fig, os.path.join(run_dir, PLOT_FILE), dpi=100)

@@ -96,9 +96,7 @@ def run_model(args):
       flag_case=(1, 1000))
   _write_model(args.out, result)
   table = model_bench.to_markdown(result)
-  tmp = os.path.join(args.out, ".model.tmp.png")
-  model_bench.plot(result, tmp)
-  os.replace(tmp, os.path.join(args.out, "model.png"))
+  model_bench.plot(result, os.path.join(args.out, "model.png"))
   print(table)
   print(f"wrote {args.out}/model.json, model.md, model.png")
 
@@ -112,9 +110,7 @@ def run_attention(args):
   runs.write_json(args.out, "results.json", result)
   table = bench.to_markdown(result)
   _write(args.out, "results.md", table)
-  tmp = os.path.join(args.out, ".results.tmp.png")
-  bench.plot(result, tmp)
-  os.replace(tmp, os.path.join(args.out, "results.png"))
+  bench.plot(result, os.path.join(args.out, "results.png"))
   print(table)
   print(f"wall time {result['wall_s']:.0f} s; wrote {args.out}/results.json, results.md, "
         f"results.png")

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnprec import kernels as kernel_lib
+from attnprec import plotting
 from attnprec.contract import CausalMask
 from attnprec.errors import UserError
 from attnprec.precision import Precision
@@ -377,9 +378,7 @@ def to_markdown(result: dict) -> str:
 def plot(result: dict, path: str) -> None:
   """Median time vs S per kernel: 'bf16' and 'fp32_attention' panels (torch: its fp32
   run in the second panel, as it has no bf16-with-f32-probabilities mode)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plotting.pyplot()
   kernels = list(dict.fromkeys(r["kernel"] for r in result["rows"]))
   colors = {k: f"C{i}" for i, k in enumerate(kernels)}
   fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
@@ -397,6 +396,4 @@ def plot(result: dict, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
   axes[0].set_ylabel("median seconds (lower is better)")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  plotting.save_figure(fig, path)

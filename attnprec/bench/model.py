@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnprec import compilation, decoding, train
+from attnprec import compilation, decoding, plotting, train
 from attnprec.errors import UserError
 from attnprec.precision import Precision
 
@@ -378,9 +378,7 @@ def _f(x: Optional[float]) -> str:
 
 def plot(result: dict, path: str) -> None:
   """Decode tokens/s and prefill time per case and configuration."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plotting.pyplot()
   cases = [tuple(c) for c in result["config"]["cases"]]
   names = list(dict.fromkeys(r["name"] for r in result["rows"]))
   by = {(r["name"], r["batch"], r["prompt"]): r for r in result["rows"]}
@@ -400,6 +398,4 @@ def plot(result: dict, path: str) -> None:
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend()
   axes[1].set_yscale("log")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  plotting.save_figure(fig, path)

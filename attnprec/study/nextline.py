@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from attnprec import checkpoints, decoding, runs
+from attnprec import checkpoints, decoding, plotting, runs
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 from attnprec.study import presets as preset_lib
@@ -294,9 +294,7 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> str:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plotting.pyplot()
   rows = result["configs"]
   fig, ax = plt.subplots(figsize=(6, 3.5))
   x = np.arange(len(rows))
@@ -310,7 +308,5 @@ def plot(result: dict, path: str) -> str:
   ax.set_title(f"{result['lines']} lines, {result['windows']} x {result['length']} tokens, "
                f"first token: {result['first_token']}", fontsize=9)
   ax.grid(axis="y", alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  plotting.save_figure(fig, path)
   return path

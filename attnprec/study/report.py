@@ -7,13 +7,12 @@ Plots (matplotlib, Agg backend):
   cost_vs_error.png        time relative to bf16 vs decode attention error (longest context)
   error_by_layer.png       decode attention error per layer at the longest context
 """
-import io
 import json
 import os
 
 import numpy as np
 
-from attnprec import runs
+from attnprec import plotting, runs
 
 PLOTS = ("error_vs_context.png", "accuracy_vs_context.png", "cost_vs_error.png",
          "error_by_layer.png")
@@ -191,9 +190,7 @@ def to_markdown(res: dict) -> str:
 
 # ----------------------------------------------------------------------------- plots
 def _figures(res: dict):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plotting.pyplot()
   import matplotlib.ticker  # noqa: F401
 
   figs = {}
@@ -229,7 +226,6 @@ def _figures(res: dict):
   axes[0].set_ylabel("relative L2 vs fp32 reference (worst layer)")
   axes[0].legend(fontsize=8, loc="best")
   fig.suptitle(_title(res) + (f"\n{exact_note}" if exact_note else ""), fontsize=9)
-  fig.tight_layout()
   figs["error_vs_context.png"] = fig
 
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -255,7 +251,6 @@ def _figures(res: dict):
   axes[1].set_ylabel("fraction (1 - greedy agreement)")
   axes[0].legend(fontsize=8, loc="best")
   fig.suptitle(_title(res), fontsize=9)
-  fig.tight_layout()
   figs["accuracy_vs_context.png"] = fig
 
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -277,7 +272,6 @@ def _figures(res: dict):
                       if c["name"] in exact)
     ax.set_title(f"cost vs error at {res['reference']['per_length'][-1]['label']}\n"
                  f"(error 0: {times})", fontsize=10)
-  fig.tight_layout()
   figs["cost_vs_error.png"] = fig
 
   fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -297,7 +291,6 @@ def _figures(res: dict):
   if exact_note:
     ax.set_title(f"error by layer at {res['reference']['per_length'][-1]['label']}\n"
                  f"({exact_note})", fontsize=9)
-  fig.tight_layout()
   figs["error_by_layer.png"] = fig
   return figs, plt
 
@@ -335,9 +328,7 @@ def write_outputs(run_dir: str, res: dict) -> None:
   figs, plt = _figures(res)
   try:
     for name, fig in figs.items():
-      buf = io.BytesIO()
-      fig.savefig(buf, format="png", dpi=110)
-      runs.atomic_write(os.path.join(run_dir, name), buf.getvalue(), mode="wb")
+      plotting.save_figure(fig, os.path.join(run_dir, name), dpi=110)
   finally:
     for fig in figs.values():
       plt.close(fig)

@@ -28,7 +28,7 @@ import gin
 import jax.numpy as jnp
 import numpy as np
 
-from attnprec import contract, kernels, runs
+from attnprec import contract, kernels, plotting, runs
 from attnprec.errors import UserError
 from attnprec.config import ModelConfig
 from attnprec.precision import Precision
@@ -253,9 +253,7 @@ def analyze(cfg: ModelConfig, params, variants: Dict[str, np.ndarray],
 
 def plot(result: dict, path_prefix: str, title: str = "") -> List[str]:
   """Three PNGs: logit magnitudes, local kernel error, bias norms. Returns the paths."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plotting.pyplot()
   paths = []
   variants = result["variants"]
   styles = ["-", "--", ":", "-."]
@@ -275,10 +273,8 @@ def plot(result: dict, path_prefix: str, title: str = "") -> List[str]:
   ax.set_title(f"{title}: attention logit magnitudes per layer (fp32 reference)")
   ax.legend(fontsize=6, ncol=2)
   ax.grid(alpha=0.3)
-  fig.tight_layout()
   paths.append(f"{path_prefix}_logits.png")
-  fig.savefig(paths[-1], dpi=120)
-  plt.close(fig)
+  plotting.save_figure(fig, paths[-1])
 
   fig, ax = plt.subplots(figsize=(8, 4.5))
   for (label, res), ls in zip(variants.items(), styles):
@@ -295,10 +291,8 @@ def plot(result: dict, path_prefix: str, title: str = "") -> List[str]:
   ax.set_title(f"{title}: error entering at each layer (same inputs, vs float64)")
   ax.legend(fontsize=6, ncol=2)
   ax.grid(alpha=0.3)
-  fig.tight_layout()
   paths.append(f"{path_prefix}_local_error.png")
-  fig.savefig(paths[-1], dpi=120)
-  plt.close(fig)
+  plotting.save_figure(fig, paths[-1])
 
   fig, ax = plt.subplots(figsize=(8, 3.5))
   bn = result["bias_norms"]
@@ -311,10 +305,8 @@ def plot(result: dict, path_prefix: str, title: str = "") -> List[str]:
   ax.set_title(f"{title}: q/k/v bias magnitudes")
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
-  fig.tight_layout()
   paths.append(f"{path_prefix}_biases.png")
-  fig.savefig(paths[-1], dpi=120)
-  plt.close(fig)
+  plotting.save_figure(fig, paths[-1])
 
   if result.get("injected"):
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -329,10 +321,8 @@ def plot(result: dict, path_prefix: str, title: str = "") -> List[str]:
     ax.set_title(f"{title}: which layer's attention error reaches the output")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
     paths.append(f"{path_prefix}_injected.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    plotting.save_figure(fig, paths[-1])
   return paths
 
 
