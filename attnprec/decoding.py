@@ -107,6 +107,36 @@ def compute_params(params, precision: Precision):
   return jax.tree_util.tree_map(cast, params)
 
 
+def _is_weight_matrix(path) -> bool:
+  """A dense weight or the embedding table (what `Dense` and the unembedding read)."""
+  return getattr(path[-1], "key", None) in ("w", "embeddings")
+
+
+def for_serving(params, precision: Precision, backend: Optional[str] = None):
+  """(params, precision) as the decode programs run them.
+
+  On XLA:CPU with a 16-bit compute dtype, the weight matrices are rounded once to values
+  of that dtype, held in float32, and `precision.carrier_weights` is set: every dense
+  projection is then a float32 dot on those values (`layers.carried_dot`), the products a
+  bf16 x bf16 dot forms, accumulated in float32 and rounded to the compute dtype, which
+  is how XLA:CPU runs a bf16 dot anyway, but without converting each bf16 weight to
+  float32 again inside every decode step. The attention kernels and their precision
+  contract are untouched. Elsewhere (GPU/TPU, float32 compute) both are returned as
+  given. Idempotent; call it outside any loop (`generate` calls it before its loop)."""
+  backend = backend or jax.default_backend()
+  c = precision.compute_dtype
+  if backend != "cpu" or c == jnp.float32 or precision.carrier_weights:
+    return params, precision
+
+  def carry(path, x):
+    if _is_weight_matrix(path) and x.dtype == jnp.float32:
+      return x.astype(c).astype(jnp.float32)
+    return x
+
+  return (jax.tree_util.tree_map_with_path(carry, params),
+          dataclasses.replace(precision, carrier_weights=True))
+
+
 # ----------------------------------------------------------------------------- steps
 class DecodeState(NamedTuple):
   cache: KVCache
@@ -143,7 +173,9 @@ def decode_step(params, state: DecodeState, tokens_B, *, config: ModelConfig,
 def step_fn(config: ModelConfig, precision: Precision):
   """`decode_step` jitted for a serving loop, (params, state, tokens_B) -> state, with the
   state DONATED: the cache is updated in place (the state passed in is consumed; use
-  the one returned). `generate` needs no donation: its loop carries the cache."""
+  the one returned). `generate` needs no donation: its loop carries the cache.
+  Pass the (params, precision) of `for_serving`, made once: with raw float32 weights and
+  bf16 compute, every call casts each weight matrix again."""
   return jax.jit(functools.partial(decode_step, config=config, precision=precision),
                  donate_argnums=(1,))
 
@@ -162,6 +194,7 @@ def generate(params, prompt_BxP, lengths_B, rng, *, config: ModelConfig, precisi
   if max_new_tokens < 1:
     raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
   cache_length = cache_length or P + max_new_tokens
+  params, precision = for_serving(params, precision)   # once, before the loop
   state = prefill(params, prompt_BxP, lengths_B, config=config, precision=precision,
                   cache_length=cache_length)
 
@@ -193,6 +226,7 @@ def decode_with_template(params, prompt_BxP, lengths_B, template_BxM, *, config:
 
   Returns (tokens_BxM with the model's answers filled in, answered_BxM bool).
   """
+  params, precision = for_serving(params, precision)   # once, before the loop
   state = prefill(params, prompt_BxP, lengths_B, config=config, precision=precision,
                   cache_length=cache_length)
 

@@ -139,11 +139,12 @@ def parse(files: Sequence[str], bindings: Sequence[str],
 
 def check_kernel_settings(phases: Optional[Sequence[str]]) -> None:
   """A `blockwise.*` binding (block sizes) is read only when the phase it applies to runs
-  the blockwise kernel; with another kernel it would be silently ignored, so it is an
+  the blockwise kernel ('blockwise' or 'auto'); with another kernel it would be silently ignored, so it is an
   error naming the kernel each phase runs. A scoped binding applies to its phase, an
   unscoped one to every phase the runner reads."""
   if not phases:
     return
+  from attnprec import kernels as kernel_lib
   from attnprec.precision import phase_precision
   registry = gin.config._REGISTRY  # noqa: SLF001
   kernels = {}
@@ -155,13 +156,13 @@ def check_kernel_settings(phases: Optional[Sequence[str]]) -> None:
       if p not in kernels:
         with gin.config_scope(p):
           kernels[p] = phase_precision().kernel
-    if not any(kernels[p] == "blockwise" for p in applies):
+    if not any(kernel_lib.runs_blockwise(kernels[p]) for p in applies):
       first = f"{scope + '/' if scope else ''}blockwise.{next(iter(values), '')}"
       runs = ", ".join(f"{p}: {kernels[p]!r}" for p in applies)
       raise UserError(
           f"{first} is set, but the attention kernel is not 'blockwise' there ({runs}), "
-          f"so the block size would be ignored; set precision.kernel = 'blockwise' (or "
-          f"{applies[0]}/precision.kernel) or remove the blockwise.* binding.")
+          f"so the block size would be ignored; set precision.kernel = 'blockwise' or "
+          f"'auto' (or {applies[0]}/precision.kernel) or remove the blockwise.* binding.")
 
 
 def reached(reads: Sequence[str]) -> set:

@@ -56,19 +56,34 @@ def rope(x_BxTxNxH, positions_BxT, *, base: float, scale: float = 1.0):
   return out.astype(x_BxTxNxH.dtype)
 
 
-class Dense(hk.Module):
-  """y = x @ w (+ b); w [in, out] float32, cast to x's dtype; matmul precision explicit."""
+def carried_dot(x, w, spec: str, *, precision):
+  """x [..., in] in the compute dtype c, w float32 already holding values of c
+  (`Precision.carrier_weights`): a float32 einsum on the same values (exact products,
+  float32 accumulation), the result rounded to c: what a c x c -> c dot computes, without
+  casting w at each use."""
+  y = jnp.einsum(spec, x.astype(jnp.float32), w, precision=precision,
+                 preferred_element_type=jnp.float32)
+  return y.astype(x.dtype)
 
-  def __init__(self, out: int, *, precision, with_bias: bool = False,
+
+class Dense(hk.Module):
+  """y = x @ w (+ b); w [in, out] float32, cast to x's dtype; matmul precision explicit.
+  carrier: w already holds values of x's dtype (`Precision.carrier_weights`): `carried_dot`."""
+
+  def __init__(self, out: int, *, precision, with_bias: bool = False, carrier: bool = False,
                name: Optional[str] = None):
     super().__init__(name=name)
     self.out, self.precision, self.with_bias = out, precision, with_bias
+    self.carrier = carrier
 
   def __call__(self, x):
     d_in = x.shape[-1]
     w = hk.get_parameter("w", (d_in, self.out), jnp.float32,
                          init=hk.initializers.VarianceScaling(1.0, "fan_in", "normal"))
-    y = jnp.dot(x, w.astype(x.dtype), precision=self.precision)
+    if self.carrier and x.dtype != jnp.float32:
+      y = carried_dot(x, w, "...i,io->...o", precision=self.precision)
+    else:
+      y = jnp.dot(x, w.astype(x.dtype), precision=self.precision)
     if self.with_bias:
       y = y + hk.get_parameter("b", (self.out,), jnp.float32, init=jnp.zeros).astype(x.dtype)
     return y
@@ -83,15 +98,16 @@ class MLP(hk.Module):
 
   def __call__(self, x_BxTxD):
     cfg, p = self.config, self.precision.matmul
-    gate_BxTxF = Dense(cfg.mlp_hidden, precision=p, name="gate")(x_BxTxD)
-    up_BxTxF = Dense(cfg.mlp_hidden, precision=p, name="up")(x_BxTxD)
+    cw = self.precision.carrier_weights
+    gate_BxTxF = Dense(cfg.mlp_hidden, precision=p, carrier=cw, name="gate")(x_BxTxD)
+    up_BxTxF = Dense(cfg.mlp_hidden, precision=p, carrier=cw, name="up")(x_BxTxD)
     if cfg.activation == "silu":
       act = jax.nn.silu(gate_BxTxF)
     elif cfg.activation == "gelu_tanh":
       act = jax.nn.gelu(gate_BxTxF, approximate=True)
     else:
       act = jax.nn.gelu(gate_BxTxF, approximate=False)
-    return Dense(cfg.d_model, precision=p, name="down")(act * up_BxTxF)
+    return Dense(cfg.d_model, precision=p, carrier=cw, name="down")(act * up_BxTxF)
 
 
 @dataclasses.dataclass
@@ -112,10 +128,13 @@ class Attention(hk.Module):
     cfg, prec = self.config, self.precision
     B, T, _ = x_BxTxD.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    mp = prec.matmul
-    q_BxTxNxH = Dense(N * H, precision=mp, with_bias=cfg.qkv_bias, name="q")(x_BxTxD)
-    k_BxTxKxH = Dense(K * H, precision=mp, with_bias=cfg.qkv_bias, name="k")(x_BxTxD)
-    v_BxTxKxH = Dense(K * H, precision=mp, with_bias=cfg.qkv_bias, name="v")(x_BxTxD)
+    mp, cw = prec.matmul, prec.carrier_weights
+    q_BxTxNxH = Dense(N * H, precision=mp, with_bias=cfg.qkv_bias, carrier=cw,
+                      name="q")(x_BxTxD)
+    k_BxTxKxH = Dense(K * H, precision=mp, with_bias=cfg.qkv_bias, carrier=cw,
+                      name="k")(x_BxTxD)
+    v_BxTxKxH = Dense(K * H, precision=mp, with_bias=cfg.qkv_bias, carrier=cw,
+                      name="v")(x_BxTxD)
     q_BxTxNxH = q_BxTxNxH.reshape(B, T, N, H)
     k_BxTxKxH = k_BxTxKxH.reshape(B, T, K, H)
     v_BxTxKxH = v_BxTxKxH.reshape(B, T, K, H)
@@ -140,7 +159,8 @@ class Attention(hk.Module):
     out_BxTxNxH = AttentionKernel(cfg, prec, self.layer, name="kernel")(
         q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask)
     chex.assert_shape(out_BxTxNxH, (B, T, N, H))
-    out_BxTxD = Dense(cfg.d_model, precision=mp, name="o")(out_BxTxNxH.reshape(B, T, N * H))
+    out_BxTxD = Dense(cfg.d_model, precision=mp, carrier=cw, name="o")(
+        out_BxTxNxH.reshape(B, T, N * H))
     return out_BxTxD, cache
 
 

@@ -106,8 +106,12 @@ class Decoder(hk.Module):
       with hk.name_scope("unembed"):
         w_DxV = hk.get_parameter("w", (cfg.d_model, cfg.vocab_size), jnp.float32,
                                  init=hk.initializers.VarianceScaling(1.0, "fan_in", "normal"))
-    logits_BxTxV = jnp.einsum("BTD,DV->BTV", x_BxTxD, w_DxV.astype(c), precision=prec.matmul,
-                              preferred_element_type=jnp.float32)
+    if prec.carrier_weights and c != jnp.float32:   # w holds values of c already
+      logits_BxTxV = jnp.einsum("BTD,DV->BTV", x_BxTxD.astype(jnp.float32), w_DxV,
+                                precision=prec.matmul, preferred_element_type=jnp.float32)
+    else:
+      logits_BxTxV = jnp.einsum("BTD,DV->BTV", x_BxTxD, w_DxV.astype(c),
+                                precision=prec.matmul, preferred_element_type=jnp.float32)
     if cfg.final_logit_soft_cap is not None:
       cap = cfg.final_logit_soft_cap
       logits_BxTxV = cap * jnp.tanh(logits_BxTxV / cap)

@@ -31,8 +31,9 @@ _PRECISION_NAMES = list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS)
     matmul_precision=lambda v: checks.parsed_by(parse_precision, _PRECISION_NAMES)(v),
     einsum_precision=lambda v: checks.parsed_by(parse_precision, _PRECISION_NAMES)(v),
     float32_qk_product=checks.boolean, float32_logits=checks.boolean,
-    kernel=lambda v: checks.one_of(*kernels.NAMES)(v),
-    block_sizes=checks.instance_of(BlockSizes, "a BlockSizes (gin: blockwise.*)"))
+    kernel=lambda v: checks.one_of(*kernels.CHOICES)(v),
+    block_sizes=checks.instance_of(BlockSizes, "a BlockSizes (gin: blockwise.*)"),
+    carrier_weights=checks.boolean)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Precision:
   """Numerics of one phase. Hashable, so it can be a static argument of jit."""
@@ -41,22 +42,29 @@ class Precision:
   float32_qk_product: bool = True      # QK^T dot accumulates and returns float32
   float32_logits: bool = True          # soft-cap, mask and softmax run in float32
   einsum_precision: str = "default"    # passed to BOTH the qk and the wv einsum
-  kernel: str = "dot_product"          # attention kernel: a name in attnprec.kernels.NAMES
+  kernel: str = "dot_product"          # attention kernel: a name in attnprec.kernels.NAMES,
+                                       # or 'auto' (blockwise for long T, else dot_product)
   # The blockwise kernel's block lengths (gin: blockwise.*, read with the phase's scope by
   # `phase_precision`): static data in the jit key, never read while tracing.
   block_sizes: BlockSizes = BlockSizes()
+  # Set by `decoding.for_serving`, never by gin: the float32 weight matrices already hold
+  # values of the compute dtype, so the dense projections run as float32 dots on them
+  # (the products a bf16 dot forms, float32 accumulation, output rounded to the compute
+  # dtype) with no cast at each use. For XLA:CPU, which has no bf16 dot units and would
+  # convert bf16 weights to float32 again in every decode step.
+  carrier_weights: bool = False
 
   def __post_init__(self):
     # Validate eagerly so a bad gin value fails at configuration time, not mid-trace.
     parse_dtype(self.dtype)
     parse_precision(self.matmul_precision)
     parse_precision(self.einsum_precision)
-    for flag in ("float32_qk_product", "float32_logits"):
+    for flag in ("float32_qk_product", "float32_logits", "carrier_weights"):
       if not isinstance(getattr(self, flag), bool):
         raise choice_error(flag, getattr(self, flag), (True, False))
     # The registry knows the kernels and what each refuses (e.g. 'jax_nn' has no
     # float32_qk_product=False): an unusable combination fails here, not while tracing.
-    why = kernels.get(self.kernel).refusal(self)
+    why = kernels.refusal(self)
     if why:
       raise UserError(why)
 
@@ -78,8 +86,8 @@ class Precision:
     return (f"dtype={self.dtype} float32_qk_product={self.float32_qk_product} "
             f"float32_logits={self.float32_logits} einsum_precision={self.einsum_precision} "
             f"matmul_precision={self.matmul_precision} kernel={self.kernel}"
-            + (f" blocks={self.block_sizes.describe()}" if self.kernel == "blockwise"
-               else ""))
+            + (f" blocks={self.block_sizes.describe()}" if kernels.runs_blockwise(self.kernel)
+               else "") + (" weights=float32-carried" if self.carrier_weights else ""))
 
 
 REFERENCE = Precision(dtype="float32", matmul_precision="highest", float32_qk_product=True,
@@ -89,7 +97,8 @@ REFERENCE = Precision(dtype="float32", matmul_precision="highest", float32_qk_pr
 # The gin root of a phase's numerics (`precision.*`); gin wraps a copy of the class, so
 # constructing `Precision` directly in code never reads gin bindings. block_sizes is not
 # bound directly: `phase_precision` fills it from `blockwise.*`.
-precision_root = gin.external_configurable(Precision, "precision", denylist=["block_sizes"])
+precision_root = gin.external_configurable(Precision, "precision",
+                                           denylist=["block_sizes", "carrier_weights"])
 
 
 def phase_precision() -> Precision:

@@ -397,7 +397,8 @@ def test_real_exit_code_and_stderr(tmp_path):
     ("train", ["experiments/recall.gin"], ["--gin.recall_eval.num_prompts=8"],
      "train does not read recall_eval.*"),
     # block sizes for a kernel the phase does not run
-    ("decode", ["experiments/recall.gin"], ["--gin.decode/blockwise.q_block=128"],
+    ("decode", ["experiments/recall.gin"], ["--gin.precision.kernel='dot_product'",
+                                            "--gin.decode/blockwise.q_block=128"],
      "the attention kernel is not 'blockwise' there (decode: 'dot_product')"),
     ("train", ["experiments/recall.gin"], ["--gin.blockwise.kv_block=64"],
      "(train: 'dot_product')"),

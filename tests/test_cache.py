@@ -141,3 +141,70 @@ def test_donated_step_decodes_like_generate():
   np.testing.assert_array_equal(np.stack(tokens, 1), np.asarray(want_tokens))
   np.testing.assert_allclose(np.stack(logits, 1), np.asarray(want_logits), rtol=1e-5,
                              atol=1e-5)
+
+
+def _loop_computations(text):
+  """{name: lines} of the computations a while loop runs each iteration: every loop's
+  body and condition, and all they call (fusions, nested loops, branches)."""
+  comps, name = {}, None
+  for line in text.splitlines():
+    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line) if line and not line.startswith(" ") \
+        else None
+    if head:
+      name = head.group(1)
+      comps[name] = []
+    elif name is not None:
+      comps[name].append(line)
+  callees = lambda lines: set(re.findall(  # noqa: E731
+      r"(?:calls|body|condition|to_apply)=%([\w.\-]+)", "\n".join(lines))) | set(
+      n for group in re.findall(r"branch_computations=\{([^}]*)\}", "\n".join(lines))
+      for n in re.findall(r"%([\w.\-]+)", group))
+  todo = set(re.findall(r"(?:body|condition)=%([\w.\-]+)", text))
+  seen = set()
+  while todo:
+    n = todo.pop()
+    if n in seen or n not in comps:
+      continue
+    seen.add(n)
+    todo |= callees(comps[n])
+  return {n: comps[n] for n in seen}
+
+
+def _weight_dtypes_in_loops(text):
+  """The dtypes of every weight-shaped value a loop iteration touches (its own
+  instructions, parameters and fusion operands included): 'bf16' there means a bf16
+  weight that XLA:CPU converts to float32 for a dot inside the loop."""
+  shapes = {",".join(map(str, x.shape)) for x in jax.tree_util.tree_leaves(PARAMS)
+            if x.ndim == 2}
+  found = set()
+  for lines in _loop_computations(text).values():
+    for line in lines:
+      for dtype, dims in re.findall(r"\b(\w+)\[([\d,]+)\]", line):
+        if dims in shapes:
+          found.add(dtype)
+  return found
+
+
+def test_bf16_decode_loop_does_not_convert_the_weights():
+  """bf16 compute on XLA:CPU: `generate` runs its loop on `for_serving`'s float32-carried
+  bf16 weight values, so its loop touches weights only as float32 (the control: the same
+  loop on float32 weights cast at each use feeds bf16 weights to its dots, which XLA:CPU
+  converts to float32 in every step)."""
+  prec = Precision(dtype="bfloat16")
+  tokens = jnp.ones((B, 8), jnp.int32)
+  lowered = decoding.generate.lower(PARAMS, tokens, jnp.array([8, 5], jnp.int32),
+                                    jax.random.PRNGKey(0), config=CONFIG, precision=prec,
+                                    max_new_tokens=16)
+  assert _weight_dtypes_in_loops(lowered.compile().as_text()) == {"f32"}
+
+  def cast_at_use(params, state, token_B):
+    def body(_, carry):
+      state, token_B = carry
+      state = decoding.decode_step(params, state, token_B, config=CONFIG, precision=prec)
+      return state, jnp.argmax(state.last_BxV, -1).astype(jnp.int32)
+    return jax.lax.fori_loop(0, 16, body, (state, token_B))
+
+  state = decoding.DecodeState(init_cache(CONFIG, B, S, prec.compute_dtype),
+                               jnp.zeros((B, CONFIG.vocab_size)), jnp.array([3, 7], jnp.int32))
+  text = jax.jit(cast_at_use).lower(PARAMS, state, jnp.zeros((B,), jnp.int32)).compile()
+  assert "bf16" in _weight_dtypes_in_loops(text.as_text())          # the check sees them

@@ -83,3 +83,50 @@ def test_prompt_longer_than_cache_is_a_clear_error():
   with pytest.raises(UserError, match="Prompt of 10 tokens is longer than the KV cache"):
     decoding.generate(PARAMS, tokens, lengths, jax.random.PRNGKey(0), config=CONFIG,
                       precision=FP32, max_new_tokens=2, cache_length=8)
+
+
+BF16_FLAGS = Precision(dtype="bfloat16", float32_qk_product=True, float32_logits=True)
+
+
+def test_for_serving_carries_bf16_weight_values_in_float32():
+  """On CPU with bf16 compute, `for_serving` rounds the weight matrices to bf16 values
+  (held in float32: exactly representable, so casting them to bf16 loses nothing) and
+  leaves norm scales and biases alone; float32 compute and other backends are untouched."""
+  params, prec = decoding.for_serving(PARAMS, BF16_FLAGS, backend="cpu")
+  assert prec.carrier_weights and not BF16_FLAGS.carrier_weights
+  for (mod, name), x in ((k, v) for mod in params for k, v in
+                         (((mod, n), a) for n, a in params[mod].items())):
+    raw = PARAMS[mod][name]
+    assert x.dtype == jnp.float32
+    if name in ("w", "embeddings"):
+      np.testing.assert_array_equal(x, raw.astype(jnp.bfloat16).astype(jnp.float32))
+      assert not np.array_equal(x, raw)
+    else:
+      np.testing.assert_array_equal(x, raw)
+  assert decoding.for_serving(params, prec, backend="cpu") == (params, prec)
+  assert decoding.for_serving(PARAMS, FP32, backend="cpu") == (PARAMS, FP32)
+  assert decoding.for_serving(PARAMS, BF16_FLAGS, backend="gpu") == (PARAMS, BF16_FLAGS)
+
+
+def test_carried_weights_compute_what_bf16_weights_compute():
+  """The carried path (float32 dots on bf16 values) against the cast-at-use path (bf16
+  dots), the same bf16 + flags decode: logits equal within bf16 rounding of the dense
+  outputs (accumulation order may differ) and the same greedy tokens; and both against
+  the float32 model, the independent reference: equally far from it."""
+  prompts = [[1, 2, 3, 4, 5, 6, 7], [3, 4]]
+  tokens, lengths = decoding.pad_prompts(prompts)
+  carried, prec = decoding.for_serving(PARAMS, BF16_FLAGS, backend="cpu")
+  prefill = jax.jit(decoding.prefill, static_argnames=("config", "precision", "cache_length"))
+  runs = {}
+  for name, (p, pr) in {"cast": (PARAMS, BF16_FLAGS), "carried": (carried, prec),
+                        "fp32": (PARAMS, FP32)}.items():
+    runs[name] = np.asarray(prefill(p, tokens, lengths, config=CONFIG, precision=pr,
+                                    cache_length=12).last_BxV)
+  # bf16's spacing near logits of O(1) is 2^-8: a few ulps of the last dense rounding.
+  np.testing.assert_allclose(runs["carried"], runs["cast"], atol=2e-2, rtol=2e-2)
+  assert (runs["carried"].argmax(-1) == runs["cast"].argmax(-1)).all()
+  err = {k: np.abs(runs[k] - runs["fp32"]).max() for k in ("cast", "carried")}
+  assert 0 < err["carried"] < 2 * err["cast"] + 1e-3, err
+  out, _ = decoding.generate(PARAMS, tokens, lengths, jax.random.PRNGKey(0), config=CONFIG,
+                             precision=BF16_FLAGS, max_new_tokens=4)
+  chex.assert_shape(out, (2, 4))

@@ -340,6 +340,55 @@ class RegistryTest(parameterized.TestCase):
       self.assertFalse({contract.QK_SCOPE, contract.WV_SCOPE} & dot_scopes, dot_scopes)
 
 
+class AutoTest(parameterized.TestCase):
+  """`precision.kernel = 'auto'`: blockwise from AUTO_MIN_QUERIES queries, else dot_product."""
+
+  def test_resolve(self):
+    m = kernels.AUTO_MIN_QUERIES
+    self.assertEqual(kernels.resolve("auto", 1), "dot_product")
+    self.assertEqual(kernels.resolve("auto", m - 1), "dot_product")
+    self.assertEqual(kernels.resolve("auto", m), "blockwise")
+    self.assertEqual(kernels.resolve("jax_nn", 10 * m), "jax_nn")
+    with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'auto'"):
+      kernels.resolve("autox", 1)
+    with self.assertRaisesRegex(UserError, "'autox'.*'auto'"):
+      Precision(kernel="autox")
+
+  @parameterized.parameters(1, 8, kernels.AUTO_MIN_QUERIES)
+  def test_runs_the_chosen_kernel_bit_for_bit(self, T):
+    """attend('auto') is bitwise the output of the kernel `resolve` names (compared with
+    that kernel run directly, bf16 with both flags, causal), close to float64 (bf16
+    inputs given to both; tolerance: a few bf16 ulps of O(1) outputs), and its lowered
+    program loops over blocks exactly when the choice is blockwise."""
+    S = kernels.AUTO_MIN_QUERIES + 16
+    q, k, v = _qkv(T, S, 2, dtype=jnp.bfloat16)
+    q_pos, k_pos = _positions(T, S)
+    cmask = CausalMask(q_pos, k_pos)
+    prec = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True)
+    run = jax.jit(lambda p, *x: kernels.attend(p, *x, mask=cmask), static_argnums=0)
+    out = run(Precision(kernel="auto", **prec), q, k, v)
+    chosen = kernels.resolve("auto", T)
+    want = run(Precision(kernel=chosen, **prec), q, k, v)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    ref = contract.reference_attention_np(q, k, v, mask=cmask.dense())
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=3e-2, rtol=3e-2)
+    # The choice is visible in the program: only the blockwise kernel loops over blocks.
+    text = run.lower(Precision(kernel="auto", **prec), q, k, v).as_text()
+    self.assertEqual("stablehlo.while" in text, chosen == "blockwise")
+
+  def test_blockwise_sizes_are_read_under_auto(self):
+    from attnprec import ginutils
+    from attnprec.precision import phase_precision
+    gin.clear_config()
+    try:
+      ginutils.parse([], ["decode/precision.kernel = 'auto'",
+                          "decode/blockwise.q_block = 64"], phases=("decode",))
+      with ginutils.phase("decode"):
+        self.assertEqual(phase_precision().block_sizes.q_block, 64)
+    finally:
+      gin.clear_config()
+
+
 class WiringTest(parameterized.TestCase):
 
   @parameterized.parameters(*kernels.NAMES)

@@ -7,8 +7,11 @@ Method
   * attnprec: the model's `decoding.prefill` jitted per (preset, B, P), and a decode
     program: M greedy `decoding.decode_step`s in one `lax.fori_loop` with the state
     donated (the cache updated in place, as `generate` runs it), started from a copy of
-    the prefilled state made before the clock starts. Weights are stored in the compute
-    dtype (`decoding.compute_params`: bit-identical to casting at each use).
+    the prefilled state made before the clock starts. Params and precision go through
+    `decoding.for_serving`, as `generate` runs them (on XLA:CPU with bf16 compute: the
+    weight matrices rounded to bf16 values once, held in float32); preset
+    `bf16_flags_cast` skips it (each weight cast to bf16 at every use) and
+    `bf16_flags_bf16w` stores them in bf16 (`decoding.compute_params`).
     Compile time is measured apart (`compile_s`; the persistent compilation cache, if
     enabled, turns it into a load).
   * transformers (torch CPU, fp32, sdpa): the same GGUF file loaded by transformers'
@@ -25,6 +28,8 @@ Method
     end) is the floor; `of_roofline` = floor / measured step time.
   * Flag cost per phase: bf16 compute with both flags vs without (the `bf16` preset), in
     the full model: a train step, a prefill and a decode step, interleaved.
+  * Kernels: the presets fp32, bf16_flags and bf16 use `precision.kernel = 'auto'`, what
+    `make decode` runs; `*_dense` keep the dense kernel in prefill, for the comparison.
 """
 import dataclasses
 import functools
@@ -41,18 +46,26 @@ from attnprec import compilation, decoding, plotting, train
 from attnprec.errors import UserError
 from attnprec.precision import Precision
 
+# fp32 / bf16_flags / bf16 run what `make decode` runs: kernel 'auto' (blockwise for a
+# prefill of >= kernels.AUTO_MIN_QUERIES tokens, dot_product for decode steps).
+_FLAGS = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True)
 PRESETS: Dict[str, Precision] = {
-    "fp32": Precision(),
-    "bf16_flags": Precision(dtype="bfloat16", float32_qk_product=True, float32_logits=True),
-    "bf16": Precision(dtype="bfloat16", float32_qk_product=False, float32_logits=False),
-    # the same numerics with the blockwise (flash-style) kernel, both phases
-    "bf16_flags_blockwise": Precision(dtype="bfloat16", float32_qk_product=True,
-                                      float32_logits=True, kernel="blockwise"),
+    "fp32": Precision(kernel="auto"),
+    "bf16_flags": Precision(kernel="auto", **_FLAGS),
+    "bf16": Precision(dtype="bfloat16", float32_qk_product=False, float32_logits=False,
+                      kernel="auto"),
+    # the dense kernel in prefill too
+    "fp32_dense": Precision(kernel="dot_product"),
+    "bf16_flags_dense": Precision(kernel="dot_product", **_FLAGS),
+    # the blockwise (flash-style) kernel in prefill and decode steps
+    "bf16_flags_blockwise": Precision(kernel="blockwise", **_FLAGS),
     # bf16 + flags with the weights STORED in bfloat16 (`decoding.compute_params`)
-    "bf16_flags_bf16w": Precision(dtype="bfloat16", float32_qk_product=True,
-                                  float32_logits=True),
+    "bf16_flags_bf16w": Precision(kernel="auto", **_FLAGS),
+    # bf16 + flags with float32 weights cast to bf16 at every use (no `for_serving`)
+    "bf16_flags_cast": Precision(kernel="auto", **_FLAGS),
 }
 BF16_WEIGHTS = ("bf16_flags_bf16w",)
+CAST_AT_USE = ("bf16_flags_cast",) + BF16_WEIGHTS
 DEFAULT_CASES: Tuple[Tuple[int, int], ...] = ((1, 32), (1, 1000), (8, 32), (8, 1000))
 QUICK_CASES: Tuple[Tuple[int, int], ...] = ((1, 32), (8, 32))
 TORCH = "transformers"
@@ -82,10 +95,14 @@ class _AttnprecCase:
   """Compiled prefill + decode of one (preset, B, P); `prefill()` / `decode()` time one
   call each."""
 
-  def __init__(self, config, params, precision, prompt_BxP, steps, bf16_weights=False):
+  def __init__(self, config, params, precision, prompt_BxP, steps, weights="serving"):
     B, P = prompt_BxP.shape
     self.steps = steps
-    self.params = decoding.compute_params(params, precision) if bf16_weights else params
+    if weights == "serving":
+      self.params, precision = decoding.for_serving(params, precision)
+    else:   # "cast": float32, cast at each use; "stored": in the compute dtype
+      self.params = decoding.compute_params(params, precision) if weights == "stored" else \
+          params
     self.prompt = jnp.asarray(prompt_BxP)
     self.lengths = jnp.full((B,), P, jnp.int32)
     prefill, decode = _programs(config, precision, steps, P + steps)
@@ -256,8 +273,10 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
     runners = {}
     for name in presets:
       log(f"compiling {name} B={B} P={P} ...", flush=True)
-      runners[name] = _AttnprecCase(config, params, PRESETS[name], prompt, steps,
-                                    bf16_weights=name in BF16_WEIGHTS)
+      runners[name] = _AttnprecCase(
+          config, params, PRESETS[name], prompt, steps,
+          weights="stored" if name in BF16_WEIGHTS else
+          "cast" if name in CAST_AT_USE else "serving")
     if torch_model is not None:
       runners[TORCH] = _TorchCase(torch_model, prompt, steps)
     log(f"timing B={B} P={P} ({rounds} rounds) ...", flush=True)
@@ -318,7 +337,9 @@ def flag_cost(config, params, case, train_tokens, rounds, log, rng) -> dict:
     calls[f"decode/{name}"] = lambda r=r: r.decode() / r.steps
     state = train.TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32),
                              jax.random.PRNGKey(0))
-    update = train.make_update(config, prec, optimizer)
+    # the train phase runs its own default kernel (gin/runs/train.gin sets none)
+    update = train.make_update(config, dataclasses.replace(prec, kernel=Precision().kernel),
+                               optimizer)
     c = compilation.compile_lowerable(update, state, tokens, mask)
     compile_s[name] = dict(r.compile_s, train=c.seconds)
 

@@ -6,6 +6,13 @@ A kernel is one module in this package that declares a `contract.KernelSpec` as 
 floor (`attnprec.contract`, `attnprec.errors`). Adding a kernel: write the module (with
 its tests against `kernels.dot_product` and `contract.reference_attention_np`) and add it
 to `_MODULES` below.
+
+'auto' is not a kernel but a choice by length, made from the static shapes while
+tracing: 'blockwise' for a call with at least `AUTO_MIN_QUERIES` queries (a long prefill
+or training sequence, where the dense kernel's [T, S] logits dominate), 'dot_product'
+otherwise (decode steps, short prompts). Both honour the whole contract table, so the
+precision is the same either way; `resolve` says which one a call runs, and the compiled
+program shows it (`make inspect`: an online softmax in a loop is the blockwise one).
 """
 from typing import Dict, Optional, Tuple
 
@@ -16,6 +23,12 @@ from attnprec.kernels import blockwise, dot_product, jax_nn
 _MODULES = (dot_product, blockwise, jax_nn)
 REGISTRY: Dict[str, contract.KernelSpec] = {m.KERNEL.name: m.KERNEL for m in _MODULES}
 NAMES: Tuple[str, ...] = tuple(REGISTRY)      # ('dot_product', 'blockwise', 'jax_nn')
+AUTO = "auto"
+CHOICES: Tuple[str, ...] = NAMES + (AUTO,)    # what `precision.kernel` accepts
+# 'auto' runs blockwise from this many queries up. Measured on SmolLM2-135M prefill
+# (XLA:CPU, `make bench --cases=1x128,1x256,1x1000`, docs in README Performance).
+AUTO_MIN_QUERIES = 256
+AUTO_KERNELS = ("dot_product", "blockwise")
 
 
 def get(name: str) -> contract.KernelSpec:
@@ -25,9 +38,32 @@ def get(name: str) -> contract.KernelSpec:
   return REGISTRY[name]
 
 
+def resolve(name: str, num_queries: int) -> str:
+  """The kernel a call with `num_queries` queries runs under `precision.kernel = name`."""
+  if name not in CHOICES:
+    raise choice_error("attention kernel", name, CHOICES)
+  if name != AUTO:
+    return name
+  return "blockwise" if num_queries >= AUTO_MIN_QUERIES else "dot_product"
+
+
+def runs_blockwise(name: str) -> bool:
+  """Whether a phase with `precision.kernel = name` can run the blockwise kernel (and so
+  reads its block sizes)."""
+  return name in ("blockwise", AUTO)
+
+
 def refusal(precision, *, logits_soft_cap=None) -> Optional[str]:
-  """None if `precision.kernel` honours `precision` (and the soft-cap), else why not."""
-  return get(precision.kernel).refusal(precision, logits_soft_cap=logits_soft_cap)
+  """None if `precision.kernel` honours `precision` (and the soft-cap), else why not
+  ('auto': neither of the kernels it chooses between may refuse)."""
+  if precision.kernel not in CHOICES:
+    return choice_error("attention kernel", precision.kernel, CHOICES).args[0]
+  names = AUTO_KERNELS if precision.kernel == AUTO else (precision.kernel,)
+  for name in names:
+    why = REGISTRY[name].refusal(precision, logits_soft_cap=logits_soft_cap)
+    if why:
+      return why
+  return None
 
 
 def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
@@ -36,9 +72,10 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
   q [B, T, N, H], k/v [B, S, K, H] in the compute dtype; mask: None, a dense bool array
   broadcastable to [B, N, T, S], or a `contract.CausalMask` (positions + sliding window),
   which 'blockwise' uses structurally (skipping hidden blocks) and the other kernels as
-  the equivalent dense mask. Returns [B, T, N, H] in q's dtype.
+  the equivalent dense mask. Returns [B, T, N, H] in q's dtype. `precision.kernel` may be
+  'auto' (`resolve`: by the static number of queries T).
   """
-  kernel = get(precision.kernel)
+  kernel = get(resolve(precision.kernel, q.shape[1]))
   why = kernel.refusal(precision, logits_soft_cap=logits_soft_cap)
   if why:
     raise UserError(why)
