@@ -43,7 +43,7 @@ def test_tiny_model_bench_reports_every_case(tmp_path):
   params = init_params(config, jax.random.PRNGKey(0))
   result = model_bench.run_model_bench(
       config=config, params=params, model="tiny", cases=((2, 9),), steps=3, rounds=2,
-      include_torch=False, flag_case=(1, 6), train_tokens=8, copy_mbytes=1, progress=False)
+      include_torch=False, flag_case=(1, 6), train_tokens=8, bandwidth_mbytes=1, progress=False)
   rows = {(r["name"], r["batch"], r["prompt"]): r for r in result["rows"]}
   assert set(rows) == {(n, 2, 9) for n in ("fp32", "bf16_flags")}
   for r in rows.values():

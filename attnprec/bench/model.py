@@ -23,9 +23,10 @@ Method
     drift on a shared machine hits all alike; medians over the rounds. Ratios are taken
     between configurations measured side by side.
   * Roofline: per decode step the weights are read once and the whole cache once (the
-    dense kernel reads all S positions; masked ones too). bytes / copy bandwidth (a
-    large jitted `x + 1`, read + write, measured in the same run at the start and the
-    end) is the floor; `of_roofline` = floor / measured step time.
+    dense kernel reads all S positions; masked ones too). bytes / read bandwidth (a
+    jitted float32 matrix-vector product over a matrix larger than the caches, the
+    access pattern of a decode step's weights, measured in the same run at the start and
+    the end) is the floor; `of_roofline` = floor / measured step time (1 = at the floor).
   * Flag cost per phase: bf16 compute with both flags vs without (the `bf16` preset), in
     the full model: a train step, a prefill and a decode step, interleaved.
   * Kernels: the presets fp32, bf16_flags and bf16 use `precision.kernel = 'auto'`, what
@@ -175,17 +176,20 @@ def weight_bytes(params, dtype=None) -> int:
   return total
 
 
-def copy_bandwidth(mbytes: int = 256, reps: int = 5) -> float:
-  """Bytes/s of a jitted `x + 1` over `mbytes` MB of float32 (read + write), median."""
-  x = jnp.zeros((mbytes * 2 ** 20 // 4,), jnp.float32)
-  f = jax.jit(lambda a: a + 1.0)
-  jax.block_until_ready(f(x))
+def read_bandwidth(mbytes: int = 256, reps: int = 5) -> float:
+  """Bytes/s a jitted float32 matrix-vector product reads from a `mbytes` MB matrix
+  (each weight read once, as in a decode step), median of `reps`."""
+  n = int((mbytes * 2 ** 20 // 4) ** 0.5)
+  w = jnp.full((n, n), 1e-3, jnp.float32)
+  x = jnp.ones((1, n), jnp.float32)
+  f = jax.jit(lambda a, b: a @ b)
+  jax.block_until_ready(f(x, w))
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()
-    jax.block_until_ready(f(x))
+    jax.block_until_ready(f(x, w))
     times.append(time.perf_counter() - t0)
-  return 2 * x.nbytes / statistics.median(times)
+  return w.nbytes / statistics.median(times)
 
 
 def _round_robin(calls: Dict[str, callable], rounds: int) -> Dict[str, list]:
@@ -224,7 +228,7 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
                     presets: Sequence[str] = ("fp32", "bf16_flags"), steps: int = 32,
                     rounds: int = 3, include_torch: bool = True, torch_threads: int = 0,
                     flag_phases: bool = True, flag_case: Tuple[int, int] = (1, 1000),
-                    train_tokens: int = 256, copy_mbytes: int = 256, seed: int = 0,
+                    train_tokens: int = 256, bandwidth_mbytes: int = 256, seed: int = 0,
                     progress: bool = True, on_case=None) -> dict:
   """Runs the bench; returns plain data (see the module docstring).
 
@@ -262,7 +266,7 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
     torch.set_num_threads(torch_threads or os.cpu_count())
     result["config"].update(torch=torch.__version__, transformers=transformers.__version__,
                             torch_threads=torch.get_num_threads())
-  result["copy_bandwidth"] = copy_bandwidth(copy_mbytes)
+  result["read_bandwidth"] = read_bandwidth(bandwidth_mbytes)
   rng = np.random.default_rng(seed)
 
   for B, P in cases:
@@ -292,7 +296,7 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
                  prefill_times_s=pre[name], step_s=step_s,
                  step_times_s=[t / steps for t in dec[name]], tokens_per_s=B / step_s,
                  weight_bytes=wb, kv_bytes=int(kv),
-                 roofline_step_s=(wb + kv) / result["copy_bandwidth"])
+                 roofline_step_s=(wb + kv) / result["read_bandwidth"])
       row["of_roofline"] = row["roofline_step_s"] / step_s
       if name in PRESETS:
         row["compile_s"] = r.compile_s
@@ -304,7 +308,7 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
 
   if flag_phases:
     result["flags"] = flag_cost(config, params, flag_case, train_tokens, rounds, log, rng)
-  result["copy_bandwidth_end"] = copy_bandwidth(copy_mbytes)
+  result["read_bandwidth_end"] = read_bandwidth(bandwidth_mbytes)
   result["wall_s"] = time.perf_counter() - t_start
   return result
 
@@ -364,9 +368,9 @@ def to_markdown(result: dict) -> str:
   torch_note = (f"transformers {cfg['transformers']} (torch {cfg['torch']}, fp32, sdpa, "
                 f"{cfg['torch_threads']} threads)" if "torch" in cfg else "no transformers")
   lines = [f"Model {cfg['model']}; {cfg['steps']} greedy decode steps timed per round, "
-           f"{cfg['rounds']} interleaved rounds, medians; {torch_note}; copy bandwidth "
-           f"{result['copy_bandwidth'] / 1e9:.1f} GB/s (end of run "
-           f"{result.get('copy_bandwidth_end', float('nan')) / 1e9:.1f}).", "",
+           f"{cfg['rounds']} interleaved rounds, medians; {torch_note}; read bandwidth "
+           f"(matrix-vector) {result['read_bandwidth'] / 1e9:.1f} GB/s (end of run "
+           f"{result.get('read_bandwidth_end', float('nan')) / 1e9:.1f}).", "",
            "| batch, prompt | config | decode ms/step | tokens/s | vs fp32 step "
            "| vs transformers tok/s | of roofline | prefill s | prefill vs transformers "
            "| compile s (prefill + decode) |",

@@ -8,7 +8,7 @@ import gin
 import jax
 import numpy as np
 
-from attnprec import checkpoints, checks, compilation, decoding, runs
+from attnprec import checkpoints, checks, compilation, decoding, kernels, runs
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 
@@ -79,6 +79,12 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
   if prompt_BxP.shape[1] + max_new_tokens > ckpt.config.max_seq_len:
     prompt_BxP, lengths_B = decoding.pad_prompts([ids])
 
+  P = int(prompt_BxP.shape[1])
+  prefill_kernel = kernels.resolve(precision.kernel, P)
+  step_kernel = kernels.resolve(precision.kernel, 1)
+  print(f"attention kernel: prefill ({P} tokens) {prefill_kernel}, decode steps "
+        f"{step_kernel}" + (f" (kernel=auto: blockwise from {kernels.AUTO_MIN_QUERIES} "
+                            f"tokens)" if precision.kernel == kernels.AUTO else ""))
   tokens, seconds, compiled = _compiled_generate(ckpt, prompt_BxP, lengths_B, precision=precision,
                                        sampler=sampler, max_new_tokens=max_new_tokens,
                                        eos_id=eos)
@@ -93,6 +99,7 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
   result = {"model": model, "source": ckpt.source, "prompt": prompt,
             "prompt_tokens": len(ids), "padded_prompt_tokens": int(prompt_BxP.shape[1]),
             "precision": dataclasses.asdict(precision),
+            "kernels": {"prefill": prefill_kernel, "decode_step": step_kernel},
             "tokens": new, "text": text, "seconds": seconds, "tokens_per_s": tok_s,
             "compile_s": compiled.seconds, "compile_new_entries": compiled.new_entries}
   if reference:
