@@ -48,7 +48,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import checks, decoding, hlo, layout, runs, train
+from attnprec import checks, decoding, hlo, kernels, layout, runs, train
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
@@ -74,7 +74,10 @@ def check_dense_dot(dot: DotSite, precision: Precision) -> List[str]:
       dot, widened_ok=contract_check.is_preset(precision.matmul_precision))
   unembed = _module(dot) == "unembed"
   want = "f32" if unembed else c
-  if result != want and dot.result != want and not any("result" in p for p in problems):
+  # float32-carried weights: the f32 result is rounded to c right after the dot.
+  carried = precision.carrier_weights and dot.converted_to == want
+  if (result != want and dot.result != want and not carried
+      and not any("result" in p for p in problems)):
     problems.append(f"{'logits' if unembed else 'dense'} result {result}, expected {want}")
   return problems
 
@@ -106,9 +109,17 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
   update = jax.jit(train.make_update(config, train_precision, optimizer))
   out = {"train": (train_precision, update.lower(
       state, tokens_BxP, jax.ShapeDtypeStruct((batch, prompt_len), jnp.float32)))}
+  # The decode programs as `generate` runs them (`decoding.for_serving`: on XLA:CPU with
+  # bf16 compute the dense dots run on float32-carried weights). Under kernel 'auto' the
+  # short prefill runs dot_product and the decode step is audited over a cache long
+  # enough for its blockwise branch (when the model allows), so both kernels are seen.
+  decode_precision = decoding.serving_precision(decode_precision)
   prefill = jax.jit(functools.partial(decoding.prefill, config=config,
                                       precision=decode_precision, cache_length=cache_length))
   out["prefill"] = (decode_precision, prefill.lower(params, tokens_BxP, lengths_B))
+  if (decode_precision.kernel == kernels.AUTO and
+      kernels.AUTO_MIN_KEYS <= config.max_seq_len):
+    cache_length = max(cache_length, kernels.AUTO_MIN_KEYS)
   cache = jax.eval_shape(lambda: init_cache(config, batch, cache_length,
                                             decode_precision.compute_dtype))
   dstate = decoding.DecodeState(cache, jax.ShapeDtypeStruct((batch, config.vocab_size),

@@ -24,7 +24,7 @@ from attnprec import model as model_lib
 from attnprec.cache import KVCache, init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
-from attnprec.precision import Precision
+from attnprec.precision import ALGORITHM_PRESETS, Precision
 
 
 # ----------------------------------------------------------------------------- samplers
@@ -112,6 +112,17 @@ def _is_weight_matrix(path) -> bool:
   return getattr(path[-1], "key", None) in ("w", "embeddings")
 
 
+def serving_precision(precision: Precision, backend: Optional[str] = None) -> Precision:
+  """The Precision the decode programs run under `for_serving`: `carrier_weights` set
+  on XLA:CPU with a 16-bit compute dtype and a plain `matmul_precision` (a dot-algorithm
+  preset names its own operand types, so it keeps the cast at use)."""
+  backend = backend or jax.default_backend()
+  if (backend != "cpu" or precision.compute_dtype == jnp.float32 or
+      precision.matmul_precision.upper() in ALGORITHM_PRESETS):
+    return dataclasses.replace(precision, carrier_weights=False)
+  return dataclasses.replace(precision, carrier_weights=True)
+
+
 def for_serving(params, precision: Precision, backend: Optional[str] = None):
   """(params, precision) as the decode programs run them.
 
@@ -121,20 +132,20 @@ def for_serving(params, precision: Precision, backend: Optional[str] = None):
   bf16 x bf16 dot forms, accumulated in float32 and rounded to the compute dtype, which
   is how XLA:CPU runs a bf16 dot anyway, but without converting each bf16 weight to
   float32 again inside every decode step. The attention kernels and their precision
-  contract are untouched. Elsewhere (GPU/TPU, float32 compute) both are returned as
-  given. Idempotent; call it outside any loop (`generate` calls it before its loop)."""
-  backend = backend or jax.default_backend()
+  contract are untouched. Elsewhere (GPU/TPU, float32 compute, a dot-algorithm
+  `matmul_precision`) the params are returned as given, with `carrier_weights` off.
+  Rounding is idempotent; call it outside any loop (`generate` does, before its loop)."""
+  serving = serving_precision(precision, backend)
+  if not serving.carrier_weights:
+    return params, serving
   c = precision.compute_dtype
-  if backend != "cpu" or c == jnp.float32 or precision.carrier_weights:
-    return params, precision
 
   def carry(path, x):
     if _is_weight_matrix(path) and x.dtype == jnp.float32:
       return x.astype(c).astype(jnp.float32)
     return x
 
-  return (jax.tree_util.tree_map_with_path(carry, params),
-          dataclasses.replace(precision, carrier_weights=True))
+  return jax.tree_util.tree_map_with_path(carry, params), serving
 
 
 # ----------------------------------------------------------------------------- steps

@@ -138,10 +138,11 @@ def parse(files: Sequence[str], bindings: Sequence[str],
 
 
 def check_kernel_settings(phases: Optional[Sequence[str]]) -> None:
-  """A `blockwise.*` binding (block sizes) is read only when the phase it applies to runs
-  the blockwise kernel ('blockwise' or 'auto'); with another kernel it would be silently ignored, so it is an
-  error naming the kernel each phase runs. A scoped binding applies to its phase, an
-  unscoped one to every phase the runner reads."""
+  """A `blockwise.*` binding (block sizes) is read only when the phase it applies to can
+  run the blockwise kernel ('blockwise', or 'auto' for long prefills and decode steps
+  over long caches); with another kernel it would be silently ignored, so it is an error
+  naming the kernel each phase runs. A scoped binding applies to its phase, an unscoped
+  one to every phase the runner reads."""
   if not phases:
     return
   from attnprec import kernels as kernel_lib
@@ -157,12 +158,12 @@ def check_kernel_settings(phases: Optional[Sequence[str]]) -> None:
         with gin.config_scope(p):
           kernels[p] = phase_precision().kernel
     if not any(kernel_lib.runs_blockwise(kernels[p]) for p in applies):
-      first = f"{scope + '/' if scope else ''}blockwise.{next(iter(values), '')}"
+      name = f"{scope + '/' if scope else ''}blockwise.{next(iter(values), '')}"
       runs = ", ".join(f"{p}: {kernels[p]!r}" for p in applies)
       raise UserError(
-          f"{first} is set, but the attention kernel is not 'blockwise' there ({runs}), "
-          f"so the block size would be ignored; set precision.kernel = 'blockwise' or "
-          f"'auto' (or {applies[0]}/precision.kernel) or remove the blockwise.* binding.")
+          f"{name} is set, but the kernel there does not read it ({runs}), so the block "
+          f"size would be ignored; set precision.kernel = 'blockwise' or 'auto' (or "
+          f"{applies[0]}/precision.kernel) or remove the blockwise.* binding.")
 
 
 def reached(reads: Sequence[str]) -> set:

@@ -43,7 +43,7 @@ class Precision:
   float32_logits: bool = True          # soft-cap, mask and softmax run in float32
   einsum_precision: str = "default"    # passed to BOTH the qk and the wv einsum
   kernel: str = "dot_product"          # attention kernel: a name in attnprec.kernels.NAMES,
-                                       # or 'auto' (blockwise for long T, else dot_product)
+                                       # or 'auto' (blockwise for long T or S)
   # The blockwise kernel's block lengths (gin: blockwise.*, read with the phase's scope by
   # `phase_precision`): static data in the jit key, never read while tracing.
   block_sizes: BlockSizes = BlockSizes()
@@ -86,8 +86,11 @@ class Precision:
     return (f"dtype={self.dtype} float32_qk_product={self.float32_qk_product} "
             f"float32_logits={self.float32_logits} einsum_precision={self.einsum_precision} "
             f"matmul_precision={self.matmul_precision} kernel={self.kernel}"
-            + (f" blocks={self.block_sizes.describe()}" if kernels.runs_blockwise(self.kernel)
-               else "") + (" weights=float32-carried" if self.carrier_weights else ""))
+            + self._blocks() + (" weights=float32-carried" if self.carrier_weights else ""))
+
+  def _blocks(self) -> str:
+    return f" blocks={self.block_sizes.describe()}" if kernels.runs_blockwise(self.kernel) \
+        else ""
 
 
 REFERENCE = Precision(dtype="float32", matmul_precision="highest", float32_qk_product=True,
@@ -97,8 +100,10 @@ REFERENCE = Precision(dtype="float32", matmul_precision="highest", float32_qk_pr
 # The gin root of a phase's numerics (`precision.*`); gin wraps a copy of the class, so
 # constructing `Precision` directly in code never reads gin bindings. block_sizes is not
 # bound directly: `phase_precision` fills it from `blockwise.*`.
-precision_root = gin.external_configurable(Precision, "precision",
-                                           denylist=["block_sizes", "carrier_weights"])
+# Filled in by code, never bound: block_sizes from `blockwise.*` (phase_precision),
+# carrier_weights by `decoding.for_serving`.
+NOT_BINDABLE = ("block_sizes", "carrier_weights")
+precision_root = gin.external_configurable(Precision, "precision", denylist=list(NOT_BINDABLE))
 
 
 def phase_precision() -> Precision:

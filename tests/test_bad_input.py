@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from attnprec import ginutils, runs
 from attnprec.errors import UserError
-from attnprec.kernels import NAMES as KERNELS
+from attnprec.kernels import CHOICES as KERNELS
 from attnprec.precision import DTYPES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -399,7 +399,7 @@ def test_real_exit_code_and_stderr(tmp_path):
     # block sizes for a kernel the phase does not run
     ("decode", ["experiments/recall.gin"], ["--gin.precision.kernel='dot_product'",
                                             "--gin.decode/blockwise.q_block=128"],
-     "the attention kernel is not 'blockwise' there (decode: 'dot_product')"),
+     "the kernel there does not read it (decode: 'dot_product')"),
     ("train", ["experiments/recall.gin"], ["--gin.blockwise.kv_block=64"],
      "(train: 'dot_product')"),
 ])
@@ -408,6 +408,16 @@ def test_command_line_bindings_the_runner_does_not_read_are_refused(tmp_path, ru
   run_dir = str(tmp_path / "run")
   rc, err = call(runner, [f"--gin_file={f}" for f in files] + [f"--run_dir={run_dir}", *args])
   assert_refused(runner, rc, err, run_dir, needle, "would be ignored")
+
+
+@pytest.mark.parametrize("field", ["carrier_weights", "block_sizes"])
+def test_fields_filled_by_code_cannot_be_bound(tmp_path, field):
+  """Precision.carrier_weights (set by decoding.for_serving) and block_sizes (from
+  blockwise.*) are not gin-bindable: binding them is refused, naming the field."""
+  run_dir = str(tmp_path / "run")
+  rc, err = call("decode", ["--gin_file=experiments/recall.gin", f"--run_dir={run_dir}",
+                            f"--gin.precision.{field}=True"])
+  assert_refused("decode", rc, err, run_dir, field)
 
 
 @pytest.mark.parametrize("runner,files,args", [

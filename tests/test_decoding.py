@@ -103,9 +103,13 @@ def test_for_serving_carries_bf16_weight_values_in_float32():
       assert not np.array_equal(x, raw)
     else:
       np.testing.assert_array_equal(x, raw)
-  assert decoding.for_serving(params, prec, backend="cpu") == (params, prec)
+  again, prec2 = decoding.for_serving(params, prec, backend="cpu")   # idempotent
+  assert prec2 == prec
+  jax.tree_util.tree_map(np.testing.assert_array_equal, again, params)
   assert decoding.for_serving(PARAMS, FP32, backend="cpu") == (PARAMS, FP32)
   assert decoding.for_serving(PARAMS, BF16_FLAGS, backend="gpu") == (PARAMS, BF16_FLAGS)
+  preset = Precision(dtype="bfloat16", matmul_precision="BF16_BF16_F32")
+  assert decoding.for_serving(PARAMS, preset, backend="cpu") == (PARAMS, preset)
 
 
 def test_carried_weights_compute_what_bf16_weights_compute():
@@ -127,6 +131,7 @@ def test_carried_weights_compute_what_bf16_weights_compute():
   assert (runs["carried"].argmax(-1) == runs["cast"].argmax(-1)).all()
   err = {k: np.abs(runs[k] - runs["fp32"]).max() for k in ("cast", "carried")}
   assert 0 < err["carried"] < 2 * err["cast"] + 1e-3, err
-  out, _ = decoding.generate(PARAMS, tokens, lengths, jax.random.PRNGKey(0), config=CONFIG,
-                             precision=BF16_FLAGS, max_new_tokens=4)
-  chex.assert_shape(out, (2, 4))
+  # generate applies for_serving itself: its first logits are the carried prefill's.
+  _, logits = decoding.generate(PARAMS, tokens, lengths, jax.random.PRNGKey(0),
+                                config=CONFIG, precision=BF16_FLAGS, max_new_tokens=4)
+  np.testing.assert_allclose(logits[:, 0], runs["carried"], atol=1e-5, rtol=1e-5)

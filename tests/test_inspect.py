@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from attnprec import audit, kernels
+from attnprec import audit, decoding, kernels
 from attnprec.config import ModelConfig
 from attnprec.inspect import attention_report, examples, inspect_lowered
 from attnprec.precision import Precision
@@ -276,10 +276,12 @@ def test_attnprecs_kernels_agree_with_the_audit(kernel, flags):
                    float32_logits=lg)
   want = audit.expected_attention(prec)
   programs = audit.lower_programs(CONFIG, prec, prec)
-  other = dataclasses.replace(prec, float32_qk_product=not qk,
-                              **({"kernel": "dot_product"} if kernel == "jax_nn" else {}))
-  for phase, (_, lowered) in programs.items():
-    r = inspect_lowered(lowered, expect=prec)
+  for phase, (served, lowered) in programs.items():
+    # the precision each program runs (decode: `decoding.for_serving`'s, weights carried)
+    assert served == (prec if phase == "train" else decoding.serving_precision(prec))
+    other = dataclasses.replace(served, float32_qk_product=not qk,
+                                **({"kernel": "dot_product"} if kernel == "jax_nn" else {}))
+    r = inspect_lowered(lowered, expect=served)
     assert sorted(a.layer for a in r.attentions) == [0, 1], phase
     for a in r.attentions:
       assert a.label == f"decoder/layer_{a.layer}/attn/kernel"
@@ -290,7 +292,7 @@ def test_attnprecs_kernels_agree_with_the_audit(kernel, flags):
         assert sorted(b.role for b in a.backward) == ["dk", "dp", "dq", "dv"]
     assert r.ok, (phase, r.problems())
     assert not inspect_lowered(lowered, expect=other).ok
-    audited = audit.audit_program(phase, lowered, prec, CONFIG, compile=False)
+    audited = audit.audit_program(phase, lowered, served, CONFIG, compile=False)
     assert audited["ok"] == r.ok
     assert audit.audit_program(phase, lowered, other, CONFIG, compile=False)["ok"] is False
 

@@ -344,30 +344,31 @@ class AutoTest(parameterized.TestCase):
   """`precision.kernel = 'auto'`: blockwise from AUTO_MIN_QUERIES queries, else dot_product."""
 
   def test_resolve(self):
-    m = kernels.AUTO_MIN_QUERIES
-    self.assertEqual(kernels.resolve("auto", 1), "dot_product")
-    self.assertEqual(kernels.resolve("auto", m - 1), "dot_product")
-    self.assertEqual(kernels.resolve("auto", m), "blockwise")
-    self.assertEqual(kernels.resolve("jax_nn", 10 * m), "jax_nn")
+    m, n = kernels.AUTO_MIN_QUERIES, kernels.AUTO_MIN_KEYS
+    self.assertEqual(kernels.resolve("auto", 1, 64), "dot_product")
+    self.assertEqual(kernels.resolve("auto", m - 1, n - 1), "dot_product")
+    self.assertEqual(kernels.resolve("auto", m, m), "blockwise")       # long prefill
+    self.assertEqual(kernels.resolve("auto", 1, n), "blockwise")       # long cache
+    self.assertEqual(kernels.resolve("jax_nn", 10 * m, 10 * n), "jax_nn")
     with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'auto'"):
       kernels.resolve("autox", 1)
     with self.assertRaisesRegex(UserError, "'autox'.*'auto'"):
       Precision(kernel="autox")
 
-  @parameterized.parameters(1, 8, kernels.AUTO_MIN_QUERIES)
-  def test_runs_the_chosen_kernel_bit_for_bit(self, T):
+  @parameterized.parameters((1, 64), (8, 272), (kernels.AUTO_MIN_QUERIES, 272),
+                            (1, kernels.AUTO_MIN_KEYS))
+  def test_runs_the_chosen_kernel_bit_for_bit(self, T, S):
     """attend('auto') is bitwise the output of the kernel `resolve` names (compared with
     that kernel run directly, bf16 with both flags, causal), close to float64 (bf16
     inputs given to both; tolerance: a few bf16 ulps of O(1) outputs), and its lowered
     program loops over blocks exactly when the choice is blockwise."""
-    S = kernels.AUTO_MIN_QUERIES + 16
     q, k, v = _qkv(T, S, 2, dtype=jnp.bfloat16)
     q_pos, k_pos = _positions(T, S)
     cmask = CausalMask(q_pos, k_pos)
     prec = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True)
     run = jax.jit(lambda p, *x: kernels.attend(p, *x, mask=cmask), static_argnums=0)
     out = run(Precision(kernel="auto", **prec), q, k, v)
-    chosen = kernels.resolve("auto", T)
+    chosen = kernels.resolve("auto", T, S)
     want = run(Precision(kernel=chosen, **prec), q, k, v)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
     ref = contract.reference_attention_np(q, k, v, mask=cmask.dense())

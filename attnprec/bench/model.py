@@ -99,8 +99,10 @@ class _AttnprecCase:
   def __init__(self, config, params, precision, prompt_BxP, steps, weights="serving"):
     B, P = prompt_BxP.shape
     self.steps = steps
+    self.weights = weights
     if weights == "serving":
       self.params, precision = decoding.for_serving(params, precision)
+      self.weights = "carried" if precision.carrier_weights else "float32"
     else:   # "cast": float32, cast at each use; "stored": in the compute dtype
       self.params = decoding.compute_params(params, precision) if weights == "stored" else \
           params
@@ -291,13 +293,17 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
       dtype = PRESETS[name].compute_dtype if name in PRESETS else jnp.float32
       S = P + steps if name in PRESETS else P + steps / 2   # transformers' cache grows
       kv = _cache_bytes(config, B, 1, dtype) * S
-      wb = weight_bytes(params, dtype)   # the floor: weights read in the compute dtype
+      # the floor: the weights as this configuration holds them (bf16-stored: 2 bytes;
+      # float32, cast at use or carried: 4), read once
+      weights = getattr(r, "weights", "float32")
+      wb = weight_bytes(params, dtype if weights == "stored" else jnp.float32)
       row = dict(name=name, batch=B, prompt=P, prefill_s=statistics.median(pre[name]),
                  prefill_times_s=pre[name], step_s=step_s,
                  step_times_s=[t / steps for t in dec[name]], tokens_per_s=B / step_s,
                  weight_bytes=wb, kv_bytes=int(kv),
                  roofline_step_s=(wb + kv) / result["read_bandwidth"])
       row["of_roofline"] = row["roofline_step_s"] / step_s
+      row["weights"] = weights
       if name in PRESETS:
         row["compile_s"] = r.compile_s
       result["rows"].append(row)
@@ -371,15 +377,16 @@ def to_markdown(result: dict) -> str:
            f"{cfg['rounds']} interleaved rounds, medians; {torch_note}; read bandwidth "
            f"(matrix-vector) {result['read_bandwidth'] / 1e9:.1f} GB/s (end of run "
            f"{result.get('read_bandwidth_end', float('nan')) / 1e9:.1f}).", "",
-           "| batch, prompt | config | decode ms/step | tokens/s | vs fp32 step "
+           "| batch, prompt | config | weights | decode ms/step | tokens/s | vs fp32 step "
            "| vs transformers tok/s | of roofline | prefill s | prefill vs transformers "
            "| compile s (prefill + decode) |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in result["rows"]:
     comp = r.get("compile_s")
     comp = "" if comp is None else f"{comp['prefill']:.0f} + {comp['decode']:.0f}"
     lines.append(
-        f"| {r['batch']}, {r['prompt']} | {r['name']} | {r['step_s'] * 1e3:.1f} "
+        f"| {r['batch']}, {r['prompt']} | {r['name']} | {r.get('weights', '')} "
+        f"| {r['step_s'] * 1e3:.1f} "
         f"| {r['tokens_per_s']:.1f} | {_f(r.get('step_vs_fp32'))} "
         f"| {_f(r.get('tokens_per_s_vs_transformers'))} | {r['of_roofline']:.2f} "
         f"| {r['prefill_s']:.2f} | {_f(r.get('prefill_vs_transformers'))} "

@@ -11,7 +11,8 @@ kernel asserts with chex), for the compute dtype c = `Precision.dtype` and the t
            (either operand order), result the probs dtype or f32;
   both     the phase's einsum_precision: `precision = [P, P]` for a jax.lax.Precision
            name, or the dot algorithm the preset lowers to; the gradient dots too;
-  dense    operands c x c, result c or f32, matmul_precision.
+  dense    operands c x c, result c or f32, matmul_precision (f32 x f32 -> f32 when the
+           weights are float32-carried values of c: `Precision.carrier_weights`).
 
 A dot-algorithm preset may widen a dot's types (JAX upcasts bf16 operands for
 BF16_BF16_F32_X3 and converts the f32 result back): the check then reads the contract's
@@ -162,7 +163,11 @@ def check_dense(dot: DotSite, precision: Precision, *, types: bool = True) -> Li
     return problems
   c = short(precision.compute_dtype)
   lhs, rhs, result = effective(dot, widened_ok=is_preset(precision.matmul_precision))
-  if (lhs, rhs) != (c, c) and (dot.lhs, dot.rhs) != (c, c):
+  # float32-carried weights (`decoding.for_serving`): f32 x f32 dots on values of c.
+  # The activations must arrive upcast from c right before the dot.
+  carried = (precision.carrier_weights and (dot.lhs, dot.rhs, dot.result) == ("f32",) * 3
+             and c in (dot.lhs_source, dot.rhs_source))
+  if (lhs, rhs) != (c, c) and (dot.lhs, dot.rhs) != (c, c) and not carried:
     problems.append(f"dense operands {lhs} x {rhs}, expected {c} x {c}")
   if result not in (c, "f32") and dot.result not in (c, "f32"):
     problems.append(f"dense result {result}, expected {c} or f32")

@@ -73,18 +73,22 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
   eos = tok.eos_id if eos_id is None else eos_id
   eos = -1 if eos is None else eos
   print(f"model: {ckpt.source} (loaded in {time.perf_counter() - t0:.1f} s)")
-  print(f"attention precision in force (decode phase): {precision.describe()}")
+  # What the decode programs run: `generate` applies `decoding.for_serving`.
+  served = decoding.serving_precision(precision)
+  print(f"attention precision in force (decode phase): {served.describe()}")
   # Bucketed: prompts of other lengths in the same bucket reuse the compiled program.
   prompt_BxP, lengths_B = decoding.pad_prompts([ids], bucket=True)
   if prompt_BxP.shape[1] + max_new_tokens > ckpt.config.max_seq_len:
     prompt_BxP, lengths_B = decoding.pad_prompts([ids])
 
   P = int(prompt_BxP.shape[1])
-  prefill_kernel = kernels.resolve(precision.kernel, P)
-  step_kernel = kernels.resolve(precision.kernel, 1)
+  S = P + max_new_tokens                 # the cache `generate` makes
+  prefill_kernel = kernels.resolve(precision.kernel, P, S)
+  step_kernel = kernels.resolve(precision.kernel, 1, S)
   print(f"attention kernel: prefill ({P} tokens) {prefill_kernel}, decode steps "
-        f"{step_kernel}" + (f" (kernel=auto: blockwise from {kernels.AUTO_MIN_QUERIES} "
-                            f"tokens)" if precision.kernel == kernels.AUTO else ""))
+        f"(cache of {S}) {step_kernel}" + (
+            f" (kernel=auto: blockwise from {kernels.AUTO_MIN_QUERIES} queries or "
+            f"{kernels.AUTO_MIN_KEYS} keys)" if precision.kernel == kernels.AUTO else ""))
   tokens, seconds, compiled = _compiled_generate(ckpt, prompt_BxP, lengths_B, precision=precision,
                                        sampler=sampler, max_new_tokens=max_new_tokens,
                                        eos_id=eos)
@@ -98,7 +102,7 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
         f"{prompt_BxP.shape[1]})")
   result = {"model": model, "source": ckpt.source, "prompt": prompt,
             "prompt_tokens": len(ids), "padded_prompt_tokens": int(prompt_BxP.shape[1]),
-            "precision": dataclasses.asdict(precision),
+            "precision": dataclasses.asdict(served),
             "kernels": {"prefill": prefill_kernel, "decode_step": step_kernel},
             "tokens": new, "text": text, "seconds": seconds, "tokens_per_s": tok_s,
             "compile_s": compiled.seconds, "compile_new_entries": compiled.new_entries}

@@ -8,9 +8,10 @@ its tests against `kernels.dot_product` and `contract.reference_attention_np`) a
 to `_MODULES` below.
 
 'auto' is not a kernel but a choice by length, made from the static shapes while
-tracing: 'blockwise' for a call with at least `AUTO_MIN_QUERIES` queries (a long prefill
-or training sequence, where the dense kernel's [T, S] logits dominate), 'dot_product'
-otherwise (decode steps, short prompts). Both honour the whole contract table, so the
+tracing: 'blockwise' for a call with at least `AUTO_MIN_QUERIES` queries (a long prefill,
+where the dense kernel's [T, S] logits dominate) or at least `AUTO_MIN_KEYS` keys (a
+decode step over a long cache, which blockwise reads only up to the query's position),
+'dot_product' otherwise (short prompts into short caches). Both honour the whole contract table, so the
 precision is the same either way; `resolve` says which one a call runs, and the compiled
 program shows it (`make inspect`: an online softmax in a loop is the blockwise one).
 """
@@ -25,9 +26,11 @@ REGISTRY: Dict[str, contract.KernelSpec] = {m.KERNEL.name: m.KERNEL for m in _MO
 NAMES: Tuple[str, ...] = tuple(REGISTRY)      # ('dot_product', 'blockwise', 'jax_nn')
 AUTO = "auto"
 CHOICES: Tuple[str, ...] = NAMES + (AUTO,)    # what `precision.kernel` accepts
-# 'auto' runs blockwise from this many queries up. Measured on SmolLM2-135M prefill
-# (XLA:CPU, `make bench --cases=1x128,1x256,1x1000`, docs in README Performance).
+# 'auto' runs blockwise from this many queries, or keys, up. Measured on SmolLM2-135M
+# (XLA:CPU, `make bench`: prefill at 256 / 1000 tokens, decode steps over caches of
+# 272 / 528 / 1008 positions; README Performance).
 AUTO_MIN_QUERIES = 256
+AUTO_MIN_KEYS = 512
 AUTO_KERNELS = ("dot_product", "blockwise")
 
 
@@ -38,13 +41,15 @@ def get(name: str) -> contract.KernelSpec:
   return REGISTRY[name]
 
 
-def resolve(name: str, num_queries: int) -> str:
-  """The kernel a call with `num_queries` queries runs under `precision.kernel = name`."""
+def resolve(name: str, num_queries: int, num_keys: int = 0) -> str:
+  """The kernel a call with `num_queries` queries over `num_keys` keys runs under
+  `precision.kernel = name`."""
   if name not in CHOICES:
     raise choice_error("attention kernel", name, CHOICES)
   if name != AUTO:
     return name
-  return "blockwise" if num_queries >= AUTO_MIN_QUERIES else "dot_product"
+  long = num_queries >= AUTO_MIN_QUERIES or num_keys >= AUTO_MIN_KEYS
+  return "blockwise" if long else "dot_product"
 
 
 def runs_blockwise(name: str) -> bool:
@@ -73,9 +78,9 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
   broadcastable to [B, N, T, S], or a `contract.CausalMask` (positions + sliding window),
   which 'blockwise' uses structurally (skipping hidden blocks) and the other kernels as
   the equivalent dense mask. Returns [B, T, N, H] in q's dtype. `precision.kernel` may be
-  'auto' (`resolve`: by the static number of queries T).
+  'auto' (`resolve`: by the static numbers of queries T and keys S).
   """
-  kernel = get(resolve(precision.kernel, q.shape[1]))
+  kernel = get(resolve(precision.kernel, q.shape[1], k.shape[1]))
   why = kernel.refusal(precision, logits_soft_cap=logits_soft_cap)
   if why:
     raise UserError(why)

@@ -14,7 +14,7 @@ from typing import List, Tuple
 
 from attnprec.errors import UserError
 from attnprec.paths import REPO_GIN_DIR
-from attnprec.precision import Precision
+from attnprec.precision import NOT_BINDABLE, Precision
 
 PRESET_DIR = os.path.join(REPO_GIN_DIR, "precision")
 _LINE = re.compile(r"^precision\.(\w+)\s*=\s*(.+?)\s*$")
@@ -39,7 +39,7 @@ def preset_path(name: str) -> str:
 def load_preset(name: str) -> Tuple[str, Precision]:
   """(short name, Precision) for a preset name or file path."""
   path = preset_path(name)
-  fields = {f.name for f in dataclasses.fields(Precision)}
+  fields = {f.name for f in dataclasses.fields(Precision)} - set(NOT_BINDABLE)
   values = {}
   with open(path) as f:
     for number, raw in enumerate(f, 1):
