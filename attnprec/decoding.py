@@ -19,7 +19,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import checks
+from attnprec import checks, layout
 from attnprec import model as model_lib
 from attnprec.cache import KVCache, init_cache
 from attnprec.config import ModelConfig
@@ -107,11 +107,6 @@ def compute_params(params, precision: Precision):
   return jax.tree_util.tree_map(cast, params)
 
 
-def _is_weight_matrix(path) -> bool:
-  """A dense weight or the embedding table (what `Dense` and the unembedding read)."""
-  return getattr(path[-1], "key", None) in ("w", "embeddings")
-
-
 def serving_precision(precision: Precision, backend: Optional[str] = None) -> Precision:
   """The Precision the decode programs run under `for_serving`: `carrier_weights` set
   on XLA:CPU with a 16-bit compute dtype and a plain `matmul_precision` (a dot-algorithm
@@ -140,12 +135,13 @@ def for_serving(params, precision: Precision, backend: Optional[str] = None):
     return params, serving
   c = precision.compute_dtype
 
-  def carry(path, x):
-    if _is_weight_matrix(path) and x.dtype == jnp.float32:
+  def carry(module, name, x):
+    if layout.read_as_matrix(module, name) and x.dtype == jnp.float32:
       return x.astype(c).astype(jnp.float32)
     return x
 
-  return jax.tree_util.tree_map_with_path(carry, params), serving
+  return ({m: {n: carry(m, n, x) for n, x in group.items()} for m, group in params.items()},
+          serving)
 
 
 # ----------------------------------------------------------------------------- steps

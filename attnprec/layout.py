@@ -182,13 +182,25 @@ def tensor_map(config: ModelConfig, fmt: str) -> Dict[str, Tuple[Param, Optional
   return out
 
 
-def role(module: str, name: str) -> str:
-  """The sharding role of Haiku parameter `module/name` ('replicated' if unknown)."""
+def lookup(module: str, name: str) -> Optional[Param]:
+  """The table's row of Haiku parameter `module/name` (None if it has none)."""
   parts = module.split("/")
   suffix = "/".join(parts[2:] if len(parts) > 2 and parts[1].startswith("layer_")
                     else parts[1:])
-  p = BY_KEY.get(f"{suffix}/{name}")
+  return BY_KEY.get(f"{suffix}/{name}")
+
+
+def role(module: str, name: str) -> str:
+  """The sharding role of Haiku parameter `module/name` ('replicated' if unknown)."""
+  p = lookup(module, name)
   return p.role if p is not None else "replicated"
+
+
+def read_as_matrix(module: str, name: str) -> bool:
+  """Whether a matmul reads `module/name` whole: a dense projection's weight, or the
+  embedding table (the tied unembedding reads it)."""
+  p = lookup(module, name)
+  return p is not None and (p.dense or p.key == "embed/embeddings")
 
 
 def dense_module_suffixes() -> Tuple[str, ...]:
