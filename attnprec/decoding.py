@@ -90,6 +90,15 @@ SAMPLER_NAMES = "@Greedy(), @Temperature(), @TopK() or @TopP()"
 
 
 # ----------------------------------------------------------------------------- weights
+def _map_matrices(params, fn):
+  """params with `fn` applied to every float32 array a matmul reads whole (the dense
+  weights and the embedding table: `layout.read_as_matrix`), the rest as it is."""
+  def one(module, name, x):
+    return fn(x) if layout.read_as_matrix(module, name) and x.dtype == jnp.float32 else x
+
+  return {m: {n: one(m, n, x) for n, x in group.items()} for m, group in params.items()}
+
+
 def compute_params(params, precision: Precision):
   """params with every matrix (dense weights, embeddings) stored in the phase's compute
   dtype, norm scales and biases left as they are: the values the model would cast them to
@@ -97,14 +106,10 @@ def compute_params(params, precision: Precision):
 
   Not faster on XLA:CPU without bf16 matrix units: it runs a bf16 dot as an f32 dot and
   converts bf16 weights to f32 inside every decode step (a size-inflating convert it does
-  not hoist out of the loop), while float32 weights cast at use are cast once per
-  `generate` (`make bench` measures both: preset `bf16_flags_bf16w`)."""
+  not hoist out of the loop); `for_serving` is the fast way there (`make bench` measures
+  both: presets `bf16_flags_bf16w` and `bf16_flags`)."""
   c = precision.compute_dtype
-
-  def cast(x):
-    return x.astype(c) if x.ndim == 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
-
-  return jax.tree_util.tree_map(cast, params)
+  return _map_matrices(params, lambda x: x.astype(c))
 
 
 def serving_precision(precision: Precision, backend: Optional[str] = None) -> Precision:
@@ -123,7 +128,7 @@ def for_serving(params, precision: Precision, backend: Optional[str] = None):
 
   On XLA:CPU with a 16-bit compute dtype, the weight matrices are rounded once to values
   of that dtype, held in float32, and `precision.carrier_weights` is set: every dense
-  projection is then a float32 dot on those values (`layers.carried_dot`), the products a
+  projection is then a float32 dot on those values (`layers.project`), the products a
   bf16 x bf16 dot forms, accumulated in float32 and rounded to the compute dtype, which
   is how XLA:CPU runs a bf16 dot anyway, but without converting each bf16 weight to
   float32 again inside every decode step. The attention kernels and their precision
@@ -134,14 +139,7 @@ def for_serving(params, precision: Precision, backend: Optional[str] = None):
   if not serving.carrier_weights:
     return params, serving
   c = precision.compute_dtype
-
-  def carry(module, name, x):
-    if layout.read_as_matrix(module, name) and x.dtype == jnp.float32:
-      return x.astype(c).astype(jnp.float32)
-    return x
-
-  return ({m: {n: carry(m, n, x) for n, x in group.items()} for m, group in params.items()},
-          serving)
+  return _map_matrices(params, lambda x: x.astype(c).astype(jnp.float32)), serving
 
 
 # ----------------------------------------------------------------------------- steps

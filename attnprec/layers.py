@@ -56,19 +56,28 @@ def rope(x_BxTxNxH, positions_BxT, *, base: float, scale: float = 1.0):
   return out.astype(x_BxTxNxH.dtype)
 
 
-def carried_dot(x, w, spec: str, *, precision):
-  """x [..., in] in the compute dtype c, w float32 already holding values of c
-  (`Precision.carrier_weights`): a float32 einsum on the same values (exact products,
-  float32 accumulation), the result rounded to c: what a c x c -> c dot computes, without
-  casting w at each use."""
-  y = jnp.einsum(spec, x.astype(jnp.float32), w, precision=precision,
-                 preferred_element_type=jnp.float32)
-  return y.astype(x.dtype)
+def project(x, w, spec: str, *, precision, carrier: bool = False, out_dtype=None):
+  """einsum(spec, x, w) for a weight w float32 and x in the compute dtype c; the result in
+  `out_dtype` (default c), accumulated in float32 where it is float32.
+
+  carrier (`Precision.carrier_weights`, set by `decoding.for_serving`): w already holds
+  values of c, so the einsum runs in float32 on the same values (exact products, float32
+  accumulation) and the result is rounded to `out_dtype`: what a c x c dot computes,
+  without casting w at each use. Otherwise w is cast to c at this use."""
+  c = x.dtype
+  out_dtype = c if out_dtype is None else out_dtype
+  if carrier and c != jnp.float32:
+    y = jnp.einsum(spec, x.astype(jnp.float32), w, precision=precision,
+                   preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+  preferred = jnp.float32 if out_dtype == jnp.float32 else None
+  return jnp.einsum(spec, x, w.astype(c), precision=precision,
+                    preferred_element_type=preferred)
 
 
 class Dense(hk.Module):
   """y = x @ w (+ b); w [in, out] float32, cast to x's dtype; matmul precision explicit.
-  carrier: w already holds values of x's dtype (`Precision.carrier_weights`): `carried_dot`."""
+  carrier: w already holds values of x's dtype (`Precision.carrier_weights`): `project`."""
 
   def __init__(self, out: int, *, precision, with_bias: bool = False, carrier: bool = False,
                name: Optional[str] = None):
@@ -80,10 +89,7 @@ class Dense(hk.Module):
     d_in = x.shape[-1]
     w = hk.get_parameter("w", (d_in, self.out), jnp.float32,
                          init=hk.initializers.VarianceScaling(1.0, "fan_in", "normal"))
-    if self.carrier and x.dtype != jnp.float32:
-      y = carried_dot(x, w, "...i,io->...o", precision=self.precision)
-    else:
-      y = jnp.dot(x, w.astype(x.dtype), precision=self.precision)
+    y = project(x, w, "...i,io->...o", precision=self.precision, carrier=self.carrier)
     if self.with_bias:
       y = y + hk.get_parameter("b", (self.out,), jnp.float32, init=jnp.zeros).astype(x.dtype)
     return y

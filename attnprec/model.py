@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from attnprec.cache import KVCache, LayerCache
 from attnprec.config import ModelConfig
 from attnprec.contract import CausalMask
-from attnprec.layers import MLP, Attention, RMSNorm
+from attnprec.layers import MLP, Attention, RMSNorm, project
 from attnprec.precision import Precision
 
 
@@ -106,12 +106,8 @@ class Decoder(hk.Module):
       with hk.name_scope("unembed"):
         w_DxV = hk.get_parameter("w", (cfg.d_model, cfg.vocab_size), jnp.float32,
                                  init=hk.initializers.VarianceScaling(1.0, "fan_in", "normal"))
-    if prec.carrier_weights and c != jnp.float32:   # w holds values of c already
-      logits_BxTxV = jnp.einsum("BTD,DV->BTV", x_BxTxD.astype(jnp.float32), w_DxV,
-                                precision=prec.matmul, preferred_element_type=jnp.float32)
-    else:
-      logits_BxTxV = jnp.einsum("BTD,DV->BTV", x_BxTxD, w_DxV.astype(c),
-                                precision=prec.matmul, preferred_element_type=jnp.float32)
+    logits_BxTxV = project(x_BxTxD, w_DxV, "BTD,DV->BTV", precision=prec.matmul,
+                           carrier=prec.carrier_weights, out_dtype=jnp.float32)
     if cfg.final_logit_soft_cap is not None:
       cap = cfg.final_logit_soft_cap
       logits_BxTxV = cap * jnp.tanh(logits_BxTxV / cap)

@@ -11,9 +11,9 @@ to `_MODULES` below.
 tracing: 'blockwise' for a call with at least `AUTO_MIN_QUERIES` queries (a long prefill,
 where the dense kernel's [T, S] logits dominate) or at least `AUTO_MIN_KEYS` keys (a
 decode step over a long cache, which blockwise reads only up to the query's position),
-'dot_product' otherwise (short prompts into short caches). Both honour the whole contract table, so the
-precision is the same either way; `resolve` says which one a call runs, and the compiled
-program shows it (`make inspect`: an online softmax in a loop is the blockwise one).
+'dot_product' otherwise (short prompts into short caches). Both honour the whole contract
+table, so the precision is the same either way; `resolve` says which one a call runs, and
+the compiled program shows it (`make inspect`: an online softmax in a loop is blockwise).
 """
 from typing import Dict, Optional, Tuple
 
@@ -26,9 +26,10 @@ REGISTRY: Dict[str, contract.KernelSpec] = {m.KERNEL.name: m.KERNEL for m in _MO
 NAMES: Tuple[str, ...] = tuple(REGISTRY)      # ('dot_product', 'blockwise', 'jax_nn')
 AUTO = "auto"
 CHOICES: Tuple[str, ...] = NAMES + (AUTO,)    # what `precision.kernel` accepts
-# 'auto' runs blockwise from this many queries, or keys, up. Measured on SmolLM2-135M
-# (XLA:CPU, `make bench`: prefill at 256 / 1000 tokens, decode steps over caches of
-# 272 / 528 / 1008 positions; README Performance).
+# 'auto' runs blockwise from this many queries, or keys, up. On SmolLM2-135M (XLA:CPU,
+# `make bench`, README Performance): blockwise decode steps were faster over caches of
+# 272 / 528 / 1008 positions at batch 8; blockwise prefill was faster at 1000 tokens, and
+# 256 queries is where a causal prefill first skips blocks (not measured finer).
 AUTO_MIN_QUERIES = 256
 AUTO_MIN_KEYS = 512
 AUTO_KERNELS = ("dot_product", "blockwise")
