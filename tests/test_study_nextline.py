@@ -18,6 +18,7 @@ import pytest
 
 from attnprec import checkpoints, decoding
 from attnprec.config import ModelConfig
+from attnprec.evals import stats
 from attnprec.model import init_params
 from attnprec.precision import REFERENCE
 from attnprec.study import nextline
@@ -79,7 +80,7 @@ def test_windows_and_intervals():
   assert w.shape == (5, 21) and (w[:, 0] == 7).all()
   for row in w:                                   # a contiguous run of one file
     assert (np.diff(row[1:]) == 1).all()
-  lo, hi = nextline.wilson(5, 10)
+  lo, hi = stats.wilson(5, 10)
   assert abs(lo - 0.2366) < 1e-4 and abs(hi - 0.7634) < 1e-4
   a = [np.array([1, 0, 1], bool), np.array([1, 1], bool)]
   assert nextline.bootstrap_diff(a, a) == (0.0, 0.0)
@@ -108,7 +109,7 @@ def test_report_and_plot(tmp_path):
   for name, k, gen in (("reference", 6, 1.5), ("bf16", 4, None), ("fp32_qk", 6, 2.0)):
     hits = [np.array([1] * k + [0] * (10 - k), bool)]
     r = {"name": name, "lines": 10, "exact": k, "exact_match": k / 10,
-         "wilson95": nextline.wilson(k, 10), "token_top1": 0.5, "nll": 1.0,
+         "wilson95": stats.wilson(k, 10), "token_top1": 0.5, "nll": 1.0,
          "agreement_with_reference": 1.0, "prefill_s": 0.1, "prefill_plus_decode_s": gen,
          "decode_steps": 8}
     if name != "reference":

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from attnprec import checkpoints, decoding, plotting, runs
 from attnprec.errors import UserError
+from attnprec.evals import stats
 from attnprec.precision import REFERENCE, Precision
 from attnprec.study import presets as preset_lib
 
@@ -96,16 +97,6 @@ def line_spans(tokenizer, tokens: Sequence[int], start: int) -> List[Tuple[int, 
           spans.append((begin, p))
       begin = p + 1
   return spans
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> Tuple[float, float]:
-  if n == 0:
-    return (0.0, 1.0)
-  p = k / n
-  d = 1 + z * z / n
-  c = (p + z * z / (2 * n)) / d
-  h = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-  return (float(c - h), float(c + h))
 
 
 def bootstrap_diff(a_WxK: List[np.ndarray], b_WxK: List[np.ndarray], rounds: int = 2000,
@@ -239,7 +230,7 @@ def nextline(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
     pred, nll, hits = raw[name]
     k = int(sum(h.sum() for h in hits))
     row = {"name": name, "precision": dataclasses.asdict(prec), "lines": n_lines,
-           "exact": k, "exact_match": k / n_lines, "wilson95": wilson(k, n_lines),
+           "exact": k, "exact_match": k / n_lines, "wilson95": stats.wilson(k, n_lines),
            "token_top1": float((pred == win[:, 1:]).mean()),
            "agreement_with_reference": float((pred == ref_pred).mean()),
            "nll": float(nll.mean()), **cost[name]}

@@ -1,0 +1,1 @@
+"""Task evaluations (HumanEval, retrieval, next-line, recall): one home, one results writer, one statistics module."""
