@@ -185,17 +185,35 @@ def step_fn(config: ModelConfig, precision: Precision):
                  donate_argnums=(1,))
 
 
+class Generated(NamedTuple):
+  """What `generate` returns (a NamedTuple: index or unpack it)."""
+  tokens_BxM: jax.Array     # int32; after a sequence's end token, `eos_id` again
+  logits_BxMxV: Optional[jax.Array]  # float32 logits that produced each token (zeros for
+                            # steps never run); None with return_logits=False
+  finite_B: jax.Array       # bool: every logits row that chose one of b's tokens (up to
+                            # and including its end token) was finite
+  steps: jax.Array          # int32 scalar: tokens produced per sequence before the whole
+                            # batch had ended (<= max_new_tokens): the work actually done
+
+
 @functools.partial(jax.jit, static_argnames=("config", "precision", "sampler",
-                                             "max_new_tokens", "cache_length"))
+                                             "max_new_tokens", "cache_length",
+                                             "return_logits"))
 def generate(params, prompt_BxP, lengths_B, rng, *, config: ModelConfig, precision: Precision,
              sampler=Greedy(), max_new_tokens: int, cache_length: Optional[int] = None,
-             eos_id: int = -1):
-  """Prefill + `max_new_tokens` decode steps in one jitted program (lax.scan).
+             eos_id: int = -1, return_logits: bool = True) -> Generated:
+  """Prefill + up to `max_new_tokens` decode steps in one jitted program.
 
-  Returns (tokens_BxM int32, logits_BxMxV float32 that produced them). After a sequence
-  emits `eos_id` it keeps emitting `eos_id`.
+  The decode loop is a `lax.while_loop` that stops as soon as every sequence of the batch
+  has emitted `eos_id` (most answers end long before `max_new_tokens`); the tokens it
+  returns are those of a fixed-length loop: after a sequence emits `eos_id` it keeps
+  emitting `eos_id` (tests/test_decoding.py checks both against each other). Each step
+  checks the logits it samples from for NaN/Inf (`finite_B`): a decode whose logits were
+  not finite is reported, never compared (`attnprec.checks`). return_logits=False keeps
+  no [B, M, V] buffer (what an eval over a large vocabulary wants).
   """
   P = prompt_BxP.shape[1]
+  B, M = prompt_BxP.shape[0], max_new_tokens
   if max_new_tokens < 1:
     raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
   cache_length = cache_length or P + max_new_tokens
@@ -203,22 +221,39 @@ def generate(params, prompt_BxP, lengths_B, rng, *, config: ModelConfig, precisi
   state = prefill(params, prompt_BxP, lengths_B, config=config, precision=precision,
                   cache_length=cache_length)
 
+  def finite(logits_BxV):
+    return jnp.all(jnp.isfinite(logits_BxV), axis=-1)
+
   rng0, rng = jax.random.split(rng)
   first_B = sampler(state.last_BxV, rng0)
   done_B = first_B == eos_id
+  tokens_BxM = jnp.full((B, M), eos_id, jnp.int32).at[:, 0].set(first_B)
+  logits_BxMxV = None
+  if return_logits:
+    V = state.last_BxV.shape[-1]
+    logits_BxMxV = jnp.zeros((B, M, V), jnp.float32).at[:, 0].set(state.last_BxV)
+  rngs = jax.random.split(rng, max(M - 1, 1))          # as many keys as a fixed loop
 
-  def body(carry, rng_t):
-    state, token_B, done_B = carry
+  def cond(carry):
+    t, _, _, done_B, _, _, _ = carry
+    return (t < M) & ~jnp.all(done_B)
+
+  def body(carry):
+    t, state, token_B, done_B, tokens_BxM, logits_BxMxV, finite_B = carry
     state = decode_step(params, state, token_B, config=config, precision=precision)
-    next_B = jnp.where(done_B, eos_id, sampler(state.last_BxV, rng_t))
-    return (state, next_B, done_B | (next_B == eos_id)), (next_B, state.last_BxV)
+    next_B = jnp.where(done_B, eos_id, sampler(state.last_BxV, rngs[t - 1]))
+    finite_B = finite_B & (done_B | finite(state.last_BxV))
+    tokens_BxM = jax.lax.dynamic_update_slice(tokens_BxM, next_B[:, None], (0, t))
+    if logits_BxMxV is not None:
+      logits_BxMxV = jax.lax.dynamic_update_slice(logits_BxMxV, state.last_BxV[:, None],
+                                                  (0, t, 0))
+    return (t + 1, state, next_B, done_B | (next_B == eos_id), tokens_BxM, logits_BxMxV,
+            finite_B)
 
-  rngs = jax.random.split(rng, max_new_tokens - 1)
-  _, (tokens_MxB, logits_MxBxV) = jax.lax.scan(body, (state, first_B, done_B), rngs)
-  tokens_BxM = jnp.concatenate([first_B[:, None], tokens_MxB.T], axis=1)
-  logits_BxMxV = jnp.concatenate([state.last_BxV[:, None], jnp.swapaxes(logits_MxBxV, 0, 1)],
-                                 axis=1)
-  return tokens_BxM, logits_BxMxV
+  carry = (jnp.int32(1), state, first_B, done_B, tokens_BxM, logits_BxMxV,
+           finite(state.last_BxV))
+  steps, _, _, _, tokens_BxM, logits_BxMxV, finite_B = jax.lax.while_loop(cond, body, carry)
+  return Generated(tokens_BxM, logits_BxMxV, finite_B, steps)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "precision", "cache_length"))

@@ -128,7 +128,7 @@ def test_donated_step_decodes_like_generate():
   """A serving loop of donated steps gives generate's tokens and logits."""
   prec = Precision()
   prompts, lengths = decoding.pad_prompts([[1, 2, 3, 4], [5, 6]])
-  want_tokens, want_logits = decoding.generate(PARAMS, prompts, lengths, jax.random.PRNGKey(0),
+  want_tokens, want_logits, *_ = decoding.generate(PARAMS, prompts, lengths, jax.random.PRNGKey(0),
                                                config=CONFIG, precision=prec, max_new_tokens=5)
   state = jax.jit(functools.partial(decoding.prefill, config=CONFIG, precision=prec,
                                     cache_length=9))(PARAMS, prompts, lengths)

@@ -33,7 +33,7 @@ def _greedy_full_forward(prompt, steps):
 def test_cached_decode_equals_full_forward_batched_padded():
   prompts = [[1, 2, 3, 4, 5, 6, 7], [3, 4], [5, 1, 9, 2]]   # lengths 7, 2, 4 (padded)
   tokens, lengths = decoding.pad_prompts(prompts)
-  out, logits = decoding.generate(PARAMS, tokens, lengths, jax.random.PRNGKey(0),
+  out, logits, *_ = decoding.generate(PARAMS, tokens, lengths, jax.random.PRNGKey(0),
                                   config=CONFIG, precision=FP32, max_new_tokens=8)
   chex.assert_shape(out, (3, 8))
   for b, prompt in enumerate(prompts):
@@ -132,6 +132,76 @@ def test_carried_weights_compute_what_bf16_weights_compute():
   err = {k: np.abs(runs[k] - runs["fp32"]).max() for k in ("cast", "carried")}
   assert 0 < err["carried"] < 2 * err["cast"] + 1e-3, err
   # generate applies for_serving itself: its first logits are the carried prefill's.
-  _, logits = decoding.generate(PARAMS, tokens, lengths, jax.random.PRNGKey(0),
+  _, logits, *_ = decoding.generate(PARAMS, tokens, lengths, jax.random.PRNGKey(0),
                                 config=CONFIG, precision=BF16_FLAGS, max_new_tokens=4)
   np.testing.assert_allclose(logits[:, 0], runs["carried"], atol=1e-5, rtol=1e-5)
+
+
+def _fixed_length_loop(prompt_BxP, lengths_B, steps, eos_id):
+  """Independent reference: the old fixed-length decode (every step runs, a python loop of
+  jitted single-token steps); after a sequence emits eos_id it keeps emitting eos_id."""
+  params, prec = decoding.for_serving(PARAMS, FP32)
+  state = jax.jit(decoding.prefill, static_argnames=("config", "precision", "cache_length"))(
+      params, prompt_BxP, lengths_B, config=CONFIG, precision=prec,
+      cache_length=prompt_BxP.shape[1] + steps)
+  step = jax.jit(decoding.decode_step, static_argnames=("config", "precision"))
+  token_B = np.asarray(state.last_BxV).argmax(-1)
+  done_B = token_B == eos_id
+  out = [token_B]
+  for _ in range(steps - 1):
+    state = step(params, state, jnp.asarray(token_B, jnp.int32), config=CONFIG, precision=prec)
+    token_B = np.where(done_B, eos_id, np.asarray(state.last_BxV).argmax(-1))
+    done_B |= token_B == eos_id
+    out.append(token_B)
+  return np.stack(out, 1)
+
+
+def test_early_stopping_gives_the_fixed_length_loops_tokens():
+  """The while loop stops once every sequence has ended, with the tokens of a loop that
+  runs all max_new_tokens steps; `steps` says how many it ran."""
+  M = 12
+  def run(prompts, eos=-1):
+    tokens, lengths = decoding.pad_prompts(prompts)
+    out = decoding.generate(PARAMS, tokens, lengths, jax.random.PRNGKey(0), config=CONFIG,
+                            precision=FP32, max_new_tokens=M, eos_id=eos)
+    return tokens, lengths, out
+
+  base = [1, 2, 3, 4, 5, 6, 7]
+  free0 = np.asarray(run([base])[2].tokens_BxM)[0].tolist()
+  batches = [[base, [3, 4], [5, 1, 9, 2]],                 # different continuations
+             [base, base + free0[:1], base + free0[:2]]]   # shifted: they share tokens
+  steps = []
+  for prompts in batches:
+    tokens, lengths, free = run(prompts)
+    assert int(free.steps) == M              # without an end token every step runs
+    free = np.asarray(free.tokens_BxM)
+    # End tokens some sequences emit, and those every sequence emits before the last step.
+    ends = {int(free[b, -4]) for b in range(len(prompts))}
+    ends |= set.intersection(*(set(row[:M - 1].tolist()) for row in free))
+    for eos in sorted(ends):
+      _, _, out = run(prompts, eos)
+      want = _fixed_length_loop(tokens, lengths, M, eos)
+      np.testing.assert_array_equal(np.asarray(out.tokens_BxM), want)
+      last_needed = max(int(np.argmax(r == eos)) if (r == eos).any() else M - 1
+                        for r in want) + 1
+      assert int(out.steps) == last_needed, (eos, int(out.steps), want)
+      assert bool(np.asarray(out.finite_B).all())
+      steps.append(int(out.steps))
+  assert min(steps) < M, steps          # the case the while loop exists for was exercised
+
+
+def test_non_finite_logits_are_flagged_per_sequence():
+  """A NaN in the weights reaches every logit: finite_B is False, and return_logits=False
+  keeps no [B, M, V] buffer."""
+  bad = jax.tree_util.tree_map(lambda x: x, PARAMS)
+  name = next(m for m in bad if "mlp" in m)
+  leaf = next(iter(bad[name]))
+  bad[name] = dict(bad[name], **{leaf: bad[name][leaf].at[0, 0].set(jnp.nan)})
+  tokens, lengths = decoding.pad_prompts([[1, 2, 3], [4, 5]])
+  out = decoding.generate(bad, tokens, lengths, jax.random.PRNGKey(0), config=CONFIG,
+                          precision=FP32, max_new_tokens=3, return_logits=False)
+  assert out.logits_BxMxV is None
+  assert not np.asarray(out.finite_B).any()
+  good = decoding.generate(PARAMS, tokens, lengths, jax.random.PRNGKey(0), config=CONFIG,
+                           precision=FP32, max_new_tokens=3, return_logits=False)
+  assert np.asarray(good.finite_B).all()

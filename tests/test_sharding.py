@@ -235,7 +235,7 @@ def _child_main():
     norms.append(float(metrics["grad_norm"]))
   prompt = rng.integers(0, 32, (8, 6)).astype(np.int32)
   lengths = np.full((8,), 6, np.int32)
-  toks, logits = decoding.generate(state.params, prompt, lengths, jax.random.PRNGKey(0),
+  toks, logits, *_ = decoding.generate(state.params, prompt, lengths, jax.random.PRNGKey(0),
                                    config=config, precision=precision, max_new_tokens=5)
   ref = {"state0": jax.device_get(state0), "losses": losses, "norms": norms, "params": state.params,
          "prompt": prompt, "lengths": lengths, "tokens": np.asarray(toks), "logits": logits}

@@ -32,7 +32,7 @@ def test_teacher_forced_exact_match_equals_greedy_decoding():
   params = init_params(CONFIG, jax.random.PRNGKey(3))
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, 11, (3, 6)).astype(np.int32)
-  gen, _ = decoding.generate(params, jnp.asarray(prompts), jnp.full((3,), 6, jnp.int32),
+  gen, _, *_ = decoding.generate(params, jnp.asarray(prompts), jnp.full((3,), 6, jnp.int32),
                              jax.random.PRNGKey(0), config=CONFIG, precision=REFERENCE,
                              max_new_tokens=18)
   windows = np.concatenate([prompts, np.asarray(gen)], 1)          # [3, 24]
@@ -43,7 +43,7 @@ def test_teacher_forced_exact_match_equals_greedy_decoding():
   scored = nextline._score(logits[:, :-1].argmax(-1), windows, spans)
   # greedy decoding from each line's prefix: one batch, right-padded prompts (one compile)
   pairs = [(w, a, b) for w, sp in enumerate(spans) for a, b in sp]
-  out, _ = decoding.generate(params, jnp.asarray(windows[[w for w, _, _ in pairs]]),
+  out, _, *_ = decoding.generate(params, jnp.asarray(windows[[w for w, _, _ in pairs]]),
                              jnp.asarray([a for _, a, _ in pairs], jnp.int32),
                              jax.random.PRNGKey(0), config=CONFIG, precision=REFERENCE,
                              max_new_tokens=5)

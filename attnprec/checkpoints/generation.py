@@ -101,7 +101,7 @@ def generate(ckpt, prompts: Prompts, *, precision: Precision = Precision(),
     eos_id = tok.eos_id
   eos = -1 if eos_id is None else int(eos_id)
   prompt_BxP, lengths_B = decoding.pad_prompts(ids)
-  tokens_BxM, _ = decoding.generate(ckpt.params, prompt_BxP, lengths_B, rng, config=config,
+  tokens_BxM, _, *_ = decoding.generate(ckpt.params, prompt_BxP, lengths_B, rng, config=config,
                                     precision=precision, sampler=sampler,
                                     max_new_tokens=max_new_tokens, eos_id=eos)
   new, stopped = [], []

@@ -25,7 +25,7 @@ def _compiled_generate(ckpt, prompt_BxP, lengths_B, *, precision, sampler, max_n
                 max_new_tokens=max_new_tokens)
   compiled = compilation.compile_lowerable(decoding.generate, *args, eos_id=eos_id, **static)
   t0 = time.perf_counter()
-  tokens_BxM, _ = compiled.program(*args, eos_id=eos_id)
+  tokens_BxM, _, *_ = compiled.program(*args, eos_id=eos_id)
   tokens_BxM = np.asarray(jax.block_until_ready(tokens_BxM))
   return tokens_BxM, time.perf_counter() - t0, compiled
 

@@ -75,7 +75,7 @@ def generate(params, prompts_BxP, config, precision, new_tokens: int):
   """Greedy tokens [B, M] after each prompt (cached prefill + scan of decode steps)."""
   B, P = prompts_BxP.shape
   with probes.attached(params, record=False):   # the key bias, if params carry one
-    tokens, _ = decoding.generate(params, jnp.asarray(prompts_BxP),
+    tokens, _, *_ = decoding.generate(params, jnp.asarray(prompts_BxP),
                                   jnp.full((B,), P, jnp.int32), jax.random.PRNGKey(0),
                                   config=config, precision=precision,
                                   max_new_tokens=new_tokens)
