@@ -1,0 +1,505 @@
+"""The docs name only what exists.
+
+README.md and docs/*.md are read as a newcomer would run them: every `make` target (and
+the make variables set with it) is in the Makefile and read by that target, every gin file
+and repository path is on disk, every runner exists, every runner flag is one the runner
+accepts (read from its argparse / `cli.main` setup), every `--gin.NAME=VALUE` binding and
+gin binding names a registered configurable and one of its parameters (scopes such as
+`decode/precision.dtype` allowed), every `package.module:function` under attnprec imports,
+and every relative markdown link (and its #anchor) resolves.
+
+Names written in capitals (`gin/precision/X.gin`, `runners/NAME.py`, `--gin.NAME=VALUE`)
+and `...` are placeholders and are not checked.
+"""
+import ast
+import fnmatch
+import functools
+import glob
+import importlib
+import inspect
+import os
+import re
+import shlex
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ["README.md"] + sorted(
+    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+# Files the docs name that runs write, not files in the repository.
+RUN_OUTPUTS = {"operative_config.gin"}
+# Extensions of the files a span like `model.json` names (not a gin binding).
+FILE_EXTENSIONS = {"json", "jsonl", "md", "png", "py", "gin", "npz", "npy", "txt", "lock",
+                   "gguf", "html", "bin", "cfg", "toml", "safetensors"}
+
+
+def _read(path):
+  with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+    return f.read()
+
+
+def _is_placeholder(name):
+  stem = os.path.splitext(os.path.basename(name.rstrip("/")))[0]
+  return "..." in name or bool(re.fullmatch(r"[A-Z][A-Z0-9_]*", stem))
+
+
+# --- reading the docs --------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _split(path):
+  """(prose, code lines): fenced and indented code blocks apart from the prose (whose
+  lines are kept in place, code blanked out)."""
+  prose, code = [], []
+  in_fence = in_indent = False
+  prev_blank = True
+  for line in _read(path).split("\n"):
+    if line.lstrip().startswith("```"):
+      in_fence = not in_fence
+      prose.append("")
+    elif in_fence:
+      code.append(line)
+      prose.append("")
+    elif line.startswith("    ") and line.strip() and (prev_blank or in_indent):
+      in_indent = True
+      code.append(line)
+      prose.append("")
+    else:
+      in_indent = in_indent and not line.strip()
+      prose.append(line)
+    prev_blank = not line.strip()
+  return "\n".join(prose), code
+
+
+@functools.lru_cache(maxsize=None)
+def _spans(path):
+  """Inline code spans of the prose (a span may wrap over lines)."""
+  prose, _ = _split(path)
+  return tuple(" ".join(s.split()) for s in re.findall(r"`([^`]+)`", prose))
+
+
+@functools.lru_cache(maxsize=None)
+def _commands(path):
+  """Shell-like snippets: each logical line of a code block, and each inline span."""
+  _, code = _split(path)
+  lines, current = [], ""
+  for line in code:
+    if line.rstrip().endswith("\\"):
+      current += line.rstrip()[:-1] + " "
+    else:
+      lines.append((current + line).strip())
+      current = ""
+  if current:
+    lines.append(current.strip())
+  return tuple(lines) + _spans(path)
+
+
+def _words(text):
+  text = re.split(r"\s(?:;|&&|\|\|?)\s|;\s", text)[0]
+  try:
+    return shlex.split(text, comments=True)
+  except ValueError:   # an unbalanced quote in sample output
+    return text.split()
+
+
+def _all(fn):
+  return [(path, item) for path in DOCS for item in fn(path)]
+
+
+# --- the Makefile ------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _makefile():
+  """(targets, {target: recipe text}, {variable: definition text})."""
+  text = _read("Makefile")
+  targets, recipes, variables = set(), {}, {}
+  current = None
+  for line in text.split("\n"):
+    if line.startswith(".PHONY:"):
+      targets.update(line.split(":", 1)[1].split())
+      continue
+    m = re.match(r"^([A-Za-z_][\w.-]*)\s*:(?!=)(.*)$", line)
+    v = re.match(r"^(?:export\s+)?([A-Za-z_]\w*)\s*(?:\?|:|\+)?=(.*)$", line)
+    if v and not m:
+      variables[v.group(1)] = v.group(2)
+      current = None
+    elif m:
+      current = m.group(1)
+      targets.add(current)
+      recipes[current] = m.group(2)
+    elif line.startswith("\t") and current:
+      recipes[current] += "\n" + line
+    elif line.strip() and not line.startswith("#"):
+      current = None
+  return targets, recipes, variables
+
+
+def _vars_read(target):
+  """Make variables a target's recipe reads, through the variables it expands."""
+  _, recipes, variables = _makefile()
+  seen, todo = set(), [recipes.get(target, "")]
+  # Prerequisites' recipes (setup -> $(VENV)/.installed) read theirs.
+  while todo:
+    text = todo.pop()
+    for name in re.findall(r"\$[({]\s*(?:call\s+)?([A-Za-z_]\w*)", text):
+      if name not in seen:
+        seen.add(name)
+        todo.append(variables.get(name, ""))
+  return seen
+
+
+def _runner_of(target):
+  _, recipes, _ = _makefile()
+  m = re.search(r"runners/(\w+)\.py", recipes.get(target, ""))
+  return m.group(1) if m else None
+
+
+# --- the runners ---------------------------------------------------------------------------
+
+def _add_argument_flags(tree):
+  flags, choices = set(), {}
+  constants = {}
+  for node in tree.body:
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+        and isinstance(node.targets[0], ast.Name):
+      try:
+        constants[node.targets[0].id] = ast.literal_eval(node.value)
+      except ValueError:
+        pass
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+      names = [a.value for a in node.args
+               if isinstance(a, ast.Constant) and str(a.value).startswith("-")]
+      flags.update(names)
+      for kw in node.keywords:
+        if kw.arg == "choices":
+          try:
+            values = ast.literal_eval(kw.value)
+          except ValueError:
+            values = constants.get(getattr(kw.value, "id", None))
+          if values is not None:
+            for n in names:
+              choices[n] = {str(x) for x in values}
+  return flags, choices
+
+
+@functools.lru_cache(maxsize=None)
+def _gin_flags():
+  """The flags `ginutils.split_flags` takes (`--gin_file`, `--gin_bindings`, `--gin.`)."""
+  tree = ast.parse(_read("attnprec/ginutils.py"))
+  fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "split_flags")
+  return {n.value.rstrip(".=") for n in ast.walk(fn)
+          if isinstance(n, ast.Constant) and isinstance(n.value, str)
+          and re.fullmatch(r"--gin[._]?\w*[.=]?", n.value)}
+
+
+@functools.lru_cache(maxsize=None)
+def _runners():
+  """{runner name: (accepted flags, {flag: choices})}."""
+  cli_flags, _ = _add_argument_flags(ast.parse(_read("attnprec/cli.py")))
+  out = {}
+  for path in glob.glob(os.path.join(ROOT, "runners", "*.py")):
+    tree = ast.parse(_read(path))
+    flags, choices = _add_argument_flags(tree)
+    uses_cli_main = any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "main"
+        and getattr(n.func.value, "id", None) == "cli" for n in ast.walk(tree))
+    if uses_cli_main:
+      flags |= cli_flags | _gin_flags()
+    flags |= {"--help", "-h"}
+    out[os.path.splitext(os.path.basename(path))[0]] = (flags, choices)
+  return out
+
+
+def _flag_name(token):
+  if token.startswith("--gin."):
+    return "--gin"
+  return token.split("=", 1)[0]
+
+
+# --- gin ---------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _registry():
+  import gin
+  from attnprec import ginutils
+  ginutils._import_configurables()  # noqa: SLF001
+  for runner in ("train", "decode", "audit", "study", "nextline", "sinks", "inspect_model"):
+    _import_runner(runner)
+  return gin.config._REGISTRY  # noqa: SLF001
+
+
+def _import_runner(name):
+  spec = importlib.util.spec_from_file_location(f"_docs_runner_{name}",
+                                                os.path.join(ROOT, "runners", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+
+
+def _binding_problem(binding):
+  """None if `[scope/]configurable.param` names a registered configurable and one of its
+  parameters, else what is wrong."""
+  name = binding.split("=", 1)[0].strip()
+  name = name.rsplit("/", 1)[-1]          # scopes: decode/precision.dtype
+  if _is_placeholder(name.split(".")[0]) or "." not in name:
+    return None
+  configurable, param = name.rsplit(".", 1)
+  registry = _registry()
+  if not registry.matching_selectors(configurable):
+    return f"{binding!r}: no gin configurable named {configurable!r}"
+  if param == "*":
+    return None
+  match = registry.get_match(configurable)
+  try:
+    params = inspect.signature(match.wrapped).parameters
+  except (TypeError, ValueError):
+    return None
+  if param in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    return None
+  return f"{binding!r}: {configurable} has no parameter {param!r} (it has {', '.join(params)})"
+
+
+# --- what the docs name ------------------------------------------------------------------
+
+def _make_invocations(path):
+  """(command text, target, {VAR: value}) for every `make TARGET VAR=VALUE ...`."""
+  out = []
+  for command in _commands(path):
+    for m in re.finditer(r"(?:^|(?<=[\s;&|(]))make\s+(?=[A-Za-z\[])", command):
+      words = _words(command[m.end():])
+      targets, variables = [], {}
+      for w in words:
+        w = w.strip("[]")
+        v = re.fullmatch(r"([A-Z_][A-Z0-9_]*)=(.*)", w, re.S)
+        if v:
+          variables[v.group(1)] = v.group(2)
+        elif re.fullmatch(r"[a-z][\w-]*", w) and not variables:
+          targets.append(w)
+        else:
+          break
+      for target in targets:
+        out.append((command, target, variables))
+  return out
+
+
+def _runner_invocations(path):
+  """(command text, runner, [words after it]) for every `python runners/x.py ...`."""
+  out = []
+  for command in _commands(path):
+    for m in re.finditer(r"runners/(\w+)\.py", command):
+      if not _is_placeholder(m.group(1)):
+        out.append((command, m.group(1), _words(command[m.end():])))
+  return out
+
+
+def _gin_paths(path):
+  text = _read(path)
+  return sorted(set(re.findall(r"(?<![\w-])gin/[\w./*-]*[\w/*]", text)))
+
+
+def _bare_gin_names(path):
+  names = set()
+  for span in _commands(path):
+    names.update(re.findall(r"(?<![\w/*.-])([\w*]+\.gin)\b", span))
+  return sorted(names - RUN_OUTPUTS)
+
+
+def _repo_paths(path):
+  text = _read(path)
+  found = re.findall(r"(?<![\w./-])((?:attnprec|tests|runners|docs)/[\w./*-]*)", text)
+  return sorted({p.rstrip(".,") for p in found})
+
+
+# --- tests -------------------------------------------------------------------------------
+
+def _named_targets():
+  return sorted({t for path in DOCS for _, t, _ in _make_invocations(path)})
+
+
+def test_docs_exist_and_link_back():
+  assert os.path.isfile(os.path.join(ROOT, "README.md"))
+  readme = _read("README.md")
+  assert "make decode" in readme and "make test" in readme
+  for path in DOCS[1:]:
+    first = _read(path).split("\n\n")[1]
+    assert "README.md" in first, f"{path}: the first paragraph should link back to README"
+
+
+def test_the_docs_name_make_targets():
+  # The parser finds what the README's own quick start names.
+  assert {"decode", "test"} <= set(_named_targets())
+
+
+@pytest.mark.parametrize("target", _named_targets())
+def test_make_target_exists(target):
+  targets, _, _ = _makefile()
+  where = sorted({p for p in DOCS for _, t, _ in _make_invocations(p) if t == target})
+  assert target in targets, (f"`make {target}` is named in {', '.join(where)} but the Makefile "
+                             f"has no such target (targets: {', '.join(sorted(targets))})")
+
+
+def test_make_variables_are_read_by_their_target():
+  targets, _, variables = _makefile()
+  problems = []
+  for path, (command, target, given) in _all(_make_invocations):
+    if target not in targets:
+      continue   # reported by test_make_target_exists
+    reads = _vars_read(target)
+    for var in given:
+      if var not in reads:
+        problems.append(f"{path}: `{command}`: make {target} does not read {var} "
+                        f"(it reads {', '.join(sorted(r for r in reads if r.isupper()))})")
+  assert not problems, "\n".join(problems)
+
+
+def test_flags_given_to_make_targets_are_accepted_by_their_runner():
+  runners = _runners()
+  problems = []
+  for path, (command, target, given) in _all(_make_invocations):
+    runner = _runner_of(target)
+    if runner is None or "ARGS" not in given or runner not in runners:
+      continue
+    flags, choices = runners[runner]
+    for word in _words(given["ARGS"]):
+      problems += _flag_problems(path, command, runner, word, flags, choices)
+  assert not problems, "\n".join(problems)
+
+
+def test_runners_exist_and_accept_their_flags():
+  runners = _runners()
+  problems = []
+  for path, (command, runner, words) in _all(_runner_invocations):
+    if runner not in runners:
+      problems.append(f"{path}: `{command}`: no runners/{runner}.py")
+      continue
+    flags, choices = runners[runner]
+    for word in words:
+      if word.startswith("-"):
+        problems += _flag_problems(path, command, runner, word, flags, choices)
+  assert not problems, "\n".join(problems)
+
+
+def _flag_problems(path, command, runner, word, flags, choices):
+  if not word.startswith("-") or _is_placeholder(word.lstrip("-").split("=")[0]):
+    return []
+  name = _flag_name(word)
+  if name not in flags:
+    return [f"{path}: `{command}`: runners/{runner}.py does not accept {name} "
+            f"(it accepts {', '.join(sorted(flags))})"]
+  if "=" in word and name in choices:
+    value = word.split("=", 1)[1]
+    if value not in choices[name]:
+      return [f"{path}: `{command}`: {name}={value} is not one of {sorted(choices[name])}"]
+  if name == "--gin_file" and "=" in word:
+    for f in word.split("=", 1)[1].split():
+      if not _is_placeholder(f) and not os.path.isfile(os.path.join(ROOT, f)):
+        return [f"{path}: `{command}`: no gin file {f}"]
+  return []
+
+
+def test_every_flag_named_is_accepted_by_some_runner():
+  runners = _runners()
+  known = set().union(*(flags for flags, _ in runners.values()))
+  problems = []
+  for path in DOCS:
+    for command in _commands(path):
+      for flag in re.findall(r"(?<![\w-])(--[a-z][\w]*)(?=[=\s.'\"`)\]]|$)", command):
+        if flag.startswith("--xla_"):
+          continue   # XLA's own flags (in XLA_FLAGS), not a runner's
+        if flag not in known and not flag.startswith("--gin"):
+          problems.append(f"{path}: `{command}`: no runner accepts {flag}")
+  assert not problems, "\n".join(problems)
+
+
+def test_gin_bindings_name_registered_configurables():
+  problems, checked = [], 0
+  for path in DOCS:
+    for command in _commands(path):
+      bindings = re.findall(r"--gin\.([^\s=]+=)", command)
+      bindings += re.findall(r"--gin_bindings=['\"]([^'\"]+)['\"]", command)
+      if re.fullmatch(r"(?:\w+/)?[A-Za-z_]\w*\.\w+\s*=\s*\S.*", command):
+        bindings.append(command)              # a span like `decode/blockwise.q_block = 128`
+      m = re.fullmatch(r"(?:\w+/)?([A-Za-z_]\w*)\.([a-z_]\w*|\*)", command)
+      if m and m.group(2) not in FILE_EXTENSIONS and _registry().matching_selectors(m.group(1)):
+        bindings.append(command)              # a span like `train.target_accuracy`
+      for binding in bindings:
+        checked += 1
+        problem = _binding_problem(binding)
+        if problem:
+          problems.append(f"{path}: {problem}")
+  assert checked > 20, checked
+  assert not problems, "\n".join(problems)
+
+
+def test_gin_files_exist():
+  problems = []
+  gin_files = [os.path.relpath(p, os.path.join(ROOT, "gin"))
+               for p in glob.glob(os.path.join(ROOT, "gin", "**", "*.gin"), recursive=True)]
+  for path in DOCS:
+    for p in _gin_paths(path):
+      if _is_placeholder(p):
+        continue
+      if not glob.glob(os.path.join(ROOT, p)):
+        problems.append(f"{path}: no {p}")
+    for name in _bare_gin_names(path):
+      if not any(fnmatch.fnmatch(os.path.basename(f), name) for f in gin_files):
+        problems.append(f"{path}: no gin file matching {name} under gin/")
+  assert not problems, "\n".join(problems)
+
+
+def test_repository_paths_exist():
+  problems = []
+  for path in DOCS:
+    for p in _repo_paths(path):
+      if not _is_placeholder(p) and not glob.glob(os.path.join(ROOT, p)):
+        problems.append(f"{path}: no {p}")
+  assert not problems, "\n".join(problems)
+
+
+def test_python_functions_named_import():
+  problems = []
+  for path in DOCS:
+    for command in _commands(path):
+      for module, attr in re.findall(r"\b(attnprec(?:\.\w+)+):(\w+)", command):
+        try:
+          ok = hasattr(importlib.import_module(module), attr)
+        except ImportError as e:
+          ok, attr = False, f"{attr} ({e})"
+        if not ok:
+          problems.append(f"{path}: `{command}`: no {module}:{attr}")
+      for module in re.findall(r"python -m ([\w.]+)", command):
+        if module != "pip" and importlib.util.find_spec(module) is None:
+          problems.append(f"{path}: `{command}`: no module {module}")
+  assert not problems, "\n".join(problems)
+
+
+def _slug(heading):
+  text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+  return text.replace(" ", "-")
+
+
+def _anchors(path):
+  prose, _ = _split(path)
+  return {_slug(m) for m in re.findall(r"^#{1,6}\s+(.*)$", prose, re.M)}
+
+
+def test_relative_links_resolve():
+  problems, checked = [], 0
+  for path in DOCS:
+    prose, _ = _split(path)
+    prose = re.sub(r"`[^`]*`", "", prose)
+    for target in re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", prose):
+      if re.match(r"[a-z]+:", target):
+        continue   # http(s), mailto
+      checked += 1
+      file, _, anchor = target.partition("#")
+      resolved = os.path.normpath(os.path.join(ROOT, os.path.dirname(path), file)) \
+          if file else os.path.join(ROOT, path)
+      if not os.path.exists(resolved):
+        problems.append(f"{path}: link {target!r}: no {os.path.relpath(resolved, ROOT)}")
+      elif anchor and resolved.endswith(".md") and \
+          anchor not in _anchors(os.path.relpath(resolved, ROOT)):
+        problems.append(f"{path}: link {target!r}: no heading #{anchor} in "
+                        f"{os.path.relpath(resolved, ROOT)}")
+  assert checked > 10, checked
+  assert not problems, "\n".join(problems)
