@@ -187,7 +187,7 @@ def step_fn(config: ModelConfig, precision: Precision):
 
 class Generated(NamedTuple):
   """What `generate` returns (a NamedTuple: index or unpack it)."""
-  tokens_BxM: jax.Array     # int32; after a sequence's end token, `eos_id` again
+  tokens_BxM: jax.Array     # int32; after a sequence's end token, the (first) end token
   logits_BxMxV: Optional[jax.Array]  # float32 logits that produced each token (zeros for
                             # steps never run); None with return_logits=False
   finite_B: jax.Array       # bool: every logits row that chose one of b's tokens (up to
@@ -207,10 +207,12 @@ def generate(params, prompt_BxP, lengths_B, rng, *, config: ModelConfig, precisi
   The decode loop is a `lax.while_loop` that stops as soon as every sequence of the batch
   has emitted `eos_id` (most answers end long before `max_new_tokens`); the tokens it
   returns are those of a fixed-length loop: after a sequence emits `eos_id` it keeps
-  emitting `eos_id` (tests/test_decoding.py checks both against each other). Each step
-  checks the logits it samples from for NaN/Inf (`finite_B`): a decode whose logits were
-  not finite is reported, never compared (`attnprec.checks`). return_logits=False keeps
-  no [B, M, V] buffer (what an eval over a large vocabulary wants).
+  emitting `eos_id` (tests/test_decoding.py checks both against each other). `eos_id` may
+  also be a 1-D int array of end tokens (any of them ends a sequence, which then keeps
+  emitting the first): e.g. the chat end token and the tokens that close a code block.
+  Each step checks the logits it samples from for NaN/Inf (`finite_B`): a decode whose
+  logits were not finite is reported, never compared. return_logits=False keeps no
+  [B, M, V] buffer (what an eval over a large vocabulary wants).
   """
   P = prompt_BxP.shape[1]
   B, M = prompt_BxP.shape[0], max_new_tokens
@@ -224,10 +226,16 @@ def generate(params, prompt_BxP, lengths_B, rng, *, config: ModelConfig, precisi
   def finite(logits_BxV):
     return jnp.all(jnp.isfinite(logits_BxV), axis=-1)
 
+  eos_E = jnp.asarray(eos_id, jnp.int32).reshape(-1)
+  eos = eos_E[0]                                        # what an ended sequence emits
+
+  def ended(token_B):
+    return jnp.isin(token_B, eos_E)
+
   rng0, rng = jax.random.split(rng)
   first_B = sampler(state.last_BxV, rng0)
-  done_B = first_B == eos_id
-  tokens_BxM = jnp.full((B, M), eos_id, jnp.int32).at[:, 0].set(first_B)
+  done_B = ended(first_B)
+  tokens_BxM = jnp.full((B, M), eos, jnp.int32).at[:, 0].set(first_B)
   logits_BxMxV = None
   if return_logits:
     V = state.last_BxV.shape[-1]
@@ -241,13 +249,13 @@ def generate(params, prompt_BxP, lengths_B, rng, *, config: ModelConfig, precisi
   def body(carry):
     t, state, token_B, done_B, tokens_BxM, logits_BxMxV, finite_B = carry
     state = decode_step(params, state, token_B, config=config, precision=precision)
-    next_B = jnp.where(done_B, eos_id, sampler(state.last_BxV, rngs[t - 1]))
+    next_B = jnp.where(done_B, eos, sampler(state.last_BxV, rngs[t - 1]))
     finite_B = finite_B & (done_B | finite(state.last_BxV))
     tokens_BxM = jax.lax.dynamic_update_slice(tokens_BxM, next_B[:, None], (0, t))
     if logits_BxMxV is not None:
       logits_BxMxV = jax.lax.dynamic_update_slice(logits_BxMxV, state.last_BxV[:, None],
                                                   (0, t, 0))
-    return (t + 1, state, next_B, done_B | (next_B == eos_id), tokens_BxM, logits_BxMxV,
+    return (t + 1, state, next_B, done_B | ended(next_B), tokens_BxM, logits_BxMxV,
             finite_B)
 
   carry = (jnp.int32(1), state, first_B, done_B, tokens_BxM, logits_BxMxV,

@@ -145,13 +145,14 @@ def _fixed_length_loop(prompt_BxP, lengths_B, steps, eos_id):
       params, prompt_BxP, lengths_B, config=CONFIG, precision=prec,
       cache_length=prompt_BxP.shape[1] + steps)
   step = jax.jit(decoding.decode_step, static_argnames=("config", "precision"))
+  ends = np.reshape(eos_id, -1)
   token_B = np.asarray(state.last_BxV).argmax(-1)
-  done_B = token_B == eos_id
+  done_B = np.isin(token_B, ends)
   out = [token_B]
   for _ in range(steps - 1):
     state = step(params, state, jnp.asarray(token_B, jnp.int32), config=CONFIG, precision=prec)
-    token_B = np.where(done_B, eos_id, np.asarray(state.last_BxV).argmax(-1))
-    done_B |= token_B == eos_id
+    token_B = np.where(done_B, ends[0], np.asarray(state.last_BxV).argmax(-1))
+    done_B |= np.isin(token_B, ends)
     out.append(token_B)
   return np.stack(out, 1)
 
@@ -188,6 +189,14 @@ def test_early_stopping_gives_the_fixed_length_loops_tokens():
       assert bool(np.asarray(out.finite_B).all())
       steps.append(int(out.steps))
   assert min(steps) < M, steps          # the case the while loop exists for was exercised
+  # Several end tokens: any of them ends a sequence, which then repeats the first.
+  prompts = batches[0]
+  tokens, lengths, free = run(prompts)
+  free = np.asarray(free.tokens_BxM)
+  two = np.array([int(free[0, 5]), int(free[1, 3])], np.int32)
+  _, _, out = run(prompts, two)
+  np.testing.assert_array_equal(np.asarray(out.tokens_BxM),
+                                _fixed_length_loop(tokens, lengths, M, two))
 
 
 def test_non_finite_logits_are_flagged_per_sequence():

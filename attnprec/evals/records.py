@@ -1,0 +1,110 @@
+"""One per-item results file for every task evaluation: written as items finish, resumed.
+
+    log = ItemLog(os.path.join(run_dir, "items.jsonl"), meta={"task": "humaneval", ...})
+    done = log.records()                 # {(preset, item_id): record} of earlier runs
+    for ...:
+      log.write({"preset": "bf16", "item": "HumanEval/0", "passed": True, ...})
+
+Each record is one JSON line, appended with a flush and an fsync as soon as its item
+finishes, so a killed run loses at most the items in flight and a rerun skips what is
+already there. A line cut short by a kill (no newline at the end, or not valid JSON) is
+dropped when the file is opened, and the file is rewritten atomically without it, so the
+next append never glues a record onto half a line.
+
+The first line is a header `{"meta": {...}}`: what the records were computed with (the
+task, the model, its settings). A rerun whose settings differ refuses to mix its records
+with the old ones (a `UserError` naming the first setting that differs) instead of
+reporting a table half of which came from another configuration.
+"""
+import json
+import os
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+from attnprec import runs
+from attnprec.errors import UserError
+
+Key = Tuple[str, str]
+
+
+class ItemLog:
+  """Append-only JSONL of per-item records keyed by (preset, item)."""
+
+  def __init__(self, path: str, meta: Dict[str, Any]):
+    self.path = path
+    self.meta = json.loads(json.dumps(meta, default=runs._jsonable))   # plain data
+    self._records: Dict[Key, Dict[str, Any]] = {}
+    if os.path.isfile(path):
+      self._load()
+    else:
+      runs.atomic_write(path, json.dumps({"meta": self.meta}) + "\n")
+
+  def _load(self) -> None:
+    with open(self.path, encoding="utf-8") as f:
+      text = f.read()
+    # The last piece is "" after a final newline, or a line cut short by a kill.
+    complete = text.split("\n")[:-1]
+    good, header = [], None
+    for line in complete:
+      if not line.strip():
+        continue
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError:
+        continue                         # a line cut short by a kill
+      if header is None and "meta" in obj:
+        header = obj["meta"]
+        good.append(line)
+        continue
+      if not isinstance(obj, dict) or "preset" not in obj or "item" not in obj:
+        continue
+      self._records[(obj["preset"], str(obj["item"]))] = obj
+      good.append(line)
+    if header is None:
+      raise UserError(f"{self.path} is not a results file of this evaluation (no header "
+                      f"line); move it away or choose another --run_dir.")
+    self._check_meta(header)
+    repaired = "".join(line + "\n" for line in good)
+    if repaired != text:
+      runs.atomic_write(self.path, repaired)
+
+  def _check_meta(self, old: Dict[str, Any]) -> None:
+    for key in sorted(set(old) | set(self.meta)):
+      if old.get(key) != self.meta.get(key):
+        raise UserError(
+            f"{self.path} holds results computed with {key} = {_short(old.get(key))}, but "
+            f"this run has {key} = {_short(self.meta.get(key))}; results of different "
+            f"settings are never mixed. Use another --run_dir, or delete the file to start "
+            f"over.")
+
+  def records(self) -> Dict[Key, Dict[str, Any]]:
+    return dict(self._records)
+
+  def has(self, preset: str, item: str) -> bool:
+    return (preset, str(item)) in self._records
+
+  def write(self, record: Dict[str, Any]) -> None:
+    """Appends one finished item (durably: flush + fsync)."""
+    if "preset" not in record or "item" not in record:
+      raise ValueError("a record needs 'preset' and 'item'")
+    line = json.dumps(record, default=runs._jsonable)
+    try:
+      with open(self.path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    except OSError as e:
+      raise UserError(f"Cannot write results to {self.path}: {e.strerror}. The records "
+                      f"written before this one are intact; free space or choose another "
+                      f"--run_dir, then run again to resume.") from None
+    self._records[(record["preset"], str(record["item"]))] = record
+
+  def of_preset(self, preset: str, items: Optional[Iterable[str]] = None):
+    """{item: record} of one preset (restricted to `items` when given)."""
+    want = None if items is None else {str(i) for i in items}
+    return {i: r for (p, i), r in self._records.items()
+            if p == preset and (want is None or i in want)}
+
+
+def _short(value, limit: int = 120) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit] + "..."
