@@ -1,0 +1,610 @@
+"""The sandbox that runs model-written programs (HumanEval: prompt + completion + test + check).
+
+Design. `run_program(source)` runs one program in a fresh subprocess and classifies what
+happened as an `Outcome`. The chain of processes is
+
+  harness (this process)
+    -> unshare --net --pid --fork --mount-proc --kill-child   (where the machine allows it)
+      -> supervisor: `python -I -S -B -X utf8 -c <_SUPERVISOR>`  (trusted, written here)
+        -> worker: a fork of the supervisor that compiles and execs the untrusted source
+
+The supervisor reads the program from the (root-owned) working directory and deletes it,
+mounts private size-capped tmpfs file systems over /tmp, /var/tmp, /dev/shm and the working
+directory (inside its own mount namespace, so nothing the program writes reaches the disk
+and all of it vanishes with the namespace), sets hard resource limits, drops to the user
+`nobody` (uid/gid 65534) when it runs as root, sets no_new_privs, reports on a status pipe
+which of these it applied, and then forks the worker and waits for it. Resource limits
+alone do not hold under root (root may raise its hard limits, and RLIMIT_NPROC is not
+enforced for it), which is why the drop comes after the limits and before any untrusted
+code runs.
+
+Protections, each reported in `Outcome.protections` only when it actually applied:
+
+- 'isolated interpreter': `-I -S -B` (no PYTHON* variables, no user or site packages: the
+  program sees the standard library only, which is all HumanEval needs), always.
+- 'scrubbed environment': the program sees only PATH=/usr/bin:/bin, HOME, TMPDIR, LANG.
+- 'temporary directory': an empty working directory (mkdtemp) removed after every run.
+- 'timeout': a wall-clock limit; on expiry the whole process group is SIGKILLed.
+- 'rlimits': RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_CORE=0 (hard limits).
+- 'uid nobody': the program runs as uid/gid 65534 with no supplementary groups (only when
+  the harness runs as root; otherwise it runs as the harness's own user).
+- 'no_new_privs': set-uid binaries cannot give the program its privileges back.
+- 'network namespace': a new network namespace with no interfaces up: no network at all.
+- 'pid namespace': the supervisor is pid 1 of its own PID namespace; the program cannot see
+  or signal any process outside it (its "parent" is the supervisor, which it cannot kill
+  either: pid 1 ignores signals from inside its namespace), and when the supervisor exits
+  or is killed (`--kill-child`) the kernel kills everything left in the namespace,
+  including processes that left the process group.
+- 'private tmpfs': the mounts described above.
+
+Honesty about the verdict. The worker runs the untrusted code in the same interpreter that
+writes its verdict line, so a hostile program can always forge its own verdict (write a
+"passed" line to the status pipe and exit): HumanEval's own harness has the same property.
+The sandbox contains damage; it does not make a hostile program's verdict trustworthy. What
+it does guarantee is that a crash, a kill, a limit or a timeout is never reported as
+passed: `passed` requires that the run ended by itself within the time limit, that the
+supervisor exited with 0 (the worker's exit status is passed through), and that the
+worker's verdict line says passed. The supervisor's own report (which protections applied)
+is written before any untrusted code runs, so it cannot be forged.
+
+The interpreter. Under root the harness's own Python may live where nobody cannot read it
+(pyenv under /root, mode 0700, on these machines); the probe then picks the first of the
+harness's interpreter, its base interpreter, /usr/bin/python3 and /usr/local/bin/python3
+whose standard library nobody can import, so the program may run on another Python 3 than
+the harness (HumanEval needs the standard library only). With none, the program runs as
+the harness's user and 'uid nobody' is not reported.
+
+What is not contained. RLIMIT_AS is per process, so a program may hold up to `processes` x
+`memory_bytes` in total. RLIMIT_NPROC counts all processes of a user, so sandboxes running
+at the same time share the `processes` budget of user nobody (run them one at a time or
+raise `Limits.processes`). Without the namespaces (no `unshare`, or not allowed) the
+program has the machine's network, can write to world-writable directories such as /tmp
+(each file bounded by RLIMIT_FSIZE), and a process that leaves its process group outlives
+the run; `protections` then says so by leaving those entries out.
+"""
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional, Tuple
+
+from attnprec.errors import UserError
+
+NOBODY = 65534
+_DETAIL_CHARS = 300
+_STATUS_BYTES = 64 << 10     # the status pipe carries two short JSON lines
+_TAIL_BYTES = 4 << 10        # the end of the output kept to explain a crash
+_CHUNK_BYTES = 64 << 10
+_PROGRAM_FILE = ".program.py"
+
+KINDS = {
+    "passed": "the program ran to the end and its verdict says passed",
+    "assertion": "an AssertionError escaped (a failed test)",
+    "syntax": "the source does not compile (SyntaxError, IndentationError, null bytes)",
+    "error": "another exception escaped, or the program exited without a verdict",
+    "memory": "a MemoryError escaped (the address-space limit was hit)",
+    "timeout": "the wall-clock limit (or the CPU-time limit) was exceeded",
+    "killed": "the program died from a signal (a resource limit, a crash, or killing itself)",
+    "output_limit": "stdout + stderr exceeded Limits.output_bytes",
+}
+_WORKER_KINDS = ("passed", "assertion", "syntax", "error", "memory")
+
+_ALWAYS = ("isolated interpreter", "scrubbed environment", "temporary directory", "timeout")
+_NAMESPACE_FLAGS = ("--net", "--pid", "--fork", "--mount-proc", "--kill-child")
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """Per-program limits; the defaults suit HumanEval (a few ms of CPU per problem).
+
+  timeout_s: wall clock, interpreter start included. cpu_s: CPU seconds (RLIMIT_CPU).
+  memory_bytes: address space per process (RLIMIT_AS). file_bytes: largest file the program
+  may write (RLIMIT_FSIZE). processes: processes of the sandbox user (RLIMIT_NPROC; counts
+  the supervisor). output_bytes: stdout + stderr together. tmpfs_bytes: size of each
+  private tmpfs (working directory, /tmp, /var/tmp, /dev/shm) where they apply.
+  """
+  timeout_s: float = 10.0
+  cpu_s: int = 10
+  memory_bytes: int = 2 << 30
+  file_bytes: int = 16 << 20
+  processes: int = 16
+  output_bytes: int = 1 << 20
+  tmpfs_bytes: int = 64 << 20
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      _check_positive(field.name, getattr(self, field.name), field.type)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """What happened to one program. `kind` is one of KINDS; `detail` is short (the last line
+  of the traceback, or which limit was hit); `protections` are those that applied."""
+  passed: bool
+  kind: str
+  detail: str
+  seconds: float
+  protections: Tuple[str, ...]
+
+
+def _check_positive(name: str, value, type_name) -> None:
+  want_float = type_name in (float, "float")
+  ok_type = (isinstance(value, (int, float)) if want_float else isinstance(value, int))
+  if isinstance(value, bool) or not ok_type or not (value > 0 and math.isfinite(value)):
+    kind = "a positive finite number of seconds" if want_float else "a positive integer"
+    raise UserError(f"Invalid sandbox limit {name}={value!r}: it must be {kind} (see "
+                    f"attnprec.evals.sandbox.Limits for the defaults).")
+
+
+def _check_args(source, limits) -> None:
+  if not isinstance(source, str):
+    raise UserError(f"run_program(source=...) must be the program's source text as a str, "
+                    f"got a {type(source).__name__}: {_short(repr(source))}.")
+  if not isinstance(limits, Limits):
+    raise UserError(f"run_program(limits=...) must be an attnprec.evals.sandbox.Limits, got "
+                    f"a {type(limits).__name__}: {_short(repr(limits))}.")
+
+
+def _short(text: str, chars: int = _DETAIL_CHARS) -> str:
+  text = " ".join(text.split())
+  return text if len(text) <= chars else text[:chars - 3] + "..."
+
+
+# --- the trusted supervisor, run by the child interpreter -----------------------------------
+
+_SUPERVISOR = r'''
+import builtins, json, os, resource, socket, sys, traceback
+
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+
+
+def libc():
+  import ctypes
+  return ctypes.CDLL(None, use_errno=True)
+
+
+def mount_tmpfs(lib, target, size, mode, uid):
+  import ctypes
+  opts = "size=%d,nr_inodes=4096,mode=%o" % (size, mode)
+  if uid is not None:
+    opts += ",uid=%d,gid=%d" % (uid, uid)
+  flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+  if lib.mount(b"tmpfs", target.encode(), b"tmpfs", flags, opts.encode()) != 0:
+    err = ctypes.get_errno()
+    raise OSError(err, "mount tmpfs on %s: %s" % (target, os.strerror(err)))
+
+
+def private_tmpfs(lib, cfg):
+  for target in ("/tmp", "/var/tmp", "/dev/shm"):
+    if os.path.isdir(target):
+      mount_tmpfs(lib, target, cfg["tmpfs_bytes"], 0o1777, None)
+  os.makedirs(cfg["workdir"], exist_ok=True)
+  mount_tmpfs(lib, cfg["workdir"], cfg["tmpfs_bytes"], 0o700, cfg["drop_to"])
+  os.chdir(cfg["workdir"])
+
+
+def set_limits(cfg):
+  for name, soft, hard in cfg["rlimits"]:
+    resource.setrlimit(getattr(resource, name), (soft, hard))
+
+
+def drop_privileges(uid):
+  os.setgroups([])
+  os.setgid(uid)
+  os.setuid(uid)
+  try:
+    os.setuid(0)
+  except PermissionError:
+    pass
+  else:
+    raise RuntimeError("could not drop root")
+  if os.getuid() != uid or os.geteuid() != uid or os.getgid() != uid:
+    raise RuntimeError("uid/gid not dropped")
+
+
+def no_new_privs(lib):
+  return lib.prctl(38, 1, 0, 0, 0) == 0   # PR_SET_NO_NEW_PRIVS
+
+
+def only_loopback():
+  return [name for _, name in socket.if_nameindex()] == ["lo"]
+
+
+def where(tb):
+  line = None
+  while tb is not None:
+    if tb.tb_frame.f_code.co_filename == "<program>":
+      line = tb.tb_lineno
+    tb = tb.tb_next
+  return line
+
+
+def describe(exc):
+  text = traceback.format_exception_only(type(exc), exc)[-1].strip()
+  line = getattr(exc, "lineno", None) if isinstance(exc, SyntaxError) else where(exc.__traceback__)
+  return text if line is None else "%s (line %s)" % (text, line)
+
+
+def execute(source):
+  try:
+    code = compile(source, "<program>", "exec", dont_inherit=True)
+  except (SyntaxError, ValueError) as exc:
+    return "syntax", describe(exc)
+  try:
+    exec(code, {"__name__": "__main__", "__builtins__": builtins})
+  except AssertionError as exc:
+    return "assertion", describe(exc)
+  except MemoryError as exc:
+    return "memory", describe(exc)
+  except BaseException as exc:
+    return "error", describe(exc)
+  return "passed", ""
+
+
+def worker(source, status_fd):
+  write, dumps = os.write, json.dumps
+  memory_line = b'{"kind": "memory", "detail": "MemoryError"}\n'
+  sys.argv = [""]
+  kind, detail = execute(source)
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except BaseException:
+      pass
+  try:
+    line = (dumps({"kind": kind, "detail": detail[:1000]}) + "\n").encode()
+  except MemoryError:
+    line = memory_line
+  write(status_fd, line)
+  os._exit(0)
+
+
+def main():
+  cfg = json.loads(sys.argv[1])
+  status_fd = cfg["status_fd"]
+  with open(cfg["program"], "rb") as f:
+    source = f.read().decode("utf-8", "surrogatepass")
+  os.unlink(cfg["program"])
+  lib = libc()   # before the limits: loading it needs memory
+  applied = []
+  if cfg["namespaces"]:
+    if os.getpid() == 1:
+      applied.append("pid namespace")
+    if only_loopback():
+      applied.append("network namespace")
+    try:
+      private_tmpfs(lib, cfg)
+      applied.append("private tmpfs")
+    except OSError as exc:
+      sys.stderr.write("sandbox: no private tmpfs: %s\n" % exc)
+  set_limits(cfg)
+  applied.append("rlimits")
+  if cfg["drop_to"] is not None:
+    drop_privileges(cfg["drop_to"])
+    applied.append("uid nobody")
+  if no_new_privs(lib):
+    applied.append("no_new_privs")
+  os.write(status_fd, (json.dumps({"supervisor": applied}) + "\n").encode())
+  try:
+    pid = os.fork()
+  except OSError as exc:   # e.g. other sandboxes hold user nobody's RLIMIT_NPROC budget
+    sys.stderr.write("sandbox: cannot fork the program: %s\n" % exc)
+    os._exit(125)
+  if pid == 0:
+    worker(source, status_fd)
+  os.close(status_fd)
+  _, status = os.waitpid(pid, 0)
+  code = os.waitstatus_to_exitcode(status)
+  os._exit(code if code >= 0 else 128 - code)
+
+
+main()
+'''
+
+
+# --- the harness side -----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  prefix: Tuple[str, ...]     # the unshare command line, or ()
+  python: str                 # the interpreter that runs the supervisor and the program
+  drop_to: Optional[int]      # NOBODY when running as root and an interpreter allows it
+
+
+# What the probe imports as nobody: proof that the interpreter's standard library (not
+# only what was imported before the drop) is readable by the sandbox user.
+_PROBE_IMPORTS = "import tempfile, signal, socket, encodings.idna, ctypes, hashlib, heapq, re"
+
+
+def _usable_by_nobody(python: str) -> bool:
+  code = (f"import os; os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY}); "
+          f"{_PROBE_IMPORTS}")
+  try:
+    probe = subprocess.run([python, "-I", "-S", "-c", code], stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           cwd="/", env=_environment("/"), timeout=30)
+  except (OSError, subprocess.TimeoutExpired):
+    return False
+  return probe.returncode == 0
+
+
+def _interpreter(as_root: bool) -> Tuple[str, bool]:
+  """The interpreter to use and whether the program can run as nobody with it. Under root
+  the harness's own interpreter may live where nobody cannot read (e.g. pyenv under
+  /root, mode 0700); then a system Python 3 serves (HumanEval needs the stdlib only)."""
+  if not as_root:
+    return sys.executable, False
+  candidates = [sys.executable, getattr(sys, "_base_executable", sys.executable),
+                "/usr/bin/python3", "/usr/local/bin/python3"]
+  for python in dict.fromkeys(candidates):
+    if os.path.exists(python) and _usable_by_nobody(python):
+      return python, True
+  return sys.executable, False
+
+
+def _namespaces() -> Tuple[str, ...]:
+  """The unshare command line, if this machine lets us create the namespaces."""
+  unshare = shutil.which("unshare", path="/usr/bin:/bin:/usr/sbin:/sbin")
+  if unshare is None:
+    return ()
+  prefix = (unshare,) + _NAMESPACE_FLAGS
+  try:
+    probe = subprocess.run(prefix + ("true",), stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
+  except (OSError, subprocess.TimeoutExpired):
+    return ()
+  return prefix if probe.returncode == 0 else ()
+
+
+@functools.lru_cache(maxsize=None)
+def _plan() -> _Plan:
+  """Probes once what this machine allows."""
+  python, drop = _interpreter(os.geteuid() == 0)
+  return _Plan(_namespaces(), python, NOBODY if drop else None)
+
+
+@functools.lru_cache(maxsize=None)
+def available_protections() -> Tuple[str, ...]:
+  """The protections that apply on this machine, found by running one trivial program."""
+  return run_program("pass").protections
+
+
+def _rlimits(limits: Limits):
+  return [("RLIMIT_CPU", limits.cpu_s, limits.cpu_s + 1),
+          ("RLIMIT_AS", limits.memory_bytes, limits.memory_bytes),
+          ("RLIMIT_FSIZE", limits.file_bytes, limits.file_bytes),
+          ("RLIMIT_NPROC", limits.processes, limits.processes),
+          ("RLIMIT_CORE", 0, 0)]
+
+
+def _environment(workdir: str):
+  return {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+
+
+def _make_workdir(plan: _Plan) -> str:
+  workdir = tempfile.mkdtemp(prefix="attnprec-sandbox-")
+  if plan.drop_to is not None:
+    os.chown(workdir, plan.drop_to, plan.drop_to)
+  return workdir
+
+
+def _remove_workdir(workdir: str) -> None:
+  """Removes the working directory, also when the program left unreadable directories
+  in it (possible where it runs as the harness's own user)."""
+  shutil.rmtree(workdir, ignore_errors=True)
+  if os.path.lexists(workdir):
+    for parent, dirs, _ in os.walk(workdir):
+      for name in dirs:
+        os.chmod(os.path.join(parent, name), 0o700, follow_symlinks=False)
+    shutil.rmtree(workdir)
+
+
+def run_program(source: str, *, limits: Limits = Limits()) -> Outcome:
+  """Runs `source` as a program in the sandbox and says how it ended (see KINDS)."""
+  _check_args(source, limits)
+  plan = _plan()
+  workdir = _make_workdir(plan)
+  try:
+    program = os.path.join(workdir, _PROGRAM_FILE)
+    with open(os.open(program, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+      f.write(source.encode("utf-8", "surrogatepass"))
+    return _run(plan, workdir, program, limits)
+  finally:
+    _remove_workdir(workdir)
+
+
+def _run(plan: _Plan, workdir: str, program: str, limits: Limits) -> Outcome:
+  out_r, out_w = os.pipe()
+  status_r, status_w = os.pipe()
+  config = {"status_fd": status_w, "program": program, "workdir": workdir,
+            "namespaces": bool(plan.prefix), "drop_to": plan.drop_to,
+            "rlimits": _rlimits(limits), "tmpfs_bytes": limits.tmpfs_bytes}
+  argv = list(plan.prefix) + [plan.python, "-I", "-S", "-B", "-X", "utf8", "-c",
+                              _SUPERVISOR, json.dumps(config)]
+  start = time.monotonic()
+  try:
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w,
+                            pass_fds=(status_w,), cwd=workdir, env=_environment(workdir),
+                            start_new_session=True)
+  finally:
+    os.close(out_w)
+    os.close(status_w)
+  try:
+    stop, output, status = _supervise(proc, out_r, status_r, limits, start)
+  finally:   # close first: a writer blocked on a full pipe then gets EPIPE, not a wait
+    os.close(out_r)
+    os.close(status_r)
+    _kill_group(proc)
+  seconds = time.monotonic() - start
+  return _classify(stop, proc.returncode, output, status, limits, seconds)
+
+
+def _exited(pid: int) -> bool:
+  """Whether the child has exited, without reaping it (its pid stays its group's id)."""
+  return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+class _Streams:
+  """Reads the output pipe (counting it, keeping only its tail) and the status pipe."""
+
+  def __init__(self, out_r: int, status_r: int, output_cap: int):
+    self.out_r, self.status_r, self.output_cap = out_r, status_r, output_cap
+    self.output_total = 0
+    self.tail = bytearray()
+    self.status = bytearray()
+
+  def read(self, fd: int) -> bool:
+    """Reads one chunk; False at end of file or when nothing is ready."""
+    try:
+      chunk = os.read(fd, _CHUNK_BYTES)
+    except BlockingIOError:
+      return False
+    if fd == self.out_r:
+      self.output_total += len(chunk)
+      self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
+    elif len(self.status) < _STATUS_BYTES:
+      self.status += chunk[:_STATUS_BYTES - len(self.status)]
+    return bool(chunk)
+
+  def over_cap(self) -> bool:
+    return self.output_total > self.output_cap
+
+  def drain(self) -> None:
+    """After the child exited: what is left in the pipes, without waiting for writers that
+    may outlive it (and never more than the output cap)."""
+    for fd in (self.out_r, self.status_r):
+      os.set_blocking(fd, False)
+      while not self.over_cap() and self.read(fd):
+        pass
+
+
+def _supervise(proc, out_r: int, status_r: int, limits: Limits, start: float):
+  """Waits for the child, its output cap or its deadline, whichever comes first."""
+  streams = _Streams(out_r, status_r, limits.output_bytes)
+  deadline = start + limits.timeout_s
+  with selectors.DefaultSelector() as selector:
+    selector.register(out_r, selectors.EVENT_READ)
+    selector.register(status_r, selectors.EVENT_READ)
+    stop = None
+    while stop is None:
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        stop = "timeout"
+        break
+      for key, _ in selector.select(min(remaining, 0.02)):
+        if not streams.read(key.fd):
+          selector.unregister(key.fd)
+      if streams.over_cap():
+        stop = "output_limit"
+      elif _exited(proc.pid):
+        streams.drain()
+        stop = "output_limit" if streams.over_cap() else "exited"
+  return stop, bytes(streams.tail), bytes(streams.status)
+
+
+def _children(pid: int) -> Tuple[int, ...]:
+  try:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+      return tuple(int(child) for child in f.read().split())
+  except OSError:
+    pass
+  children = []
+  for entry in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+          children.append(int(entry))
+    except (OSError, ValueError, IndexError):
+      continue
+  return tuple(children)
+
+
+def _kill_group(proc) -> None:
+  """Kills everything the run left, then reaps the child.
+
+  Under unshare the supervisor (pid 1 of the namespace) is killed first: the kernel then
+  kills the rest of the namespace and unshare reaps the supervisor and exits, so no zombie
+  is left to a host init that may be slow to reap it (a zombie still counts against user
+  nobody's RLIMIT_NPROC). Then the whole process group is SIGKILLed: the child is its
+  leader and is not yet reaped, so the group id cannot have been reused."""
+  if not _exited(proc.pid):
+    for child in _children(proc.pid):
+      with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(child, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+      _wait_exited(proc.pid, timeout_s=5.0)
+  with contextlib.suppress(ProcessLookupError, PermissionError):
+    os.killpg(proc.pid, signal.SIGKILL)
+  proc.wait()
+
+
+def _wait_exited(pid: int, timeout_s: float) -> None:
+  deadline = time.monotonic() + timeout_s
+  while not _exited(pid):
+    if time.monotonic() > deadline:
+      raise subprocess.TimeoutExpired(f"pid {pid}", timeout_s)
+    time.sleep(0.005)
+
+
+def _parse_status(status: bytes):
+  """The supervisor's report (first line, written before any untrusted code ran) and the
+  worker's verdict (the next line; the program could have forged it)."""
+  lines = status.split(b"\n")
+  try:
+    applied = tuple(json.loads(lines[0])["supervisor"])
+  except (ValueError, KeyError, TypeError):
+    return None, None
+  try:
+    verdict = json.loads(lines[1])
+    kind, detail = str(verdict["kind"]), str(verdict["detail"])
+  except (ValueError, KeyError, TypeError, IndexError):
+    return applied, None
+  return applied, (kind if kind in _WORKER_KINDS else "error", detail)
+
+
+def _signal_name(number: int) -> str:
+  try:
+    return signal.Signals(number).name
+  except ValueError:
+    return f"signal {number}"
+
+
+def _last_line(output: bytes) -> str:
+  lines = output.decode("utf-8", "replace").strip().splitlines()
+  return lines[-1] if lines else ""
+
+
+def _classify(stop, returncode, output, status, limits, seconds) -> Outcome:
+  applied, verdict = _parse_status(status)
+  protections = _ALWAYS + (applied or ())
+
+  def outcome(kind, detail, passed=False):
+    return Outcome(passed, kind, _short(detail), seconds, protections)
+
+  if stop == "timeout":
+    return outcome("timeout", f"wall-clock limit of {limits.timeout_s:g} s exceeded")
+  if stop == "output_limit":
+    return outcome("output_limit", f"stdout + stderr exceeded {limits.output_bytes} bytes")
+  if applied is None:
+    raise RuntimeError(f"The sandbox did not start (exit status {returncode}): "
+                       f"{_short(_last_line(output))}")
+  if returncode > 128 or returncode < 0:
+    number = returncode - 128 if returncode > 128 else -returncode
+    if number == signal.SIGXCPU:
+      return outcome("timeout", f"CPU-time limit of {limits.cpu_s} s exceeded (SIGXCPU)")
+    return outcome("killed", f"killed by {_signal_name(number)}")
+  if returncode != 0:
+    return outcome("error", f"exit status {returncode}: {_last_line(output)}")
+  if verdict is None:
+    return outcome("error", "the program exited without a verdict (os._exit?)")
+  kind, detail = verdict
+  return outcome(kind, detail or "all assertions held", passed=(kind == "passed"))

@@ -1,0 +1,447 @@
+"""The sandbox that runs model-written programs: each hostile program is contained, counted as
+a failure, and leaves nothing behind outside its temporary directory.
+
+Every test runs with tempfile's directory pointed at a fresh folder under pytest's tmp_path,
+so the autouse fixture can check that each run's working directory was removed. Where a
+protection depends on the machine (namespaces, running as root), the test asserts what
+`Outcome.protections` says and checks the behaviour that follows from it.
+"""
+import os
+import random
+import resource
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from attnprec.errors import UserError
+from attnprec.evals import sandbox
+from attnprec.evals.sandbox import Limits, run_program
+
+QUICK = Limits(timeout_s=2.0, cpu_s=5)
+
+
+@pytest.fixture(autouse=True)
+def sandbox_parent(tmp_path, monkeypatch):
+  """Working directories go under tmp_path/sandboxes, which must be empty after each run."""
+  parent = tmp_path / "sandboxes"
+  parent.mkdir()
+  parent.chmod(0o755)
+  monkeypatch.setattr(tempfile, "tempdir", str(parent))
+  yield parent
+  assert os.listdir(parent) == [], "a sandbox working directory was left behind"
+
+
+def _protections():
+  return sandbox.available_protections()
+
+
+def _marked_limits(**overrides):
+  """QUICK limits with a tmpfs size no other run uses: it appears in the supervisor's
+  command line, which its forks share, so the test can find this run's processes."""
+  marker = (64 << 20) + 4096 * random.randrange(1, 1 << 20)
+  fields = dict(timeout_s=QUICK.timeout_s, cpu_s=QUICK.cpu_s, tmpfs_bytes=marker)
+  fields.update(overrides)
+  return Limits(**fields), f'"tmpfs_bytes": {marker}'.encode()
+
+
+def _processes_with(marker: bytes):
+  found = []
+  for entry in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        if marker in f.read():
+          found.append(int(entry))
+    except (OSError, ValueError):
+      continue
+  return found
+
+
+def _wait_gone(marker: bytes, timeout_s: float = 3.0):
+  deadline = time.monotonic() + timeout_s
+  while _processes_with(marker) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return _processes_with(marker)
+
+
+# --- ordinary programs ----------------------------------------------------------------------
+
+def test_correct_program_passes():
+  source = "def add(a, b):\n  return a + b\n\ndef check(f):\n  assert f(2, 3) == 5\n\ncheck(add)\n"
+  outcome = run_program(source, limits=QUICK)
+  assert outcome.passed and outcome.kind == "passed"
+  assert outcome.seconds < QUICK.timeout_s
+  assert set(sandbox._ALWAYS) <= set(outcome.protections)
+
+
+def test_wrong_assertion_fails():
+  source = "def add(a, b):\n  return a - b\n\nassert add(2, 3) == 5, 'add is wrong'\n"
+  outcome = run_program(source, limits=QUICK)
+  assert not outcome.passed
+  assert outcome.kind == "assertion"
+  assert outcome.detail == "AssertionError: add is wrong (line 4)"
+
+
+@pytest.mark.parametrize("source, error", [
+    ("def f(:\n  return 1\n", "SyntaxError"),
+    ("def f():\nreturn 1\n", "IndentationError"),
+    ("x = 1\0\n", ""),
+])
+def test_syntax_error(source, error):
+  outcome = run_program(source, limits=QUICK)
+  assert not outcome.passed
+  assert outcome.kind == "syntax"
+  assert error in outcome.detail
+
+
+def test_other_exception_is_an_error_and_detail_is_short():
+  outcome = run_program("raise KeyError('k' * 5000)\n", limits=QUICK)
+  assert (outcome.passed, outcome.kind) == (False, "error")
+  assert outcome.detail.startswith("KeyError: 'kkk")
+  assert len(outcome.detail) <= 300
+
+
+def test_exit_without_verdict_or_forged_verdict_is_not_passed():
+  """`passed` needs a clean exit as well as a passing verdict line: a program that exits
+  before its verdict, or forges one and then dies from a signal, has not passed."""
+  early_exit = run_program("import os\nos._exit(0)\n", limits=QUICK)
+  assert (early_exit.passed, early_exit.kind) == (False, "error")
+  forge = ("import os, signal\n"
+           "for fd in range(3, 64):\n"
+           "  try:\n"
+           "    os.write(fd, b'{\"kind\": \"passed\", \"detail\": \"\"}\\n')\n"
+           "  except OSError:\n"
+           "    pass\n"
+           "os.kill(os.getpid(), signal.SIGKILL)\n")
+  forged = run_program(forge, limits=QUICK)
+  assert (forged.passed, forged.kind) == (False, "killed")
+  assert "SIGKILL" in forged.detail
+  exit_zero = run_program("import sys\nsys.exit(0)\n", limits=QUICK)
+  assert (exit_zero.passed, exit_zero.kind) == (False, "error")
+
+
+def test_environment_is_scrubbed(monkeypatch):
+  monkeypatch.setenv("ATTNPREC_SANDBOX_SECRET", "hunter2")
+  monkeypatch.setenv("PYTHONPATH", "/nonexistent/evil")
+  source = ("import os, sys\n"
+            "assert 'ATTNPREC_SANDBOX_SECRET' not in os.environ, 'secret visible'\n"
+            "assert not any('hunter2' in v for v in os.environ.values()), 'secret value visible'\n"
+            "assert sorted(os.environ) == ['HOME', 'LANG', 'PATH', 'TMPDIR'], sorted(os.environ)\n"
+            "assert os.environ['PATH'] == '/usr/bin:/bin'\n"
+            "assert sys.flags.isolated and sys.flags.no_site, sys.flags\n"
+            "assert not any('evil' in p or 'site-packages' in p for p in sys.path), sys.path\n"
+            "assert os.listdir('.') == [], os.listdir('.')\n")
+  outcome = run_program(source, limits=QUICK)
+  assert outcome.passed, outcome.detail
+
+
+def test_working_directory_is_removed_even_when_made_unwritable(sandbox_parent):
+  source = ("import os\n"
+            "os.makedirs('a/b/c')\n"
+            "open('a/b/c/f', 'w').write('x')\n"
+            "os.chmod('a/b/c', 0o500)\n"
+            "os.chmod('a/b', 0o000)\n"
+            "open('top', 'w').write('y')\n")
+  outcome = run_program(source, limits=QUICK)
+  assert outcome.passed, outcome.detail
+  assert os.listdir(sandbox_parent) == []
+
+
+# --- hostile programs -----------------------------------------------------------------------
+
+def test_infinite_loop_times_out():
+  outcome = run_program("while True:\n  pass\n", limits=QUICK)
+  assert (outcome.passed, outcome.kind) == (False, "timeout")
+  assert "2 s" in outcome.detail
+  assert QUICK.timeout_s <= outcome.seconds < QUICK.timeout_s + 2.0
+
+
+def test_cpu_limit_counts_as_timeout():
+  """RLIMIT_CPU fires before the (long) wall-clock limit, however loaded the machine."""
+  limits = Limits(timeout_s=30.0, cpu_s=1)
+  outcome = run_program("while True:\n  pass\n", limits=limits)
+  assert (outcome.passed, outcome.kind) == (False, "timeout")
+  assert "CPU-time limit of 1 s" in outcome.detail
+  assert outcome.seconds < limits.timeout_s
+
+
+def test_fork_bomb_is_bounded_and_cleaned_up():
+  limits, marker = _marked_limits(processes=8)
+  bomb = ("import os\n"
+          "while True:\n"
+          "  try:\n"
+          "    os.fork()\n"
+          "  except OSError:\n"
+          "    pass\n")
+  start = time.monotonic()
+  outcome = run_program(bomb, limits=limits)
+  assert time.monotonic() - start < limits.timeout_s + 3.0
+  assert not outcome.passed
+  assert outcome.kind in ("timeout", "killed", "error")
+  assert "rlimits" in outcome.protections
+  assert _wait_gone(marker) == [], "fork-bomb processes outlived the run"
+  healthy = run_program("import os\npid = os.fork()\nif pid == 0:\n  os._exit(0)\n"
+                        "assert os.waitpid(pid, 0)[1] == 0\n", limits=QUICK)
+  assert healthy.passed, healthy.detail
+
+
+def test_processes_limit_holds():
+  """RLIMIT_NPROC binds the program (as nobody when the harness is root: under root it
+  would not hold)."""
+  source = ("import os, time\n"
+            "pids = []\n"
+            "try:\n"
+            "  for _ in range(50):\n"
+            "    pid = os.fork()\n"
+            "    if pid == 0:\n"
+            "      time.sleep(5)\n"
+            "      os._exit(0)\n"
+            "    pids.append(pid)\n"
+            "finally:\n"
+            "  print(len(pids))\n"
+            "assert False, 'forked %d' % len(pids)\n")
+  outcome = run_program(source, limits=Limits(timeout_s=QUICK.timeout_s, processes=6))
+  assert (outcome.passed, outcome.kind) == (False, "error")
+  assert "BlockingIOError" in outcome.detail or "Resource temporarily" in outcome.detail
+
+
+@pytest.mark.parametrize("source", [
+    "x = bytearray(50 * 10**9)\n",
+    "chunks = []\nfor _ in range(200):\n  chunks.append(bytearray(1 << 28))\n",
+])
+def test_allocating_50_gb_fails(source):
+  """At once, or in 256 MiB chunks that are written (bytearray zero-fills them): the
+  address-space limit stops both. It is lowered to 512 MiB so that the chunked case
+  touches little memory and stays quick on a loaded machine."""
+  limits = Limits(timeout_s=10.0, memory_bytes=512 << 20)
+  outcome = run_program(source, limits=limits)
+  assert not outcome.passed
+  assert outcome.kind in ("memory", "killed"), outcome
+  assert outcome.seconds < limits.timeout_s
+
+
+def test_writing_10_gb_file_is_stopped(sandbox_parent):
+  tag = f"attnprec-sandbox-big-{os.getpid()}-{random.randrange(1 << 30)}"
+  outside = [f"/tmp/{tag}", f"/dev/shm/{tag}"]
+  source = ("import os\n"
+            f"for path in ['big.bin'] + {outside!r}:\n"
+            "  try:\n"
+            "    with open(path, 'wb') as f:\n"
+            "      for _ in range(10 * 1024):\n"
+            "        f.write(b'x' * (1 << 20))\n"
+            "  except OSError as e:\n"
+            "    last = e\n"
+            "raise last\n")
+  try:
+    outcome = run_program(source, limits=QUICK)
+    assert not outcome.passed
+    assert outcome.kind in ("error", "killed"), outcome
+    assert "File too large" in outcome.detail or "SIGXFSZ" in outcome.detail, outcome
+    assert os.listdir(sandbox_parent) == []
+    if "private tmpfs" in outcome.protections:
+      assert [p for p in outside if os.path.exists(p)] == []
+    else:   # /tmp and /dev/shm are world-writable: only RLIMIT_FSIZE bounds those files
+      assert all(os.path.getsize(p) <= QUICK.file_bytes for p in outside if os.path.exists(p))
+  finally:
+    for path in outside:
+      if os.path.exists(path):
+        os.remove(path)
+
+
+def _deleting_program(canary: str) -> str:
+  return ("import os, shutil\n"
+          f"canary = {canary!r}\n"
+          "done, errors = [], []\n"
+          "for name, attempt in [('remove', lambda: os.remove(canary)),\n"
+          "                      ('truncate', lambda: open(canary, 'w').close()),\n"
+          "                      ('rename', lambda: os.rename(canary, canary + '.moved')),\n"
+          "                      ('rmtree', lambda: shutil.rmtree(os.path.dirname(canary)))]:\n"
+          "  try:\n"
+          "    attempt()\n"
+          "    done.append(name)\n"
+          "  except OSError as e:\n"
+          "    errors.append(type(e).__name__)\n"
+          "assert done, ' '.join(sorted(set(errors)))\n")
+
+
+def _canary(directory) -> str:
+  """A root-owned (if we are root) 0644 file in a 0755 directory: readable by anyone,
+  writable only by its owner."""
+  os.makedirs(directory, exist_ok=True)
+  os.chmod(directory, 0o755)
+  path = os.path.join(directory, "canary.txt")
+  with open(path, "w") as f:
+    f.write("precious\n")
+  os.chmod(path, 0o644)
+  return path
+
+
+def _assert_intact(canary: str):
+  with open(canary) as f:
+    assert f.read() == "precious\n"
+  assert stat.S_IMODE(os.stat(os.path.dirname(canary)).st_mode) == 0o755
+
+
+def test_deleting_files_by_absolute_path_in_tmp(tmp_path):
+  """The canary lies under pytest's tmp_path. Every directory above it is made traversable
+  by others (o+x), so it is the sandbox, not pytest's 0700 base directory, that stops the
+  program: with a private /tmp the path does not exist inside; without one, user nobody
+  has no write permission on a root-owned 0755 directory."""
+  canary = _canary(tmp_path / "precious")
+  opened = []
+  for directory in [tmp_path, *tmp_path.parents]:
+    if str(directory) in ("/", tempfile.gettempdir()):
+      break
+    mode = stat.S_IMODE(directory.stat().st_mode)
+    opened.append((directory, mode))
+    directory.chmod(mode | stat.S_IXOTH)
+  try:
+    outcome = run_program(_deleting_program(canary), limits=QUICK)
+  finally:
+    for directory, mode in opened:
+      directory.chmod(mode)
+  _assert_intact(canary)
+  assert (outcome.passed, outcome.kind) == (False, "assertion")
+  if "private tmpfs" in outcome.protections:
+    assert "FileNotFoundError" in outcome.detail, outcome.detail
+  elif "uid nobody" in outcome.protections:
+    assert "PermissionError" in outcome.detail, outcome.detail
+
+
+def test_deleting_files_by_absolute_path_outside_tmp(request):
+  """A canary the program can see (in the repository's pytest cache, outside every private
+  mount): only the drop to user nobody protects it."""
+  cache = getattr(request.config, "cache", None)
+  if cache is None:
+    pytest.skip("needs pytest's cache directory (cacheprovider plugin)")
+  if "uid nobody" not in _protections():
+    pytest.skip("the harness does not run as root here, so the program runs as the same "
+                "user and can delete that user's files: only namespaces and rlimits apply")
+  directory = cache.mkdir(f"sandbox-canary-{os.getpid()}")
+  try:
+    canary = _canary(directory)
+    outcome = run_program(_deleting_program(canary), limits=QUICK)
+    _assert_intact(canary)
+    assert (outcome.passed, outcome.kind) == (False, "assertion")
+    assert "PermissionError" in outcome.detail, outcome.detail
+  finally:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_opening_a_socket_fails_without_network():
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    source = ("import socket\n"
+              f"socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n")
+    outcome = run_program(source, limits=QUICK)
+    try:
+      connection, _ = listener.accept()
+      connection.close()
+      reached = True
+    except BlockingIOError:
+      reached = False
+  if "network namespace" in outcome.protections:
+    assert not reached
+    assert (outcome.passed, outcome.kind) == (False, "error")
+    assert "Network is unreachable" in outcome.detail or "refused" in outcome.detail
+  else:   # this machine does not allow `unshare -n`: the program shares our network
+    assert "network namespace" not in _protections()
+    assert reached and outcome.passed
+
+
+def test_killing_its_parent_harms_nobody_outside():
+  bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+  try:
+    source = ("import os, signal\n"
+              f"for pid in (os.getppid(), {os.getpid()}, {bystander.pid}):\n"
+              "  try:\n"
+              "    os.kill(pid, signal.SIGKILL)\n"
+              "  except OSError:\n"
+              "    pass\n"
+              "try:\n"
+              "  os.kill(-1, signal.SIGKILL)\n"
+              "except OSError:\n"
+              "  pass\n"
+              "os.killpg(0, signal.SIGKILL)\n")
+    outcome = run_program(source, limits=QUICK)
+    time.sleep(0.1)
+    assert bystander.poll() is None, "a process outside the sandbox was killed"
+  finally:
+    bystander.kill()
+    bystander.wait()
+  assert not outcome.passed
+  assert outcome.kind == "killed", outcome
+
+
+def test_killing_only_its_parent_leaves_the_supervisor_in_charge():
+  """Under a PID namespace the parent is the supervisor, pid 1 there, and the kernel drops
+  SIGKILL sent to it from inside: the program goes on and its own verdict stands. Without
+  one the supervisor dies, and the run counts as killed."""
+  source = ("import os, signal, time\n"
+            "os.kill(os.getppid(), signal.SIGKILL)\n"
+            "time.sleep(0.2)\n"
+            "assert False, 'still here'\n")
+  outcome = run_program(source, limits=QUICK)
+  assert not outcome.passed
+  if "pid namespace" in outcome.protections:
+    assert (outcome.kind, outcome.detail) == ("assertion", "AssertionError: still here (line 4)")
+  else:
+    assert outcome.kind == "killed", outcome
+
+
+def test_printing_1_gb_hits_the_output_limit():
+  source = ("import sys\n"
+            "chunk = 'x' * (1 << 20)\n"
+            "for _ in range(1024):\n"
+            "  sys.stdout.write(chunk)\n")
+  rss_before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  outcome = run_program(source, limits=QUICK)
+  rss_after_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  assert (outcome.passed, outcome.kind) == (False, "output_limit")
+  assert outcome.seconds < 1.5
+  assert rss_after_kib - rss_before_kib < 32 * 1024, "the harness buffered the output"
+
+
+# --- the API --------------------------------------------------------------------------------
+
+def test_available_protections_are_those_applied():
+  protections = _protections()
+  assert protections == run_program("pass", limits=QUICK).protections
+  assert set(sandbox._ALWAYS) <= set(protections)
+  assert "rlimits" in protections
+  assert ("uid nobody" in protections) == (os.geteuid() == 0 and sandbox._plan().drop_to == 65534)
+  if not sandbox._plan().prefix:
+    assert not {"network namespace", "pid namespace", "private tmpfs"} & set(protections)
+
+
+def test_kinds_are_documented():
+  assert set(sandbox.KINDS) == {"passed", "assertion", "syntax", "error", "memory", "timeout",
+                                "killed", "output_limit"}
+
+
+@pytest.mark.parametrize("call, names", [
+    (lambda: run_program(b"assert True"), "source"),
+    (lambda: run_program(None), "source"),
+    (lambda: run_program("pass", limits={"timeout_s": 1}), "limits"),
+    (lambda: Limits(timeout_s=0), "timeout_s=0"),
+    (lambda: Limits(timeout_s=float("inf")), "timeout_s=inf"),
+    (lambda: Limits(cpu_s=-1), "cpu_s=-1"),
+    (lambda: Limits(memory_bytes=1.5), "memory_bytes=1.5"),
+    (lambda: Limits(processes=True), "processes=True"),
+    (lambda: Limits(output_bytes=0), "output_bytes=0"),
+])
+def test_bad_arguments_raise_user_error(call, names):
+  with pytest.raises(UserError) as error:
+    call()
+  message = str(error.value)
+  assert names in message
+  assert "\n" not in message
