@@ -11,13 +11,25 @@ Atomicity: orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it
 `<step>` only once everything is written; a save killed half-way leaves just the tmp
 directory, which the step listing ignores and the next save of that step replaces.
 
+Write failures: saves are synchronous (no background orbax thread outlives `save`). A save
+that fails because the disk is full (or any OSError, also one raised in orbax's writer
+threads) removes its `<step>.orbax-checkpoint-tmp*` directory and raises
+`runs.WriteError` naming the checkpoint and the cause; the previous checkpoints are
+untouched (pruning to the last K happens only after a save completes).
+
 Restoring checks the checkpoint's leaf shapes and dtypes against the model being trained
 (a mismatch is a UserError naming the leaves: nothing is overwritten). A checkpoint that
 cannot be read is moved aside to `<step>.unreadable` (kept, never deleted) and the previous
 one is used instead, with a message saying so.
 """
 import asyncio
+import contextlib
+import glob
+import logging
 import os
+import shutil
+import threading
+import time
 from typing import List, Optional, Tuple
 
 import jax
@@ -25,7 +37,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from attnprec.errors import UserError
-from attnprec import faults
+from attnprec import faults, runs
 from attnprec.faults import Faults
 
 SUBDIR = "checkpoints"
@@ -106,8 +118,30 @@ class Checkpointer:
     items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
     if self.fault.pause_in_save_at_step == step:
       items["pause"] = _PauseSave({"pause_s": self.fault.pause_s, "marker": self.fault.marker})
-    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-    self._manager.wait_until_finished()
+    try:
+      with _quiet_orbax():
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 -- a write failure is a WriteError, else re-raised
+      if runs.os_error_text(e) is None:
+        raise
+      self._remove_partial(step)
+      raise runs.write_error(os.path.join(self.directory, str(step)), e,
+                             what=f"the checkpoint of step {step} to "
+                                  f"{os.path.join(self.directory, str(step))}") from None
+
+  def _remove_partial(self, step: int) -> None:
+    """Removes what a failed save of `step` left: its orbax tmp directory (process 0).
+    Orbax raises on the first failed write while the other items' writes are still in
+    flight; removing their directory under them would make each of them fail loudly in
+    its own thread, so first wait (up to 60 s) until they are done."""
+    pattern = os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*")
+    with _quiet_orbax():
+      _wait_for_writers(pattern)
+    if jax.process_index() != 0:
+      return
+    for path in glob.glob(pattern):
+      shutil.rmtree(path, ignore_errors=True)
 
   def restore_latest(self, abstract_state: dict) -> Optional[Tuple[dict, dict]]:
     """(state, meta) of the newest readable checkpoint, or None when there is none.
@@ -167,13 +201,54 @@ class Checkpointer:
       self._manager = self._open()
 
   def close(self) -> None:
-    self._manager.close()
+    with _quiet_orbax():
+      self._manager.close()
 
   def __enter__(self) -> "Checkpointer":
     return self
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _wait_for_writers(pattern: str, timeout_s: float = 60.0) -> None:
+  """Returns once no orbax writer thread is alive and the files under `pattern` have
+  stopped changing (or after timeout_s)."""
+  deadline, before = time.monotonic() + timeout_s, None
+  while time.monotonic() < deadline:
+    busy = any(type(t).__name__ == "_SignalingThread" and t.is_alive()
+               for t in threading.enumerate())
+    now = _listing(pattern)
+    if not busy and now == before:
+      return
+    before = now
+    time.sleep(0.2)
+
+
+def _listing(pattern: str) -> list:
+  out = []
+  for top in glob.glob(pattern):
+    for d, _, files in os.walk(top):
+      for f in files:
+        with contextlib.suppress(OSError):
+          st = os.stat(os.path.join(d, f))
+          out.append((d, f, st.st_size, st.st_mtime_ns))
+  return sorted(out)
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """Orbax logs a failed save's traceback from its writer threads before re-raising it
+  here; the caller reports the failure once, as one paragraph."""
+  loggers = [logging.getLogger(n) for n in ("absl", "orbax")]
+  levels = [lg.level for lg in loggers]
+  for lg in loggers:
+    lg.setLevel(logging.CRITICAL)
+  try:
+    yield
+  finally:
+    for lg, level in zip(loggers, levels):
+      lg.setLevel(level)
 
 
 def _short(e: BaseException) -> str:

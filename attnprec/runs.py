@@ -1,14 +1,21 @@
 """Run directories: operative config, metrics, params, results. Every write is atomic
-(temporary file in the same directory, then rename), so nothing is ever half-written."""
+(temporary file in the same directory, then rename), so nothing is ever half-written.
+
+A write that fails (a full disk, a quota, a read-only mount) raises `WriteError`, a
+UserError naming the path and the cause; the partial file is removed first, and what was
+there before is untouched. `track_writes` records the files a run writes, so a runner can
+remove them again when the run is interrupted (`attnprec.cli.run`).
+"""
 import contextlib
 import dataclasses
+import errno as errno_lib
 import fcntl
 import json
 import os
 import shutil
 import tempfile
 import zipfile
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 import gin
 import numpy as np
@@ -19,6 +26,65 @@ from attnprec.model import check_params
 
 PARAMS_FILE = "params.npz"
 MODEL_FILE = "model.json"
+
+
+class WriteError(UserError):
+  """Writing an output failed (disk full, quota, permissions, I/O error): runners exit 2."""
+
+
+def write_error(path: str, e: BaseException, *, what: str = "") -> WriteError:
+  """The one paragraph for a failed write: the path, the cause and what is still intact."""
+  cause = os_error_text(e) or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+  return WriteError(
+      f"Cannot write {what or repr(path)}: {cause}. The partial file was removed and the "
+      f"files written before are intact. Free space (or fix the permissions) on that filesystem, "
+      f"or choose another output directory, then run again.")
+
+
+def os_error_text(e: Optional[BaseException]) -> Optional[str]:
+  """'No space left on device (ENOSPC)' for an OSError anywhere in e's cause chain (or
+  a message holding an errno's text, as tensorstore's do), else None."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno:
+      return f"{e.strerror or os.strerror(e.errno)} ({errno_lib.errorcode.get(e.errno, e.errno)})"
+    for code in (errno_lib.ENOSPC, errno_lib.EDQUOT, errno_lib.EROFS, errno_lib.EACCES,
+                 errno_lib.EIO):
+      if os.strerror(code) in str(e):
+        return f"{os.strerror(code)} ({errno_lib.errorcode[code]})"
+    e = e.__cause__ or e.__context__
+  return None
+
+
+_tracked: List[List[str]] = []   # one list per active track_writes(), innermost last
+
+
+@contextlib.contextmanager
+def track_writes():
+  """Yields the list of paths written through this module while the block runs."""
+  written: List[str] = []
+  _tracked.append(written)
+  try:
+    yield written
+  finally:
+    _tracked.remove(written)
+
+
+def _record(path: str) -> None:
+  for written in _tracked:
+    written.append(os.path.abspath(path))
+
+
+def remove_written(written: List[str], under: str) -> None:
+  """Removes the files in `written` that lie inside directory `under`: what a run that
+  was interrupted (or could not finish writing) wrote there, so no mix of its outputs
+  and older ones is left. Files it did not write stay."""
+  root = os.path.abspath(under)
+  for path in set(written):
+    if path.startswith(root + os.sep) and os.path.isfile(path):
+      with contextlib.suppress(OSError):
+        os.remove(path)
 
 
 def ensure_dir(run_dir: str) -> str:
@@ -110,19 +176,25 @@ def locked(run_dir: str):
 
 
 def atomic_write(path: str, data, mode: str = "w") -> None:
-  """Writes `data` (str or bytes, or a callable taking a file object) atomically."""
+  """Writes `data` (str or bytes, or a callable taking a file object) atomically: a
+  failed write (OSError) removes the temporary file and raises WriteError; an
+  interrupted one removes it too, and `path` keeps its previous content either way."""
   directory = os.path.dirname(os.path.abspath(path))
   ensure_dir(directory)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".")
+  tmp = None
   try:
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".")
     with os.fdopen(fd, mode) as f:
       data(f) if callable(data) else f.write(data)
     os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; outputs are for everyone to read
     os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
+  except BaseException as e:
+    if tmp is not None and os.path.exists(tmp):
       os.remove(tmp)
+    if isinstance(e, OSError):
+      raise write_error(path, e) from None
     raise
+  _record(path)
 
 
 def write_json(run_dir: str, name: str, obj: Any) -> str:
@@ -157,8 +229,18 @@ class MetricsWriter:
     self.path = os.path.join(ensure_dir(run_dir), name)
 
   def write(self, record: Dict[str, Any]) -> None:
-    with open(self.path, "a") as f:
-      f.write(json.dumps(record, default=_jsonable) + "\n")
+    """Appends one line; a failed append is cut back off (WriteError), so the log never
+    holds half a record."""
+    line = json.dumps(record, default=_jsonable) + "\n"
+    size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+    try:
+      with open(self.path, "a") as f:
+        f.write(line)
+    except OSError as e:
+      with contextlib.suppress(OSError):
+        os.truncate(self.path, size)
+      raise write_error(self.path, e) from None
+    _record(self.path)
 
   def rewind(self, step: int) -> None:
     """Drops records after `step` (written by a run that was killed after its last

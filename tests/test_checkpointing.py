@@ -4,18 +4,34 @@ K kept, unreadable checkpoints set aside, and changed architectures refused.
 Reference for "exact": the same number of steps trained straight through, compared bit for
 bit (params.npz bytes and every logged loss).
 """
+import errno
+import importlib.util
 import json
 import os
 import shutil
+import time
+from unittest import mock
 
+import gin
 import jax
 import jax.numpy as jnp
 import pytest
 
-from attnprec import checkpointing
+from attnprec import checkpointing, runs
 from attnprec.errors import UserError
-from test_train_utils import (assert_bitwise_equal, checkpoint_listing, load_npz,
+from test_train_utils import (REPO, TINY, assert_bitwise_equal, checkpoint_listing, load_npz,
                               run_and_kill, run_train, train_in_process)
+
+
+def _load_train_runner():
+  spec = importlib.util.spec_from_file_location(
+      "runner_train_ckpt", os.path.join(REPO, "runners", "train.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+TRAIN_RUNNER = _load_train_runner()
 
 STEPS4 = ["train.steps = 4", "train.checkpoint_every = 2"]
 STEPS8 = ["train.steps = 8", "train.checkpoint_every = 2", "train.keep_checkpoints = 2"]
@@ -138,3 +154,97 @@ def test_finished_run_is_not_retrained(tmp_path, capsys):
   train_in_process(run, STEPS4)
   assert "already trained to step 4" in capsys.readouterr().out
   assert_bitwise_equal(params, load_npz(run / "params.npz"))
+
+
+# ------------------------------------------------------------------ full disk, write failures
+def _enospc(*args, **kwargs):
+  raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+_real_json_save = None
+
+
+async def _enospc_at_step_6(self, item, directory):
+  """JsonCheckpointHandler._save_fn failing for the meta item of step 6 only."""
+  if isinstance(item, dict) and item.get("step") == 6:
+    _enospc()
+  return await _real_json_save(self, item, directory)
+
+
+def test_full_disk_in_a_checkpoint_save_is_one_paragraph(tmp_path, capfd):
+  """The meta item's write fails with ENOSPC inside orbax's writer thread while the state
+  item is still being written: exit 2, one line naming the checkpoint and the cause, no
+  traceback from any thread, the previous checkpoints intact, the partial one removed;
+  training again (disk freed) resumes from step 4 and ends as an uninterrupted run."""
+  # (checkpoints 2 and 4 are written; the save of step 6 fails)
+  import orbax.checkpoint as ocp
+  global _real_json_save
+  _real_json_save = ocp.handlers.JsonCheckpointHandler._save_fn
+  run = tmp_path / "run"
+  capfd.readouterr()
+  with mock.patch.object(ocp.handlers.JsonCheckpointHandler, "_save_fn", _enospc_at_step_6):
+    rc = TRAIN_RUNNER.main([f"--run_dir={run}", "--gin_file=experiments/recall.gin",
+                            *[f"--gin_bindings={b}" for b in TINY + STEPS8]])
+  time.sleep(0.5)   # anything a writer thread would still print
+  err = capfd.readouterr().err
+  assert rc == 2, err
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert len(lines) == 1, err
+  assert lines[0].startswith(f"train: error: Cannot write the checkpoint of step 6 to "
+                             f"{run / 'checkpoints' / '6'}: No space left on device (ENOSPC).")
+  assert checkpoint_listing(run) == ["2", "4"]             # no 6.orbax-checkpoint-tmp
+  assert not (run / "params.npz").exists()
+  gin.clear_config()
+  train_in_process(run, STEPS8)
+  assert "resuming from checkpoint step 4" in capfd.readouterr().out
+  straight = tmp_path / "straight"
+  train_in_process(straight, STEPS8)
+  assert_bitwise_equal(load_npz(straight / "params.npz"), load_npz(run / "params.npz"))
+
+
+def test_atomic_write_failure_keeps_the_old_file(tmp_path):
+  path = tmp_path / "results.json"
+  path.write_text("old")
+
+  def half_then_full(f):
+    f.write("new, half")
+    _enospc()
+
+  with pytest.raises(runs.WriteError, match=rf"Cannot write '{path}': No space left on device "
+                                            rf"\(ENOSPC\)\. The partial file was removed"):
+    runs.atomic_write(str(path), half_then_full)
+  assert path.read_text() == "old"
+  assert os.listdir(tmp_path) == ["results.json"]          # no temporary file left
+
+
+def test_metrics_append_failure_cuts_the_half_line(tmp_path, monkeypatch):
+  writer = runs.MetricsWriter(str(tmp_path))
+  writer.write({"step": 1})
+  before = (tmp_path / "metrics.jsonl").read_text()
+  real_open = open
+
+  class HalfFile:
+    def __init__(self, f):
+      self.f = f
+
+    def write(self, text):
+      self.f.write(text[:5])
+      self.f.flush()
+      _enospc()
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      self.f.close()
+
+  monkeypatch.setattr("builtins.open", lambda *a, **k: HalfFile(real_open(*a, **k)))
+  with pytest.raises(runs.WriteError, match="metrics.jsonl': No space left on device"):
+    writer.write({"step": 2})
+  monkeypatch.undo()
+  assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+def test_unwritable_results_name_the_cause():
+  e = runs.write_error("/x/y.json", OSError(errno.EROFS, os.strerror(errno.EROFS)))
+  assert "Cannot write '/x/y.json': Read-only file system (EROFS)." in str(e)
