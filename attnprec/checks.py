@@ -19,7 +19,7 @@ import numbers
 import typing
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from attnprec.errors import UserError
+from attnprec.errors import UserError, shorten
 
 Rule = Callable[[Any], Optional[str]]
 
@@ -103,7 +103,7 @@ def sequence_of(inner: Rule, *, nonempty: bool = True) -> Rule:
     for item in v:
       problem = inner(item)
       if problem:
-        return f"every item {problem} (got {item!r})"
+        return f"every item {problem} (got {shorten(item)})"
   return rule
 
 
@@ -132,6 +132,14 @@ def is_callable(what: str) -> Rule:
     if not callable(v):
       return f"must be {what}"
   return rule
+
+
+def check_argument(function: str, arg: str, value, rule: Rule) -> None:
+  """For the Python API: raises `Invalid argument <arg>=<value> of <function>: <what is
+  valid>.` (the value shortened) when `rule` refuses `value`."""
+  problem = rule(value)
+  if problem:
+    raise UserError(f"Invalid argument {arg}={shorten(value)} of {function}: {problem}.")
 
 
 # ----------------------------------------------------------------------------- types
@@ -178,12 +186,13 @@ class Rules:
       rule = self.rules.get(arg)
       problem = rule(value) if rule else None
       if problem:
-        raise UserError(f"Invalid {where or self.name}.{arg} = {value!r}: {problem}.")
+        raise UserError(f"Invalid {where or self.name}.{arg} = {shorten(value)}: {problem}.")
 
 
 def validated(name: str, **rules: Rule):
   """Declares argument rules on a function or a dataclass and checks them on every call
-  (functions) or construction (dataclasses, before their own `__post_init__`).
+  (functions) or construction (dataclasses, before their own `__post_init__`; a call
+  with an unknown or missing argument is a UserError listing the fields).
 
   Arguments without an explicit rule get one from their type annotation (see
   `type_rule`) when it is a plain type.
@@ -197,11 +206,31 @@ def validated(name: str, **rules: Rule):
     if inspect.isclass(obj):
       original = getattr(obj, "__post_init__", None)
 
-      def __post_init__(self):
+      def check(self):
         spec.check({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-        if original is not None:
+
+      if original is not None:
+        # The dataclass's __init__ calls __post_init__: check there, before the class's own.
+        def __post_init__(self):
+          check(self)
           original(self)
-      obj.__post_init__ = __post_init__
+        obj.__post_init__ = __post_init__
+      init = obj.__init__
+      init_signature = inspect.signature(init)
+
+      @functools.wraps(init)
+      def __init__(self, *args, **kwargs):
+        try:
+          init_signature.bind(self, *args, **kwargs)
+        except TypeError as e:
+          fields = ", ".join(f.name for f in dataclasses.fields(obj)) or "none"
+          raise UserError(f"{obj.__name__}(...) cannot take these arguments ({e}); its arguments "
+                          f"are (by keyword): {fields}.") from None
+        init(self, *args, **kwargs)
+        if original is None:
+          # A dataclass defined without __post_init__ never calls one added later.
+          check(self)
+      obj.__init__ = __init__
       obj.__checks__ = spec
       return obj
     signature = inspect.signature(obj)

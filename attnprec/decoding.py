@@ -29,6 +29,7 @@ from attnprec.precision import ALGORITHM_PRESETS, Precision
 
 # ----------------------------------------------------------------------------- samplers
 @gin.configurable
+@checks.validated("Greedy")
 @dataclasses.dataclass(frozen=True)
 class Greedy:
   """argmax."""
