@@ -5,12 +5,21 @@ Flags (repeatable, T5X-style):
   --gin_bindings='A.b=1'   a raw binding
   --gin.A.b=VALUE          rewritten into the binding `A.b = VALUE`; a VALUE that is not a
                            gin/Python literal (e.g. runs/recall) is taken as a string.
+
+Before gin parses them, the files (following their includes) and the bindings are read
+once here (`_scan`), so that what gin reports as a RecursionError or a tokenizer
+traceback is a UserError naming the file and line: an include cycle, an unterminated
+bracket or string. After parsing, bindings whose references or macros form a cycle
+(`x = %x`, `a.b = @a()`) are refused the same way (`check_reference_cycles`).
 """
 import ast
 import contextlib
+import inspect
+import io
 import os
 import re
-from typing import Iterator, List, Optional, Sequence, Tuple
+import tokenize
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import gin
 import jax
@@ -127,14 +136,210 @@ def parse(files: Sequence[str], bindings: Sequence[str],
     # First, so `include 'models/x.gin'` resolves against gin/ from any directory.
     prefixes.insert(0, REPO_GIN_DIR)
   resolved = [resolve_file(f) for f in files]
+  statements = _scan(resolved, bindings)
   try:
     gin.parse_config_files_and_bindings(resolved, list(bindings), finalize_config=False)
-  except (ValueError, SyntaxError, KeyError, IOError) as e:
+  except (ValueError, SyntaxError, KeyError, IOError, tokenize.TokenError) as e:
     raise UserError(_clean_gin_error(e)) from None
+  except RecursionError:
+    raise UserError("Invalid gin configuration: parsing the gin files recursed without end "
+                    "(an include cycle?). Check the include lines of "
+                    f"{', '.join(map(repr, files))}.") from None
+  check_reference_cycles(statements)
   check_config(phases)
   check_kernel_settings(phases)
   if reads is not None:
     check_command_line(bindings, reads, prog)
+
+
+class _Binding(NamedTuple):
+  """A binding statement as written: where (file, line) and what."""
+  where: str       # 'recall.gin, line 3' or "the command-line binding 'x = 1'"
+  scope: str
+  selector: str
+  arg_name: str    # '' for a macro definition
+  text: str        # the line as written
+
+
+def _scan(files: Sequence[str], bindings: Sequence[str]) -> List[_Binding]:
+  """Reads the gin files (following includes as gin does) and then the bindings, before
+  gin parses them, raising a UserError with the file and line for an include cycle and an
+  unterminated bracket or string. Returns every binding statement in the order gin
+  applies them (to name where a binding was written). Other errors are left to gin."""
+  out: List[_Binding] = []
+  for path in files:
+    _scan_file(path, [], out)
+  lines = []   # (binding index) per line of the joined bindings, as gin joins them
+  for i, b in enumerate(bindings):
+    lines += [i] * (b.count("\n") + 1)
+
+  def where(line: int) -> str:
+    text = bindings[lines[min(line, len(lines)) - 1]] if lines else ""
+    return f"the command-line binding {text.strip()!r}"
+
+  _scan_text("\n".join(bindings), None, where, [], out)
+  return out
+
+
+def _scan_file(path: str, stack: List[Tuple[str, str]], out: List[_Binding]) -> None:
+  """stack: (real path, 'file.gin, line N') of the files including this one."""
+  real = os.path.realpath(path)
+  seen = [p for p, _ in stack]
+  if real in seen:
+    chain = stack[seen.index(real):]
+    steps = [f"{_short_path(p)} includes {_short_path(nxt)} ({where})"
+             for (p, where), nxt in zip(chain, [q for q, _ in chain[1:]] + [real])]
+    raise UserError(f"Gin include cycle: {'; '.join(steps)}. A file cannot include itself, "
+                    f"directly or through others; remove one of these include lines.")
+  try:
+    with open(real) as f:
+      text = f.read()
+  except (OSError, UnicodeDecodeError):
+    return   # gin names the unreadable file
+  _scan_text(text, real, lambda line: f"{_short_path(real)}, line {line}", stack, out)
+
+
+def _scan_text(text: str, path: Optional[str], where, stack, out: List[_Binding]) -> None:
+  from gin import config_parser
+  named = io.StringIO(text)
+  named.name = path
+  parser = config_parser.ConfigParser(named, gin.config.ParserDelegate(skip_unknown=True))
+  lines = text.splitlines()
+  try:
+    for st in parser:
+      line = st.location.line_num
+      if isinstance(st, config_parser.IncludeStatement):
+        included = _resolve_include(st.filename)
+        if included and path is not None:
+          _scan_file(included, stack + [(path, where(line))], out)
+      elif isinstance(st, config_parser.BindingStatement):
+        out.append(_Binding(where(line), st.scope, st.selector, st.arg_name,
+                            lines[line - 1].strip() if 0 < line <= len(lines) else ""))
+  except UserError:
+    raise
+  except tokenize.TokenError as e:
+    raise UserError(_unterminated(text, e, where)) from None
+  except SyntaxError as e:
+    opened = _unclosed_bracket(text, upto=e.lineno or 0)
+    if opened and opened[1] < (e.lineno or 0):
+      raise UserError(
+          f"Invalid gin configuration in {where(opened[1])}: unterminated expression: the "
+          f"{opened[0]!r} opened there is not closed before line {e.lineno} "
+          f"({(e.text or '').strip()!r}). Close it, e.g. train.seed = (1, 2).") from None
+  except Exception:  # noqa: BLE001 -- anything else: gin's own parse reports it
+    return
+
+
+def _resolve_include(name: str) -> Optional[str]:
+  """The file an `include` names, searched as gin searches it."""
+  prefixes = gin.config._LOCATION_PREFIXES if not os.path.isabs(name) else [""]  # noqa: SLF001
+  for prefix in prefixes:
+    candidate = os.path.join(prefix, name)
+    if os.path.isfile(candidate):
+      return candidate
+  return None
+
+
+def _short_path(path: str) -> str:
+  root = os.path.dirname(REPO_GIN_DIR)
+  return os.path.relpath(path, root) if path.startswith(root + os.sep) else path
+
+
+def _unclosed_bracket(text: str, upto: int = 0) -> Optional[Tuple[str, int]]:
+  """(bracket, line) of the innermost bracket still open where tokenizing `text` stops
+  (its end, a tokenizer error, or line `upto`), or None."""
+  stack = []
+  try:
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+      if upto and tok.start[0] >= upto:
+        break
+      if tok.type == tokenize.OP and tok.string in "([{":
+        stack.append((tok.string, tok.start[0]))
+      elif tok.type == tokenize.OP and tok.string in ")]}" and stack:
+        stack.pop()
+  except (tokenize.TokenError, SyntaxError):
+    pass
+  return stack[-1] if stack else None
+
+
+def _unterminated(text: str, e: tokenize.TokenError, where) -> str:
+  what, (line, _) = e.args[0], e.args[1]
+  if "string" in what:
+    return (f"Invalid gin configuration in {where(line)}: unterminated string: the "
+            f"triple-quoted string that starts there is never closed.")
+  opened = _unclosed_bracket(text)
+  if opened:
+    return (f"Invalid gin configuration in {where(opened[1])}: unterminated expression: "
+            f"the {opened[0]!r} opened there is never closed (the input ends first). "
+            f"Close it, e.g. train.seed = (1, 2).")
+  return (f"Invalid gin configuration in {where(max(line - 1, 1))}: unterminated "
+          f"expression ({what}).")
+
+
+def check_reference_cycles(statements: Sequence[_Binding] = ()) -> None:
+  """Refuses bindings that would recurse without end when called: a macro defined by
+  itself (`x = %x`, or `x = %y` and `y = %x`) or a configurable whose binding calls it
+  again (`optimizer.learning_rate = @optimizer()`), through any chain of `%macro` and
+  `@name()` references. Names each binding of the cycle and where it was written."""
+  config = gin.config._CONFIG  # noqa: SLF001
+  state, path = {}, []
+
+  def edges(node):
+    scope, selector = node
+    bound = {}   # arg -> (config key, value), most specific scope last (gin's rule)
+    parts = list(scope)
+    for i in range(len(parts) + 1):
+      key = ("/".join(parts[:i]), selector)
+      for arg, value in config.get(key, {}).items():
+        bound[arg] = (key, value)
+    for arg, (key, value) in bound.items():
+      for v in _walk(value):
+        if isinstance(v, gin.config.ConfigurableReference) and v.evaluate:
+          nxt = (tuple(v.scopes) if v.scopes else scope, v.configurable.selector)
+          yield (key, arg, v), nxt
+
+  def visit(node):
+    state[node] = "open"
+    for edge, nxt in edges(node):
+      path.append((node, edge))
+      if state.get(nxt) == "open":
+        start = next(i for i, (n, _) in enumerate(path) if n == nxt)
+        raise _cycle_error([e for _, e in path[start:]], statements)
+      if nxt not in state:
+        visit(nxt)
+      path.pop()
+    state[node] = "done"
+
+  for scope, selector in list(config):
+    node = (tuple(scope.split("/")) if scope else (), selector)
+    if node not in state:
+      visit(node)
+
+
+def _cycle_error(edges, statements: Sequence[_Binding]) -> UserError:
+  shown = []
+  for key, arg, ref in edges:
+    name, place = _binding_site(key, arg, statements)
+    shown.append(f"{name} = {ref!r}" + (f" ({place})" if place else ""))
+  return UserError(
+      f"Invalid gin configuration: these bindings reference themselves in a cycle and "
+      f"would recurse without end: {' -> '.join(shown)}. Give one of them a value.")
+
+
+def _binding_site(key, arg: str, statements: Sequence[_Binding]) -> Tuple[str, str]:
+  """(the binding's name as written, 'file, line N' of its last definition)."""
+  scope, selector = key
+  registry = gin.config._REGISTRY  # noqa: SLF001
+  if selector == "gin.macro":
+    name = scope
+    match = [s for s in statements if not s.arg_name
+             and "/".join(filter(None, (s.scope, s.selector))) == scope]
+  else:
+    configurable = registry.get_match(selector)
+    name = f"{scope + '/' if scope else ''}{configurable.name}.{arg}"
+    match = [s for s in statements if s.arg_name == arg and s.scope == scope
+             and getattr(registry.get_match(s.selector), "selector", None) == selector]
+  return name, (match[-1].where if match else "")
 
 
 def check_kernel_settings(phases: Optional[Sequence[str]]) -> None:
@@ -301,7 +506,12 @@ def _binding_name(scope: str, selector: str) -> str:
 
 
 def _clean_gin_error(e: BaseException) -> str:
+  if isinstance(e, tokenize.TokenError):
+    return f"Invalid gin configuration: unterminated expression or string ({e.args[0]})."
   text = " ".join(str(e).split())
+  # ast.literal_eval's message names an object address, not what was written.
+  text = re.sub(r"malformed node or string on line \d+: <ast\.\w+ object at 0x[0-9a-f]+>",
+                "not a literal value:", text)
   if isinstance(e, KeyError):
     text = text.strip("'\"")
   m = re.search(r"No configurable matching '([^']+)'", text)
@@ -334,6 +544,80 @@ def _configurable_names():
           if not selector.startswith(("gin.", "jax.lax"))}
 
 
+# Configurables --help does not list: test-only fault injection.
+HIDDEN_IN_HELP = ("fault_injection",)
+
+
+def clear() -> None:
+  gin.clear_config()
+
+
+def configurable_values(reads: Sequence[str]) -> List[Tuple[str, str]]:
+  """[(NAME, value)] for every parameter of every configurable a runner with roots
+  `reads` reaches (`reached`), as gin would call it now: the bound value (a reference or
+  macro as written, a macro followed by its value) or the code's default. Phase
+  configurables (`precision`, `blockwise`) are listed per phase the runner reads."""
+  registry = gin.config._REGISTRY  # noqa: SLF001
+  phases = sorted({r.split("/")[0] for r in reads if "/" in r})
+  out = []
+  for name in sorted(reached(reads)):
+    configurable = registry.get_match(name)
+    if configurable is None or name in HIDDEN_IN_HELP:
+      continue
+    scopes = phases if name in PHASE_CONFIGURABLES and phases else [""]
+    for scope in scopes:
+      bound = _merged_bindings(scope, configurable.selector)
+      for param, default in _parameters(configurable):
+        value = bound.get(param, default)
+        out.append((f"{scope + '/' if scope else ''}{name}.{param}", _show(value)))
+  return out
+
+
+def _merged_bindings(scope: str, selector: str) -> dict:
+  parts = scope.split("/") if scope else []
+  merged = {}
+  for i in range(len(parts) + 1):
+    merged.update(gin.config._CONFIG.get(("/".join(parts[:i]), selector), {}))  # noqa: SLF001
+  return merged
+
+
+def _parameters(configurable) -> List[Tuple[str, object]]:
+  """(name, default) of the parameters gin can bind; the default is gin.REQUIRED when
+  the code has none."""
+  try:
+    params = inspect.signature(configurable.wrapped).parameters.values()
+  except (TypeError, ValueError):
+    return []
+  deny = set(configurable.denylist or ())
+  return [(p.name, gin.REQUIRED if p.default is inspect.Parameter.empty else p.default)
+          for p in params if p.name not in deny and p.name != "self"
+          and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _show(value, limit: int = 100) -> str:
+  """A value as gin syntax: literals by repr, `@ref()` and `%macro` as written (a macro
+  with the value it stands for), `required` for a parameter nothing sets."""
+  if value is gin.REQUIRED:
+    return "(required)"
+  if isinstance(value, gin.config.ConfigurableReference):
+    text = repr(value)
+    if text == "%gin.REQUIRED":
+      return "(required)"
+    if value.configurable.selector == "gin.macro" and value.evaluate:
+      macro = gin.config._CONFIG.get(("/".join(value.scopes), "gin.macro"), {})  # noqa: SLF001
+      if "value" in macro:
+        text += f" (= {_show(macro['value'], limit)})"
+    return text
+  if callable(value) and hasattr(value, "__qualname__"):
+    for _, c in gin.config._REGISTRY.items():  # noqa: SLF001  a configurable: as gin writes it
+      if value in (c.wrapped, getattr(c.wrapped, "__wrapped__", None)) or \
+          getattr(value, "__wrapped__", None) is c.wrapped:
+        return f"@{c.name}"
+    return f"{value.__module__}.{value.__qualname__}"
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 @contextlib.contextmanager
 def phase(name: str):
   """Enter a gin scope for one phase (`train` or `decode`), so `decode/precision.x = ...`
@@ -348,6 +632,10 @@ def call(fn, *args, **kwargs):
   """Calls a gin configurable, turning gin's wrapped errors into UserErrors."""
   try:
     return fn(*args, **kwargs)
+  except RecursionError:
+    raise UserError("Invalid gin configuration: calling the configured job recursed "
+                    "without end; a binding probably refers to itself through a reference "
+                    "(@name() or %macro) that check_reference_cycles could not see.") from None
   except TypeError as e:
     if "missing" in str(e) or "unexpected keyword" in str(e):
       raise UserError(f"Configuration incomplete or wrong: {e}") from None

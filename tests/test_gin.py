@@ -99,3 +99,89 @@ def test_missing_gin_file_lists_available():
 
 def test_gin_cleared_between_tests():
   assert gin.config_str().strip() == ""
+
+
+# ---------------------------------------------------------------- gin edge cases, via a runner
+def _train_main(argv):
+  """(exit code, stderr) of runners/train.py main(argv), in-process (bad gin is refused
+  before any work)."""
+  import contextlib
+  import importlib.util
+  import io
+  spec = importlib.util.spec_from_file_location(
+      "runner_train_gin", os.path.join(os.path.dirname(GIN_DIR), "runners", "train.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    rc = module.main(list(argv))
+  gin.clear_config()
+  return rc, err.getvalue()
+
+
+def _refused(tmp_path, files, *bindings):
+  """Writes {name: text} gin files into tmp_path, runs train with the first of them."""
+  for name, text in files.items():
+    (tmp_path / name).write_text(text)
+  run_dir = tmp_path / "run"
+  argv = ["--gin_file=experiments/recall.gin", f"--run_dir={run_dir}"]
+  argv += [f"--gin_file={tmp_path / next(iter(files))}"] if files else []
+  rc, err = _train_main(argv + [f"--gin_bindings={b}" for b in bindings])
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert rc == 2, err
+  assert len(lines) == 1 and lines[0].startswith("train: error: "), err
+  assert "Traceback" not in err and "RecursionError" not in err
+  assert not run_dir.exists()
+  return lines[0]
+
+
+def test_include_cycle_names_the_files_and_lines(tmp_path):
+  a, b = tmp_path / "a.gin", tmp_path / "b.gin"
+  line = _refused(tmp_path, {"a.gin": f"train.seed = 1\ninclude '{b}'\n",
+                             "b.gin": f"include '{a}'\n"})
+  assert line == (f"train: error: Gin include cycle: {a} includes {b} ({a}, line 2); {b} "
+                  f"includes {a} ({b}, line 1). A file cannot include itself, directly or "
+                  f"through others; remove one of these include lines.")
+
+
+def test_file_including_itself(tmp_path):
+  a = tmp_path / "a.gin"
+  line = _refused(tmp_path, {"a.gin": f"include '{a}'\n"})
+  assert f"Gin include cycle: {a} includes {a} ({a}, line 1)" in line
+
+
+@pytest.mark.parametrize("text,where,what", [
+    ("train.seed = 1\ntrain.steps = (1,\n", "line 2", "the '(' opened there is never closed"),
+    ("train.steps = [1,\n  2\n", "line 1", "the '[' opened there is never closed"),
+    ("train.steps = (1,\ntrain.seed = 2\n", "line 1",
+     "the '(' opened there is not closed before line 2 ('train.seed = 2')"),
+    ("train.seed = 1\ntrain.steps = '''abc\n", "line 2", "unterminated string"),
+])
+def test_unterminated_expression_names_file_and_line(tmp_path, text, where, what):
+  line = _refused(tmp_path, {"bad.gin": text})
+  assert f"{tmp_path / 'bad.gin'}, {where}: " in line and what in line, line
+
+
+def test_unterminated_command_line_binding(tmp_path):
+  line = _refused(tmp_path, {}, "train.seed = 1", "train.steps = (1,")
+  assert "in the command-line binding 'train.steps = (1,': unterminated expression" in line
+
+
+@pytest.mark.parametrize("text,shown", [
+    ("x = %x\ntrain.seed = %x\n", "x = %x ({f}, line 1)"),
+    ("x = %y\ny = %x\ntrain.seed = %x\n", "x = %y ({f}, line 1) -> y = %x ({f}, line 2)"),
+    ("optimizer.learning_rate = @optimizer()\n",
+     "optimizer.learning_rate = @optimizer() ({f}, line 1)"),
+    ("m = @optimizer()\noptimizer.learning_rate = %m\n",
+     "m = @optimizer() ({f}, line 1) -> optimizer.learning_rate = %m ({f}, line 2)"),
+])
+def test_self_reference_is_refused_before_recursing(tmp_path, text, shown):
+  line = _refused(tmp_path, {"cycle.gin": text})
+  assert "reference themselves in a cycle" in line
+  assert shown.format(f=tmp_path / "cycle.gin") in line, line
+
+
+def test_references_without_a_cycle_still_parse():
+  ginutils.parse([], ["x = 3", "y = %x", "train.seed = %y",
+                      "decode/precision.dtype = %dtype", "dtype = 'bfloat16'"])
+  assert _phase_precision("decode").dtype == "bfloat16"
