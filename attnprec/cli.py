@@ -1,54 +1,200 @@
-"""What the thin runners share: flags -> gin -> checks -> a job, and one error path.
+"""What the thin runners share: flags -> gin -> checks -> a job, one error path, signals
+and `--help`.
 
 Exit codes of every runner (`runners/*.py`):
-  0  success (audit: PASS)
-  1  a crash: a bug in attnprec, with its traceback
-  2  bad input: one paragraph on stderr naming the bad value and the valid ones
-  3  audit only: the compiled programs do not follow the precision contract (MISMATCH)
-  130 interrupted (Ctrl-C)
+  0   success (audit: PASS)
+  1   a crash: a bug in attnprec, with its traceback
+  2   bad input, or an output that cannot be written (a full disk): one paragraph on
+      stderr naming the bad value (or the path and the cause) and the valid ones
+  3   audit only: the compiled programs do not follow the precision contract (MISMATCH)
+  130 interrupted by SIGINT (Ctrl-C)
+  143 terminated by SIGTERM (a scheduler, `docker stop`, a preemption)
+
+Signals: SIGINT and SIGTERM are handled alike. Outside training they stop the run at
+once; what the run had written into its output directory is removed again (every file
+is written atomically, so there is never half a file), and a run directory it created is
+removed when that leaves it empty. Training defers them (`deferred_signals`): it finishes
+the step in flight, saves a checkpoint at that step and exits with one line saying where.
+
+A new runner (runners/NAME.py) is a module docstring (its purpose: the first lines of
+its --help) and:
+
+    def main(argv) -> int:
+      return cli.main(argv, prog="NAME", doc=__doc__, examples=EXAMPLES,
+                      default_files=["runs/NAME.gin"], default_run_dir="runs/NAME",
+                      reads=("NAME",), body=lambda run_dir: ginutils.call(job, run_dir=run_dir))
+
+`reads` names the configurables it calls itself (see `main`); its --help lists every
+configurable those reach with the value in force after the default gin files (and any
+--gin_file/--gin.X given with --help). A runner without gin builds its parser with
+`ArgumentParser(prog=..., doc=__doc__, examples=...)` and calls `run`.
 """
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 from typing import Callable, Optional, Sequence
 
 from attnprec import ginutils, runs
 from attnprec.errors import UserError
 
-EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_MISMATCH, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_MISMATCH = 0, 1, 2, 3
+EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+  """SIGINT or SIGTERM arrived (a KeyboardInterrupt, so cleanup written for Ctrl-C runs).
+  `note` (optional) says what was saved; runners exit with 128 + signum."""
+
+  def __init__(self, signum: int, note: str = ""):
+    super().__init__(signum, note)
+    self.signum, self.note = int(signum), note
+
+  @property
+  def exit_code(self) -> int:
+    return 128 + self.signum
+
+  @property
+  def signal_name(self) -> str:
+    return signal.Signals(self.signum).name
+
+
+def _raise_interrupted(signum, frame):
+  raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _handled_signals(handler):
+  """Installs `handler` for SIGINT and SIGTERM while the block runs (main thread only:
+  elsewhere Python cannot install handlers, and the block runs unchanged)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = {s: signal.signal(s, handler) for s in SIGNALS}
+  try:
+    yield
+  finally:
+    for s, h in previous.items():
+      signal.signal(s, h)
+
+
+class deferred_signals:  # noqa: N801 -- used as a context manager, like a function
+  """While active, SIGINT and SIGTERM only record themselves (`signum`), so the caller can
+  finish what it is doing, save, and then `raise_pending(note)`. A second signal raises
+  Interrupted at once (the user insists; atomic saves keep the last good state).
+
+      with cli.deferred_signals() as signals:
+        for step in ...:
+          ...one step...
+          if signals.signum:
+            save(); signals.raise_pending(f"saved a checkpoint at step {n} in ...")
+  """
+
+  def __init__(self):
+    self.signum: Optional[int] = None
+    self._handled = None
+
+  def _handler(self, signum, frame):
+    if self.signum is not None:
+      raise Interrupted(signum, "a second signal: stopped without waiting for the save")
+    self.signum = signum
+
+  def raise_pending(self, note: str = "") -> None:
+    if self.signum is not None:
+      raise Interrupted(self.signum, note)
+
+  def __enter__(self) -> "deferred_signals":
+    self._handled = _handled_signals(self._handler)
+    self._handled.__enter__()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._handled.__exit__(*exc)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                     argparse.ArgumentDefaultsHelpFormatter):
+  """Description and epilog as written; an option's help shows its default."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
   """argparse whose errors are UserErrors (one paragraph, exit 2 through `run`), never a
-  SystemExit from inside a library call."""
+  SystemExit from inside a library call, and whose --help is the runner's own usage:
+  `doc` (the runner's module docstring: what it does), its options with their defaults,
+  `sections` (extra text blocks, e.g. the gin options and configurables) and `examples`
+  (command lines)."""
+
+  def __init__(self, *, prog: str, doc: str, examples: Sequence[str] = (),
+               sections: Sequence[str] = (), **kwargs):
+    blocks = list(sections)
+    if examples:
+      blocks.append("examples:\n" + "\n".join(f"  {e}" for e in examples))
+    kwargs.setdefault("allow_abbrev", False)
+    super().__init__(prog=prog, description=(doc or "").strip(), epilog="\n\n".join(blocks),
+                     formatter_class=_HelpFormatter, **kwargs)
 
   def error(self, message):
     raise UserError(f"{message}. Usage: {self.format_usage().strip()[len('usage: '):]}")
 
 
-def run(prog: str, body: Callable[[], object], *, output_dir: Optional[str] = None) -> int:
+def run(prog: str, body: Callable[[], object], *, output_dir: Optional[str] = None,
+        keep_partial: bool = False) -> int:
   """Runs body() with the one error path every runner shares: a UserError is printed as
-  `prog: error: <paragraph>` with exit code 2 and no traceback; Ctrl-C gives 130. If
-  `output_dir` did not exist before and the run fails, it is removed again when it holds
-  no file, so a failed load leaves no empty run directory behind."""
+  `prog: error: <paragraph>` with exit code 2 and no traceback (a failed write too:
+  `runs.WriteError`); SIGINT gives 130 and SIGTERM 143, with one line.
+
+  Outputs: if `output_dir` did not exist before and the run fails, it is removed again
+  when it holds no file, so a failed load leaves no empty run directory behind. When the
+  run is interrupted or cannot write an output, the files it wrote into `output_dir` are
+  removed too (no mix of a half-done run's outputs and older ones), unless
+  `keep_partial` (training: its checkpoints are the point).
+  """
   existed = output_dir is None or os.path.lexists(output_dir)
-  try:
-    body()
-    return EXIT_OK
-  except UserError as e:
-    _print_error(prog, e)
-    rc = EXIT_USER_ERROR
-  except KeyboardInterrupt:
-    print(f"{prog}: interrupted", file=sys.stderr)
-    rc = EXIT_INTERRUPTED
-  except SystemExit as e:   # argparse --help
-    return e.code if isinstance(e.code, int) else EXIT_OK
-  except BaseException:
-    if not existed:
-      runs.remove_if_empty(output_dir)
-    raise
+  partial = False
+  with runs.track_writes() as written, _handled_signals(_raise_interrupted):
+    try:
+      body()
+      return EXIT_OK
+    except UserError as e:
+      _print_error(prog, e)
+      rc, partial = EXIT_USER_ERROR, isinstance(e, runs.WriteError)
+    except KeyboardInterrupt as e:
+      rc, partial = _print_interrupted(prog, e), True
+    except SystemExit as e:   # argparse --help
+      return e.code if isinstance(e.code, int) else EXIT_OK
+    except BaseException:
+      if not existed:
+        runs.remove_if_empty(output_dir)
+      raise
+  if partial and output_dir is not None and not keep_partial:
+    runs.remove_written(written, output_dir)
   if not existed:
     runs.remove_if_empty(output_dir)
+  return rc
+
+
+def exit(rc: int) -> None:  # noqa: A001 -- the runners' sys.exit
+  """Ends a runner's process with code `rc` (its `__main__` calls `cli.exit(main(argv))`).
+  After a signal (130, 143) the process ends at once, once its output is flushed: JAX may
+  still be compiling or computing in its own threads, and tearing the interpreter down
+  under them can crash (a segfault, exit 139, instead of 143). Outputs are already
+  complete or removed by then (`run`)."""
+  if rc in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+  sys.exit(rc)
+
+
+def _print_interrupted(prog: str, e: KeyboardInterrupt) -> int:
+  if isinstance(e, Interrupted):
+    name, rc, note = e.signal_name, e.exit_code, e.note
+  else:
+    name, rc, note = "SIGINT", EXIT_INTERRUPTED, ""
+  print(f"{prog}: interrupted by {name}" + (f"; {note}" if note else ""), file=sys.stderr)
   return rc
 
 
@@ -60,31 +206,77 @@ def _print_error(prog: str, e: UserError) -> None:
   print(f"{prog}: error: {message}", file=sys.stderr)
 
 
-def main(argv: Sequence[str], *, prog: str, default_files: Sequence[str],
-         default_run_dir: str, body: Callable[[str], object],
-         reads: Optional[Sequence[str]] = None) -> int:
+GIN_OPTIONS = """\
+gin options (repeatable; later ones override earlier ones):
+  --gin_file=PATH           a gin file, read after the defaults ({defaults}); a relative
+                            path also resolves against the repository's gin/
+  --gin.NAME=VALUE          one binding, e.g. --gin.train.steps=300; a VALUE that is not a
+                            Python/gin literal (runs/recall) is taken as a string
+  --gin_bindings='NAME = VALUE'
+                            one binding as gin syntax, e.g. --gin_bindings='train.seed = 1'"""
+
+
+def main(argv: Sequence[str], *, prog: str, doc: str, examples: Sequence[str],
+         default_files: Sequence[str], default_run_dir: str, body: Callable[[str], object],
+         reads: Optional[Sequence[str]] = None, keep_partial: bool = False) -> int:
   """Parses `--gin_file/--gin_bindings/--gin.X=V` and `--run_dir`, checks the whole
   configuration and the run directory, then runs body(run_dir) (see `run`).
 
-  `reads`: the configurables the runner calls itself (`phase/precision` for the phase
+  doc: the runner's module docstring (what it does, the start of its --help).
+  examples: one or two command lines for its --help.
+  default_files: gin files read first (relative to gin/), e.g. ["runs/train.gin"].
+  reads: the configurables the runner calls itself (`phase/precision` for the phase
   precision it reads); gin's config and the command line's bindings are checked against
-  them (`ginutils.check_config`, `ginutils.check_command_line`). None: only the config.
+  them (`ginutils.check_config`, `ginutils.check_command_line`), and --help lists what
+  they reach with their values. None: only the config is checked.
+  keep_partial: keep what the run wrote when it is interrupted (training).
   """
+  def parser(sections=()):
+    p = ArgumentParser(prog=prog, doc=doc, examples=examples, sections=sections,
+                       usage=f"{prog} [--gin_file=PATH ...] [--gin.NAME=VALUE ...] "
+                             f"[--gin_bindings='NAME = VALUE' ...] [--run_dir=DIR]")
+    p.add_argument("--run_dir", default=default_run_dir, metavar="DIR",
+                   help="where outputs are written")
+    return p
+
   def parse_then_body():
     files, bindings, rest = ginutils.split_flags(argv)
-    parser = ArgumentParser(prog=prog, description=__doc__, allow_abbrev=False)
-    parser.add_argument("--run_dir", default=default_run_dir,
-                        help="where outputs are written (default: %(default)s)")
-    args, unknown = parser.parse_known_args(rest)
+    if "-h" in rest or "--help" in rest:
+      parser(_gin_help(default_files, files, bindings, reads, prog)).print_help()
+      return
+    args, unknown = parser().parse_known_args(rest)
     if unknown:
       raise UserError(f"Unknown argument(s) {unknown}; valid: --gin_file=PATH, "
-                      f"--gin_bindings='NAME=VALUE', --gin.NAME=VALUE, --run_dir=DIR.")
+                      f"--gin_bindings='NAME=VALUE', --gin.NAME=VALUE, --run_dir=DIR, "
+                      f"--help.")
     ginutils.parse(list(default_files) + files, bindings, reads=reads, prog=prog)
     runs.check_output_dir(args.run_dir, flag="--run_dir")
     body(args.run_dir)
 
   run_dir = _run_dir_flag(argv, default_run_dir)
-  return run(prog, parse_then_body, output_dir=run_dir)
+  if any(a in ("-h", "--help") for a in argv):
+    run_dir = None   # --help writes nothing
+  return run(prog, parse_then_body, output_dir=run_dir, keep_partial=keep_partial)
+
+
+def _gin_help(default_files, files, bindings, reads, prog) -> list:
+  """The gin part of a runner's --help: the gin options, then the configurables it
+  reads with the values in force after its default files (and those given with --help;
+  if they do not parse, after the default files alone)."""
+  shown = ", ".join(f"gin/{f}" for f in default_files) or "none"
+  sections = [GIN_OPTIONS.format(defaults=shown)]
+  try:
+    ginutils.parse(list(default_files) + files, bindings, reads=reads, prog=prog)
+    source = ", ".join([f"gin/{f}" for f in default_files] + files + bindings) or "code"
+  except UserError:
+    ginutils.clear()
+    ginutils.parse(list(default_files), [], reads=reads, prog=prog)
+    source = shown
+  if reads:
+    lines = [f"  {name} = {value}" for name, value in ginutils.configurable_values(reads)]
+    sections.append(f"configurables {prog} reads (NAME = value after {source}; bind them "
+                    f"with --gin.NAME=VALUE):\n" + "\n".join(lines))
+  return sections
 
 
 def _run_dir_flag(argv: Sequence[str], default: str) -> str:

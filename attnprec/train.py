@@ -9,11 +9,16 @@ Resuming is exact: the batch of step s is drawn from a numpy Generator seeded wi
 (seed, s), so the data position is the step; the train state is restored bit for bit from
 the newest checkpoint (`attnprec.checkpointing`); and the update is deterministic. Training
 2N steps straight or N steps, killed, then N more, gives the same params bit for bit.
+
+Preemption: SIGINT and SIGTERM do not stop a step half-way. The loop finishes the step
+in flight, saves a checkpoint at that step and raises `cli.Interrupted` (the runner exits
+130 / 143 with one line saying where it saved); training again resumes from it exactly.
 """
 import contextlib
 import dataclasses
 import functools
 import json
+import os
 import time
 from typing import NamedTuple, Optional
 
@@ -24,7 +29,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from attnprec import checkpointing, checks, plotting, runs, sharding
+from attnprec import checkpointing, checks, cli, plotting, runs, sharding
 from attnprec import model as model_lib
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
@@ -189,7 +194,7 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   # One training per run directory (process 0 holds the lock for a multi-host run).
   with (runs.locked(run_dir) if main else contextlib.nullcontext()), \
        checkpointing.Checkpointer(run_dir, keep=keep_checkpoints, fault=faults) as ckpt, \
-       jax.set_mesh(mesh):
+       jax.set_mesh(mesh), contextlib.ExitStack() as stack:
     restored = ckpt.restore_latest(jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         abstract, state_sh)._asdict())
@@ -229,6 +234,7 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
     bar = tqdm(total=steps, initial=start, desc="train", disable=not progress or not main,
                dynamic_ncols=True)
     last, t0, tokens_seen, skipped = {}, time.perf_counter(), 0, 0
+    signals = stack.enter_context(cli.deferred_signals())   # finish the step, save, exit
     for step in range(start, end):
       n = step + 1
       tokens_BxT, mask_BxT = task.train_batch(batch_rng(seed, step), batch_size)
@@ -258,15 +264,24 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
           metrics_log.write(last)
         bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['accuracy']:.3f}",
                         tok_s=f"{last['tokens_per_s']:.0f}")
-      if n % checkpoint_every == 0 or n == steps or reached:
+      saved = n % checkpoint_every == 0 or n == steps or reached
+      if saved:
         ckpt.save(state._asdict(), checkpoint_meta(n, last, reached))
       bar.update(1)
       if faults.pause_after_step == n:
         faults.pause(f"after step {n}")
+      if _signal_pending(signals):
+        bar.close()
+        if not saved:
+          ckpt.save(state._asdict(), checkpoint_meta(n, last, reached))
+        signals.raise_pending(
+            f"saved a checkpoint at step {n} in {os.path.join(ckpt.directory, str(n))}; "
+            f"training again with the same --run_dir resumes from it.")
       if reached:
         bar.write(f"eval accuracy {last['eval_accuracy']:.4f} >= target "
                   f"{target_accuracy} at step {n}; stopping.")
         break
+    stack.close()   # signals from here on stop at once: the last checkpoint is saved
     bar.close()
     params = _host_params(state.params)
     if main:
@@ -285,6 +300,16 @@ def _report_resume(meta: dict, **now) -> None:
       shown = "the task" if key == "task" else f"train.{key} ({meta[key]!r} -> {value!r})"
       print(f"note: {shown} changed since the checkpoint; training continues from step "
             f"{meta['step']} with the new value.")
+
+
+def _signal_pending(signals: cli.deferred_signals) -> bool:
+  """Whether SIGINT/SIGTERM arrived (on any process of a multi-host run: all of them
+  then save the same step together)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    got = multihost_utils.process_allgather(np.int32(signals.signum or 0))
+    signals.signum = signals.signum or (int(np.max(got)) or None)
+  return signals.signum is not None
 
 
 def _host_params(params):

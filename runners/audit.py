@@ -16,6 +16,11 @@ from attnprec.audit import audit_job  # noqa: E402
 from attnprec.precision import phase_precision  # noqa: E402
 
 
+EXAMPLES = [
+    "python runners/audit.py --gin_file=gin/precision/bf16.gin; echo $?   # 0 PASS, 3 MISMATCH",
+    "python runners/audit.py --gin_file=gin/experiments/audit_qwen2.gin --run_dir=runs/audit_qwen2",
+]
+
 
 def main(argv) -> int:
   outcome = {}
@@ -29,11 +34,12 @@ def main(argv) -> int:
                            decode_precision=decode_precision, run_dir=run_dir)
     outcome["ok"] = result["ok"]
 
-  rc = cli.main(argv, prog="audit", default_files=["runs/audit.gin"],
-                default_run_dir="runs/audit", body=run,
+  rc = cli.main(argv, prog="audit", doc=__doc__, examples=EXAMPLES,
+                default_files=["runs/audit.gin"], default_run_dir="runs/audit", body=run,
                 reads=("train/precision", "decode/precision", "audit"))
-  return cli.EXIT_MISMATCH if rc == 0 and not outcome.get("ok", False) else rc
+  # no outcome: --help, or a failure (rc != 0)
+  return cli.EXIT_MISMATCH if rc == 0 and not outcome.get("ok", True) else rc
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  cli.exit(main(sys.argv[1:]))

@@ -9,8 +9,9 @@ model.md, model.png. `--quick`: batch 1 and 8 at a 32-token prompt, 8 steps, 2 r
 `attention`: every attention kernel x precision preset alone, plus torch SDPA
 (`attnprec.bench.attention`). Writes <out>/results.json, results.md, results.png.
 
-Every option and --out are checked before anything is loaded or compiled. Exit codes:
-0 done, 2 bad input (one paragraph, no traceback), 1 a crash (attnprec.cli).
+It reads no gin files: the options below are its configuration. Every option and --out
+are checked before anything is loaded or compiled. Exit codes: 0 done, 2 bad input (one
+paragraph, no traceback), 1 a crash, 130 / 143 interrupted (attnprec.cli).
 """
 import argparse
 import os
@@ -117,22 +118,27 @@ def run_attention(args):
 
 
 def _parse(argv):
-  parser = cli.ArgumentParser(prog="bench", description=__doc__, allow_abbrev=False)
-  parser.add_argument("--suite", choices=SUITES, default="model")
-  parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--model", default="smollm2-135m")
-  parser.add_argument("--cases", type=_cases, default=None)
-  parser.add_argument("--model_presets", default="fp32,bf16_flags",
-                      help=f"comma-separated, from {','.join(model_bench.PRESETS)}")
-  parser.add_argument("--steps", type=_count, default=0)
-  parser.add_argument("--rounds", type=_count, default=0)
-  parser.add_argument("--seq_lens", type=_ints, default=bench.DEFAULT_SEQ_LENS)
-  parser.add_argument("--memory_seq_lens", type=_ints, default=bench.DEFAULT_MEMORY_SEQ_LENS)
-  parser.add_argument("--decode_seq_lens", type=_ints, default=bench.DEFAULT_DECODE_SEQ_LENS)
-  parser.add_argument("--kernels", default=",".join(bench.KERNELS))
-  parser.add_argument("--presets", default=",".join(bench.PRESETS))
-  parser.add_argument("--no_torch", action="store_true")
-  parser.add_argument("--out", default="bench")
+  parser = cli.ArgumentParser(prog="bench", doc=__doc__, examples=EXAMPLES)
+  add = parser.add_argument
+  add("--suite", choices=SUITES, default="model", help="what to benchmark")
+  add("--quick", action="store_true", help="a short run (see above)")
+  add("--model", default="smollm2-135m", help="model suite: the model to decode")
+  add("--cases", type=_cases, default=None,
+      help="model suite: BATCHxPROMPT cases, e.g. 1x32,8x1000 (None: the suite's own)")
+  add("--model_presets", default="fp32,bf16_flags",
+      help=f"model suite: comma-separated, from {','.join(model_bench.PRESETS)}")
+  add("--steps", type=_count, default=0, help="model suite: decode steps (0: 32, quick 8)")
+  add("--rounds", type=_count, default=0, help="model suite: timing rounds (0: 3, quick 2)")
+  add("--seq_lens", type=_ints, default=bench.DEFAULT_SEQ_LENS,
+      help="attention suite: sequence lengths")
+  add("--memory_seq_lens", type=_ints, default=bench.DEFAULT_MEMORY_SEQ_LENS,
+      help="attention suite: lengths whose peak memory is measured")
+  add("--decode_seq_lens", type=_ints, default=bench.DEFAULT_DECODE_SEQ_LENS,
+      help="attention suite: cache lengths of the single-token decode step")
+  add("--kernels", default=",".join(bench.KERNELS), help="attention suite: kernels")
+  add("--presets", default=",".join(bench.PRESETS), help="attention suite: precision presets")
+  add("--no_torch", action="store_true", help="skip the transformers / torch baselines")
+  add("--out", default="bench", metavar="DIR", help="where results are written")
   args = parser.parse_args(argv)
   args.model_presets = _names("--model_presets", args.model_presets,
                               list(model_bench.PRESETS))
@@ -142,6 +148,13 @@ def _parse(argv):
     raise UserError("--seq_lens is empty; give at least one length, e.g. 1024,4096.")
   runs.check_output_dir(args.out, flag="--out")   # before minutes of benchmarking
   return args
+
+
+EXAMPLES = [
+    "python runners/bench.py --quick --out=bench_quick",
+    "python runners/bench.py --suite=attention --seq_lens=1024,4096 "
+    "--kernels=dot_product,blockwise",
+]
 
 
 def main(argv) -> int:
@@ -169,4 +182,4 @@ def _out_flag(argv) -> str:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  cli.exit(main(sys.argv[1:]))

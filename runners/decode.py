@@ -22,11 +22,18 @@ def run(run_dir: str):
   return ginutils.call(decode_job, precision=precision, run_dir=run_dir)
 
 
+EXAMPLES = [
+    "python runners/decode.py --gin_file=gin/experiments/recall_bf16.gin",
+    "python runners/decode.py --gin_file=gin/experiments/recall.gin "
+    "--gin.recall_eval.checkpoint=runs/recall --gin.decode/precision.float32_logits=True",
+]
+
+
 def main(argv) -> int:
-  return cli.main(argv, prog="decode", default_files=["runs/decode.gin"],
-                  default_run_dir="runs/decode", body=run, 
+  return cli.main(argv, prog="decode", doc=__doc__, examples=EXAMPLES,
+                  default_files=["runs/decode.gin"], default_run_dir="runs/decode", body=run,
                   reads=("decode/precision", "decode"))
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  cli.exit(main(sys.argv[1:]))

@@ -19,17 +19,26 @@ from attnprec import cli, ginutils  # noqa: E402
 from attnprec.inspect.job import inspect_job  # noqa: E402
 
 
+EXAMPLES = [
+    "python runners/inspect_model.py --gin.inspect.fn=attnprec.inspect.examples:maxtext_attention "
+    "--gin.inspect.inputs=attnprec.inspect.examples:maxtext_inputs",
+    "python runners/inspect_model.py --gin.inspect.fn=mypkg.model:attention "
+    "--gin.inspect.shapes='bf16[2,8,64]' --gin_file=gin/precision/bf16.gin",
+]
+
+
 def main(argv) -> int:
   outcome = {}
 
   def run(run_dir: str):
     outcome["ok"] = ginutils.call(inspect_job, run_dir=run_dir).ok
 
-  rc = cli.main(argv, prog="inspect", default_files=["runs/inspect.gin"],
-                default_run_dir="runs/inspect", body=run,
+  rc = cli.main(argv, prog="inspect", doc=__doc__, examples=EXAMPLES,
+                default_files=["runs/inspect.gin"], default_run_dir="runs/inspect", body=run,
                 reads=("inspect", "decode/precision", "train/precision"))
-  return cli.EXIT_MISMATCH if rc == 0 and not outcome.get("ok", False) else rc
+  # no outcome: --help, or a failure (rc != 0)
+  return cli.EXIT_MISMATCH if rc == 0 and not outcome.get("ok", True) else rc
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  cli.exit(main(sys.argv[1:]))

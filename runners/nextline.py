@@ -15,11 +15,19 @@ from attnprec import cli, ginutils  # noqa: E402
 from attnprec.study.nextline import nextline  # noqa: E402
 
 
+EXAMPLES = [
+    "python runners/nextline.py --gin_file=gin/experiments/nextline_qwen2.gin",
+    "python runners/nextline.py --gin_file=gin/experiments/nextline_qwen2.gin "
+    "--run_dir=runs/nextline_small",
+]
+
+
 def main(argv) -> int:
-  return cli.main(argv, prog="nextline", default_files=["runs/nextline.gin"],
+  return cli.main(argv, prog="nextline", doc=__doc__, examples=EXAMPLES,
+                  default_files=["runs/nextline.gin"],
                   default_run_dir="runs/nextline", reads=("nextline",),
                   body=lambda run_dir: ginutils.call(nextline, run_dir=run_dir))
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  cli.exit(main(sys.argv[1:]))

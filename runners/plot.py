@@ -1,8 +1,9 @@
 """Plot a run's curves: `python runners/plot.py --run_dir=runs/recall` (or `make plot RUN=...`).
 
 Reads run_dir/metrics.jsonl and writes run_dir/metrics.png (train and held-out eval loss
-and accuracy). Exit codes: 0 done, 2 bad input (no such run, no metrics yet, a run
-directory that cannot be written), 1 a crash (attnprec.cli).
+and accuracy). It reads no gin files: --run_dir is its only option. Exit codes: 0 done,
+2 bad input (no such run, no metrics yet, a run directory that cannot be written), 1 a
+crash (attnprec.cli).
 """
 import sys
 
@@ -10,10 +11,17 @@ from attnprec import cli, runs
 from attnprec.plotting import plot_run
 
 
+EXAMPLES = [
+    "python runners/plot.py --run_dir=runs/recall   # writes runs/recall/metrics.png",
+    "make plot RUN=runs/text",
+]
+
+
 def main(argv) -> int:
   def body():
-    parser = cli.ArgumentParser(prog="plot", description=__doc__, allow_abbrev=False)
-    parser.add_argument("--run_dir", default="runs/recall", help="default: %(default)s")
+    parser = cli.ArgumentParser(prog="plot", doc=__doc__, examples=EXAMPLES)
+    parser.add_argument("--run_dir", default="runs/recall", metavar="DIR",
+                        help="the train run directory to plot")
     args = parser.parse_args(argv)
     runs.check_output_dir(args.run_dir)
     print(f"wrote {plot_run(args.run_dir)}")
@@ -22,4 +30,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  cli.exit(main(sys.argv[1:]))

@@ -16,11 +16,18 @@ from attnprec import cli, ginutils  # noqa: E402
 from attnprec.study.sinks import sinks_job  # noqa: E402
 
 
+EXAMPLES = [
+    "python runners/sinks.py",
+    "python runners/sinks.py --gin.sinks.length=512 --run_dir=runs/sinks_512",
+]
+
+
 def main(argv) -> int:
-  return cli.main(argv, prog="sinks", default_files=["runs/sinks.gin"],
+  return cli.main(argv, prog="sinks", doc=__doc__, examples=EXAMPLES,
+                  default_files=["runs/sinks.gin"],
                   default_run_dir="runs/sinks", reads=("sinks",),
                   body=lambda run_dir: ginutils.call(sinks_job, run_dir=run_dir))
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  cli.exit(main(sys.argv[1:]))

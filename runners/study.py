@@ -16,11 +16,19 @@ from attnprec import cli, ginutils  # noqa: E402
 from attnprec.study.sweep import study  # noqa: E402
 
 
+EXAMPLES = [
+    "python runners/study.py --gin_file=gin/experiments/study_recall.gin",
+    "python runners/study.py --gin_file=gin/experiments/study_smollm2.gin "
+    "--run_dir=runs/study_smollm2",
+]
+
+
 def main(argv) -> int:
-  return cli.main(argv, prog="study", default_files=["runs/study.gin"],
+  return cli.main(argv, prog="study", doc=__doc__, examples=EXAMPLES,
+                  default_files=["runs/study.gin"],
                   default_run_dir="runs/study", reads=("study",),
                   body=lambda run_dir: ginutils.call(study, run_dir=run_dir))
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  cli.exit(main(sys.argv[1:]))
