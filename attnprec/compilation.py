@@ -6,17 +6,33 @@
 XLA flags and jax version. Together with bucketed prompt lengths
 (`attnprec.decoding.bucket_length`), a second `make decode` with a different prompt
 compiles nothing new. `Compiled` reports what one compile cost and whether it came from
-the cache (new entries written = compiled here).
+the cache.
+
+What "loaded from the compilation cache" means, exactly: JAX asked the persistent cache
+for every program of the compile and every answer was a hit (JAX's own
+`/jax/compilation_cache/*` monitoring events, counted around the compile), not merely
+that no file was added. A corrupt entry (a truncated file from a killed run, a damaged
+disk) makes JAX warn, compile afresh and keep the corrupt file, since it never
+overwrites an entry; `compile_lowerable` then removes that entry and compiles once more
+so that the fresh program is written in its place, and reports the compile as compiled,
+with the entries it replaced. JAX writes entries directly (no temporary files), so a
+killed write can only leave such a truncated entry, which the next compile replaces.
 """
+import contextlib
 import dataclasses
+import logging
 import os
+import threading
 import time
+import warnings
 
 import jax
 
 from attnprec.checkpoints.cache import cache_dir
 
 SUBDIR = "jax-compilation"
+_ENTRY_SUFFIX = "-cache"        # jax's file cache: <key>-cache (and <key>-atime)
+_READ_ERROR = "Error reading persistent compilation cache entry"
 
 
 def enable() -> str:
@@ -38,21 +54,146 @@ def entries() -> int:
   return sum(len(files) for _, _, files in os.walk(path))
 
 
+# ----------------------------------------------------------------------------- watching
+_COUNTS = {"requests": 0, "hits": 0}
+_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "requests",
+           "/jax/compilation_cache/cache_hits": "hits"}
+_LOCK = threading.Lock()
+_LISTENING = False
+
+
+def _on_event(event, **kwargs):
+  name = _EVENTS.get(event)
+  if name is not None:
+    with _LOCK:
+      _COUNTS[name] += 1
+
+
+def _listen() -> None:
+  global _LISTENING
+  if not _LISTENING:
+    jax.monitoring.register_event_listener(_on_event)
+    _LISTENING = True
+
+
+class _MissKeys(logging.Handler):
+  """Collects the cache keys JAX logs for its persistent-cache misses."""
+
+  def __init__(self):
+    super().__init__(logging.DEBUG)
+    self.keys = []
+
+  def emit(self, record):
+    if "PERSISTENT COMPILATION CACHE MISS" in str(record.msg) and len(record.args) >= 2:
+      self.keys.append(str(record.args[1]))
+
+
+@dataclasses.dataclass
+class _Watch:
+  requests: int = 0
+  hits: int = 0
+  read_errors: int = 0
+  miss_keys: list = dataclasses.field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _watched():
+  """Counts cache requests and hits, read errors and the keys that missed, in the block."""
+  _listen()
+  watch = _Watch()
+  logger = logging.getLogger("jax._src.compiler")
+  handler = _MissKeys()
+  level, propagate = logger.level, logger.propagate
+  with _LOCK:
+    start = dict(_COUNTS)
+  logger.addHandler(handler)
+  logger.setLevel(logging.DEBUG)
+  logger.propagate = False           # the debug records go to our handler only
+  try:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      yield watch
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = propagate
+    with _LOCK:
+      watch.requests = _COUNTS["requests"] - start["requests"]
+      watch.hits = _COUNTS["hits"] - start["hits"]
+    watch.miss_keys = handler.keys
+    for w in caught:
+      if _READ_ERROR in str(w.message):
+        watch.read_errors += 1
+      else:                          # not ours to swallow
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _remove_entries(keys) -> int:
+  """Removes the cache files of `keys` (the entries JAX could not read); returns how many
+  it removed."""
+  path = jax.config.jax_compilation_cache_dir
+  removed = 0
+  for key in keys:
+    for suffix in (_ENTRY_SUFFIX, "-atime"):
+      entry = os.path.join(path, key + suffix)
+      try:
+        os.unlink(entry)
+        removed += suffix == _ENTRY_SUFFIX
+      except FileNotFoundError:
+        pass
+      except OSError:
+        pass                        # a read-only cache: compiled anyway, nothing replaced
+  return removed
+
+
+# ----------------------------------------------------------------------------- compiling
 @dataclasses.dataclass
 class Compiled:
   """A compiled program and what compiling it took."""
   program: object      # jax.stages.Compiled
   seconds: float       # lower + compile (or load from the persistent cache)
-  new_entries: int     # programs written to the persistent cache (0: all were cached)
+  new_entries: int     # files the compile added to the persistent cache
+  cache_requests: int = 0   # programs JAX looked up in the persistent cache
+  cache_hits: int = 0       # ... and found (and could read)
+  replaced: int = 0         # corrupt entries removed and written again
 
   @property
   def cached(self) -> bool:
-    return self.new_entries == 0
+    """Every program came from the persistent cache (nothing was compiled)."""
+    return self.cache_requests > 0 and self.cache_hits == self.cache_requests
+
+  def describe(self) -> str:
+    """'loaded from the compilation cache' / '... compiled, N new program(s) written to
+    the compilation cache' / '... (K corrupt cache entries replaced)'."""
+    if self.cached:
+      return f"compile {self.seconds:.1f} s, loaded from the compilation cache"
+    if self.cache_requests == 0:
+      if not jax.config.jax_compilation_cache_dir:
+        return f"compile {self.seconds:.1f} s, compiled (the compilation cache is off)"
+      return f"compile {self.seconds:.1f} s, reused (compiled earlier in this process)"
+    note = f"compile {self.seconds:.1f} s, compiled"
+    if self.replaced:
+      return note + (f": {self.replaced} corrupt compilation-cache entr"
+                     f"{'y' if self.replaced == 1 else 'ies'} found and replaced")
+    return note + f", {self.new_entries} new program(s) written to the compilation cache"
 
 
 def compile_lowerable(jitted, *args, **kwargs) -> Compiled:
-  """`jitted.lower(*args, **kwargs).compile()`, timed, with the cache entries it added."""
+  """`jitted.lower(*args, **kwargs).compile()`, timed, with what the persistent cache did:
+  requests, hits, entries added; a corrupt entry is replaced (see the module docstring)."""
   before = entries()
   t0 = time.perf_counter()
-  program = jitted.lower(*args, **kwargs).compile()
-  return Compiled(program, time.perf_counter() - t0, entries() - before)
+  with _watched() as watch:
+    program = jitted.lower(*args, **kwargs).compile()
+  replaced = 0
+  if watch.read_errors and watch.miss_keys:
+    replaced = _remove_entries(watch.miss_keys)
+    if replaced:
+      # Compile once more, past JAX's in-memory cache, so that JAX writes the fresh
+      # program into the freed slot (JAX never overwrites an entry). Rare: only after a
+      # corrupt entry; later calls retrace once.
+      jax.clear_caches()
+      with _watched():
+        program = jitted.lower(*args, **kwargs).compile()
+  return Compiled(program, time.perf_counter() - t0, entries() - before,
+                  watch.requests, watch.hits, replaced)

@@ -23,20 +23,21 @@ params as one `.npy` per parameter in `<cache_dir>/gguf/<key>.params/` and later
 memory-map those. The tokenizer is always cached: building Gemma 3's (merges rebuilt from
 262k tokens) takes ~6 s, loading the cached one ~1 s. Cache entries (`<cache_dir>/gguf/
 <key>/`, `<key>.params/`) are keyed by the file's absolute path, size and mtime, and are
-built in a temporary directory and renamed into place (never half-written).
+built in a temporary directory (locked while it is written) and renamed into place (never
+half-written); a killed build's directory is removed by a later start
+(`cache.remove_stale_temporaries`).
 """
 import hashlib
 import json
 import os
 import pathlib
 import shutil
-import tempfile
 from typing import Optional, Tuple
 
 import numpy as np
 
 from attnprec import layout
-from attnprec.checkpoints.cache import cache_dir
+from attnprec.checkpoints.cache import cache_dir, locked_temporary_dir
 from attnprec.checkpoints.gguf_reader import GGUFFile
 from attnprec.checkpoints.hf_config import period
 from attnprec.checkpoints.params import ParamBuilder
@@ -201,19 +202,17 @@ def _npy_name(module: str, name: str) -> str:
 def _write_params(entry: pathlib.Path, params: dict) -> None:
   """The float32 params as one .npy each plus params.json, built in a temporary
   directory and renamed onto `entry` (another process may win the race: fine)."""
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
   try:
-    index = {}
-    for module, d in params.items():
-      for name, w in d.items():
-        np.save(tmp / _npy_name(module, name), w, allow_pickle=False)
-        index.setdefault(module, []).append(name)
-    (tmp / "params.json").write_text(json.dumps(index), encoding="utf-8")
-    os.rename(tmp, entry)
+    with locked_temporary_dir(entry.name + ".tmp-", entry.parent) as tmp:
+      index = {}
+      for module, d in params.items():
+        for name, w in d.items():
+          np.save(tmp / _npy_name(module, name), w, allow_pickle=False)
+          index.setdefault(module, []).append(name)
+      (tmp / "params.json").write_text(json.dumps(index), encoding="utf-8")
+      os.rename(tmp, entry)
   except OSError:
     pass                              # another process won the race, or a read-only cache
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _read_params(entry: pathlib.Path, config: ModelConfig, param_dtype, origin: str
@@ -246,12 +245,10 @@ def _cached_tokenizer(f: GGUFFile) -> Tokenizer:
     except Exception:                 # an entry from another version: rebuild it
       shutil.rmtree(entry, ignore_errors=True)
   tok = Tokenizer.from_gguf_metadata(f.metadata, origin=f.path)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=root))
   try:
-    tok.save(tmp)
-    os.rename(tmp, entry)
+    with locked_temporary_dir(entry.name + ".tmp-", root) as tmp:
+      tok.save(tmp)
+      os.rename(tmp, entry)
   except OSError:
     pass                              # another process won the race, or a read-only cache
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
   return tok
