@@ -17,10 +17,11 @@ AUDIT_GIN ?= gin/precision/fp32_attention.gin
 STUDY_GIN ?= gin/experiments/study_recall.gin
 NEXTLINE_GIN ?= gin/experiments/nextline_qwen2.gin
 SINKS_GIN ?=
+EVAL_GIN ?= gin/experiments/eval_humaneval.gin
 RUN ?= runs/recall
 gin_files = $(foreach f,$(or $(GIN),$(1)),--gin_file=$(f))
 
-.PHONY: setup test train decode audit inspect study nextline sinks bench plot clean
+.PHONY: setup test train decode audit inspect study nextline sinks eval bench plot clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +60,9 @@ nextline: setup
 
 sinks: setup
 	$(PY) runners/sinks.py $(call gin_files,$(SINKS_GIN)) $(ARGS)
+
+eval: setup
+	$(PY) runners/eval.py $(call gin_files,$(EVAL_GIN)) $(ARGS)
 
 bench: setup
 	$(PY) runners/bench.py --out=bench $(ARGS)

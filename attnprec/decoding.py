@@ -210,7 +210,10 @@ def generate(params, prompt_BxP, lengths_B, rng, *, config: ModelConfig, precisi
   returns are those of a fixed-length loop: after a sequence emits `eos_id` it keeps
   emitting `eos_id` (tests/test_decoding.py checks both against each other). `eos_id` may
   also be a 1-D int array of end tokens (any of them ends a sequence, which then keeps
-  emitting the first): e.g. the chat end token and the tokens that close a code block.
+  emitting the first), or a 2-D int array [E, L] of end sequences, right-aligned and
+  padded with -1 (any token): a sequence ends when its last L tokens match a row, then
+  keeps emitting row 0's last token; e.g. the chat end token and the token pairs that
+  close a code block (a fence often spans two tokens: "``" + "`\n\n").
   Each step checks the logits it samples from for NaN/Inf (`finite_B`): a decode whose
   logits were not finite is reported, never compared. return_logits=False keeps no
   [B, M, V] buffer (what an eval over a large vocabulary wants).
@@ -227,15 +230,27 @@ def generate(params, prompt_BxP, lengths_B, rng, *, config: ModelConfig, precisi
   def finite(logits_BxV):
     return jnp.all(jnp.isfinite(logits_BxV), axis=-1)
 
-  eos_E = jnp.asarray(eos_id, jnp.int32).reshape(-1)
-  eos = eos_E[0]                                        # what an ended sequence emits
+  ends_ExL = jnp.asarray(eos_id, jnp.int32)
+  if ends_ExL.ndim < 2:      # single end tokens: -1 is "none" here, never "any token"
+    ends_ExL = ends_ExL.reshape(-1, 1)
+    eos = ends_ExL[0, -1]
+    ends_ExL = jnp.where(ends_ExL < 0, -3, ends_ExL)   # matches nothing
+  else:
+    eos = ends_ExL[0, -1]                               # what an ended sequence emits
+  L = ends_ExL.shape[1]
 
-  def ended(token_B):
-    return jnp.isin(token_B, eos_E)
+  def ended(recent_BxL):
+    """Whether each sequence's last L tokens match an end row (-1 matches any)."""
+    hit_BxExL = (ends_ExL[None] == -1) | (recent_BxL[:, None, :] == ends_ExL[None])
+    return jnp.any(jnp.all(hit_BxExL, axis=-1), axis=-1)
+
+  def push(recent_BxL, token_B):
+    return jnp.concatenate([recent_BxL[:, 1:], token_B[:, None]], axis=1)
 
   rng0, rng = jax.random.split(rng)
   first_B = sampler(state.last_BxV, rng0)
-  done_B = ended(first_B)
+  recent_BxL = push(jnp.full((B, L), -2, jnp.int32), first_B)   # -2: before the answer
+  done_B = ended(recent_BxL)
   tokens_BxM = jnp.full((B, M), eos, jnp.int32).at[:, 0].set(first_B)
   logits_BxMxV = None
   if return_logits:
@@ -244,24 +259,26 @@ def generate(params, prompt_BxP, lengths_B, rng, *, config: ModelConfig, precisi
   rngs = jax.random.split(rng, max(M - 1, 1))          # as many keys as a fixed loop
 
   def cond(carry):
-    t, _, _, done_B, _, _, _ = carry
+    t, _, _, done_B, _, _, _, _ = carry
     return (t < M) & ~jnp.all(done_B)
 
   def body(carry):
-    t, state, token_B, done_B, tokens_BxM, logits_BxMxV, finite_B = carry
+    t, state, token_B, done_B, recent_BxL, tokens_BxM, logits_BxMxV, finite_B = carry
     state = decode_step(params, state, token_B, config=config, precision=precision)
     next_B = jnp.where(done_B, eos, sampler(state.last_BxV, rngs[t - 1]))
+    recent_BxL = push(recent_BxL, next_B)
     finite_B = finite_B & (done_B | finite(state.last_BxV))
     tokens_BxM = jax.lax.dynamic_update_slice(tokens_BxM, next_B[:, None], (0, t))
     if logits_BxMxV is not None:
       logits_BxMxV = jax.lax.dynamic_update_slice(logits_BxMxV, state.last_BxV[:, None],
                                                   (0, t, 0))
-    return (t + 1, state, next_B, done_B | ended(next_B), tokens_BxM, logits_BxMxV,
-            finite_B)
+    return (t + 1, state, next_B, done_B | ended(recent_BxL), recent_BxL, tokens_BxM,
+            logits_BxMxV, finite_B)
 
-  carry = (jnp.int32(1), state, first_B, done_B, tokens_BxM, logits_BxMxV,
+  carry = (jnp.int32(1), state, first_B, done_B, recent_BxL, tokens_BxM, logits_BxMxV,
            finite(state.last_BxV))
-  steps, _, _, _, tokens_BxM, logits_BxMxV, finite_B = jax.lax.while_loop(cond, body, carry)
+  steps, _, _, _, _, tokens_BxM, logits_BxMxV, finite_B = jax.lax.while_loop(cond, body,
+                                                                            carry)
   return Generated(tokens_BxM, logits_BxMxV, finite_B, steps)
 
 

@@ -139,20 +139,31 @@ def test_carried_weights_compute_what_bf16_weights_compute():
 
 def _fixed_length_loop(prompt_BxP, lengths_B, steps, eos_id):
   """Independent reference: the old fixed-length decode (every step runs, a python loop of
-  jitted single-token steps); after a sequence emits eos_id it keeps emitting eos_id."""
+  jitted single-token steps); a sequence ends when its last tokens match a row of end
+  tokens (-1: any token) and then keeps emitting row 0's last token."""
   params, prec = decoding.for_serving(PARAMS, FP32)
   state = jax.jit(decoding.prefill, static_argnames=("config", "precision", "cache_length"))(
       params, prompt_BxP, lengths_B, config=CONFIG, precision=prec,
       cache_length=prompt_BxP.shape[1] + steps)
   step = jax.jit(decoding.decode_step, static_argnames=("config", "precision"))
-  ends = np.reshape(eos_id, -1)
+  ends = np.asarray(eos_id)
+  ends = ends.reshape(-1, 1) if ends.ndim < 2 else ends
+  L = ends.shape[1]
+
+  def ended(history):
+    tail = ([-2] * L + history)[-L:]
+    return any(all(e == -1 or e == t for e, t in zip(row, tail)) for row in ends.tolist())
+
   token_B = np.asarray(state.last_BxV).argmax(-1)
-  done_B = np.isin(token_B, ends)
+  hist = [[int(t)] for t in token_B]
+  done_B = np.array([ended(h) for h in hist])
   out = [token_B]
   for _ in range(steps - 1):
     state = step(params, state, jnp.asarray(token_B, jnp.int32), config=CONFIG, precision=prec)
-    token_B = np.where(done_B, ends[0], np.asarray(state.last_BxV).argmax(-1))
-    done_B |= np.isin(token_B, ends)
+    token_B = np.where(done_B, ends[0, -1], np.asarray(state.last_BxV).argmax(-1))
+    for h, t in zip(hist, token_B):
+      h.append(int(t))
+    done_B |= np.array([ended(h) for h in hist])
     out.append(token_B)
   return np.stack(out, 1)
 
@@ -197,6 +208,12 @@ def test_early_stopping_gives_the_fixed_length_loops_tokens():
   _, _, out = run(prompts, two)
   np.testing.assert_array_equal(np.asarray(out.tokens_BxM),
                                 _fixed_length_loop(tokens, lengths, M, two))
+  # End sequences: a pair a sequence emits in a row, and a single token (-1 = any).
+  pairs = np.array([[-1, int(free[2, 6])], [int(free[0, 2]), int(free[0, 3])]], np.int32)
+  _, _, out = run(prompts, pairs)
+  want = _fixed_length_loop(tokens, lengths, M, pairs)
+  np.testing.assert_array_equal(np.asarray(out.tokens_BxM), want)
+  assert (want[0, 4:] == pairs[0, -1]).all()       # row 0 ended on the pair, then repeats
 
 
 def test_non_finite_logits_are_flagged_per_sequence():

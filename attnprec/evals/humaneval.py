@@ -32,6 +32,8 @@ import json
 import zipfile
 from typing import List, Optional, Tuple
 
+import numpy as np
+
 from attnprec.checkpoints import wheel_parts
 from attnprec.checkpoints.cache import cache_dir
 from attnprec.errors import UserError
@@ -88,9 +90,35 @@ def chat_messages(problem: Problem) -> Tuple[List[dict], str]:
 
 
 def prompt_tokens(tokenizer, problem: Problem) -> List[int]:
-  """Token ids of the chat prompt with the assistant's turn begun."""
+  """Token ids of the chat prompt with the assistant's turn begun (the text encoded as a
+  whole, as EvalPlus does, so no token boundary falls where the two pieces meet)."""
   messages, started = chat_messages(problem)
-  return tokenizer.encode_chat(messages) + tokenizer.encode(started, add_bos=False)
+  return tokenizer.encode(tokenizer.apply_chat_template(messages) + started, add_bos=False)
+
+
+def end_sequences(tokenizer) -> np.ndarray:
+  """[E, 2] int32 end rows for `decoding.generate` (-1: any token): the chat end token,
+  every token that holds a code fence (```), and every pair whose text completes one
+  ("``" + "`\n\n": how the fence that closes an answer is often tokenized). The answer's
+  code ends at the first fence, so decoding can stop there."""
+  texts = [tokenizer.decode([i], skip_special=False) for i in range(tokenizer.vocab_size)]
+  rows = [[-1, tokenizer.eos_id]] + [[-1, i] for i, t in enumerate(texts) if "```" in t]
+  tails = {}     # backticks a token ends with -> tokens
+  heads = {}     # backticks a token starts with -> tokens
+  for i, t in enumerate(texts):
+    if "```" in t or "`" not in t:
+      continue
+    k = len(t) - len(t.rstrip("`"))
+    m = len(t) - len(t.lstrip("`"))
+    if k:
+      tails.setdefault(k, []).append(i)
+    if m:
+      heads.setdefault(m, []).append(i)
+  for k, firsts in tails.items():
+    for m, seconds in heads.items():
+      if k + m >= 3:
+        rows += [[a, b] for a in firsts for b in seconds]
+  return np.asarray(rows, np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
