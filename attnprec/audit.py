@@ -67,16 +67,18 @@ expected_attention = contract_check.expected_stages
 # ----------------------------------------------------------------------------- contract
 def check_dense_dot(dot: DotSite, precision: Precision) -> List[str]:
   """The dense check of `attnprec.inspect`, plus: the unembedding returns f32 logits,
-  every other projection the compute dtype."""
+  every other projection the compute dtype (an f32 result rounded to it right after the
+  dot counts: one rounding of a float32 accumulation)."""
   problems = contract_check.check_dense(dot, precision)
   c = short(precision.compute_dtype)
   _, _, result = contract_check.effective(
       dot, widened_ok=contract_check.is_preset(precision.matmul_precision))
   unembed = _module(dot) == "unembed"
   want = "f32" if unembed else c
-  # float32-carried weights: the f32 result is rounded to c right after the dot.
-  carried = precision.carrier_weights and dot.converted_to == want
-  if (result != want and dot.result != want and not carried
+  # The f32 accumulator rounded once to c right after the dot: `layers.project`'s
+  # c x c -> f32 form, and the float32 dot on float32-carried weights.
+  rounded_once = dot.result == "f32" and dot.converted_to == want
+  if (result != want and dot.result != want and not rounded_once
       and not any("result" in p for p in problems)):
     problems.append(f"{'logits' if unembed else 'dense'} result {result}, expected {want}")
   return problems

@@ -105,10 +105,12 @@ def compute_params(params, precision: Precision):
   dtype, norm scales and biases left as they are: the values the model would cast them to
   at each use, cast once (bit-identical results, half the bytes held for bfloat16).
 
-  Not faster on XLA:CPU without bf16 matrix units: it runs a bf16 dot as an f32 dot and
-  converts bf16 weights to f32 inside every decode step (a size-inflating convert it does
-  not hoist out of the loop); `for_serving` is the fast way there (`make bench` measures
-  both: presets `bf16_flags_bf16w` and `bf16_flags`)."""
+  With `layers.project`'s bf16 x bf16 -> float32 dots this is the fastest prefill on
+  XLA:CPU (whole SmolLM2 prefill of 1000 tokens: 0.38-0.58x the float32-carried form's
+  time) but not the fastest decode: XLA:CPU's bf16 matrix-vector path makes a batch 1
+  decode step 1.8-3.0x the carried form's time (batch 8: 0.94-1.14x; `make bench
+  ARGS=--suite=projections`, two interleaved runs on a loaded machine). So `for_serving`
+  keeps the float32-carried weights; this is for callers that want half the bytes held."""
   c = precision.compute_dtype
   return _map_matrices(params, lambda x: x.astype(c))
 
@@ -128,11 +130,17 @@ def for_serving(params, precision: Precision, backend: Optional[str] = None):
   """(params, precision) as the decode programs run them.
 
   On XLA:CPU with a 16-bit compute dtype, the weight matrices are rounded once to values
-  of that dtype, held in float32, and `precision.carrier_weights` is set: every dense
-  projection is then a float32 dot on those values (`layers.project`), the products a
-  bf16 x bf16 dot forms, accumulated in float32 and rounded to the compute dtype, which
-  is how XLA:CPU runs a bf16 dot anyway, but without converting each bf16 weight to
-  float32 again inside every decode step. The attention kernels and their precision
+  of that dtype, held in float32, and `precision.carrier_weights` is set. `layers.project`
+  then runs a projection of few rows (a decode step at batch 1-3) as a float32 dot on
+  those values, and one of more rows (prefill, larger batches) as a bf16 x bf16 -> float32
+  dot on them cast to bf16 (exact; the cast of the loop-invariant weights is hoisted out
+  of a decode loop): the same products, float32 accumulation, one rounding to the compute
+  dtype either way. Why float32-held and not bf16-stored (`compute_params`), measured on
+  SmolLM2 (`make bench ARGS=--suite=projections`, interleaved, loaded 2-core machine):
+  decode step at batch 1, carried 1.00 vs bf16-stored 1.82-3.0x (XLA:CPU's bf16
+  matrix-vector path is slow); batch 8, 1.00 vs 0.94-1.14x (noise); prefill of 1000
+  tokens, 0.46x (carried, bf16 dots) vs 0.38-0.58x (stored): no case where the halved
+  bytes win clearly, one where they lose. The attention kernels and their precision
   contract are untouched. Elsewhere (GPU/TPU, float32 compute, a dot-algorithm
   `matmul_precision`) the params are returned as given, with `carrier_weights` off.
   Rounding is idempotent; call it outside any loop (`generate` does, before its loop)."""

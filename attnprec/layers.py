@@ -56,28 +56,63 @@ def rope(x_BxTxNxH, positions_BxT, *, base: float, scale: float = 1.0):
   return out.astype(x_BxTxNxH.dtype)
 
 
-def project(x, w, spec: str, *, precision, carrier: bool = False, out_dtype=None):
-  """einsum(spec, x, w) for a weight w float32 and x in the compute dtype c; the result in
-  `out_dtype` (default c), accumulated in float32 where it is float32.
+# Below this many rows (x's elements over its last axis: a decode step at batch 1-3) a
+# 16-bit projection on float32-held weights runs as a float32 dot. XLA:CPU's bf16
+# matrix-vector path is slow: SmolLM2 projections at 1 row (one interleaved run, loaded
+# 2-core machine), bf16 x bf16 -> f32 took 2.0-6.4x the float32 dot's time; at 4 rows
+# 0.35-0.93x, at 8 rows 0.51-0.91x, at 2 rows mixed (0.78-1.25x).
+MIN_ROWS_C_DOT = 4
 
-  carrier (`Precision.carrier_weights`, set by `decoding.for_serving`): w already holds
-  values of c, so the einsum runs in float32 on the same values (exact products, float32
-  accumulation) and the result is rounded to `out_dtype`: what a c x c dot computes,
-  without casting w at each use. Otherwise w is cast to c at this use."""
+
+def project(x, w, spec: str, *, precision, carrier: bool = False, out_dtype=None):
+  """einsum(spec, x, w) for x in the compute dtype c and a weight w (float32, or already
+  in c: `decoding.compute_params`); the result in `out_dtype` (default c).
+
+  c float32: a float32 dot. c 16-bit (bf16, f16): a c x c dot with
+  `preferred_element_type=float32` (exact products of c values, float32 accumulation),
+  rounded once to `out_dtype`. Measured on XLA:CPU (avx512_bf16; `make bench
+  ARGS=--suite=projections`, one interleaved run, machine loaded): this form is 0.23-0.52x
+  the time of a float32 dot on bf16 values (the float32-carried weights before) on
+  SmolLM2's projections at 1000 rows, and the whole model's 1000-token prefill 0.38-0.58x;
+  a c x c dot with a c result (no preferred_element_type) ran at the float32 rate or
+  below (0.93-1.65x). Where w is float32 and x has fewer than MIN_ROWS_C_DOT rows (a
+  decode step at batch 1), the same products as a float32 dot on w's values of c (carrier:
+  w already holds them, `decoding.for_serving`): the same numbers up to float32
+  summation order.
+
+  The cast of float32 weights to c sits behind an optimization barrier: fused into the
+  dot, the convert takes the dot off XLA:CPU's bf16 path (whole-model prefill on
+  float32-carried weights cast at use: 1.06x the carried form without the barrier, 0.46x
+  with it; in a decode loop the cast of the loop-invariant weights is hoisted).
+
+  A dot-algorithm preset as `precision` names its own operand and accumulation types,
+  so it gets a plain c x c dot (f32 result only for an f32 out)."""
   c = x.dtype
   out_dtype = c if out_dtype is None else out_dtype
-  if carrier and c != jnp.float32:
-    y = jnp.einsum(spec, x.astype(jnp.float32), w, precision=precision,
+  if c == jnp.float32:
+    return jnp.einsum(spec, x, w.astype(c), precision=precision,
+                      preferred_element_type=jnp.float32).astype(out_dtype)
+  if isinstance(precision, jax.lax.DotAlgorithmPreset):
+    preferred = jnp.float32 if out_dtype == jnp.float32 else None
+    return jnp.einsum(spec, x, w.astype(c), precision=precision,
+                      preferred_element_type=preferred)
+  rows = x.size // x.shape[-1]
+  if w.dtype == jnp.float32 and rows < MIN_ROWS_C_DOT:
+    w32 = w if carrier else w.astype(c).astype(jnp.float32)
+    y = jnp.einsum(spec, x.astype(jnp.float32), w32, precision=precision,
                    preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
-  preferred = jnp.float32 if out_dtype == jnp.float32 else None
-  return jnp.einsum(spec, x, w.astype(c), precision=precision,
-                    preferred_element_type=preferred)
+  w_c = w.astype(c)
+  if w.dtype != c:
+    w_c = jax.lax.optimization_barrier(w_c)
+  y = jnp.einsum(spec, x, w_c, precision=precision, preferred_element_type=jnp.float32)
+  return y.astype(out_dtype)
 
 
 class Dense(hk.Module):
-  """y = x @ w (+ b); w [in, out] float32, cast to x's dtype; matmul precision explicit.
-  carrier: w already holds values of x's dtype (`Precision.carrier_weights`): `project`."""
+  """y = x @ w (+ b); w [in, out] float32 (or in x's dtype), the dot in the form `project`
+  picks; matmul precision explicit. carrier: w already holds values of x's dtype
+  (`Precision.carrier_weights`)."""
 
   def __init__(self, out: int, *, precision, with_bias: bool = False, carrier: bool = False,
                name: Optional[str] = None):

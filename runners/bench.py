@@ -9,6 +9,12 @@ model.md, model.png. `--quick`: batch 1 and 8 at a 32-token prompt, 8 steps, 2 r
 `attention`: every attention kernel x precision preset alone, plus torch SDPA
 (`attnprec.bench.attention`). Writes <out>/results.json, results.md, results.png.
 
+`projections`: the dense-projection forms side by side (`attnprec.bench.projections`):
+SmolLM2-shaped projections and the whole model's prefill (1000 tokens) and decode step
+(batch 1 and 8) per form; `--projection_parts=micro,model`; `--xla_settings=default,
+onednn,xnnpack` repeats it once per XLA:CPU setting, each in its own process (XLA_FLAGS
+is process-wide). Writes <out>/projections.json, projections.md.
+
 It reads no gin files: the options below are its configuration. Every option and --out
 are checked before anything is loaded or compiled. Exit codes: 0 done, 2 bad input (one
 paragraph, no traceback), 1 a crash, 130 / 143 interrupted (attnprec.cli).
@@ -17,6 +23,7 @@ import argparse
 import os
 import sys
 
+from attnprec import xla_env
 from attnprec.xla_env import disable_excess_precision
 
 disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
@@ -24,9 +31,10 @@ disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 from attnprec import cli, compilation, runs  # noqa: E402
 from attnprec.bench import attention as bench  # noqa: E402
 from attnprec.bench import model as model_bench  # noqa: E402
+from attnprec.bench import projections as projection_bench  # noqa: E402
 from attnprec.errors import UserError  # noqa: E402
 
-SUITES = ("model", "attention", "all")
+SUITES = ("model", "attention", "projections", "all")
 
 
 def _ints(text):
@@ -117,6 +125,23 @@ def run_attention(args):
         f"results.png")
 
 
+def run_projections(args):
+  parts = args.projection_parts
+  child = [f"--parts={','.join(parts)}", f"--micro_rounds={args.rounds or 5}",
+           f"--model_rounds={args.rounds or 3}"]
+  if args.xla_settings:
+    results = projection_bench.run_settings(args.xla_settings, child)
+  else:
+    results = {xla_env.in_force(): projection_bench.run(
+        parts=tuple(parts), micro_rounds=args.rounds or 5, model_rounds=args.rounds or 3)}
+  runs.write_json(args.out, "projections.json", results)
+  text = "\n".join(f"## XLA:CPU setting: {k}\n\n{projection_bench.to_markdown(r)}"
+                   for k, r in results.items())
+  _write(args.out, "projections.md", text)
+  print(text)
+  print(f"wrote {args.out}/projections.json, projections.md")
+
+
 def _parse(argv):
   parser = cli.ArgumentParser(prog="bench", doc=__doc__, examples=EXAMPLES)
   add = parser.add_argument
@@ -138,12 +163,21 @@ def _parse(argv):
   add("--kernels", default=",".join(bench.KERNELS), help="attention suite: kernels")
   add("--presets", default=",".join(bench.PRESETS), help="attention suite: precision presets")
   add("--no_torch", action="store_true", help="skip the transformers / torch baselines")
+  add("--projection_parts", default="micro,model",
+      help="projections suite: micro (projection shapes), model (prefill, decode steps)")
+  add("--xla_settings", default="",
+      help=f"projections suite: one process per XLA:CPU setting, from "
+      f"{','.join(xla_env.SETTINGS)} ('': this process's setting only)")
   add("--out", default="bench", metavar="DIR", help="where results are written")
   args = parser.parse_args(argv)
   args.model_presets = _names("--model_presets", args.model_presets,
                               list(model_bench.PRESETS))
   args.kernels = _names("--kernels", args.kernels, bench.KERNELS)
   args.presets = _names("--presets", args.presets, list(bench.PRESETS))
+  args.projection_parts = _names("--projection_parts", args.projection_parts,
+                                 ["micro", "model"])
+  args.xla_settings = _names("--xla_settings", args.xla_settings, list(xla_env.SETTINGS)) \
+      if args.xla_settings else []
   if not args.seq_lens:
     raise UserError("--seq_lens is empty; give at least one length, e.g. 1024,4096.")
   runs.check_output_dir(args.out, flag="--out")   # before minutes of benchmarking
@@ -154,6 +188,7 @@ EXAMPLES = [
     "python runners/bench.py --quick --out=bench_quick",
     "python runners/bench.py --suite=attention --seq_lens=1024,4096 "
     "--kernels=dot_product,blockwise",
+    "python runners/bench.py --suite=projections --xla_settings=default,onednn,xnnpack",
 ]
 
 
@@ -166,6 +201,8 @@ def main(argv) -> int:
       run_model(args)
     if args.suite in ("attention", "all"):
       run_attention(args)
+    if args.suite == "projections":
+      run_projections(args)
 
   return cli.run("bench", body, output_dir=_out_flag(argv))
 

@@ -188,8 +188,8 @@ def _weight_dtypes_in_loops(text):
 def test_bf16_decode_loop_does_not_convert_the_weights():
   """bf16 compute on XLA:CPU: `generate` runs its loop on `for_serving`'s float32-carried
   bf16 weight values, so its loop touches weights only as float32 (the control: the same
-  loop on float32 weights cast at each use feeds bf16 weights to its dots, which XLA:CPU
-  converts to float32 in every step)."""
+  loop on weights stored in bf16, `decoding.compute_params`, feeds bf16 weights to its
+  dots)."""
   prec = Precision(dtype="bfloat16")
   tokens = jnp.ones((B, 8), jnp.int32)
   lowered = decoding.generate.lower(PARAMS, tokens, jnp.array([8, 5], jnp.int32),
@@ -206,5 +206,6 @@ def test_bf16_decode_loop_does_not_convert_the_weights():
 
   state = decoding.DecodeState(init_cache(CONFIG, B, S, prec.compute_dtype),
                                jnp.zeros((B, CONFIG.vocab_size)), jnp.array([3, 7], jnp.int32))
-  text = jax.jit(cast_at_use).lower(PARAMS, state, jnp.zeros((B,), jnp.int32)).compile()
+  text = jax.jit(cast_at_use).lower(decoding.compute_params(PARAMS, prec), state,
+                                   jnp.zeros((B,), jnp.int32)).compile()
   assert "bf16" in _weight_dtypes_in_loops(text.as_text())          # the check sees them
