@@ -10,9 +10,13 @@ with a 262k-token vocabulary takes 2-20 s; walking the header with `struct` take
 under a second. Tensor bytes stay memory-mapped until asked for, and are dequantized with
 `gguf.quants.dequantize` (the gguf package's reference NumPy kernels).
 
-Every offset is checked against the file size, so a truncated or corrupt file raises a
-`UserError` naming the file (and the tensor), never an IndexError or garbage weights.
+Every offset is checked against the file size, and every tensor's dimensions (at most 4,
+their product below 2^63: computed with Python integers, so a hostile header cannot wrap
+a 64-bit count around to a small size), so a truncated, corrupt or hostile file raises a
+`UserError` naming the file (and the tensor), never an IndexError, a MemoryError or
+garbage weights.
 """
+import math
 import os
 import struct
 from typing import Dict, NamedTuple, Tuple
@@ -32,6 +36,7 @@ _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+MAX_DIMS = 4              # GGML_MAX_DIMS
 
 
 class TensorInfo(NamedTuple):
@@ -53,6 +58,8 @@ class GGUFFile:
     self.path = str(path)
     if not os.path.isfile(self.path):
       raise UserError(f"GGUF file {self.path} does not exist.")
+    if os.path.getsize(self.path) == 0:
+      raise self._corrupt("it is empty (0 bytes: an interrupted download or copy?)")
     self._map = np.memmap(self.path, mode="r", dtype=np.uint8)
     self._buf = memoryview(self._map)
     self.size = len(self._map)
@@ -120,11 +127,25 @@ class GGUFFile:
     for _ in range(n_tensors):
       name = self._string()
       n_dims = self._take("<I")
-      dims = struct.unpack_from(f"<{n_dims}Q", self._buf, self._pos) if n_dims else ()
-      self._pos += 8 * n_dims
+      if n_dims > MAX_DIMS:
+        raise self._corrupt(f"tensor {name[:100]!r} has {n_dims} dimensions (GGUF tensors "
+                            f"have at most {MAX_DIMS})")
+      dims = self._take(f"<{n_dims}Q") if n_dims else ()
+      dims = (dims,) if n_dims == 1 else tuple(dims)
+      elements = 1
+      for d in dims:
+        elements *= d            # Python ints: no wrap-around
+      if elements >= 2 ** 63:
+        raise self._corrupt(f"tensor {name[:100]!r} has dimensions {list(dims)}: their "
+                            f"product ({elements} elements) overflows a 64-bit count")
       ggml_type, offset = self._take("<IQ")
       infos.append((name, tuple(reversed(dims)), ggml_type, offset))
-    align = int(self.metadata.get("general.alignment", 32))
+    align = self.metadata.get("general.alignment", 32)
+    if isinstance(align, bool) or not isinstance(align, (int, np.integer)) or not (
+        0 < int(align) <= 1 << 20):
+      raise self._corrupt(f"its general.alignment is {str(align)[:50]} (expected a positive "
+                          f"integer, 32 by default)")
+    align = int(align)
     data_start = -(-self._pos // align) * align
     self.tensors: Dict[str, TensorInfo] = {}
     for name, shape, ggml_type, offset in infos:
@@ -171,7 +192,7 @@ def _nbytes(ggml_type: int, shape) -> "int | None":
     block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
   except (ValueError, KeyError):
     return None
-  n = int(np.prod(shape, dtype=np.int64))
+  n = math.prod(int(d) for d in shape)     # exact (dimensions checked < 2^63)
   if n % block:
     raise ValueError(f"a tensor of {n} elements is not a whole number of "
                      f"{GGMLQuantizationType(ggml_type).name} blocks of {block}")

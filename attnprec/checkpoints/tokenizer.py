@@ -39,6 +39,16 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from attnprec.errors import UserError
 
 CONTROL, USER_DEFINED = 3, 4
+# A chat template renders in jinja2's sandbox (no attribute access to Python internals)
+# and is stopped once its output passes RENDER_LIMIT_CHARS + 4 x the messages' length, or
+# its range() loops pass RANGE_LIMIT items in all: a template that loops to produce
+# gigabytes fails in well under a second.
+RENDER_LIMIT_CHARS = 1 << 20
+RANGE_LIMIT = 1_000_000
+
+
+class _TemplateTooLarge(Exception):
+  pass
 SPACE = "\u2581"    # SentencePiece's visible space "▁"
 _GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 _FORMAT = "attnprec-tokenizer-1"
@@ -90,14 +100,40 @@ class Tokenizer:
         raise UserError(f"Chat message {k} must have exactly 'role' and 'content', got "
                         f"{sorted(m)}.")
     special = lambda i: None if i is None else self.token(i)   # noqa: E731
+    given = sum(len(str(m["content"])) for m in messages)
+    limit = RENDER_LIMIT_CHARS + 4 * given
+    budget = [RANGE_LIMIT]
+
+    def bounded_range(*args):
+      r = range(*args)
+      budget[0] -= len(r)
+      if budget[0] < 0:
+        raise _TemplateTooLarge(f"its loops run over more than {RANGE_LIMIT} range() items")
+      return r
+
     try:
-      return _compiled_template(self.chat_template).render(
+      parts, size = [], 0
+      for part in _compiled_template(self.chat_template).generate(
           messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
           tools=None, bos_token=special(self.bos_id) or "",
-          eos_token=special(self.eos_id) or "")
+          eos_token=special(self.eos_id) or "", range=bounded_range):
+        size += len(part)
+        if size > limit:
+          raise _TemplateTooLarge(f"its output passed {limit} characters")
+        parts.append(part)
+      return "".join(parts)
+    except _TemplateTooLarge as e:
+      raise UserError(f"The model's chat template was stopped: {e} for messages of {given} "
+                      f"characters (a shipped template renders a few hundred characters "
+                      f"around them). The template is broken or hostile; pass the prompt "
+                      f"without the chat template (chat=False) or fix the template.") \
+          from None
     except jinja2.TemplateError as e:
       raise UserError(f"The model's chat template cannot render these messages ({e}).") \
           from None
+    except RecursionError:
+      raise UserError("The model's chat template cannot render these messages: it recurses "
+                      "without end (a macro calling itself).") from None
 
   def encode_chat(self, messages, *, add_generation_prompt: bool = True) -> List[int]:
     """Token ids of the chat prompt (no extra BOS: the template writes what it needs)."""
@@ -186,6 +222,22 @@ class Tokenizer:
                chat_template=template)
 
 
+class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+  """The sandbox, with `*` and `**` refused where they would build a value past the
+  render limit ('x' * 10**9 allocates a gigabyte before any output is produced)."""
+  intercepted_binops = frozenset(["*", "**"])
+
+  def call_binop(self, context, operator, left, right):
+    if operator == "*":
+      for seq, n in ((left, right), (right, left)):
+        if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and \
+            len(seq) * n > RENDER_LIMIT_CHARS:
+          raise _TemplateTooLarge(f"it multiplies a value of length {len(seq)} by {n}")
+    if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
+      raise _TemplateTooLarge(f"it raises a number to the power {right}")
+    return super().call_binop(context, operator, left, right)
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled_template(source: str) -> jinja2.Template:
   """A chat template compiled as transformers compiles it."""
@@ -196,8 +248,8 @@ def _compiled_template(source: str) -> jinja2.Template:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
 
-  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-      trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+  env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                        extensions=[jinja2.ext.loopcontrols])
   env.filters["tojson"] = tojson
   env.globals["raise_exception"] = raise_exception
   try:
