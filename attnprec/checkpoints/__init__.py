@@ -23,18 +23,34 @@ Public API (stable):
   `param_dtype` is the dtype the params are stored in ("float32", "bfloat16",
   "float16"); the compute dtype is the phase's `Precision.dtype`, chosen per call.
 
-`logits(checkpoint_or_config_params, tokens_BxT, *, precision)`: full-sequence logits
-[B, T, V] float32 under the given attention/matmul precision; the forward pass is jitted
-once per (config, precision) and reused.
+`logits(checkpoint_or_config_params, tokens_BxT, *, precision, check_finite=True)`:
+full-sequence logits [B, T, V] float32 under the given attention/matmul precision; the
+forward pass is jitted once per (config, precision) and reused.
 
-`generate(ckpt, prompts, *, precision, max_new_tokens, sampler, rng=None, chat=False)`:
-texts or token id lists in, `Generation(texts, tokens, stopped)` out; each sequence stops
-at the tokenizer's end token; greedy (the default sampler) needs no rng
-(`attnprec.checkpoints.generation`).
+`generate(ckpt, prompts, *, precision, max_new_tokens, sampler, rng=None, chat=False,
+eos_id=None, check_finite=True)`: texts or token id lists in,
+`Generation(texts, tokens, stopped, finite)` out; each sequence stops at the tokenizer's
+end token; greedy (the default sampler) needs no rng (`attnprec.checkpoints.generation`).
 
-Every problem with the input (missing or corrupt file, unsupported architecture or
-quantization type, a tensor whose shape disagrees with the config) raises
-`attnprec.errors.UserError` with one paragraph naming the file, tensor and expectation.
+Non-finite values are reported, never returned as if they were results:
+  * `load` refuses a model whose weights hold NaN or Inf (after conversion to
+    `param_dtype`), naming each tensor (module/name) and its NaN / Inf counts.
+  * `logits` and `generate` raise `attnprec.errors.NonFiniteError` (a `UserError`) when
+    any logits they computed are NaN or Inf: the message gives the first NaN/Inf (its
+    position, or the decode step) and the first stage of the model whose output is not
+    finite (the embedding, layer k attention / MLP / residual stream, the final norm, the
+    unembedding), found by one extra forward pass with every module's output checked
+    (`attnprec.checkpoints.finite`); `NonFiniteError.stage` holds that stage.
+  * With `check_finite=False` nothing is raised: `logits` returns the array as computed,
+    and `generate` returns every sequence, with `Generation.finite[b]` False for a
+    sequence whose tokens were chosen from non-finite logits (its tokens are then
+    meaningless). `Generation.finite` is filled either way.
+
+Every problem with the input (a wrong argument type or value, missing, empty or corrupt
+file, unsupported architecture or quantization type, a tensor whose shape disagrees with
+the config) raises `attnprec.errors.UserError` with one paragraph naming the argument (or
+file and tensor), the bad value (shortened to ~200 characters) and what is valid, before
+anything is compiled.
 """
 import functools
 import os
@@ -45,20 +61,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnprec.checkpoints import trained
+from attnprec import checks
+from attnprec.checkpoints import finite, trained
 from attnprec.checkpoints.generation import Generation, generate
 from attnprec.checkpoints.gguf import load_gguf
 from attnprec.checkpoints.hf import load_hf_dir
+from attnprec.checkpoints.params import PARAM_DTYPES
 from attnprec.checkpoints.params import param_dtype as param_dtype_of
 from attnprec.checkpoints.shipped import SHIPPED, shipped_path
 from attnprec.checkpoints.tokenizer import Tokenizer
 from attnprec.config import ModelConfig
-from attnprec.errors import UserError
+from attnprec.errors import NonFiniteError, UserError, shorten
 from attnprec.model import transformed
 from attnprec.precision import Precision
 
-__all__ = ["Checkpoint", "Generation", "Tokenizer", "SHIPPED", "generate", "load", "logits",
-           "shipped_path"]
+__all__ = ["Checkpoint", "Generation", "NonFiniteError", "Tokenizer", "SHIPPED", "generate",
+           "load", "logits", "shipped_path"]
 
 
 class Checkpoint(NamedTuple):
@@ -77,8 +95,17 @@ def load(path_or_name: Union[str, os.PathLike], *, param_dtype: str = "float32"
          ) -> Checkpoint:
   """Loads a shipped model (or recall checkpoint) by name, a train run directory, an HF
   checkpoint directory or a .gguf file (see the module docstring)."""
+  if not isinstance(path_or_name, (str, os.PathLike)) or not str(path_or_name):
+    raise UserError(f"Invalid argument path_or_name={shorten(path_or_name)} of "
+                    f"checkpoints.load: must be a shipped model name ({_names()}) or a path "
+                    f"(str or os.PathLike) to a train run directory, an HF checkpoint "
+                    f"directory or a .gguf file.")
+  checks.check_argument("checkpoints.load", "param_dtype", param_dtype,
+                        checks.one_of(*PARAM_DTYPES))
   dtype = param_dtype_of(param_dtype)     # a bad value fails before any file is read
-  key = str(path_or_name)
+  key = os.fspath(path_or_name)
+  if isinstance(key, bytes):
+    key = os.fsdecode(key)
   task = None
   if key in SHIPPED:
     path = shipped_path(key)
@@ -90,22 +117,28 @@ def load(path_or_name: Union[str, os.PathLike], *, param_dtype: str = "float32"
     kind = "recall checkpoint" if task is not None else "train run"
     source = (f"{kind} {key} ({config.num_layers} layers, d={config.d_model})")
   else:
-    path = pathlib.Path(path_or_name)
-    if path.is_dir():
+    path = pathlib.Path(key)
+    try:
+      kind = "dir" if path.is_dir() else "file" if path.is_file() else \
+          "other" if path.exists() else None
+    except OSError as e:                  # a name too long for the file system, ...
+      raise UserError(f"Cannot load {shorten(key)}: {e.strerror or e}.") from None
+    if kind == "dir":
       config, params, tok = load_hf_dir(path, param_dtype=param_dtype)
       source = f"HF checkpoint {path}"
-    elif path.is_file() and path.suffix == ".gguf":
+    elif kind == "file" and path.suffix == ".gguf":
       config, params, tok = load_gguf(path, param_dtype=param_dtype)
       source = f"GGUF file {path}"
-    elif path.exists():
+    elif kind is not None:
       raise UserError(f"Cannot load {path}: expected an HF checkpoint directory "
                       f"(config.json + *.safetensors), a .gguf file or a train run "
                       f"directory (model.json + params.npz).")
     else:
-      raise UserError(f"Checkpoint {key!r} does not exist: it is neither a shipped "
+      raise UserError(f"Checkpoint {shorten(key)} does not exist: it is neither a shipped "
                       f"checkpoint ({_names()}) nor an existing path. Pass a train run "
                       f"directory ('make train' writes runs/recall), an HF checkpoint "
                       f"directory or a .gguf file.")
+  finite.check_params(params, source)   # every loader: GGUF, HF, train runs
   params = jax.tree_util.tree_map(jnp.asarray, params)
   return Checkpoint(config, params, tok, source, task)
 
@@ -117,18 +150,75 @@ def _forward(config: ModelConfig, precision: Precision):
                                                   precision=precision).logits)
 
 
-def logits(checkpoint_or_config_params: Union[Checkpoint, Tuple[ModelConfig, dict]],
-           tokens_BxT, *, precision: Precision = Precision()) -> jax.Array:
-  """Full-sequence logits [B, T, V] float32 of `tokens_BxT` (int, positions 0..T-1)."""
+def config_and_params(checkpoint_or_config_params, function: str):
+  """(config, params) of a Checkpoint or a (ModelConfig, params dict) pair."""
   if isinstance(checkpoint_or_config_params, Checkpoint):
-    config, params = checkpoint_or_config_params.config, checkpoint_or_config_params.params
-  else:
-    config, params = checkpoint_or_config_params
-  tokens = np.asarray(tokens_BxT)
-  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+    return checkpoint_or_config_params.config, checkpoint_or_config_params.params
+  if (isinstance(checkpoint_or_config_params, tuple) and len(checkpoint_or_config_params) == 2
+      and isinstance(checkpoint_or_config_params[0], ModelConfig)
+      and isinstance(checkpoint_or_config_params[1], dict)):
+    return checkpoint_or_config_params
+  raise UserError(f"Invalid first argument {shorten(checkpoint_or_config_params)} of "
+                  f"{function}: must be a checkpoints.Checkpoint (from checkpoints.load) or "
+                  f"a (ModelConfig, params dict) pair.")
+
+
+def token_array(tokens_BxT, config: ModelConfig, function: str) -> np.ndarray:
+  """A [B, T] integer array of ids in [0, vocab), T within the model's context."""
+  try:
+    tokens = np.asarray(tokens_BxT)
+  except (ValueError, TypeError):
+    tokens = None                      # ragged lists (numpy >= 1.24 refuses them)
+  if tokens is None or tokens.dtype == object:
+    raise UserError(f"Invalid argument tokens_BxT={shorten(tokens_BxT)} of {function}: the "
+                    f"rows have different lengths (or are not numbers); pass a 2-D integer "
+                    f"array [batch, length] with rows of one length (pad them; "
+                    f"decoding.pad_prompts right-pads token lists).")
+  if (tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer)
+      or tokens.dtype == np.bool_):
     raise UserError(f"tokens_BxT must be a 2-D integer array [batch, length], got shape "
-                    f"{tokens.shape} dtype {tokens.dtype}.")
-  if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
+                    f"{tokens.shape} dtype {tokens.dtype} ({shorten(tokens_BxT)}).")
+  if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+    raise UserError(f"tokens_BxT of {function} has shape {tokens.shape}: it needs at least "
+                    f"one sequence of at least one token.")
+  if tokens.min() < 0 or tokens.max() >= config.vocab_size:
     raise UserError(f"Token ids must lie in [0, {config.vocab_size}); got "
                     f"{tokens.min()}..{tokens.max()}.")
-  return _forward(config, precision)(params, jnp.asarray(tokens, jnp.int32))
+  if tokens.shape[1] > config.max_seq_len:
+    raise UserError(f"tokens_BxT of {function} holds sequences of {tokens.shape[1]} tokens, "
+                    f"longer than the model's context ({config.max_seq_len} tokens); pass at "
+                    f"most {config.max_seq_len} tokens per sequence.")
+  return tokens
+
+
+def check_precision(precision, function: str) -> None:
+  if not isinstance(precision, Precision):
+    raise UserError(f"Invalid argument precision={shorten(precision)} of {function}: must "
+                    f"be an attnprec.precision.Precision, e.g. Precision(dtype='bfloat16') "
+                    f"or precision.REFERENCE.")
+
+
+def logits(checkpoint_or_config_params: Union[Checkpoint, Tuple[ModelConfig, dict]],
+           tokens_BxT, *, precision: Precision = Precision(),
+           check_finite: bool = True) -> jax.Array:
+  """Full-sequence logits [B, T, V] float32 of `tokens_BxT` (int, positions 0..T-1).
+
+  check_finite: raise `NonFiniteError` if any logit is NaN or Inf (naming the first one
+    and the model stage that produced it); False returns the logits as computed.
+  """
+  config, params = config_and_params(checkpoint_or_config_params, "checkpoints.logits")
+  tokens = token_array(tokens_BxT, config, "checkpoints.logits")
+  check_precision(precision, "checkpoints.logits")
+  checks.check_argument("checkpoints.logits", "check_finite", check_finite, checks.boolean)
+  out = _forward(config, precision)(params, jnp.asarray(tokens, jnp.int32))
+  if check_finite:
+    nan, inf, first = finite.logits_problem(out)
+    if first:
+      stage = finite.first_nonfinite_stage(config, params, tokens, precision)
+      kind = "NaN" if nan else "Inf"
+      raise finite.nonfinite_error(
+          "the logits of checkpoints.logits", precision,
+          finite.Where(kind, f"at sequence {first[0]}, position {first[1]}; {nan} NaN and "
+                             f"{inf} Inf of {out.size} values"),
+          stage, " Pass check_finite=False to get them anyway.")
+  return out

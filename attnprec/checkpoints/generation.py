@@ -10,14 +10,25 @@
 Built on `decoding.pad_prompts` and `decoding.generate` (one jitted prefill + decode loop
 under the given `Precision`): prompts are right-padded into one batch, and each sequence
 stops at the tokenizer's end token (the end token itself is not returned).
+
+Non-finite logits: `decoding.generate` flags each sequence whose tokens were chosen from
+logits holding NaN or Inf (`finite_B`). By default (`check_finite=True`) `generate`
+raises `attnprec.errors.NonFiniteError` if any sequence is flagged, naming the prompt,
+the first decode step whose logits were not finite (when a full forward pass of the same
+tokens shows it) and the first model stage whose output was not finite. With
+`check_finite=False` it returns every sequence and `Generation.finite[b]` says which ones
+are meaningful. Arguments are checked before anything is compiled (UserError naming the
+argument, the bad value shortened, and what is valid).
 """
+import numbers
 from typing import List, NamedTuple, Optional, Sequence, Union
 
 import jax
 import numpy as np
 
-from attnprec import decoding
-from attnprec.errors import UserError
+from attnprec import checks, decoding
+from attnprec.checkpoints import finite
+from attnprec.errors import UserError, shorten
 from attnprec.precision import Precision
 
 Prompts = Union[str, Sequence[str], Sequence[Sequence[int]]]
@@ -27,6 +38,8 @@ class Generation(NamedTuple):
   texts: Optional[List[str]]   # the new text of each prompt (None without a tokenizer)
   tokens: List[List[int]]      # the new token ids of each prompt, before the end token
   stopped: List[bool]          # whether each prompt reached the end token
+  finite: List[bool]           # whether every logits row that chose its tokens was finite
+                               # (False: the tokens are meaningless; see check_finite)
 
 
 def _token_prompts(ckpt, prompts: Prompts, chat: bool) -> List[List[int]]:
@@ -36,6 +49,9 @@ def _token_prompts(ckpt, prompts: Prompts, chat: bool) -> List[List[int]]:
   prompts = list(prompts)
   if not prompts:
     raise UserError("generate needs at least one prompt (a text or a list of token ids).")
+  if prompts and all(_is_int(p) for p in prompts):
+    raise UserError(f"Invalid argument prompts={shorten(prompts)} of checkpoints.generate: "
+                    f"a flat list of token ids; wrap one prompt in a list: [[id, id, ...]].")
   if all(isinstance(p, str) for p in prompts):
     tok = ckpt.tokenizer
     if tok is None:
@@ -48,18 +64,74 @@ def _token_prompts(ckpt, prompts: Prompts, chat: bool) -> List[List[int]]:
     raise UserError("chat=True needs text prompts (the chat template renders text); got "
                     "token id lists.")
   out = []
-  for p in prompts:
-    ids = np.asarray(p)
-    if isinstance(p, str) or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-      raise UserError(f"A prompt must be a text or a list of integer token ids, got "
-                      f"{p!r:.80} (texts and token lists cannot be mixed).")
+  for k, p in enumerate(prompts):
+    try:
+      ids = np.asarray(p)
+    except (ValueError, TypeError):
+      ids = np.asarray([None], dtype=object)
+    if not isinstance(p, (str, bytes)) and ids.ndim == 1 and ids.size == 0:
+      raise UserError(f"Prompt {k} of checkpoints.generate is empty (no tokens); every "
+                      f"prompt needs at least one token.")
+    if (isinstance(p, (str, bytes)) or ids.ndim != 1 or ids.dtype == np.bool_
+        or not np.issubdtype(ids.dtype, np.integer)):
+      raise UserError(f"Invalid prompt {k} of checkpoints.generate: {shorten(p)}; a prompt "
+                      f"must be a text or a list of integer token ids (texts and token lists "
+                      f"cannot be mixed).")
     out.append([int(t) for t in ids])
   return out
 
 
+def _is_int(v) -> bool:
+  return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_arguments(ckpt, prompts, precision, max_new_tokens, sampler, rng, chat, eos_id,
+                     check_finite):
+  """Every argument of `generate`, before anything is compiled."""
+  from attnprec.checkpoints import Checkpoint
+  fn = "checkpoints.generate"
+  if not isinstance(ckpt, Checkpoint):
+    raise UserError(f"Invalid argument ckpt={shorten(ckpt)} of {fn}: must be a "
+                    f"checkpoints.Checkpoint (from checkpoints.load).")
+  if not isinstance(prompts, (str, list, tuple, np.ndarray)):
+    raise UserError(f"Invalid argument prompts={shorten(prompts)} of {fn}: must be a text, "
+                    f"a list of texts or a list of token id lists.")
+  if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    raise UserError(f"max_new_tokens must be a positive integer, got "
+                    f"{shorten(max_new_tokens)}.")
+  if not isinstance(precision, Precision):
+    raise UserError(f"Invalid argument precision={shorten(precision)} of {fn}: must be an "
+                    f"attnprec.precision.Precision, e.g. Precision(dtype='bfloat16') or "
+                    f"precision.REFERENCE.")
+  if not isinstance(sampler, decoding.SAMPLERS):
+    raise UserError(f"Invalid argument sampler={shorten(sampler)} of {fn}: must be one of "
+                    f"decoding.Greedy(), Temperature(...), TopK(...), TopP(...) (an "
+                    f"instance, not the class).")
+  k = getattr(sampler, "k", None)
+  if k is not None and k > ckpt.config.vocab_size:
+    raise UserError(f"Invalid argument sampler={shorten(sampler)} of {fn}: TopK.k = {k} "
+                    f"exceeds the model's vocabulary ({ckpt.config.vocab_size} tokens).")
+  if rng is not None:
+    import jax.numpy as jnp
+    ok = isinstance(rng, (jax.Array, np.ndarray)) and (
+        jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.shape == ()
+        or rng.dtype == np.uint32 and rng.shape == (2,))
+    if not ok:
+      raise UserError(f"Invalid argument rng={shorten(rng)} of {fn}: must be one key, "
+                      f"jax.random.PRNGKey(seed) (or jax.random.key(seed)).")
+  checks.check_argument(fn, "chat", chat, checks.boolean)
+  checks.check_argument(fn, "check_finite", check_finite, checks.boolean)
+  V = ckpt.config.vocab_size
+  if eos_id is not None and (not _is_int(eos_id) or not (eos_id == -1 or 0 <= eos_id < V)):
+    raise UserError(f"Invalid argument eos_id={shorten(eos_id)} of {fn}: must be a token id "
+                    f"in [0, {V}) (the model's vocabulary), -1 (never stop early) or None "
+                    f"(the tokenizer's end token).")
+
+
 def generate(ckpt, prompts: Prompts, *, precision: Precision = Precision(),
              max_new_tokens: int = 32, sampler=decoding.Greedy(), rng=None,
-             chat: bool = False, eos_id: Optional[int] = None) -> Generation:
+             chat: bool = False, eos_id: Optional[int] = None,
+             check_finite: bool = True) -> Generation:
   """Continues each prompt with up to `max_new_tokens` tokens.
 
   Args:
@@ -70,16 +142,15 @@ def generate(ckpt, prompts: Prompts, *, precision: Precision = Precision(),
     sampler: `decoding.Greedy()` (no rng needed), `Temperature`, `TopK`, `TopP`.
     rng: a `jax.random.PRNGKey`, required by every sampler but `Greedy`.
     chat: wrap each text prompt as one user message in the model's chat template.
-    eos_id: the end token; default the tokenizer's (none: never stops early).
+    eos_id: the end token, in [0, vocab); default the tokenizer's (none, or -1: never
+      stops early).
+    check_finite: raise `attnprec.errors.NonFiniteError` if any sequence's tokens were
+      chosen from logits holding NaN or Inf; False returns them, flagged in `finite`.
 
-  Returns `Generation(texts, tokens, stopped)`, one entry per prompt.
+  Returns `Generation(texts, tokens, stopped, finite)`, one entry per prompt.
   """
-  if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) \
-      or max_new_tokens < 1:
-    raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
-  if not isinstance(precision, Precision):
-    raise UserError(f"precision must be an attnprec.precision.Precision, got "
-                    f"{precision!r:.80}.")
+  _check_arguments(ckpt, prompts, precision, max_new_tokens, sampler, rng, chat, eos_id,
+                   check_finite)
   if rng is None:
     if not isinstance(sampler, decoding.Greedy):
       raise UserError(f"The sampler {sampler!r} draws random numbers: pass "
@@ -87,8 +158,11 @@ def generate(ckpt, prompts: Prompts, *, precision: Precision = Precision(),
     rng = jax.random.PRNGKey(0)               # never read by Greedy
   config = ckpt.config
   ids = _token_prompts(ckpt, prompts, chat)
-  for p in ids:
-    if p and (min(p) < 0 or max(p) >= config.vocab_size):
+  for k, p in enumerate(ids):
+    if not p:
+      raise UserError(f"Prompt {k} of checkpoints.generate is empty (no tokens); every "
+                      f"prompt needs at least one token.")
+    if min(p) < 0 or max(p) >= config.vocab_size:
       raise UserError(f"Token ids must lie in [0, {config.vocab_size}); a prompt holds "
                       f"{min(p)}..{max(p)}.")
   longest = max(len(p) for p in ids)
@@ -101,13 +175,44 @@ def generate(ckpt, prompts: Prompts, *, precision: Precision = Precision(),
     eos_id = tok.eos_id
   eos = -1 if eos_id is None else int(eos_id)
   prompt_BxP, lengths_B = decoding.pad_prompts(ids)
-  tokens_BxM, _, *_ = decoding.generate(ckpt.params, prompt_BxP, lengths_B, rng, config=config,
-                                    precision=precision, sampler=sampler,
-                                    max_new_tokens=max_new_tokens, eos_id=eos)
+  out = decoding.generate(ckpt.params, prompt_BxP, lengths_B, rng, config=config,
+                          precision=precision, sampler=sampler,
+                          max_new_tokens=max_new_tokens, eos_id=eos, return_logits=False)
+  finite_B = [bool(f) for f in np.asarray(out.finite_B)]
+  rows = np.asarray(out.tokens_BxM).tolist()
+  if check_finite and not all(finite_B):
+    raise _nonfinite(ckpt, ids, rows, finite_B, precision)
   new, stopped = [], []
-  for row in np.asarray(tokens_BxM).tolist():
+  for row in rows:
     stop = eos in row
     new.append(row[:row.index(eos)] if stop else row)
     stopped.append(stop)
   texts = [tok.decode(t) for t in new] if tok is not None else None
-  return Generation(texts, new, stopped)
+  return Generation(texts, new, stopped, finite_B)
+
+
+def _nonfinite(ckpt, ids, rows, finite_B, precision):
+  """The NonFiniteError of a decode: the first flagged prompt, the first decode step a
+  full forward pass of its tokens shows non-finite logits at, the first stage."""
+  b = finite_B.index(False)
+  seq = ids[b] + rows[b]
+  config, params = ckpt.config, ckpt.params
+  seq = seq[:config.max_seq_len]
+  tokens = np.asarray([seq], np.int32)
+  from attnprec.checkpoints import logits as full_logits
+  forward = full_logits((config, params), tokens, precision=precision, check_finite=False)
+  bad_T = ~np.isfinite(np.asarray(forward[0])).all(-1)
+  start = len(ids[b]) - 1                 # the logits that chose the first new token
+  steps = np.nonzero(bad_T[start:])[0]
+  if steps.size:
+    row = np.asarray(forward[0, start + int(steps[0])])
+    kind = "NaN" if np.isnan(row).any() else "Inf"
+    where = finite.Where(kind, f"at decode step {int(steps[0])} of prompt {b}")
+  else:
+    where = finite.Where("", f"prompt {b}")
+  stage = finite.first_nonfinite_stage(config, params, tokens, precision)
+  flagged = finite_B.count(False)
+  return finite.nonfinite_error(
+      f"the logits of checkpoints.generate ({flagged} of {len(finite_B)} sequences)",
+      precision, where, stage,
+      " Pass check_finite=False to get the tokens anyway (Generation.finite flags them).")

@@ -65,7 +65,10 @@ class ParamBuilder:
     array = np.asarray(array)
     if not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
       raise UserError(f"Checkpoint {where} has dtype {array.dtype}; expected a float tensor.")
-    self.params.setdefault(module, {})[name] = np.asarray(array, dtype=self.dtype, order="C")
+    with np.errstate(over="ignore"):   # beyond a 16-bit dtype's range: Inf, which
+      # `checkpoints.finite.check_params` then reports by tensor
+      self.params.setdefault(module, {})[name] = np.asarray(array, dtype=self.dtype,
+                                                            order="C")
     self.sources[(module, name)] = source
 
   def finish(self) -> Dict[str, Dict[str, np.ndarray]]:

@@ -1,5 +1,10 @@
 """`make decode` on a real model: generate a continuation under the decode precision, and
-compare it token by token with an fp32-attention reference decode of the same prompt."""
+compare it token by token with an fp32-attention reference decode of the same prompt.
+
+A decode whose logits were not finite (NaN/Inf: `decoding.generate`'s `finite_B`) is an
+error (exit 2), never a continuation or an agreement figure: the message names the first
+step whose logits were not finite and the first model stage whose output was not finite
+(`attnprec.checkpoints.finite`), e.g. an fp16 overflow in layer 3's MLP."""
 import dataclasses
 import time
 from typing import Optional
@@ -9,6 +14,7 @@ import jax
 import numpy as np
 
 from attnprec import checkpoints, checks, compilation, decoding, kernels, runs
+from attnprec.checkpoints import finite
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 
@@ -17,23 +23,48 @@ DEFAULT_PROMPT = ("Explain in three sentences why a language model's attention s
 
 
 def _compiled_generate(ckpt, prompt_BxP, lengths_B, *, precision, sampler, max_new_tokens,
-                       eos_id):
+                       eos_id, name):
   """Compiles (or loads from the persistent cache) once, timed apart, then runs and times
-  the whole jitted prefill + decode. Returns (tokens_BxM, run seconds, Compiled)."""
+  the whole jitted prefill + decode. Returns (tokens_BxM, run seconds, Compiled); raises
+  NonFiniteError if the logits of any step were not finite."""
   args = (ckpt.params, prompt_BxP, lengths_B, jax.random.PRNGKey(0))
   static = dict(config=ckpt.config, precision=precision, sampler=sampler,
                 max_new_tokens=max_new_tokens)
   compiled = compilation.compile_lowerable(decoding.generate, *args, eos_id=eos_id, **static)
   t0 = time.perf_counter()
-  tokens_BxM, _, *_ = compiled.program(*args, eos_id=eos_id)
-  tokens_BxM = np.asarray(jax.block_until_ready(tokens_BxM))
-  return tokens_BxM, time.perf_counter() - t0, compiled
+  out = compiled.program(*args, eos_id=eos_id)
+  tokens_BxM = np.asarray(jax.block_until_ready(out.tokens_BxM))
+  seconds = time.perf_counter() - t0
+  if not bool(np.asarray(out.finite_B).all()):
+    raise _nonfinite(ckpt, prompt_BxP, lengths_B, out, precision, name)
+  return tokens_BxM, seconds, compiled
+
+
+def _nonfinite(ckpt, prompt_BxP, lengths_B, out, precision, name):
+  """The error of a decode whose logits were not finite: the first such step, NaN or Inf,
+  and the first stage of a forward pass over the tokens up to it that is not finite."""
+  steps = int(out.steps)
+  logits_MxV = np.asarray(out.logits_BxMxV[0, :max(steps, 1)])
+  bad_M = ~np.isfinite(logits_MxV).all(-1)
+  k = int(np.argmax(bad_M))
+  kind = "NaN" if np.isnan(logits_MxV[k]).any() else "Inf"
+  prompt = np.asarray(prompt_BxP[0, :int(lengths_B[0])]).tolist()
+  seq = prompt + np.asarray(out.tokens_BxM[0, :k]).tolist()   # the logits of step k: last
+  stage = finite.first_nonfinite_stage(ckpt.config, ckpt.params, np.asarray([seq]),
+                                       precision)
+  return finite.nonfinite_error(f"the logits of the {name} decode", precision,
+                                finite.Where(kind, f"at step {k}"), stage)
+
+
+def _name(precision) -> str:
+  """'bf16', 'fp16', 'fp32': how the messages name a decode."""
+  return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(precision.dtype,
+                                                                       precision.dtype)
 
 
 def _compile_note(compiled) -> str:
-  return (f"compile {compiled.seconds:.1f} s, "
-          + ("loaded from the compilation cache" if compiled.cached else
-             f"{compiled.new_entries} new program(s) written to the compilation cache"))
+  # True by construction: every program JAX looked up was a hit (compilation.Compiled).
+  return compiled.describe()
 
 
 def _until_eos(tokens, eos_id):
@@ -89,9 +120,9 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
         f"(cache of {S}) {step_kernel}" + (
             f" (kernel=auto: blockwise from {kernels.AUTO_MIN_QUERIES} queries or "
             f"{kernels.AUTO_MIN_KEYS} keys)" if precision.kernel == kernels.AUTO else ""))
-  tokens, seconds, compiled = _compiled_generate(ckpt, prompt_BxP, lengths_B, precision=precision,
-                                       sampler=sampler, max_new_tokens=max_new_tokens,
-                                       eos_id=eos)
+  tokens, seconds, compiled = _compiled_generate(
+      ckpt, prompt_BxP, lengths_B, precision=precision, sampler=sampler,
+      max_new_tokens=max_new_tokens, eos_id=eos, name=_name(precision))
   new = _until_eos(tokens[0], eos)
   text = tok.decode(new)
   print(f"\nprompt ({len(ids)} tokens): {prompt}\n")
@@ -105,11 +136,13 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
             "precision": dataclasses.asdict(served),
             "kernels": {"prefill": prefill_kernel, "decode_step": step_kernel},
             "tokens": new, "text": text, "seconds": seconds, "tokens_per_s": tok_s,
-            "compile_s": compiled.seconds, "compile_new_entries": compiled.new_entries}
+            "compile_s": compiled.seconds, "compile_new_entries": compiled.new_entries,
+            "compile_cached": compiled.cached,
+            "compile_replaced_entries": compiled.replaced}
   if reference:
-    ref_tokens, _, ref_compiled = _compiled_generate(ckpt, prompt_BxP, lengths_B, precision=REFERENCE,
-                                       sampler=decoding.Greedy(),
-                                       max_new_tokens=max_new_tokens, eos_id=eos)
+    ref_tokens, _, ref_compiled = _compiled_generate(
+        ckpt, prompt_BxP, lengths_B, precision=REFERENCE, sampler=decoding.Greedy(),
+        max_new_tokens=max_new_tokens, eos_id=eos, name="fp32 reference")
     a, b = tokens[0], ref_tokens[0]
     differ = np.nonzero(a != b)[0]
     first = int(differ[0]) if differ.size else None

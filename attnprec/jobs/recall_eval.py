@@ -1,5 +1,9 @@
 """`make decode` on the recall task: decode answers at several context lengths under the
-decode precision and under an fp32 reference, side by side."""
+decode precision and under an fp32 reference, side by side.
+
+A decode whose logits were not finite (NaN/Inf in the logits any answer slot was decoded
+from) is an error (exit 2) naming the pair count, the step and the first model stage
+whose output was not finite; no accuracy or agreement is printed for it."""
 import dataclasses
 import os
 from typing import Sequence
@@ -7,7 +11,8 @@ from typing import Sequence
 import gin
 import numpy as np
 
-from attnprec import checkpoints, checks, decoding, runs
+from attnprec import checkpoints, checks, runs
+from attnprec.checkpoints import finite
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 from attnprec.tasks import recall
@@ -30,10 +35,21 @@ def evaluate(params, config, task, precision: Precision, pair_counts: Sequence[i
     prompt_BxP, template_BxM, answers_BxM = task.eval_episode(
         np.random.default_rng(seed + pairs), num_prompts, pairs, num_queries)
     lengths_B = np.full((num_prompts,), prompt_BxP.shape[1], np.int32)
-    tokens_BxM, answered_BxM = decoding.decode_with_template(
+    tokens_BxM, answered_BxM, finite_BxM = finite.decode_with_template(
         params, prompt_BxP, lengths_B, template_BxM, config=config, precision=precision,
         cache_length=prompt_BxP.shape[1] + template_BxM.shape[1])
     decoded = np.asarray(tokens_BxM)
+    bad = finite.first_bad(finite_BxM)
+    if bad is not None:
+      b, m = bad
+      # The logits of slot m: those after the prompt and the slots before m.
+      seq = np.concatenate([prompt_BxP[b], decoded[b, :m]])[None]
+      stage = finite.first_nonfinite_stage(config, params, seq, precision)
+      kind = finite.kind_at_end(config, params, seq, precision) or "NaN or Inf"
+      name = "fp32 reference" if precision == REFERENCE else f"{precision.dtype}"
+      raise finite.nonfinite_error(
+          f"the logits of the {name} decode", precision,
+          finite.Where(kind, f"at step {m} of episode {b}, {pairs} pairs"), stage)
     out[pairs] = (recall.score(decoded, answers_BxM, answered_BxM), decoded)
   return out
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from attnprec import decoding
 from attnprec import model as model_lib
+from attnprec.checkpoints import finite
 from attnprec.config import ModelConfig
 from attnprec.precision import Precision
 from attnprec.study import probes
@@ -72,25 +73,33 @@ def decode_fn(config: ModelConfig, precision: Precision, prefix: int):
 
 
 def generate(params, prompts_BxP, config, precision, new_tokens: int):
-  """Greedy tokens [B, M] after each prompt (cached prefill + scan of decode steps)."""
+  """(greedy tokens [B, M] after each prompt, finite_B: whether the logits that chose
+  them were finite), from `decoding.generate` (cached prefill + decode steps)."""
   B, P = prompts_BxP.shape
   with probes.attached(params, record=False):   # the key bias, if params carry one
-    tokens, _, *_ = decoding.generate(params, jnp.asarray(prompts_BxP),
-                                  jnp.full((B,), P, jnp.int32), jax.random.PRNGKey(0),
-                                  config=config, precision=precision,
-                                  max_new_tokens=new_tokens)
-  return np.asarray(tokens)
+    out = decoding.generate(params, jnp.asarray(prompts_BxP), jnp.full((B,), P, jnp.int32),
+                            jax.random.PRNGKey(0), config=config, precision=precision,
+                            max_new_tokens=new_tokens, return_logits=False)
+  return np.asarray(out.tokens_BxM), np.asarray(out.finite_B)
 
 
 def decode_template(params, prompts_BxP, template_BxM, config, precision):
-  """Recall episodes: (tokens_BxM, answered_BxM) from `decoding.decode_with_template`."""
+  """Recall episodes: (tokens_BxM, answered_BxM, finite_BxM) of
+  `decoding.decode_with_template`'s decode, with the finite flag of each slot's logits
+  (`checkpoints.finite.decode_with_template`)."""
   B, P = prompts_BxP.shape
   with probes.attached(params, record=False):   # the key bias, if params carry one
-    tokens, answered = decoding.decode_with_template(
+    tokens, answered, ok = finite.decode_with_template(
         params, jnp.asarray(prompts_BxP), jnp.full((B,), P, jnp.int32),
         jnp.asarray(template_BxM), config=config, precision=precision,
         cache_length=P + template_BxM.shape[1])
-  return np.asarray(tokens), np.asarray(answered)
+  return np.asarray(tokens), np.asarray(answered), np.asarray(ok)
+
+
+def first_nonfinite_stage(config, params, tokens_BxT, precision):
+  """`checkpoints.finite.first_nonfinite_stage` with the study's key bias attached."""
+  with probes.attached(params, record=False):
+    return finite.first_nonfinite_stage(config, params, tokens_BxT, precision)
 
 
 def timed(fn, *args):

@@ -35,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from attnprec import checkpoints, decoding, plotting, runs
-from attnprec.errors import UserError
+from attnprec.errors import NonFiniteError, UserError
 from attnprec.evals import stats
 from attnprec.precision import REFERENCE, Precision
 from attnprec.study import presets as preset_lib
@@ -208,7 +208,10 @@ def nextline(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
   raw, prefill_s = {}, {}
   for name, prec in configs:
     bar.set_postfix_str(name)
-    pred, nll, seconds = _predictions(ckpt, win, prec, batch)
+    try:
+      pred, nll, seconds = _predictions(ckpt, win, prec, batch)
+    except NonFiniteError as e:    # checkpoints.logits checks every forward pass
+      raise NonFiniteError(f"nextline, configuration {name!r}: {e}", stage=e.stage) from None
     raw[name] = (pred, nll, _score(pred, win, spans))
     prefill_s[name] = seconds
     bar.update()

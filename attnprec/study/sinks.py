@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnprec import contract, kernels, plotting, runs
-from attnprec.errors import UserError
+from attnprec.errors import NonFiniteError, UserError
 from attnprec.config import ModelConfig
 from attnprec.precision import Precision
 from attnprec.study.float64 import _act, _rms_norm, _rope
@@ -136,6 +136,9 @@ def injected_kl(config: ModelConfig, params, tokens_BxT, precision: Precision,
   for i in range(config.num_layers):
     xs.append(_layer(config, params, i, xs[-1], pos_BxT, dtype)[0])
   clean = _logits(config, params, xs[-1], dtype)[:, 1:]
+  if not np.isfinite(clean).all():
+    raise NonFiniteError("sinks: the float32 NumPy forward pass's logits are not finite; the "
+                         "model's activations overflow float32.")
   out = {}
   for which in layers:
     if which == "all":
@@ -146,8 +149,23 @@ def injected_kl(config: ModelConfig, params, tokens_BxT, precision: Precision,
       x = _layer(config, params, which, xs[which], pos_BxT, dtype, precision)[0]
       for i in range(which + 1, config.num_layers):
         x = _layer(config, params, i, x, pos_BxT, dtype)[0]
-    out[str(which)] = _kl(clean, _logits(config, params, x, dtype)[:, 1:])
+    injected = _logits(config, params, x, dtype)[:, 1:]
+    _require_finite(injected, f"the logits with layer {which!r}'s attention under the "
+                              f"preset", precision)
+    out[str(which)] = _kl(clean, injected)
   return out
+
+
+def _require_finite(array, what: str, precision) -> None:
+  """A NonFiniteError instead of an error figure computed from NaN/Inf."""
+  x = np.asarray(array)
+  if np.isfinite(x).all():
+    return
+  kind = "NaN" if np.isnan(x).any() else "Inf"
+  raise NonFiniteError(f"sinks: {what} holds {kind} under {precision.describe()}; no error "
+                       f"or KL is reported for values that are not finite."
+                       + (" float16 holds values up to 65504 only; use bfloat16."
+                          if precision.dtype == "float16" else ""))
 
 
 def _kl(ref_logits, logits) -> float:
@@ -210,6 +228,7 @@ def local_error(cfg: ModelConfig, layer: LayerInputs, precision: Precision,
   mask = np.tril(np.ones((T, T), bool))[None, None]
   out = np.asarray(kernels.attend(precision, q_, k_, v_, mask=jnp.asarray(mask),
                                   scale=cfg.query_scale), np.float64)
+  _require_finite(out, "the attention kernel's output on a layer's inputs", precision)
   ref = contract.reference_attention_np(*(np.asarray(a, np.float64) for a in (q_, k_, v_)),
                                         mask=mask, scale=cfg.query_scale)
   return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))

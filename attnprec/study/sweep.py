@@ -28,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from attnprec import checks, runs
+from attnprec.checkpoints import finite
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE
 from attnprec.tasks import recall
@@ -87,8 +88,9 @@ def _generate(model, config, precision, case, greedy_steps):
   if case.template_BxM is not None:
     return measure.decode_template(model.params, case.prompts_BxP, case.template_BxM, config,
                                    precision)
-  tokens = measure.generate(model.params, case.prompts_BxP, config, precision, greedy_steps)
-  return tokens, np.ones_like(tokens, bool)
+  tokens, finite_B = measure.generate(model.params, case.prompts_BxP, config, precision,
+                                      greedy_steps)
+  return tokens, np.ones_like(tokens, bool), finite_B
 
 
 def _accuracy(kind, generated_BxM, answered_BxM, case, tokenizer):
@@ -98,16 +100,35 @@ def _accuracy(kind, generated_BxM, answered_BxM, case, tokenizer):
   return float(np.mean([key in t for key, t in zip(case.answers, texts)]))
 
 
-def _run_case(model, config, precision, case, keep, greedy_steps):
+def _run_case(model, config, precision, case, keep, greedy_steps, name):
   """Raw outputs of one configuration on one case (numpy)."""
   params = model.params
   nll, logits, attn = measure.forward_fn(config, precision, keep)(params, case.tokens_BxL)
   prefix = case.tokens_BxL.shape[1] - case.decode_steps
   dec_logits, dec_attn = measure.decode_fn(config, precision, prefix)(params, case.tokens_BxL)
-  generated, answered = _generate(model, config, precision, case, greedy_steps)
-  return {"nll": np.asarray(nll), "logits": np.asarray(logits), "attn": np.asarray(attn),
-          "dec_logits": np.asarray(dec_logits), "dec_attn": np.asarray(dec_attn),
-          "generated": generated, "answered": answered}
+  generated, answered, generated_finite = _generate(model, config, precision, case,
+                                                    greedy_steps)
+  out = {"nll": np.asarray(nll), "logits": np.asarray(logits), "attn": np.asarray(attn),
+         "dec_logits": np.asarray(dec_logits), "dec_attn": np.asarray(dec_attn),
+         "generated": generated, "answered": answered}
+  _check_finite(model, config, precision, case, out, generated_finite, name)
+  return out
+
+
+def _check_finite(model, config, precision, case, out, generated_finite, name):
+  """Non-finite outputs are an error naming the configuration, never a comparison."""
+  problems = [what for key, what in (
+      ("logits", "the full-sequence logits"), ("dec_logits", "the decode-step logits"),
+      ("attn", "the attention outputs"), ("dec_attn", "the decode-step attention outputs"))
+      if not np.isfinite(out[key]).all()]
+  if not np.asarray(generated_finite).all():
+    problems.append("the greedy decode's logits")
+  if not problems:
+    return
+  stage = measure.first_nonfinite_stage(config, model.params, case.tokens_BxL[:1], precision)
+  where = finite.Where("", f"in {', '.join(problems)} at {case.label}")
+  raise finite.nonfinite_error(f"the outputs of the study's configuration {name!r}",
+                               precision, where, stage)
 
 
 def _compare(out, ref, case, kind, tokenizer):
@@ -224,7 +245,7 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
   ref_out, ref_rows = [], []
   for case in cases:
     bar.set_postfix_str(f"reference, {case.label}")
-    out = _run_case(m, config, REFERENCE, case, logit_positions, greedy_steps)
+    out = _run_case(m, config, REFERENCE, case, logit_positions, greedy_steps, "reference")
     ref_out.append(out)
     row = {"context_tokens": case.context_tokens, "label": case.label,
            "accuracy": _accuracy(m.kind, out["generated"], out["answered"], case,
@@ -240,7 +261,7 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
     per_length = []
     for case, ref in zip(cases, ref_out):
       bar.set_postfix_str(f"{name}, {case.label}")
-      out = _run_case(m, config, prec, case, logit_positions, greedy_steps)
+      out = _run_case(m, config, prec, case, logit_positions, greedy_steps, name)
       per_length.append(_compare(out, ref, case, m.kind, m.tokenizer))
       bar.update()
     results.append({"name": name, "precision": dataclasses.asdict(prec),
