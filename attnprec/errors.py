@@ -25,9 +25,10 @@ class NonFiniteError(UserError):
 
 
 def shorten(value, limit: int = ECHO_LIMIT) -> str:
-  """`repr(value)`, cut to `limit` characters (the cut marked with its full length)."""
+  """`repr(value)` on one line (whitespace runs collapsed: a numpy array's repr spans
+  lines), cut to `limit` characters (the cut marked with the full length)."""
   try:
-    text = repr(value)
+    text = " ".join(repr(value).split())
   except Exception:  # noqa: BLE001 -- a broken __repr__ must not hide the real error
     text = f"<{type(value).__name__} object>"
   if len(text) <= limit:

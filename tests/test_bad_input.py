@@ -18,6 +18,7 @@ import sys
 from unittest import mock
 
 import gin
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -437,3 +438,299 @@ def test_command_line_bindings_the_runner_reads_are_accepted(tmp_path, runner, f
   rc, err = call(runner, [f"--gin_file={f}" for f in files]
                  + [f"--run_dir={tmp_path / 'run'}", *args])
   assert rc == "work", err
+
+
+# ----------------------------------------------------------------------------- Python API
+# The API checks its arguments at the boundary: a UserError naming the argument and what
+# is valid, the bad value echoed at most ~200 characters, before anything is compiled
+# (the compiled steps are replaced by `_work`: reaching one means a check is missing).
+@pytest.fixture(scope="module")
+def recall_tiny():
+  from attnprec import checkpoints
+  return checkpoints.load("recall-tiny")
+
+
+@contextlib.contextmanager
+def _no_compile():
+  import attnprec.checkpoints
+  import attnprec.decoding
+  import attnprec.inspect
+  with mock.patch.object(attnprec.checkpoints, "_forward", _work), \
+       mock.patch.object(attnprec.decoding, "generate", _work), \
+       mock.patch.object(attnprec.inspect, "inspect_lowered", _work):
+    yield
+
+
+def api_refused(call, *needles):
+  """The message of the UserError `call()` raises (gin's 'In call to configurable' note
+  dropped), checked for each needle and for its length."""
+  with _no_compile():
+    try:
+      call()
+    except WorkStarted:
+      raise AssertionError("a bad argument reached the compiled work") from None
+    except UserError as e:
+      message = str(e).split("\n  In call to configurable")[0]
+    else:
+      raise AssertionError("accepted")
+  assert "\n" not in message and len(message) < 900, message
+  for needle in needles:
+    assert needle in message, (needle, message)
+  return message
+
+
+long_texts = st.text(string.ascii_letters, min_size=250, max_size=5000)
+bad_objects = st.one_of(st.none(), st.floats(allow_nan=False), st.binary(max_size=4),
+                        st.lists(st.integers(0, 5), max_size=3), st.dictionaries(
+                            identifiers, st.integers(), max_size=2), long_texts,
+                        st.builds(object))
+non_number_objects = bad_objects.filter(lambda v: not isinstance(v, float))
+not_bools = st.one_of(st.integers(), st.none(), st.sampled_from(["True", "yes", 1.0]))
+
+
+@SETTINGS
+@given(value=st.one_of(st.integers(), bad_objects.filter(lambda v: not isinstance(v, str))))
+def test_api_load_refuses_bad_paths(value):
+  from attnprec import checkpoints
+  api_refused(lambda: checkpoints.load(value), "path_or_name", "shipped model name")
+
+
+@SETTINGS
+@given(value=st.one_of(identifiers.filter(lambda s: s not in ("float32", "bfloat16",
+                                                               "float16")), st.integers(),
+                       bad_objects))
+def test_api_load_refuses_bad_param_dtypes(value):
+  from attnprec import checkpoints
+  api_refused(lambda: checkpoints.load("recall-tiny", param_dtype=value), "param_dtype",
+              "'float32', 'bfloat16', 'float16'")
+
+
+GENERATE_BAD = st.one_of(
+    st.tuples(st.just("max_new_tokens"), st.one_of(st.integers(max_value=0), bad_objects,
+                                                   st.just(2.0))),
+    st.tuples(st.just("precision"), st.one_of(st.integers(), bad_objects)),
+    st.tuples(st.just("sampler"), st.one_of(st.integers(), bad_objects)),
+    st.tuples(st.just("eos_id"), st.one_of(st.integers(max_value=-2), st.integers(min_value=98),
+                                           st.floats(), st.just("2"))),
+    st.tuples(st.just("rng"), st.one_of(st.integers(), bad_objects.filter(
+        lambda v: v is not None))),
+    st.tuples(st.sampled_from(["chat", "check_finite"]), not_bools),
+)
+
+
+@SETTINGS
+@given(binding=GENERATE_BAD)
+def test_api_generate_refuses_bad_arguments(recall_tiny, binding):
+  from attnprec import checkpoints
+  name, value = binding
+  api_refused(lambda: checkpoints.generate(recall_tiny, [[3, 4, 5]], **{name: value}),
+              name, shorten_check(value))
+
+
+def shorten_check(value) -> str:
+  """What the message must echo of `value`: its first characters, at most ~200."""
+  from attnprec.errors import shorten
+  return shorten(value)[:40]
+
+
+@SETTINGS
+@given(rows=st.lists(st.lists(st.integers(0, 97), min_size=1, max_size=6), min_size=2,
+                     max_size=4).filter(lambda r: len({len(x) for x in r}) > 1))
+def test_api_logits_refuses_ragged_batches(recall_tiny, rows):
+  from attnprec import checkpoints
+  api_refused(lambda: checkpoints.logits(recall_tiny, rows), "tokens_BxT",
+              "different lengths")
+  ragged = np.empty(len(rows), dtype=object)
+  ragged[:] = rows
+  api_refused(lambda: checkpoints.logits(recall_tiny, ragged), "tokens_BxT")
+
+
+@pytest.mark.parametrize("call,needles", [
+    (lambda c: checkpoints_api().logits(c, np.zeros((1, 513), np.int32)),
+     ["513 tokens", "model's context (512 tokens)"]),
+    (lambda c: checkpoints_api().logits(c, np.zeros((1, 4))), ["2-D integer array"]),
+    (lambda c: checkpoints_api().logits(c, np.zeros((1, 0), np.int32)), ["at least one"]),
+    (lambda c: checkpoints_api().logits("recall-tiny", [[1]]), ["Checkpoint", "pair"]),
+    (lambda c: checkpoints_api().logits(c, [[1]], precision="bf16"),
+     ["precision='bf16'", "Precision"]),
+    (lambda c: checkpoints_api().generate(c, [1, 2, 3]), ["flat list of token ids"]),
+    (lambda c: checkpoints_api().generate(c, [[1, 2], []]), ["Prompt 1", "empty"]),
+    (lambda c: checkpoints_api().generate(c, [[1, 2], ["a"]]), ["prompt 1"]),
+    (lambda c: checkpoints_api().generate(c, [[1]], eos_id=98),
+     ["eos_id=98", "[0, 98)"]),
+    (lambda c: checkpoints_api().generate(c, [[1]], sampler=decoding_api().TopK),
+     ["sampler=", "instance"]),
+    (lambda c: checkpoints_api().generate(c, [[1]], sampler=decoding_api().TopK(k=99),
+                                          rng=__import__("jax").random.PRNGKey(0)),
+     ["TopK.k = 99", "vocabulary (98 tokens)"]),
+    (lambda c: checkpoints_api().generate("x" * 10000, [[1]]), ["ckpt=", "(10002 char"]),
+])
+def test_api_examples_are_refused(recall_tiny, call, needles):
+  message = api_refused(lambda: call(recall_tiny), *needles)
+  assert "x" * 300 not in message
+
+
+def checkpoints_api():
+  from attnprec import checkpoints
+  return checkpoints
+
+
+def decoding_api():
+  from attnprec import decoding
+  return decoding
+
+
+PRECISION_BAD = st.one_of(
+    st.tuples(st.sampled_from(["dtype", "matmul_precision", "einsum_precision", "kernel"]),
+              st.one_of(identifiers.map(lambda s: s + "_x"), st.integers(), bad_objects)),
+    st.tuples(st.sampled_from(["float32_qk_product", "float32_logits"]), not_bools),
+    st.tuples(st.just("block_sizes"), st.one_of(st.integers(), bad_objects)),
+)
+SAMPLER_BAD = st.one_of(
+    st.tuples(st.just("TopK"), st.just("k"), st.one_of(st.integers(max_value=0), st.just(2.0),
+                                                       bad_objects)),
+    st.tuples(st.sampled_from(["Temperature", "TopK", "TopP"]), st.just("temperature"),
+              st.one_of(st.floats(max_value=0), st.just(float("nan")), st.just("1"),
+                        non_number_objects)),
+    st.tuples(st.just("TopP"), st.just("p"), st.one_of(st.floats(min_value=1.0,
+                                                                 exclude_min=True),
+                                                       st.floats(max_value=0),
+                                                       non_number_objects)),
+)
+
+
+@SETTINGS
+@given(binding=PRECISION_BAD)
+def test_api_precision_refuses_bad_fields(binding):
+  from attnprec.precision import Precision
+  field, value = binding
+  api_refused(lambda: Precision(**{field: value}), f"precision.{field} = ")
+
+
+@SETTINGS
+@given(binding=SAMPLER_BAD)
+def test_api_samplers_refuse_bad_fields(binding):
+  from attnprec import decoding
+  cls, field, value = binding
+  api_refused(lambda: getattr(decoding, cls)(**{field: value}), f"{cls}.{field} = ")
+
+
+def test_api_wrong_calls_are_refused():
+  from attnprec import decoding
+  from attnprec.precision import Precision
+  api_refused(lambda: Precision("bfloat16"), "Precision(...)", "dtype, matmul_precision")
+  api_refused(lambda: decoding.TopK(kk=3), "TopK(...)", "k, temperature")
+  api_refused(lambda: decoding.Greedy(1), "Greedy(...)")
+
+
+@SETTINGS
+@given(fn=st.one_of(st.integers(), bad_objects.filter(lambda v: not callable(v))),
+       expect=st.one_of(st.none(), identifiers, st.integers()))
+def test_api_attention_report_refuses_bad_arguments(fn, expect):
+  from attnprec.inspect import attention_report, examples
+  api_refused(lambda: attention_report(fn), "fn=", "callable")
+  if expect is not None:
+    args, kwargs = examples.maxtext_inputs()
+    api_refused(lambda: attention_report(examples.maxtext_attention, *args, expect=expect,
+                                         **kwargs), "expect=", "Precision")
+  api_refused(lambda: attention_report(examples.maxtext_attention, "abc"), "argument 0",
+              "arrays, jax.ShapeDtypeStructs")
+
+
+def test_api_good_input_reaches_the_work(recall_tiny):
+  """The API harness is not vacuous: valid arguments reach the compiled work."""
+  import jax
+
+  from attnprec import checkpoints, decoding
+  from attnprec.inspect import attention_report, examples
+  from attnprec.precision import Precision
+  calls = [lambda: checkpoints.logits(recall_tiny, [[1, 2, 3]], precision=Precision()),
+           lambda: checkpoints.generate(recall_tiny, [[1, 2], [3]], max_new_tokens=2,
+                                        sampler=decoding.TopK(k=3),
+                                        rng=jax.random.PRNGKey(1), eos_id=-1),
+           lambda: attention_report(examples.maxtext_attention,
+                                    *examples.maxtext_inputs()[0],
+                                    expect=Precision(dtype="bfloat16"),
+                                    **examples.maxtext_inputs()[1])]
+  for call in calls:
+    with _no_compile(), pytest.raises(WorkStarted):
+      call()
+
+
+def test_api_empty_model_files_are_refused(tmp_path):
+  from attnprec import checkpoints
+  (tmp_path / "empty.gguf").write_bytes(b"")
+  api_refused(lambda: checkpoints.load(tmp_path / "empty.gguf"), "empty.gguf",
+              "is empty (0 bytes")
+  hf = tmp_path / "hf"
+  hf.mkdir()
+  (hf / "config.json").write_text(json.dumps(
+      {"model_type": "llama", "num_attention_heads": 2, "hidden_size": 16,
+       "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 10}))
+  (hf / "model.safetensors").write_bytes(b"")
+  api_refused(lambda: checkpoints.load(hf), "model.safetensors is empty (0 bytes)")
+  run = _fake_run(tmp_path, {})
+  (run / "params.npz").write_bytes(b"")
+  api_refused(lambda: checkpoints.load(run), "params.npz is empty (0 bytes)")
+
+
+# ----------------------------------------------------------------------------- hostile files
+def _gguf_header(dims, *, n_dims=None):
+  """A GGUF v3 header with one F32 tensor 'token_embd.weight' of `dims` (and 64 zero
+  bytes of data): what a hostile or corrupt file can claim."""
+  import struct
+  name = b"token_embd.weight"
+  out = b"GGUF" + struct.pack("<IQQ", 3, 1, 0)
+  out += struct.pack("<Q", len(name)) + name
+  out += struct.pack("<I", len(dims) if n_dims is None else n_dims)
+  out += struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", 0, 0)
+  return out + b"\0" * 64
+
+
+@pytest.mark.parametrize("dims,n_dims,needle", [
+    ([2 ** 32, 2 ** 32], None, "overflows a 64-bit count"),      # wraps to 0 in uint64
+    ([3, 2 ** 62], None, "overflows a 64-bit count"),
+    ([2 ** 63, 1], None, "overflows a 64-bit count"),
+    ([4, 4], 2 ** 31, "has 2147483648 dimensions"),
+])
+def test_gguf_dimensions_past_64_bits_are_corrupt(tmp_path, dims, n_dims, needle):
+  from attnprec import checkpoints
+  path = tmp_path / "hostile.gguf"
+  path.write_bytes(_gguf_header(dims, n_dims=n_dims))
+  message = api_refused(lambda: checkpoints.load(path), "is not a valid GGUF file", needle)
+  assert "token_embd.weight" in message
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}"
+     "{% endfor %}", "its output passed"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "range() items"),
+    ("{% set s = 'x' * 10000000000 %}{{ s }}", "multiplies a value"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recurses without end"),
+    ("{{ ''.__class__.__mro__ }}", "unsafe"),
+])
+def test_chat_templates_are_bounded(template, needle):
+  import time
+
+  import tokenizers
+
+  from attnprec.checkpoints.tokenizer import Tokenizer
+  tok = Tokenizer(tokenizers.Tokenizer(tokenizers.models.BPE()), bos_id=None, eos_id=None,
+                  chat_template=template)
+  t0 = time.perf_counter()
+  api_refused(lambda: tok.apply_chat_template([{"role": "user", "content": "hi"}]),
+              "chat template", needle)
+  assert time.perf_counter() - t0 < 5
+
+
+def test_a_normal_chat_template_still_renders():
+  import tokenizers
+
+  from attnprec.checkpoints.tokenizer import Tokenizer
+  tok = Tokenizer(tokenizers.Tokenizer(tokenizers.models.BPE()), bos_id=None, eos_id=None,
+                  chat_template="{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+                                "{% endfor %}{{ '-' * 3 }}")
+  long = "y" * 3_000_000                         # a long prompt is not a hostile template
+  assert tok.apply_chat_template([{"role": "user", "content": long}]) == \
+      f"<|user|>{long}---"

@@ -63,7 +63,7 @@ def test_load_errors(tmp_path):
   (tmp_path / "weights.bin").write_bytes(b"x")
   with pytest.raises(UserError, match="expected an HF checkpoint directory"):
     checkpoints.load(tmp_path / "weights.bin")
-  with pytest.raises(UserError, match=r"Invalid param_dtype 'int8'"):
+  with pytest.raises(UserError, match=r"param_dtype='int8' of checkpoints.load: valid"):
     checkpoints.load(tmp_path, param_dtype="int8")
 
 

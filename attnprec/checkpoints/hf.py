@@ -59,11 +59,20 @@ def weight_files(directory: pathlib.Path) -> Dict[str, pathlib.Path]:
     if missing:
       raise UserError(f"The shard index {index} lists weight file(s) that do not exist: "
                       f"{', '.join(missing)}.")
+    for file in sorted(set(files.values())):
+      _not_empty(file)
     return files
   if single.is_file():
+    _not_empty(single)
     return {name: single for name in SafetensorsFile(single).keys()}
   raise UserError(f"{directory} has a config.json but no weights: expected "
                   f"model.safetensors or model.safetensors.index.json.")
+
+
+def _not_empty(file: pathlib.Path) -> None:
+  if file.stat().st_size == 0:
+    raise UserError(f"Weights file {file} is empty (0 bytes): an interrupted download or "
+                    f"copy. Re-download or re-save the checkpoint.")
 
 
 def tensor_map(config: ModelConfig) -> Dict[str, Tuple[str, str, bool]]:

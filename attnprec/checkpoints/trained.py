@@ -77,6 +77,15 @@ def load_run(name_or_path, *, dtype=np.float32
              ) -> Tuple[ModelConfig, dict, Optional[recall.RecallTask]]:
   """(config, params {module: {name: np.ndarray}} in `dtype`, task or None)."""
   directory = run_dir(name_or_path)
-  config, params = runs.load_checkpoint(directory)
+  for name in (runs.MODEL_FILE, runs.PARAMS_FILE):
+    path = os.path.join(directory, name)
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+      raise UserError(f"{path} is empty (0 bytes): the run that wrote it was interrupted, "
+                      f"or the copy is incomplete. Retrain, or copy the run directory again.")
+  try:
+    config, params = runs.load_checkpoint(directory)
+  except (EOFError, OSError) as e:
+    raise UserError(f"Cannot read the train run {directory}: {e} (a truncated or corrupt "
+                    f"{runs.PARAMS_FILE}?).") from None
   params = {m: {n: np.asarray(a, dtype) for n, a in d.items()} for m, d in params.items()}
   return config, params, load_task(directory)

@@ -14,11 +14,18 @@ dots, and every dense dot. With `expect=Precision(...)` each is checked against
 attnprec's precision contract (`report`). Named scopes and Haiku / Flax module names in
 the program's locations label the report.
 
-Arguments may be arrays or `jax.ShapeDtypeStruct`s (nothing is computed).
+Arguments may be arrays or `jax.ShapeDtypeStruct`s (nothing is computed), or pytrees
+of them. A bad argument (a non-callable `fn`, an `expect` that is not a `Precision`, an
+argument that is neither an array nor a shape) raises `attnprec.errors.UserError` naming
+it, before anything is lowered.
 """
+import numbers
 from typing import Optional
 
 import jax
+import numpy as np
+
+from attnprec.errors import UserError, shorten
 
 from attnprec.inspect.finder import Attention, DotSite, Findings, find
 from attnprec.inspect.mlir_graph import Graph
@@ -35,6 +42,10 @@ def lowered_graph(lowered) -> Graph:
 
 def inspect_lowered(lowered, *, expect=None, function: str = "") -> Report:
   """The report for an already lowered program."""
+  from attnprec.precision import Precision
+  if expect is not None and not isinstance(expect, Precision):
+    raise UserError(f"Invalid argument expect={shorten(expect)} of inspect_lowered: must be "
+                    f"an attnprec.precision.Precision or None (report only).")
   return Report(function=function, findings=find(lowered_graph(lowered)), expect=expect)
 
 
@@ -45,8 +56,36 @@ def attention_report(fn, *args, expect=None, **kwargs) -> Report:
     only; a down-cast between a QK^T product and its softmax is flagged either way).
     (`expect` is taken by this function, every other keyword goes to fn.)
   """
+  _check_arguments(fn, args, kwargs, expect)
   name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
   module = getattr(fn, "__module__", None)
   lowered = jax.jit(fn).lower(*args, **kwargs)
   return inspect_lowered(lowered, expect=expect,
                          function=f"{module}:{name}" if module else name)
+
+
+def _is_input(x) -> bool:
+  """What jax.jit can lower a function on: arrays, shapes, and plain numbers."""
+  return (isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+          or isinstance(x, numbers.Number))
+
+
+def _check_arguments(fn, args, kwargs, expect) -> None:
+  from attnprec.precision import Precision
+  if not callable(fn):
+    raise UserError(f"Invalid argument fn={shorten(fn)} of attention_report: must be a "
+                    f"callable (the function whose attention to report), e.g. "
+                    f"attnprec.inspect.examples.maxtext_attention.")
+  if expect is not None and not isinstance(expect, Precision):
+    raise UserError(f"Invalid argument expect={shorten(expect)} of attention_report: must be "
+                    f"an attnprec.precision.Precision to check against (e.g. "
+                    f"Precision(dtype='bfloat16', float32_logits=True)) or None (report "
+                    f"only).")
+  named = [(f"argument {i}", a) for i, a in enumerate(args)] + \
+          [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+  for label, value in named:
+    bad = [x for x in jax.tree_util.tree_leaves(value) if not _is_input(x)]
+    if bad:
+      raise UserError(f"Invalid {label} of attention_report: {shorten(value)} holds "
+                      f"{shorten(bad[0])} ({type(bad[0]).__name__}); arguments for fn must "
+                      f"be arrays, jax.ShapeDtypeStructs or numbers (or pytrees of them).")
