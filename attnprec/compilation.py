@@ -16,7 +16,9 @@ disk) makes JAX warn, compile afresh and keep the corrupt file, since it never
 overwrites an entry; `compile_lowerable` then removes that entry and compiles once more
 so that the fresh program is written in its place, and reports the compile as compiled,
 with the entries it replaced. JAX writes entries directly (no temporary files), so a
-killed write can only leave such a truncated entry, which the next compile replaces.
+killed write can only leave such a truncated entry, which the next compile replaces;
+`enable()` also removes, at start, entries that are empty or not compressed data at all
+(also those of the small helper programs jax compiles outside `compile_lowerable`).
 """
 import contextlib
 import dataclasses
@@ -40,6 +42,7 @@ def enable() -> str:
   returns its directory. A directory already chosen with $JAX_COMPILATION_CACHE_DIR is
   kept."""
   path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache_dir(SUBDIR))
+  remove_unreadable_entries(path)
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -52,6 +55,32 @@ def entries() -> int:
   if not path or not os.path.isdir(path):
     return 0
   return sum(len(files) for _, _, files in os.walk(path))
+
+
+# zstd and zlib streams (how jax compresses an entry) start with these bytes.
+_MAGICS = (b"\x28\xb5\x2f\xfd", b"\x78\x01", b"\x78\x5e", b"\x78\x9c", b"\x78\xda")
+
+
+def remove_unreadable_entries(path: str) -> int:
+  """Removes cache entries that cannot be one (empty, or not a zstd/zlib stream): a
+  write killed before its first bytes, a damaged file. Reads 4 bytes per entry; an entry
+  damaged further in is found when it is read (`compile_lowerable`)."""
+  removed = 0
+  try:
+    names = [n for n in os.listdir(path) if n.endswith(_ENTRY_SUFFIX)]
+  except OSError:
+    return 0
+  for name in names:
+    entry = os.path.join(path, name)
+    try:
+      with open(entry, "rb") as f:
+        head = f.read(4)
+      if not any(head.startswith(m) for m in _MAGICS):
+        os.unlink(entry)
+        removed += 1
+    except OSError:
+      continue
+  return removed
 
 
 # ----------------------------------------------------------------------------- watching

@@ -115,3 +115,14 @@ def test_atomic_path_holds_its_lock_and_the_next_start_sweeps(tmp_path, monkeypa
   monkeypatch.setattr(cache, "_SWEPT", set())        # a new process
   assert cache.cache_dir("shipped") == target.parent
   assert not left.exists() and target.exists()
+
+
+def test_enable_removes_entries_that_are_not_compressed_data(cache_dir):
+  junk = cache_dir / "jit_stage-0123-cache"
+  junk.write_bytes(b"")                  # a write killed before its first bytes
+  other = cache_dir / "jit_other-4567-cache"
+  other.write_bytes(b"garbage")
+  good = cache_dir / "jit_good-89ab-cache"
+  good.write_bytes(b"\x78\x9c" + b"\0" * 8)
+  compilation.enable()
+  assert not junk.exists() and not other.exists() and good.exists()
