@@ -28,6 +28,7 @@ import glob
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from typing import List, Optional, Tuple
@@ -94,6 +95,7 @@ class Checkpointer:
   """Saves and restores `{params, opt_state, step, rng}` dicts under run_dir/checkpoints."""
 
   def __init__(self, run_dir: str, *, keep: int, fault: Optional[Faults] = None):
+    _drop_closed_loop_noise()
     self.directory = os.path.abspath(os.path.join(run_dir, SUBDIR))
     self.fault = fault or Faults()
     self._keep = keep
@@ -209,6 +211,34 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _is_closed_loop_noise(exc_type, exc) -> bool:
+  """RuntimeError('Event loop is closed') raised in asyncio's call_soon_threadsafe: a
+  tensorstore write or read of a failed orbax save/restore finishing after orbax closed
+  the event loop it was started from (orbax raises on the first failure without waiting
+  for the others). Nothing is lost: the operation's result is no longer wanted."""
+  return (exc_type is RuntimeError and str(exc) == "Event loop is closed")
+
+
+def _drop_closed_loop_noise() -> None:
+  """Filters that one message out of sys.excepthook and sys.unraisablehook (tensorstore
+  prints it through them, once per operation still in flight: dozens of tracebacks
+  after a full disk); every other exception is printed as before."""
+  if getattr(sys.excepthook, "_attnprec_filter", False):
+    return
+  previous_hook, previous_unraisable = sys.excepthook, sys.unraisablehook
+
+  def excepthook(exc_type, exc, tb):
+    if not _is_closed_loop_noise(exc_type, exc):
+      previous_hook(exc_type, exc, tb)
+
+  def unraisablehook(unraisable):
+    if not _is_closed_loop_noise(unraisable.exc_type, unraisable.exc_value):
+      previous_unraisable(unraisable)
+
+  excepthook._attnprec_filter = True
+  sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
 
 
 def _wait_for_writers(pattern: str, timeout_s: float = 60.0) -> None:

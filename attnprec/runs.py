@@ -49,8 +49,8 @@ def os_error_text(e: Optional[BaseException]) -> Optional[str]:
     seen.add(id(e))
     if isinstance(e, OSError) and e.errno:
       return f"{e.strerror or os.strerror(e.errno)} ({errno_lib.errorcode.get(e.errno, e.errno)})"
-    for code in (errno_lib.ENOSPC, errno_lib.EDQUOT, errno_lib.EROFS, errno_lib.EACCES,
-                 errno_lib.EIO):
+    for code in (errno_lib.ENOSPC, errno_lib.EDQUOT, errno_lib.EFBIG, errno_lib.EROFS,
+                 errno_lib.EACCES, errno_lib.EIO):
       if os.strerror(code) in str(e):
         return f"{os.strerror(code)} ({errno_lib.errorcode[code]})"
     e = e.__cause__ or e.__context__

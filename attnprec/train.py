@@ -233,6 +233,7 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
 
     bar = tqdm(total=steps, initial=start, desc="train", disable=not progress or not main,
                dynamic_ncols=True)
+    stack.callback(bar.close)   # before any error message is printed
     last, t0, tokens_seen, skipped = {}, time.perf_counter(), 0, 0
     signals = stack.enter_context(cli.deferred_signals())   # finish the step, save, exit
     for step in range(start, end):
