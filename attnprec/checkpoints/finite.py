@@ -179,7 +179,7 @@ def nonfinite_error(what: str, precision, where: Where, stage: Optional[str],
   hint = ""
   if dtype == "float16":
     hint = (" float16 holds values up to 65504 only: an activation beyond that becomes Inf "
-            "(and Inf - Inf NaN); this model's activations exceed it. Decode in bfloat16 "
+            "(and Inf - Inf NaN); this model's activations exceed it. Use bfloat16 "
             "(float32's range) or float32.")
   elif dtype is not None:
     hint = (" With finite weights (checkpoints.load checks them) the values overflowed "
