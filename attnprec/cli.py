@@ -19,10 +19,15 @@ the step in flight, saves a checkpoint at that step and exits with one line sayi
 A new runner (runners/NAME.py) is a module docstring (its purpose: the first lines of
 its --help) and:
 
+    EXAMPLES = ["python runners/NAME.py --gin_file=gin/experiments/x.gin"]
+
     def main(argv) -> int:
       return cli.main(argv, prog="NAME", doc=__doc__, examples=EXAMPLES,
                       default_files=["runs/NAME.gin"], default_run_dir="runs/NAME",
                       reads=("NAME",), body=lambda run_dir: ginutils.call(job, run_dir=run_dir))
+
+    if __name__ == "__main__":
+      cli.exit(main(sys.argv[1:]))   # not sys.exit: see `exit`
 
 `reads` names the configurables it calls itself (see `main`); its --help lists every
 configurable those reach with the value in force after the default gin files (and any

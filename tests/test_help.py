@@ -88,3 +88,12 @@ def test_help_shows_a_macro_and_its_value():
 def test_help_with_a_bad_gin_file_still_shows_the_defaults():
   _, rc, out, _ = _help("train", "--gin.train.steps=0")
   assert rc == 0 and "  train.steps = 1500\n" in out
+
+
+def test_help_exit_code_as_a_script():
+  import subprocess
+  import sys
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "runners", "train.py"), "-h"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+  assert proc.stdout.startswith("usage: train ") and "  train.steps = 1500\n" in proc.stdout

@@ -7,6 +7,7 @@ import io
 import os
 import signal
 import subprocess
+import sys
 import time
 from unittest import mock
 
@@ -172,4 +173,28 @@ def test_write_failure_in_decode_exit_2_and_nothing_left(tmp_path, monkeypatch):
   assert len(lines) == 1 and "Traceback" not in err, err
   assert lines[0].startswith(f"decode: error: Cannot write '{run_dir}/results.json': No space "
                              f"left on device (ENOSPC).")
+  assert not run_dir.exists()
+
+
+def test_sigterm_to_a_decode_subprocess_exits_143_and_leaves_nothing(tmp_path):
+  """A real SIGTERM while decode compiles and runs (JAX busy in its own threads): exit 143
+  with one line (not a crash at interpreter exit), and no run directory left."""
+  run_dir = tmp_path / "decode"
+  args = [os.path.join(REPO, "runners", "decode.py"), "--gin_file=experiments/recall.gin",
+          f"--run_dir={run_dir}"]
+  proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, cwd=REPO, env=SUBPROCESS_ENV)
+  try:
+    for line in proc.stdout:                     # the evaluation starts after this line
+      if line.startswith("reference precision:"):
+        break
+    time.sleep(1.5)   # inside the evaluation: with sys.exit this crashed (exit 139)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 143, err[-3000:]
+  assert err.strip().splitlines()[-1] == "decode: interrupted by SIGTERM"
   assert not run_dir.exists()
