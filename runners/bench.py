@@ -204,7 +204,9 @@ def main(argv) -> int:
     if args.suite == "projections":
       run_projections(args)
 
-  return cli.run("bench", body, output_dir=_out_flag(argv))
+  # keep_partial: model.json is rewritten after every case, so an interrupted run keeps
+  # the cases it measured
+  return cli.run("bench", body, output_dir=_out_flag(argv), keep_partial=True)
 
 
 def _out_flag(argv) -> str:
