@@ -1,6 +1,6 @@
 # attnprec — every target sets up what it needs (.venv) on a fresh machine.
 # Exit codes: a failing target exits 2 (make's own code); the runner's code (0 done,
-# 1 crash, 2 bad input, 3 audit mismatch: README "Errors") is in make's last line,
+# 1 crash, 2 bad input, 3 audit mismatch, 130/143 interrupted: docs/errors.md) is in make's last line,
 # `make: *** [Makefile:N: target] Error CODE`. Scripts run runners/*.py directly to get it.
 PYTHON ?= python3
 VENV := .venv

@@ -7,7 +7,7 @@ copy or a conversion of the whole buffer (what a bfloat16 scatter on XLA:CPU doe
 converts the buffer to float32 and back); and in float32 nothing else may produce a
 cache-sized buffer at all (no transpose copy for the kernel's view). In bfloat16 XLA:CPU
 materialises the uint16 -> bfloat16 reinterpretation of each layer's keys before the qk
-dot (one read-side copy per layer and step, allowed here and reported in the README);
+dot (one read-side copy per layer and step, allowed here and reported in docs/performance.md);
 the values feed the float32 wv dot through the contract's upcast. Values: bits in, bits
 out (bfloat16 stored as uint16), compared with the values written.
 """

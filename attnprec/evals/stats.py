@@ -7,7 +7,7 @@ so the statistics are those of proportions and of matched pairs:
 - `paired_table` / `mcnemar_exact`: the paired 2x2 table of two presets on the same items
   and the exact (conditional) McNemar test of "A and B pass equally often".
 - `mcnemar_power` / `min_detectable_difference`: the exact power of that test, and the
-  smallest difference a sample of this size could have detected, which is what the README
+  smallest difference a sample of this size could have detected, which is what docs/evals.md
   quotes when no preset differs significantly.
 - `first_divergence`: where two presets' token sequences first differ.
 
@@ -251,7 +251,7 @@ def min_detectable_difference(n: int, discordance: float, alpha: float = 0.05,
 
   with s = discordance, found by bisection (power grows with d at fixed s) to 1e-6.
   None when even d = discordance (every discordant pair 'only A') is not detected with
-  that power, or when discordance is 0. This is what the README quotes when no preset
+  that power, or when discordance is 0. This is what docs/evals.md quotes when no preset
   differs significantly: "the smallest difference the sample could have detected at 80%
   power", as a difference of pass rates (A's minus B's, in shares of all n items).
   """

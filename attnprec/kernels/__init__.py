@@ -27,7 +27,7 @@ NAMES: Tuple[str, ...] = tuple(REGISTRY)      # ('dot_product', 'blockwise', 'ja
 AUTO = "auto"
 CHOICES: Tuple[str, ...] = NAMES + (AUTO,)    # what `precision.kernel` accepts
 # 'auto' runs blockwise from this many queries, or keys, up. On SmolLM2-135M (XLA:CPU,
-# `make bench`, README Performance): blockwise decode steps were faster over caches of
+# `make bench`, docs/performance.md): blockwise decode steps were faster over caches of
 # 272 / 528 / 1008 positions at batch 8; blockwise prefill was faster at 1000 tokens, and
 # 256 queries is where a causal prefill first skips blocks (not measured finer).
 AUTO_MIN_QUERIES = 256
