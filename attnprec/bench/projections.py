@@ -336,3 +336,43 @@ def _main(argv):
 
 if __name__ == "__main__":
   _main(sys.argv[1:])
+
+
+# ----------------------------------------------------------------------------- numerics
+def logits_parity(config, params, tokens_T, *, prompt=32, new_tokens=64,
+                  precision=Precision(**_FLAGS)) -> dict:
+  """Logits and greedy tokens of the current `layers.project` against the forms it
+  replaced, on one token sequence: the full forward over all of `tokens_T` (float32
+  params cast at each use: before, a c x c dot with a c result) and `decoding.generate`
+  from its first `prompt` tokens (before: float32 dots on the float32-carried weights).
+  {'forward_max_abs', 'generate_max_abs', 'tokens_equal', ...}."""
+  apply = model_lib.transformed(config).apply
+  x_1xT = jnp.asarray(tokens_T, jnp.int32)[None]
+
+  def forward(form):
+    jax.clear_caches()
+    with projection_form(form):
+      return np.asarray(jax.jit(lambda p, t: apply(p, t, precision=precision).logits)(
+          params, x_1xT))
+
+  def generate(form):
+    jax.clear_caches()
+    with projection_form(form):
+      out = decoding.generate(params, x_1xT[:, :prompt], jnp.array([prompt], jnp.int32),
+                              jax.random.PRNGKey(0), config=config, precision=precision,
+                              max_new_tokens=new_tokens)
+      return np.asarray(out[0]), np.asarray(out[1])
+
+  before_f, after_f = forward("c_result"), forward("current")
+  (tok_b, log_b), (tok_a, log_a) = generate("carried"), generate("current")
+  scale = float(np.max(np.abs(before_f)))
+  return {"tokens": len(tokens_T), "prompt": prompt, "new_tokens": new_tokens,
+          "forward_max_abs": float(np.max(np.abs(after_f - before_f))),
+          "forward_logit_max": scale,
+          "forward_argmax_agree": float(np.mean(before_f.argmax(-1) == after_f.argmax(-1))),
+          "forward_bitwise_equal": bool(np.array_equal(before_f, after_f)),
+          "generate_max_abs": float(np.max(np.abs(log_a - log_b))),
+          "generate_bitwise_equal": bool(np.array_equal(log_a, log_b)),
+          "tokens_equal": bool(np.array_equal(tok_a, tok_b)),
+          "first_token_difference": int(np.argmax(tok_a[0] != tok_b[0]))
+          if not np.array_equal(tok_a, tok_b) else None}
