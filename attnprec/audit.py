@@ -28,12 +28,18 @@ says so ("f32<-bf16"). The gradient dots of the train step (dq, dk, dp, dv: foun
 dots that read an attention's q, k, v or probabilities) are listed and checked for
 precision only: the contract table is about the forward computation.
 
-It also compiles each program and summarises what this backend turned it into
-(`lowered.compile().as_text()`, read by `attnprec.hlo`): XLA:CPU computes bf16 dots as f32
-dots fed by converts and rounds results with explicit f32->bf16->f32 converts (with excess
-precision disabled). That part is shown, not asserted: the lowered program is the
-program's own statement of its types; the compiled one is an implementation detail of the
-backend.
+It also compiles each program and checks what this backend turned every dot into
+(`lowered.compile().as_text()`, read by `attnprec.hlo`, checked by
+`attnprec.inspect.report.check_compiled_dot`): an XLA dot, a dot inside a library fusion
+(XLA:CPU's `__ynn_fusion`), or a matmul custom-call (oneDNN), with its operand types
+(traced back through converts: 'f32<-bf16') and its result type, which is its
+accumulation type (and any rounding of the result right after it: '->bf16'). A compiled
+attention dot that accumulates below f32, or rounds its f32 logits to 16 bits, where the
+contract requires float32; f32 probabilities that enter the wv dot narrowed; a dense dot
+that accumulates below f32 (`layers.project`); or an operand narrower than the compute
+dtype: a FAIL, like a mismatch in the lowered program. XLA:CPU computes bf16 x bf16 ->
+bf16 dots as f32 dots followed by a rounding, which the contract allows where it asks
+for bf16.
 
 Shapes: B batch, P prompt length, S cache length (P + new tokens).
 """
@@ -48,7 +54,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import checks, decoding, hlo, kernels, layout, runs, train
+from attnprec import checks, decoding, hlo, kernels, layout, runs, train, xla_env
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
@@ -216,22 +222,42 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
          "layers_attributed": attributed, "attention": rows, "dense": dense_rows,
          "problems": problems, "ok": not problems}
   if compile:
-    out["compiled"] = summarize_compiled(lowered.compile().as_text())
+    out["compiled"] = summarize_compiled(lowered.compile().as_text(), precision)
+    problems += [f"{phase} {p}" for p in out["compiled"]["problems"]]
+    out["problems"], out["ok"] = problems, not problems
   return out
 
 
-def summarize_compiled(text: str) -> dict:
-  """Counts of the compiled program's dots by site and types, and of its converts."""
+def summarize_compiled(text: str, precision: Optional[Precision] = None) -> dict:
+  """The compiled program's dots grouped by (site, what the backend made of it, types,
+  verdict), its converts, and (with a `precision`) the problems of the compiled check."""
   s = hlo.compiled_summary(text)
+  checked = contract_check.check_compiled(text, precision)["dots"] if precision else \
+      [(d, []) for d in s["dots"]]
 
   def where(d):
+    site = d.site + (" (grad)" if d.backward else "")
     if d.site == "other" and not d.name and d.batched:
       return "batched, op_name dropped (attention)"
-    return d.site
+    return site
 
+  rows = collections.OrderedDict()
+  for d, ps in checked:
+    key = (where(d), d.via, d.described, "MISMATCH" if ps else
+           "listed" if d.backward else "ok")
+    row = rows.setdefault(key, {"site": key[0], "via": key[1], "types": key[2],
+                                "verdict": key[3], "count": 0, "layers": set(),
+                                "problems": []})
+    row["count"] += 1
+    row["layers"].add(d.layer)
+    row["problems"] += [p for p in ps if p not in row["problems"]]
+  table = [dict(r, layers=_layers(r["layers"])) for r in rows.values()]
   dots = collections.Counter(f"{where(d)}: {d.types}" for d in s["dots"])
-  return {"dots": dict(sorted(dots.items())), "converts": s["converts"],
-          "fusions": s["fusions"]}
+  problems = [] if precision is None else [
+      f"compiled {d.site} dot{'' if d.layer is None else f' layer {d.layer}'} "
+      f"[{d.via}: {d.described}]: {p}" for d, ps in checked for p in ps]
+  return {"dots": dict(sorted(dots.items())), "rows": table, "converts": s["converts"],
+          "fusions": s["fusions"], "problems": problems, "ok": not problems}
 
 
 def run_audit(config: ModelConfig, train_precision: Precision, decode_precision: Precision,
@@ -245,7 +271,8 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
   return {"model": model_source, "config": runs.config_dict(config),
           "sizes": {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens},
           "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "phases": phases, "problems": problems, "ok": not problems}
+          "xla": xla_env.describe(), "phases": phases, "problems": problems,
+          "ok": not problems}
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -306,15 +333,16 @@ def dense_table(result: dict) -> str:
 
 
 def compiled_table(result: dict) -> str:
-  lines = ["| phase | compiled dots (site: lhs x rhs -> result: count) | converts | fusions |",
-           "|---|---|---|---:|"]
+  """Markdown: one line per (phase, site, what the backend made of the dot, types)."""
+  lines = ["| phase | dot | layers | count | compiled as | lhs x rhs -> accumulation | "
+           "verdict |", "|---|---|---|---:|---|---|---|"]
   for ph in PHASES:
     c = result["phases"][ph].get("compiled")
     if c is None:
       continue
-    dots = "; ".join(f"{k}: {v}" for k, v in c["dots"].items() if not k.startswith("other"))
-    conv = ", ".join(f"{k}: {v}" for k, v in c["converts"].items())
-    lines.append(f"| {ph} | {dots} | {conv} | {c['fusions']} |")
+    for r in c["rows"]:
+      lines.append(f"| {ph} | {r['site']} | {r['layers']} | {r['count']} | {r['via']} | "
+                   f"{r['types']} | {r['verdict']} |")
   return "\n".join(lines)
 
 
@@ -324,8 +352,12 @@ _short_precision = contract_check.short_precision
 def verdict(result: dict) -> str:
   if result["ok"]:
     n = sum(len(result["phases"][ph]["attention"]) for ph in PHASES)
+    compiled = sum(r["count"] for ph in PHASES
+                   for r in result["phases"][ph].get("compiled", {}).get("rows", []))
     return (f"PASS: all {n} attention dots of the train step, prefill and decode step match "
-            f"the contract for their phase's flags.")
+            f"the contract for their phase's flags"
+            + (f"; so do the {compiled} dots this backend compiled them into."
+               if compiled else "."))
   shown = "; ".join(result["problems"][:6])
   more = f" (+{len(result['problems']) - 6} more)" if len(result["problems"]) > 6 else ""
   return f"FAIL: {len(result['problems'])} mismatch(es): {shown}{more}"
@@ -335,7 +367,7 @@ def to_markdown(result: dict) -> str:
   ph = result["phases"]
   head = [f"# Precision audit: {result['model']}", "",
           f"Backend: {result['backend']}; XLA_FLAGS: `{result['xla_flags'] or '(none)'}`; "
-          f"sizes: {result['sizes']}.", "",
+          f"sizes: {result['sizes']}.", "", f"{result.get('xla', '')}.", "",
           f"- train step: `{_describe(ph['train']['precision'])}`",
           f"- prefill and decode step: `{_describe(ph['decode']['precision'])}`", "",
           f"**{verdict(result)}**", "",
@@ -348,12 +380,16 @@ def to_markdown(result: dict) -> str:
           "are the gradient dots that read their q, k, v or probabilities.", "",
           attention_table(result), "", "## Dense dots", "", dense_table(result), ""]
   if any("compiled" in ph[p] for p in PHASES):
-    head += ["## What this backend compiled (`lowered.compile().as_text()`)", "",
-             "Shown, not asserted. XLA:CPU computes bf16 dots as f32 dots on converted "
-             "operands (f32 accumulation) and keeps the program's bf16 roundings as "
-             "explicit f32->bf16->f32 converts when `--xla_allow_excess_precision=false`; "
-             "`precision` changes no numbers on CPU, so the lowered program above is where "
-             "it is checked.", "", compiled_table(result), ""]
+    head += ["## What this backend compiled (`lowered.compile().as_text()`), checked", "",
+             "Every dot of the optimized HLO, as the backend made it (an XLA dot, a dot "
+             "inside a library fusion, a matmul custom-call). `f32<-bf16`: an operand "
+             "converted up from bf16; `-> f32`: the dot's result, i.e. accumulation, type; "
+             "`->bf16`: its result rounded right after. A qk dot that accumulates below "
+             "f32 or rounds its logits where the contract asks for f32 logits, f32 "
+             "probabilities narrowed into the wv dot, a dense dot accumulating below f32, "
+             "or an operand narrower than the compute dtype: MISMATCH. `precision` changes "
+             "no numbers on CPU, so it is checked in the lowered program above.", "",
+             compiled_table(result), ""]
   return "\n".join(head)
 
 
@@ -396,6 +432,7 @@ def audit_job(*, train_precision: Precision, decode_precision: Precision, run_di
   print(f"model: {source}")
   print(f"train step:          {train_precision.describe()}")
   print(f"prefill/decode step: {decode_precision.describe()}")
+  print(xla_env.describe())
   print(attention_table(result))
   if compile:
     print(compiled_table(result))

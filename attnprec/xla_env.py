@@ -10,6 +10,11 @@ import os
 FLAG = "--xla_allow_excess_precision=false"
 
 # XLA:CPU library paths for dots (process-wide, read when jax starts; off by default).
+# Not set by the project: on SmolLM2's projections neither helped consistently (one
+# interleaved run per setting, loaded machine: the bf16 x bf16 -> f32 form's time over the
+# float32-carried form's, at 1000 rows 0.23-0.52 default, 0.23-0.54 onednn, 0.23-0.47
+# xnnpack; at 1 row all three 1.7-7x), and they compiled the audited programs to the same
+# HLO as the default. `make bench ARGS="--suite=projections --xla_settings=..."` measures.
 SETTINGS = {"default": (), "onednn": ("--xla_cpu_use_onednn=true",),
             "xnnpack": ("--xla_cpu_use_xnnpack=true",)}
 _LIBRARY_FLAGS = ("--xla_cpu_use_onednn", "--xla_cpu_use_xnnpack")
@@ -34,3 +39,19 @@ def in_force(flags=None) -> str:
   on = [f.split("=")[0][len("--xla_cpu_use_"):] for f in flags.split()
         if f.startswith(_LIBRARY_FLAGS) and f.split("=", 1)[-1].lower() in ("true", "1")]
   return "+".join(on) or "default"
+
+
+def describe(flags=None) -> str:
+  """The XLA settings in force, for a runner's precision line: excess precision (and
+  whether the user's XLA_FLAGS chose it) and the dot library setting."""
+  flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+  values = [f.split("=", 1)[-1].lower() for f in flags.split()
+            if f.startswith("--xla_allow_excess_precision")]
+  if not values:
+    excess = "excess precision allowed (XLA's default: some bf16 roundings may be dropped)"
+  elif values[-1] in ("false", "0"):
+    excess = "excess precision disabled"
+  else:
+    excess = ("excess precision ALLOWED by your XLA_FLAGS (--xla_allow_excess_precision="
+              f"{values[-1]}): XLA:CPU may drop bf16 roundings the precision flags control")
+  return f"XLA: {excess}; dot library: {in_force(flags)}"

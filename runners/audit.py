@@ -1,9 +1,11 @@
 """Audit: `python runners/audit.py --gin_file=gin/precision/bf16.gin [...]`.
 
-Lowers (and compiles) the train step under the train phase's precision and the prefill and
+Lowers and compiles the train step under the train phase's precision and the prefill and
 single-token decode step under the decode phase's, lists every dot and checks the
-attention dots against the precision contract. Exit code 0: PASS, 3: a mismatch, 2: bad
-input, 1: a crash (attnprec.cli). Writes audit.json and audit.md into --run_dir.
+attention and dense dots against the precision contract, in the lowered program and in
+what the backend compiled (`--gin.audit.compile=False`: the lowered program only). Exit
+code 0: PASS, 3: a mismatch, 2: bad input, 1: a crash (attnprec.cli). Writes audit.json
+and audit.md into --run_dir.
 """
 import sys
 

@@ -195,6 +195,7 @@ EXAMPLES = [
 def main(argv) -> int:
   def body():
     args = _parse(argv)
+    print(xla_env.describe(), flush=True)   # what is in force (a user's XLA_FLAGS wins)
     compilation.enable()
     runs.ensure_dir(args.out)
     if args.suite in ("model", "all"):

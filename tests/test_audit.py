@@ -155,6 +155,130 @@ def test_compiled_summary_shows_the_backend_rewrite():
   assert all(k.endswith("->f32") for k in summary["dots"]), summary["dots"]
 
 
+# ----------------------------------------------------------------------------- compiled
+def _narrow_qk_kernel(monkeypatch):
+  """A dot_product kernel that computes the QK product with a bf16 result even when
+  float32_qk_product=True, then casts it to f32 (so its own type checks still pass): the
+  logits are silently rounded to bf16."""
+  import jax.numpy as jnp
+
+  from attnprec.kernels import dot_product
+
+  class NarrowQK:
+    def __getattr__(self, name):
+      return getattr(jnp, name)
+
+    @staticmethod
+    def einsum(spec, *operands, preferred_element_type=None, **kwargs):
+      if spec == "BTKGH,BSKH->BKGTS":
+        narrow = jnp.einsum(spec, *operands, preferred_element_type=operands[0].dtype,
+                            **kwargs)
+        return narrow.astype(preferred_element_type or narrow.dtype)
+      return jnp.einsum(spec, *operands, preferred_element_type=preferred_element_type,
+                        **kwargs)
+
+  monkeypatch.setattr(dot_product, "jnp", NarrowQK())
+
+
+@pytest.mark.parametrize("preset", ["bf16.gin", "fp32_attention.gin", "fp32.gin"])
+def test_compiled_programs_pass(preset):
+  """The compiled check passes the shipped presets in every phase, and sees every dot:
+  one qk and one wv per layer, 7 dense dots per layer + the unembedding, as XLA:CPU
+  compiled them (dots inside its __ynn_fusion library fusions included)."""
+  p = _phases([os.path.join(ginutils.REPO_GIN_DIR, "precision", preset)])
+  result = audit.run_audit(CONFIG, p["train"], p["decode"])
+  assert result["ok"], result["problems"]
+  for phase in audit.PHASES:
+    rows = result["phases"][phase]["compiled"]["rows"]
+    count = lambda site: sum(r["count"] for r in rows if r["site"] == site)
+    assert count("qk") == count("wv") == CONFIG.num_layers, rows
+    assert count("dense") == 7 * CONFIG.num_layers + 1, rows
+    assert all(r["verdict"] in ("ok", "listed") for r in rows)
+  assert "so do the" in audit.verdict(result)
+
+
+def test_a_kernel_narrowing_the_qk_product_fails_lowered_and_compiled(monkeypatch):
+  """float32_qk_product=True, but the kernel forms the product with a bf16 result (cast
+  to f32 after): the lowered check sees a bf16 qk result; the compiled check sees the f32
+  dot XLA:CPU made of it rounded to bf16 right after: both FAIL, in every phase."""
+  _narrow_qk_kernel(monkeypatch)
+  safe = Precision(dtype="bfloat16")
+  result = audit.run_audit(CONFIG, safe, safe)
+  assert not result["ok"]
+  for phase in audit.PHASES:
+    problems = result["phases"][phase]["problems"]
+    lowered = [q for q in problems if "compiled" not in q]
+    compiled = result["phases"][phase]["compiled"]["problems"]
+    assert any("QK^T logits are bf16, expected f32" in q for q in lowered), problems
+    assert any("logits are rounded to bf16 right after" in q for q in compiled), compiled
+    assert all(q.startswith("compiled qk") for q in compiled), compiled
+  assert "MISMATCH" in audit.compiled_table(result)
+
+
+def test_decode_ignoring_the_flags_fails_the_compiled_check_too(monkeypatch):
+  """The seed's bug (decode drops both flags) in the compiled program: the qk logits are
+  rounded to bf16 and the wv dot reads bf16 probabilities; training stays clean."""
+  _train_only_flags(monkeypatch, float32_qk_product=False, float32_logits=False)
+  safe = Precision(dtype="bfloat16")
+  result = audit.run_audit(CONFIG, safe, safe)
+  assert result["phases"]["train"]["compiled"]["ok"]
+  for phase in ("prefill", "decode"):
+    compiled = result["phases"][phase]["compiled"]["problems"]
+    assert any("rounded to bf16" in q for q in compiled), compiled
+    assert any("probabilities enter narrowed" in q for q in compiled), compiled
+
+
+def _safe_decode_text():
+  safe = Precision(dtype="bfloat16")
+  return audit.lower_programs(CONFIG, safe, safe)["decode"][1].compile().as_text(), \
+      decoding.serving_precision(safe)
+
+
+def test_a_backend_narrowing_the_accumulation_is_seen_only_in_the_compiled_program():
+  """No XLA:CPU setting found narrows a dot the lowered program states in f32 (default,
+  --xla_cpu_use_onednn and --xla_cpu_use_xnnpack compile these programs to the same
+  HLO), so this case is synthetic: the compiled text of a correct decode step with its qk
+  dots edited to accumulate in bf16 (as a backend lowering them to a bf16 library call
+  would), and once more as a oneDNN matmul custom-call with a bf16 result. The lowered
+  program is unchanged (it passes); only the compiled check can see this."""
+  import re
+
+  from attnprec.inspect import report
+  text, prec = _safe_decode_text()
+  assert report.check_compiled(text, prec)["ok"]
+  qk_line = re.compile(r"^(\s*(?:ROOT )?%[\w.\-]+ = )f32(\[[^\]]*\]\S* dot\(.*attn_qk.*)$",
+                       re.MULTILINE)
+  narrowed, n = qk_line.subn(r"\1bf16\2", text)
+  assert n == CONFIG.num_layers
+  checked = report.check_compiled(narrowed, prec)
+  assert not checked["ok"]
+  assert sum("accumulates in bf16" in q for q in checked["problems"]) == CONFIG.num_layers
+
+  def to_library(m):
+    operands = re.search(r"dot\((%[\w.\-]+, %[\w.\-]+)\)", m.group(2)).group(1)
+    meta = re.search(r"metadata=\{[^}]*\}", m.group(2)).group(0)
+    shape = re.match(r"\[[^\]]*\]\S*", m.group(2)).group(0)
+    return (f"{m.group(1)}bf16{shape} custom-call({operands}), "
+            f'custom_call_target="__onednn$matmul", {meta}')
+
+  library, n = qk_line.subn(to_library, text)
+  assert n == CONFIG.num_layers
+  checked = report.check_compiled(library, prec)
+  dots = [d for d, _ in checked["dots"] if d.via.startswith("custom-call")]
+  assert len(dots) == CONFIG.num_layers and {d.site for d in dots} == {"qk"}
+  assert not checked["ok"]
+
+
+def test_the_runner_exits_3_on_a_compiled_mismatch(tmp_path, monkeypatch):
+  runner = _runner()
+  _narrow_qk_kernel(monkeypatch)
+  out = tmp_path / "narrow"
+  assert runner.main(["--gin_file=precision/fp32_attention.gin", f"--run_dir={out}",
+                      "--gin.model.num_layers=1"]) == 3
+  md = (out / "audit.md").read_text()
+  assert "checked" in md and "MISMATCH" in md
+
+
 def test_site_classification():
   assert hlo.site("jit(update)/jvp(decoder)/layer_0/attn/q/dot_general") == "dense"
   assert hlo.site("jit(f)/decoder/layer_3/mlp/down/dot_general") == "dense"
@@ -204,3 +328,21 @@ def test_runner_exit_codes_and_files(tmp_path, monkeypatch):
   assert runner.main(["--gin_file=precision/fp32_attention.gin", f"--run_dir={broken}"]
                      + small) == 3
   assert "MISMATCH" in (broken / "audit.md").read_text()
+
+
+def test_inspect_report_checks_the_compiled_program_too(monkeypatch):
+  """`attnprec.inspect`'s Report.with_compiled: the same compiled check as the audit."""
+  import jax
+
+  from attnprec.inspect import inspect_lowered
+  safe = decoding.serving_precision(Precision(dtype="bfloat16"))
+  lowered = audit.lower_programs(CONFIG, safe, safe)["prefill"][1]
+  report = inspect_lowered(lowered, expect=safe).with_compiled(lowered)
+  assert report.ok, report.problems()
+  assert "What the backend compiled" in report.to_markdown()
+  assert report.to_dict()["compiled"]
+  _narrow_qk_kernel(monkeypatch)
+  jax.clear_caches()
+  lowered = audit.lower_programs(CONFIG, safe, safe)["prefill"][1]
+  report = inspect_lowered(lowered, expect=safe).with_compiled(lowered)
+  assert any(p.startswith("compiled qk") for p in report.problems())

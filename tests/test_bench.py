@@ -61,3 +61,67 @@ def test_tiny_model_bench_reports_every_case(tmp_path):
   assert "| 2, 9 | bf16_flags | carried |" in table and "| decode |" in table
   model_bench.plot(result, str(tmp_path / "m.png"))
   assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_xla_settings_a_users_flags_win_and_are_named():
+  """attnprec/xla_env.py: the project adds --xla_allow_excess_precision=false only where
+  XLA_FLAGS does not choose it; a user's own value is kept and named on the runners'
+  precision line (`describe`); the dot-library settings the projection bench compares
+  replace one another and are named too."""
+  import os
+
+  from attnprec import xla_env
+  saved = os.environ.get("XLA_FLAGS")
+  try:
+    os.environ["XLA_FLAGS"] = "--xla_allow_excess_precision=true --xla_cpu_use_onednn=true"
+    xla_env.disable_excess_precision()
+    assert os.environ["XLA_FLAGS"] == ("--xla_allow_excess_precision=true "
+                                       "--xla_cpu_use_onednn=true")     # the user's value
+    line = xla_env.describe()
+    assert "ALLOWED by your XLA_FLAGS" in line and "dot library: onednn" in line
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    xla_env.disable_excess_precision()
+    assert xla_env.FLAG in os.environ["XLA_FLAGS"].split()
+    assert xla_env.describe() == "XLA: excess precision disabled; dot library: default"
+  finally:
+    if saved is None:
+      os.environ.pop("XLA_FLAGS", None)
+    else:
+      os.environ["XLA_FLAGS"] = saved
+  flags = xla_env.flags_for("xnnpack", f"{xla_env.FLAG} --xla_cpu_use_onednn=true")
+  assert flags.split() == [xla_env.FLAG, "--xla_cpu_use_xnnpack=true"]
+  assert xla_env.in_force(flags) == "xnnpack"
+  assert xla_env.flags_for("default", flags) == xla_env.FLAG
+  # the runners' own environment (conftest applies the same call before jax is imported)
+  assert "--xla_allow_excess_precision=false" in os.environ.get("XLA_FLAGS", "")
+
+
+def test_projection_bench_tiny(tmp_path):
+  """attnprec/bench/projections.py on tiny shapes and a tiny model (numbers not checked):
+  every form timed, ratios to the carried form, markdown."""
+  import json
+
+  import jax
+
+  from attnprec.bench import projections
+  from attnprec.config import ModelConfig
+  from attnprec.model import init_params
+  config = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                       head_dim=8, mlp_hidden=16, max_seq_len=64)
+  rows = projections.micro(rows=(8, 1), shapes=(("tiny", 16, 24),), rounds=2,
+                           layers_per_call=2)
+  assert {(r["M"], r["form"]) for r in rows} == {
+      (m, f) for m in (8, 1) for f in projections.MICRO_FORMS}
+  projections.add_ratios(rows, ("shape", "M"), "carried")
+  assert all(r["vs_carried"] > 0 for r in rows)
+  result = projections.run(config=config, params=init_params(config, jax.random.PRNGKey(0)),
+                           model_name="tiny", micro_rows=(4,), micro_shapes=(("t", 16, 8),),
+                           layers_per_call=1, micro_rounds=1, model_rounds=1,
+                           prefill_tokens=16, steps=2, decode_cache=8,
+                           model_forms=("fp32", "carried", "current/carried"),
+                           log=lambda *a, **k: None)
+  cases = {(r["case"], r["form"]) for r in result["model"]}
+  assert cases == {(c, f) for c in ("prefill", "decode_B1", "decode_B8")
+                   for f in ("fp32", "carried", "current/carried")}
+  json.dumps(result, default=float)
+  assert "| decode_B8 | current/carried |" in projections.to_markdown(result)

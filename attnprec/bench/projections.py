@@ -253,14 +253,17 @@ def add_ratios(rows, key, base):
 
 def run(*, model_name="smollm2-135m", config=None, params=None, parts=("micro", "model"),
         micro_rounds=5, model_rounds=3, prefill_tokens=1000, steps=8, decode_cache=256,
-        model_forms=tuple(MODEL_FORMS), micro_rows=(1000, 8, 1), log=print) -> dict:
+        model_forms=tuple(MODEL_FORMS), micro_rows=(1000, 8, 1), micro_shapes=SHAPES,
+        layers_per_call=8, log=print) -> dict:
   t0 = time.perf_counter()
   result = {"config": dict(model=model_name, xla_flags=os.environ.get("XLA_FLAGS", ""),
                            setting=xla_env.in_force(), jax=jax.__version__,
                            cpu_count=os.cpu_count(), load_before=os.getloadavg())}
   if "micro" in parts:
     log("micro-benchmark of the projection forms ...", flush=True)
-    result["micro"] = add_ratios(micro(rows=micro_rows, rounds=micro_rounds),
+    result["micro"] = add_ratios(micro(rows=micro_rows, shapes=micro_shapes,
+                                       layers_per_call=layers_per_call,
+                                       rounds=micro_rounds),
                                  ("shape", "M"), "carried")
   if "model" in parts:
     if config is None:

@@ -17,6 +17,10 @@ kernel asserts with chex), for the compute dtype c = `Precision.dtype` and the t
 A dot-algorithm preset may widen a dot's types (JAX upcasts bf16 operands for
 BF16_BF16_F32_X3 and converts the f32 result back): the check then reads the contract's
 types through those converts ("f32<-bf16", "f32->bf16").
+
+`Report.with_compiled(lowered)` / `check_compiled(text, precision)` also check what the
+backend compiled every dot into (`check_compiled_dot`): its result type is its
+accumulation type, and a narrower one than the contract's float32 is a FAIL.
 """
 import dataclasses
 import functools
@@ -190,6 +194,22 @@ class Report:
   function: str
   findings: Findings
   expect: Optional[Precision] = None
+  # `with_compiled(lowered)`: what the backend compiled, checked (`check_compiled`)
+  compiled: Optional[dict] = None
+
+  def with_compiled(self, lowered_or_text) -> "Report":
+    """Also reads what the backend compiled (`lowered.compile().as_text()`, or that text)
+    and, with a stated Precision, checks every compiled dot (`check_compiled_dot`); its
+    problems join `problems()`. Returns self."""
+    text = lowered_or_text if isinstance(lowered_or_text, str) else \
+        lowered_or_text.compile().as_text()
+    if self.expect is not None:
+      self.compiled = check_compiled(text, self.expect)
+    else:
+      from attnprec import hlo
+      self.compiled = {"dots": [(d, []) for d in hlo.compiled_summary(text)["dots"]],
+                       "problems": [], "ok": True}
+    return self
 
   @property
   def attentions(self) -> List[Attention]:
@@ -213,6 +233,8 @@ class Report:
     for d in self.dense:
       out += [f"dense {_dense_name(d)}: {p}"
               for p in check_dense(d, self.expect, types=not d.backward)]
+    if self.compiled is not None:
+      out += self.compiled["problems"]
     return out
 
   @property
@@ -236,8 +258,11 @@ class Report:
             "expect": None if self.expect is None else dataclasses.asdict(self.expect),
             "expected_stages": None if self.expect is None else
             expected_stages(self.expect),
-            "attentions": atts, "dense": dense, "problems": self.problems(),
-            "ok": self.ok}
+            "attentions": atts, "dense": dense,
+            "compiled": None if self.compiled is None else [
+                dict(dataclasses.asdict(d), site=d.site, layer=d.layer, problems=ps)
+                for d, ps in self.compiled["dots"]],
+            "problems": self.problems(), "ok": self.ok}
 
   # ------------------------------------------------------------------- rendering
   def verdict(self) -> str:
@@ -312,7 +337,22 @@ class Report:
                              "Types are lhs x rhs -> result; `f32<-bf16`: an operand "
                              "upcast right before the dot; `f32->bf16`: a result cast "
                              "right after it.", "", self.attention_table(), "",
-                             "## Dense dots", "", self.dense_table(), ""])
+                             "## Dense dots", "", self.dense_table(), ""]
+                     + ([] if self.compiled is None else
+                        ["## What the backend compiled", "", self.compiled_table(), ""]))
+
+  def compiled_table(self) -> str:
+    lines = ["| dots | site | compiled as | lhs x rhs -> accumulation | verdict |",
+             "|---:|---|---|---|---|"]
+    groups: Dict[tuple, int] = {}
+    for d, ps in (self.compiled or {}).get("dots", []):
+      verdict = "MISMATCH" if ps else ("listed" if d.backward or self.expect is None
+                                       else "ok")
+      key = (d.site + (" (grad)" if d.backward else ""), d.via, d.described, verdict)
+      groups[key] = groups.get(key, 0) + 1
+    for (site, via, types, verdict), n in groups.items():
+      lines.append(f"| {n} | {site} | {via} | {types} | {verdict} |")
+    return "\n".join(lines)
 
   def write(self, run_dir: str) -> List[str]:
     """inspect.json and inspect.md into run_dir (atomic writes)."""
@@ -366,3 +406,71 @@ def _dense_name(d: DotSite) -> str:
   name = "/".join(parts) or (d.reads[0] if d.reads else "") or short_source(d.source) \
       or "(unnamed)"
   return name + (" (grad)" if d.backward else "")
+
+
+# ----------------------------------------------------------------------------- compiled
+_WIDTH = {"f64": 64, "f32": 32, "bf16": 16, "f16": 16}
+
+
+def _narrower(t: str, than: str) -> bool:
+  return t in _WIDTH and than in _WIDTH and _WIDTH[t] < _WIDTH[than]
+
+
+def check_compiled_dot(dot, precision: Precision) -> List[str]:
+  """What the backend compiled a dot into (`attnprec.hlo.CompiledDot`: an XLA dot, a dot
+  inside a library fusion, a matmul custom-call) against the contract: its result type is
+  its accumulation type, so
+
+    qk     with float32 logits: accumulates in f32 and is not rounded to 16 bits after;
+    wv     with float32 probabilities: accumulates in f32, and the probabilities do not
+           enter as 16-bit values (not both operands 16-bit or converted up from 16 bits);
+    dense  accumulates in f32 (`layers.project`), unless a dot-algorithm preset states
+           its own types (then only the lowered check applies);
+    other  a forward dot the audit cannot attribute may not accumulate below f32;
+    all    no operand is narrower than the compute dtype.
+
+  Gradient dots are listed only (the contract table is about the forward computation).
+  Returns the problems ([] where it honours the contract)."""
+  if dot.backward:
+    return []
+  problems = []
+  e = expected_stages(precision)
+  c = e["qkv"]
+  lhs, rhs = dot.lhs_from or dot.lhs_type, dot.rhs_from or dot.rhs_type
+  for side, t in (("lhs", lhs), ("rhs", rhs)):
+    if _narrower(t, c):
+      problems.append(f"compiled {dot.site} dot's {side} is {t}, narrower than the compute "
+                      f"dtype {c}")
+  acc = dot.result_type
+  if dot.site == "qk" and e["logits"] == "f32":
+    if _narrower(acc, "f32"):
+      problems.append(f"compiled qk dot accumulates in {acc}; the contract requires f32 "
+                      f"logits (float32_qk_product={precision.float32_qk_product})")
+    elif dot.rounded_to:
+      problems.append(f"compiled qk dot's f32 logits are rounded to {dot.rounded_to} right "
+                      f"after it; the contract requires f32 logits")
+  elif dot.site == "wv" and e["probs"] == "f32":
+    if _narrower(acc, "f32"):
+      problems.append(f"compiled wv dot accumulates in {acc}; the contract requires f32")
+    if all(t in ("bf16", "f16") for t in (lhs, rhs)):
+      problems.append(f"compiled wv dot takes {lhs} x {rhs}: the f32 probabilities enter "
+                      f"narrowed (float32_logits={precision.float32_logits})")
+  elif dot.site == "dense" and not is_preset(precision.matmul_precision):
+    if _narrower(acc, "f32"):
+      problems.append(f"compiled dense dot accumulates in {acc}, expected f32 "
+                      f"(layers.project)")
+  elif dot.site == "other" and _narrower(acc, "f32"):
+    problems.append(f"a compiled dot the audit cannot attribute ({dot.name or 'no op_name'})"
+                    f" accumulates in {acc}")
+  return problems
+
+
+def check_compiled(text: str, precision: Precision) -> dict:
+  """The compiled program (`lowered.compile().as_text()`) checked dot by dot:
+  {'dots': [(CompiledDot, problems)], 'problems': [...], 'ok': bool}."""
+  from attnprec import hlo
+  summary = hlo.compiled_summary(text)
+  checked = [(d, check_compiled_dot(d, precision)) for d in summary["dots"]]
+  problems = [f"compiled {d.site} dot{'' if d.layer is None else f' (layer {d.layer})'} "
+              f"[{d.via}, {d.described}]: {p}" for d, ps in checked for p in ps]
+  return {"dots": checked, "summary": summary, "problems": problems, "ok": not problems}
