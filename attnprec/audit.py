@@ -183,7 +183,7 @@ def _param_path(arg: str):
 
 
 def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig, *,
-                  compile: bool = True) -> dict:
+                  compile: bool = True, key_lengths: tuple = ()) -> dict:
   """Checks one lowered program; returns a JSON-able dict with rows, problems, compiled."""
   report = inspect_lowered(lowered, expect=precision, function=phase)
   rows, problems = [], []
@@ -222,23 +222,33 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
          "layers_attributed": attributed, "attention": rows, "dense": dense_rows,
          "problems": problems, "ok": not problems}
   if compile:
-    out["compiled"] = summarize_compiled(lowered.compile().as_text(), precision)
+    # Forward programs: attention dots whose op_name XLA dropped are told apart by
+    # structure (the head dim vs the key lengths they contract). The train step holds
+    # gradient dots of the same shapes, so there they are only checked for accumulation.
+    structure = {} if phase == "train" else dict(head_dim=config.head_dim,
+                                                 key_lengths=key_lengths)
+    out["compiled"] = summarize_compiled(lowered.compile().as_text(), precision,
+                                         **structure)
     problems += [f"{phase} {p}" for p in out["compiled"]["problems"]]
     out["problems"], out["ok"] = problems, not problems
   return out
 
 
-def summarize_compiled(text: str, precision: Optional[Precision] = None) -> dict:
+def summarize_compiled(text: str, precision: Optional[Precision] = None, *,
+                       head_dim: Optional[int] = None, key_lengths: tuple = ()) -> dict:
   """The compiled program's dots grouped by (site, what the backend made of it, types,
   verdict), its converts, and (with a `precision`) the problems of the compiled check."""
-  s = hlo.compiled_summary(text)
-  checked = contract_check.check_compiled(text, precision)["dots"] if precision else \
-      [(d, []) for d in s["dots"]]
+  s = hlo.compiled_summary(text, head_dim, key_lengths)
+  checked = contract_check.check_compiled(text, precision, head_dim=head_dim,
+                                          key_lengths=key_lengths)["dots"] \
+      if precision else [(d, []) for d in s["dots"]]
 
   def where(d):
     site = d.site + (" (grad)" if d.backward else "")
     if d.site == "other" and not d.name and d.batched:
-      return "batched, op_name dropped (attention)"
+      return "batched, op_name dropped: accumulation checked"
+    if d.inferred_site and hlo.site(d.name) == "other":
+      return f"{site} (op_name dropped; by shape)"
     return site
 
   rows = collections.OrderedDict()
@@ -265,7 +275,15 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
               compile: bool = True, model_source: str = "model.* (gin)") -> dict:
   programs = lower_programs(config, train_precision, decode_precision, batch=batch,
                             prompt_len=prompt_len, new_tokens=new_tokens)
-  phases = {ph: audit_program(ph, lowered, prec, config, compile=compile)
+  # Every key length an attention dot of the programs can contract over: the prompt, the
+  # cache (and the longer one the decode step gets under kernel 'auto'), the blockwise
+  # kernel's key blocks (shorter where the cache is).
+  cache_length = prompt_len + new_tokens
+  blocks = decode_precision.block_sizes
+  lengths = {prompt_len, cache_length, max(cache_length, kernels.AUTO_MIN_KEYS)}
+  lengths |= {min(b, n) for b in (blocks.kv_block, blocks.decode_kv_block) for n in lengths}
+  phases = {ph: audit_program(ph, lowered, prec, config, compile=compile,
+                              key_lengths=tuple(sorted(lengths)))
             for ph, (prec, lowered) in programs.items()}
   problems = [p for ph in phases.values() for p in ph["problems"]]
   return {"model": model_source, "config": runs.config_dict(config),

@@ -60,9 +60,10 @@ def site(name: str) -> str:
 
 # ----------------------------------------------------------------------------- compiled
 _HLO_INSTR = re.compile(
-    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<type>\w+)\[[^\]]*\](?:\{[^}]*\})? "
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<type>\w+)\[(?P<dims>[^\]]*)\](?:\{[^}]*\})? "
     r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$")
 _HLO_OPERAND = re.compile(r"%([\w.\-]+)")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # '%fused_computation.3 (param_0: bf16[16,64], ...) -> f32[16,128] {' / 'ENTRY %main ...'
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
@@ -93,6 +94,10 @@ class CompiledDot:
   lhs_from: Optional[str] = None
   rhs_from: Optional[str] = None
   rounded_to: Optional[str] = None   # 16-bit type the result is converted to right after
+  contracting: tuple = ()            # sizes of the lhs contracting dimensions
+  # where the op_name is gone: 'qk' / 'wv' told apart by structure (`compiled_summary`'s
+  # head_dim: a batched dot contracting exactly the head dim is a qk product), else None
+  inferred_site: Optional[str] = None
 
   @property
   def backward(self) -> bool:
@@ -101,7 +106,8 @@ class CompiledDot:
 
   @property
   def site(self) -> str:
-    return site(self.name)
+    named = site(self.name)
+    return self.inferred_site if named == "other" and self.inferred_site else named
 
   @property
   def layer(self) -> Optional[int]:
@@ -130,6 +136,7 @@ class _Instr:
   rest: str
   computation: str
   root: bool
+  dims: tuple = ()
 
 
 class _Program:
@@ -151,7 +158,8 @@ class _Program:
         continue
       i = _Instr(m.group("name"), m.group("type"), m.group("op"),
                  _HLO_OPERAND.findall(m.group("args")), m.group("rest"), computation,
-                 line.lstrip().startswith("ROOT "))
+                 line.lstrip().startswith("ROOT "),
+                 tuple(int(x) for x in m.group("dims").split(",") if x.strip().isdigit()))
       self.instrs[i.name] = i
       if i.root:
         self.roots[computation] = i.name
@@ -221,13 +229,20 @@ class _Program:
     return None
 
 
-def compiled_summary(text: str) -> dict:
+def compiled_summary(text: str, head_dim: Optional[int] = None,
+                     key_lengths: tuple = ()) -> dict:
   """What the backend compiled: {'dots': [CompiledDot], 'converts': {'bf16->f32': n},
   'fusions': n} from `lowered.compile().as_text()` (HLO text). Dots inside fused
   computations are listed with the kind of the fusion that calls them; a custom-call to a
   matmul library counts as a dot (its result type is what the library returns). Each
   dot's operands are traced back to any 16-bit value they were converted up from, and
-  its result forward to any conversion down to 16 bits right after it."""
+  its result forward to any conversion down to 16 bits right after it.
+
+  XLA may drop a dot's op_name when it rewrites it (e.g. squeezing a kv-head axis of
+  size 1). With `head_dim` (and the key lengths S the program attends over), such a
+  batched dot of a forward program is attributed by structure: contracting exactly the
+  head dim -> 'qk', contracting a key length -> 'wv' (left 'other' where head_dim is
+  itself a key length)."""
   prog = _Program(text)
   dots, converts, fusions = [], {}, 0
   for i in prog.instrs.values():
@@ -239,10 +254,19 @@ def compiled_summary(text: str) -> dict:
              f"dot in {prog.kind_of[i.computation]} fusion" if i.computation in prog.kind_of
              else "dot")
       types = [prog.instrs[o].type if o in prog.instrs else "?" for o in i.operands[:2]]
+      lhs = prog.instrs.get(i.operands[0])
+      axes = _CONTRACTING.search(i.rest)
+      contracting = tuple(lhs.dims[int(a)] for a in axes.group(1).split(",") if a) \
+          if axes and lhs is not None and lhs.dims else ()
+      batched = "lhs_batch_dims" in i.rest
+      inferred = None
+      if batched and head_dim and head_dim not in key_lengths and len(contracting) == 1:
+        inferred = ("qk" if contracting[0] == head_dim else
+                    "wv" if contracting[0] in key_lengths else None)
       dots.append(CompiledDot(types[0], types[1], i.type, name.group(1) if name else "",
-                              "lhs_batch_dims" in i.rest, via,
-                              prog.upcast_from(i.operands[0]),
-                              prog.upcast_from(i.operands[1]), prog.rounded_to(i.name)))
+                              batched, via, prog.upcast_from(i.operands[0]),
+                              prog.upcast_from(i.operands[1]), prog.rounded_to(i.name),
+                              contracting, inferred))
     elif i.op == "convert" and i.operands:
       src = prog.instrs.get(i.operands[0])
       key = f"{src.type if src else '?'}->{i.type}"

@@ -10,11 +10,14 @@ import os
 FLAG = "--xla_allow_excess_precision=false"
 
 # XLA:CPU library paths for dots (process-wide, read when jax starts; off by default).
-# Not set by the project: on SmolLM2's projections neither helped consistently (one
-# interleaved run per setting, loaded machine: the bf16 x bf16 -> f32 form's time over the
-# float32-carried form's, at 1000 rows 0.23-0.52 default, 0.23-0.54 onednn, 0.23-0.47
-# xnnpack; at 1 row all three 1.7-7x), and they compiled the audited programs to the same
-# HLO as the default. `make bench ARGS="--suite=projections --xla_settings=..."` measures.
+# Not set by the project. With jax/jaxlib 0.10.2 both flags are accepted but change
+# nothing here: the compiled HLO of a 1000 x 576 x 1536 and a 1 x 576 x 1536 bf16 x bf16
+# -> f32 dot, and of the audited train/prefill/decode programs, is byte-identical under
+# default, onednn and xnnpack (XLA:CPU already puts such dots in its YNNPACK fusions,
+# `__ynn_fusion`, except the 1-row one). The timings per setting (one interleaved run each,
+# loaded machine; the bf16 x bf16 -> f32 form over the float32-carried form at 1000 rows:
+# 0.23-0.52 default, 0.23-0.54 onednn, 0.23-0.47 xnnpack) differ by noise only.
+# `make bench ARGS="--suite=projections --xla_settings=default,onednn,xnnpack"` measures.
 SETTINGS = {"default": (), "onednn": ("--xla_cpu_use_onednn=true",),
             "xnnpack": ("--xla_cpu_use_xnnpack=true",)}
 _LIBRARY_FLAGS = ("--xla_cpu_use_onednn", "--xla_cpu_use_xnnpack")

@@ -228,6 +228,26 @@ def test_decode_ignoring_the_flags_fails_the_compiled_check_too(monkeypatch):
     assert any("probabilities enter narrowed" in q for q in compiled), compiled
 
 
+def test_dots_whose_op_name_xla_dropped_are_attributed_by_shape(monkeypatch):
+  """With one kv head XLA:CPU rewrites the attention dots and drops their op_name; in
+  the prefill and decode programs they are told apart by the dimension they contract
+  (the head dim: qk; a key length: wv), so the narrowing kernel still fails there."""
+  one_kv = dataclasses.replace(CONFIG, num_heads=2, num_kv_heads=1, head_dim=32,
+                               d_model=64)
+  safe = Precision(dtype="bfloat16")
+  result = audit.run_audit(one_kv, safe, safe)
+  assert result["ok"], result["problems"]
+  for phase in ("prefill", "decode"):
+    sites = {r["site"] for r in result["phases"][phase]["compiled"]["rows"]}
+    assert {"qk (op_name dropped; by shape)", "wv (op_name dropped; by shape)"} <= sites, \
+        sites
+  _narrow_qk_kernel(monkeypatch)
+  result = audit.run_audit(one_kv, safe, safe)
+  for phase in ("prefill", "decode"):
+    compiled = result["phases"][phase]["compiled"]["problems"]
+    assert any("logits are rounded to bf16 right after" in q for q in compiled), compiled
+
+
 def _safe_decode_text():
   safe = Precision(dtype="bfloat16")
   return audit.lower_programs(CONFIG, safe, safe)["decode"][1].compile().as_text(), \

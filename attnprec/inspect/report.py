@@ -465,11 +465,14 @@ def check_compiled_dot(dot, precision: Precision) -> List[str]:
   return problems
 
 
-def check_compiled(text: str, precision: Precision) -> dict:
+def check_compiled(text: str, precision: Precision, *, head_dim: Optional[int] = None,
+                   key_lengths: tuple = ()) -> dict:
   """The compiled program (`lowered.compile().as_text()`) checked dot by dot:
-  {'dots': [(CompiledDot, problems)], 'problems': [...], 'ok': bool}."""
+  {'dots': [(CompiledDot, problems)], 'problems': [...], 'ok': bool}. head_dim and
+  key_lengths attribute attention dots whose op_name XLA dropped (`hlo.compiled_summary`;
+  pass them for forward programs only)."""
   from attnprec import hlo
-  summary = hlo.compiled_summary(text)
+  summary = hlo.compiled_summary(text, head_dim, key_lengths)
   checked = [(d, check_compiled_dot(d, precision)) for d in summary["dots"]]
   problems = [f"compiled {d.site} dot{'' if d.layer is None else f' (layer {d.layer})'} "
               f"[{d.via}, {d.described}]: {p}" for d, ps in checked for p in ps]
