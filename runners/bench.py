@@ -49,7 +49,9 @@ def _ints(text):
 
 
 def _cases(text):
-  """'1x32,8x1000' -> ((1, 32), (8, 1000))."""
+  """'1x32,8x1000' -> ((1, 32), (8, 1000)); 'long': the 4k / 8k cases."""
+  if text.strip() == "long":
+    return model_bench.LONG_CASES
   out = []
   for part in text.split(","):
     try:
@@ -102,6 +104,7 @@ def run_model(args):
       presets=args.model_presets,
       steps=args.steps or (8 if quick else 32), rounds=args.rounds or (2 if quick else 3),
       include_torch=not args.no_torch, flag_phases=not quick,
+      torch_dtypes=args.torch_dtypes,
       flag_case=(1, 1000))
   _write_model(args.out, result)
   table = model_bench.to_markdown(result)
@@ -163,6 +166,8 @@ def _parse(argv):
   add("--kernels", default=",".join(bench.KERNELS), help="attention suite: kernels")
   add("--presets", default=",".join(bench.PRESETS), help="attention suite: precision presets")
   add("--no_torch", action="store_true", help="skip the transformers / torch baselines")
+  add("--torch_dtypes", default="float32",
+      help="model suite: transformers in these dtypes (float32, bfloat16)")
   add("--projection_parts", default="micro,model",
       help="projections suite: micro (projection shapes), model (prefill, decode steps)")
   add("--xla_settings", default="",
@@ -173,6 +178,8 @@ def _parse(argv):
   args.model_presets = _names("--model_presets", args.model_presets,
                               list(model_bench.PRESETS))
   args.kernels = _names("--kernels", args.kernels, bench.KERNELS)
+  args.torch_dtypes = _names("--torch_dtypes", args.torch_dtypes,
+                             list(model_bench.TORCH_DTYPES))
   args.presets = _names("--presets", args.presets, list(bench.PRESETS))
   args.projection_parts = _names("--projection_parts", args.projection_parts,
                                  ["micro", "model"])
@@ -189,6 +196,7 @@ EXAMPLES = [
     "python runners/bench.py --suite=attention --seq_lens=1024,4096 "
     "--kernels=dot_product,blockwise",
     "python runners/bench.py --suite=projections --xla_settings=default,onednn,xnnpack",
+    "python runners/bench.py --torch_dtypes=float32,bfloat16 --cases=long",
 ]
 
 

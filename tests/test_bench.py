@@ -56,6 +56,14 @@ def test_tiny_model_bench_reports_every_case(tmp_path):
   assert rows[("fp32", 2, 9)]["weights"] == "float32"
   assert rows[("bf16_flags", 2, 9)]["weight_bytes"] == rows[("fp32", 2, 9)]["weight_bytes"]
   assert set(result["flags"]["flags_over_no_flags"]) == {"train", "prefill", "decode"}
+  # prefill against the matmul peak of its dtype, measured in the same run
+  assert set(result["matmul_peak"]) == {"f32", "bf16"}
+  for r in rows.values():
+    assert r["prefill_matmul_flops"] == model_bench.projection_flops(params, config, 2, 9)
+    assert r["of_matmul_peak"] > 0
+  assert model_bench.TORCH_DTYPES == {"float32": "transformers",
+                                      "bfloat16": "transformers_bf16"}
+  assert all(P + 32 <= 8192 for _, P in model_bench.LONG_CASES)   # SmolLM2's context
   json.dumps(result)
   table = model_bench.to_markdown(result)
   assert "| 2, 9 | bf16_flags | carried |" in table and "| decode |" in table

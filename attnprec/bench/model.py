@@ -19,6 +19,15 @@ Method
     single-token forwards with its cache, under `torch.inference_mode`. Its fp32 is the
     precision transformers serves on CPU (bf16 matmuls there are slower on CPUs without
     bf16 units).
+  * transformers in bf16 too (`torch_dtypes`, `--torch_dtypes=float32,bfloat16`): row
+    `transformers_bf16`; `prefill_vs_best_transformers` divides by the faster of the two.
+  * Long cases (`LONG_CASES`, `--cases=long`): prefill and decode at 4000 and 8000
+    tokens, batch 1 and 8 (minutes per case: for an idle machine).
+  * Prefill against the matmul peak: `projection_flops` (the dense projections of a
+    prefill) over its time, over the peak of a jitted dot of the configuration's dtype
+    at SmolLM2's MLP shape measured in the same run (`matmul_peak`: f32, and
+    bf16 x bf16 -> f32 as `layers.project` runs it); attention is in the time too, so it
+    is a lower bound on the projections' own fraction.
   * Interleaved rounds: in every round each configuration of a (B, P) case runs once, so
     drift on a shared machine hits all alike; medians over the rounds. Ratios are taken
     between configurations measured side by side.
@@ -69,7 +78,13 @@ BF16_WEIGHTS = ("bf16_flags_bf16w",)
 CAST_AT_USE = ("bf16_flags_cast",) + BF16_WEIGHTS
 DEFAULT_CASES: Tuple[Tuple[int, int], ...] = ((1, 32), (1, 1000), (8, 32), (8, 1000))
 QUICK_CASES: Tuple[Tuple[int, int], ...] = ((1, 32), (8, 32))
-TORCH = "transformers"
+TORCH = "transformers"           # fp32
+TORCH_DTYPES = {"float32": TORCH, "bfloat16": "transformers_bf16"}
+# Long cases (issue 22): prefill and decode at about 4k and 8k tokens, batch 1 and 8
+# (`--cases=long`); to be measured on an idle machine.
+LONG_CASES: Tuple[Tuple[int, int], ...] = ((1, 4000), (8, 4000), (1, 8000), (8, 8000))
+# The matmul peak prefill projections are held against: SmolLM2's MLP up at 1000 rows.
+PEAK_SHAPE = (1000, 576, 1536)
 
 
 # ----------------------------------------------------------------------------- programs
@@ -178,6 +193,32 @@ def weight_bytes(params, dtype=None) -> int:
   return total
 
 
+def projection_flops(params, config, B: int, P: int) -> float:
+  """FLOPs of a prefill's dense projections: 2 x rows x every layer matrix, plus the
+  unembedding for each sequence's last position (prefill computes only those logits)."""
+  dense = sum(x.size for module, group in params.items() for n, x in group.items()
+              if x.ndim == 2 and "embed" not in module)
+  return 2.0 * B * P * dense + 2.0 * B * config.d_model * config.vocab_size
+
+
+def matmul_peak(shape=PEAK_SHAPE, reps: int = 5) -> Dict[str, float]:
+  """FLOP/s of a jitted f32 dot and a bf16 x bf16 -> f32 dot (what `layers.project` runs)
+  at `shape` (m, k, n), min of `reps`: the peaks prefill projections are held against."""
+  m, k, n = shape
+  out = {}
+  for key, dtype in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
+    x, w = jnp.ones((m, k), dtype), jnp.full((k, n), 1e-3, dtype)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    jax.block_until_ready(f(x, w))
+    times = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(x, w))
+      times.append(time.perf_counter() - t0)
+    out[key] = 2.0 * m * k * n / min(times)
+  return out
+
+
 def read_bandwidth(mbytes: int = 256, reps: int = 5) -> float:
   """Bytes/s a jitted float32 matrix-vector product reads from a `mbytes` MB matrix
   (each weight read once, as in a decode step), median of `reps`."""
@@ -205,8 +246,10 @@ def _round_robin(calls: Dict[str, callable], rounds: int) -> Dict[str, list]:
 
 
 # ----------------------------------------------------------------------------- the bench
-def load_torch_model(name: str):
-  """transformers' model for a shipped name or a .gguf path, fp32, sdpa (None: no torch)."""
+def load_torch_model(name: str, dtype: str = "float32"):
+  """transformers' model for a shipped name or a .gguf path, in `dtype` ('float32' or
+  'bfloat16': torch runs bf16 matmuls through oneDNN, on avx512_bf16 at the bf16 rate),
+  sdpa (None: no torch)."""
   try:
     import torch
     import transformers
@@ -220,7 +263,7 @@ def load_torch_model(name: str):
     if path.suffix != ".gguf":
       return None
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      str(path.parent), gguf_file=path.name, dtype=torch.float32,
+      str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype),
       attn_implementation="sdpa").eval()
   return model
 
@@ -229,6 +272,7 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
                     cases: Sequence[Tuple[int, int]] = DEFAULT_CASES,
                     presets: Sequence[str] = ("fp32", "bf16_flags"), steps: int = 32,
                     rounds: int = 3, include_torch: bool = True, torch_threads: int = 0,
+                    torch_dtypes: Sequence[str] = ("float32",),
                     flag_phases: bool = True, flag_case: Tuple[int, int] = (1, 1000),
                     train_tokens: int = 256, bandwidth_mbytes: int = 256, seed: int = 0,
                     progress: bool = True, on_case=None) -> dict:
@@ -237,6 +281,8 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
   model: a shipped name or checkpoint path (or pass `config` and `params` directly).
   cases: (batch, prompt length) pairs. steps: decode steps timed per round.
   torch_threads: torch's intra-op threads (0: all cores).
+  torch_dtypes: transformers in these dtypes ('float32' -> row 'transformers',
+    'bfloat16' -> 'transformers_bf16'); ratios 'vs best transformers' take the faster.
   flag_phases: also time bf16 with and without the flags (train step, prefill, decode)
     at `flag_case` (batch, tokens; the train step uses `train_tokens` tokens).
   on_case: called with the result so far after each case (so a long run that is
@@ -257,7 +303,14 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
     from attnprec import checkpoints
     ckpt = checkpoints.load(model)
     config, params = ckpt.config, ckpt.params
-  torch_model = load_torch_model(model) if include_torch else None
+  torch_models = {}
+  for dtype in (torch_dtypes if include_torch else ()):
+    if dtype not in TORCH_DTYPES:
+      raise UserError(f"Unknown transformers dtype {dtype!r}; valid: {list(TORCH_DTYPES)}.")
+    m = load_torch_model(model, dtype)
+    if m is not None:
+      torch_models[TORCH_DTYPES[dtype]] = m
+  torch_model = next(iter(torch_models.values()), None)
   result = dict(config=dict(model=model, cases=[list(c) for c in cases], presets={
       p: dataclasses.asdict(PRESETS[p]) for p in presets}, steps=steps, rounds=rounds,
       jax=jax.__version__, devices=str(jax.devices()), cpu_count=os.cpu_count(),
@@ -267,8 +320,10 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
     import transformers
     torch.set_num_threads(torch_threads or os.cpu_count())
     result["config"].update(torch=torch.__version__, transformers=transformers.__version__,
-                            torch_threads=torch.get_num_threads())
+                            torch_threads=torch.get_num_threads(),
+                            torch_dtypes=list(torch_dtypes))
   result["read_bandwidth"] = read_bandwidth(bandwidth_mbytes)
+  result["matmul_peak"] = matmul_peak()
   rng = np.random.default_rng(seed)
 
   for B, P in cases:
@@ -283,19 +338,20 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
           config, params, PRESETS[name], prompt, steps,
           weights="stored" if name in BF16_WEIGHTS else
           "cast" if name in CAST_AT_USE else "serving")
-    if torch_model is not None:
-      runners[TORCH] = _TorchCase(torch_model, prompt, steps)
+    for row_name, m in torch_models.items():
+      runners[row_name] = _TorchCase(m, prompt, steps)
     log(f"timing B={B} P={P} ({rounds} rounds) ...", flush=True)
     pre = _round_robin({k: r.prefill for k, r in runners.items()}, rounds)
     dec = _round_robin({k: r.decode for k, r in runners.items()}, rounds)
     for name, r in runners.items():
       step_s = statistics.median(dec[name]) / steps
-      dtype = PRESETS[name].compute_dtype if name in PRESETS else jnp.float32
+      dtype = PRESETS[name].compute_dtype if name in PRESETS else \
+          jnp.bfloat16 if name == TORCH_DTYPES["bfloat16"] else jnp.float32
       S = P + steps if name in PRESETS else P + steps / 2   # transformers' cache grows
       kv = _cache_bytes(config, B, 1, dtype) * S
       # the floor: the weights as this configuration holds them (bf16-stored: 2 bytes;
       # float32, cast at use or carried: 4), read once
-      weights = getattr(r, "weights", "float32")
+      weights = getattr(r, "weights", "stored" if dtype == jnp.bfloat16 else "float32")
       wb = weight_bytes(params, dtype if weights == "stored" else jnp.float32)
       row = dict(name=name, batch=B, prompt=P, prefill_s=statistics.median(pre[name]),
                  prefill_times_s=pre[name], step_s=step_s,
@@ -304,6 +360,12 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
                  roofline_step_s=(wb + kv) / result["read_bandwidth"])
       row["of_roofline"] = row["roofline_step_s"] / step_s
       row["weights"] = weights
+      # prefill against the matmul peak of its compute dtype, measured in this run: the
+      # dense projections' FLOPs over the whole prefill's time (attention included, so a
+      # lower bound on the projections' own fraction)
+      row["prefill_matmul_flops"] = projection_flops(params, config, B, P)
+      peak = result["matmul_peak"]["bf16" if dtype == jnp.bfloat16 else "f32"]
+      row["of_matmul_peak"] = row["prefill_matmul_flops"] / row["prefill_s"] / peak
       if name in PRESETS:
         row["compile_s"] = r.compile_s
       result["rows"].append(row)
@@ -322,7 +384,12 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
 def _add_ratios(rows, B, P):
   case = {r["name"]: r for r in rows if r["batch"] == B and r["prompt"] == P}
   fp32, torch_row = case.get("fp32"), case.get(TORCH)
+  peers = [case[n] for n in TORCH_DTYPES.values() if n in case]
+  best = min(peers, key=lambda r: r["prefill_s"]) if peers else None
   for r in case.values():
+    if best is not None:
+      r["prefill_vs_best_transformers"] = r["prefill_s"] / best["prefill_s"]
+      r["best_transformers"] = best["name"]
     if fp32 is not None:
       r["step_vs_fp32"] = r["step_s"] / fp32["step_s"]
     if torch_row is not None:
@@ -371,16 +438,22 @@ def flag_cost(config, params, case, train_tokens, rounds, log, rng) -> dict:
 # ----------------------------------------------------------------------------- output
 def to_markdown(result: dict) -> str:
   cfg = result["config"]
-  torch_note = (f"transformers {cfg['transformers']} (torch {cfg['torch']}, fp32, sdpa, "
+  torch_note = (f"transformers {cfg['transformers']} (torch {cfg['torch']}, "
+                f"{'/'.join(cfg.get('torch_dtypes', ['float32']))}, sdpa, "
                 f"{cfg['torch_threads']} threads)" if "torch" in cfg else "no transformers")
+  peak = result.get("matmul_peak")
+  peak_note = (f"; matmul peak at {'x'.join(map(str, PEAK_SHAPE))}: f32 "
+               f"{peak['f32'] / 1e9:.0f}, bf16 x bf16 -> f32 {peak['bf16'] / 1e9:.0f} GFLOP/s"
+               if peak else "")
   lines = [f"Model {cfg['model']}; {cfg['steps']} greedy decode steps timed per round, "
            f"{cfg['rounds']} interleaved rounds, medians; {torch_note}; read bandwidth "
            f"(matrix-vector) {result['read_bandwidth'] / 1e9:.1f} GB/s (end of run "
-           f"{result.get('read_bandwidth_end', float('nan')) / 1e9:.1f}).", "",
+           f"{result.get('read_bandwidth_end', float('nan')) / 1e9:.1f}){peak_note}.", "",
            "| batch, prompt | config | weights | decode ms/step | tokens/s | vs fp32 step "
            "| vs transformers tok/s | of roofline | prefill s | prefill vs transformers "
+           "| prefill vs best transformers | prefill of matmul peak "
            "| compile s (prefill + decode) |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in result["rows"]:
     comp = r.get("compile_s")
     comp = "" if comp is None else f"{comp['prefill']:.0f} + {comp['decode']:.0f}"
@@ -390,6 +463,7 @@ def to_markdown(result: dict) -> str:
         f"| {r['tokens_per_s']:.1f} | {_f(r.get('step_vs_fp32'))} "
         f"| {_f(r.get('tokens_per_s_vs_transformers'))} | {r['of_roofline']:.2f} "
         f"| {r['prefill_s']:.2f} | {_f(r.get('prefill_vs_transformers'))} "
+        f"| {_f(r.get('prefill_vs_best_transformers'))} | {_f(r.get('of_matmul_peak'))} "
         f"| {comp} |")
   flags = result.get("flags")
   if flags:
