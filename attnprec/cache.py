@@ -15,46 +15,100 @@ Three choices, each measured on XLA:CPU (SmolLM2-135M, batch 8, 1000-token promp
     read. XLA:CPU runs a scatter or an update slice on a 16-bit float buffer by
     converting the WHOLE buffer to float32 and back, on every write (1.2 s per decode
     step); on uint16 it writes the T new rows in place. Bits in, bits out: nothing rounds.
+The storage is the phase's `Precision.cache_storage` (`contract.CacheStorage`), per keys
+and values: 'compute' (the default: exactly the cache above), float32 or bfloat16 values
+(read back as the compute dtype), or int8 / float8 codes with float32 scales, quantized
+at the write (`attnprec.kvquant`) and read as codes plus `contract.KVScales` for the
+kernels, which apply the scales without dequantizing (the contract's cache rows).
+float8 codes are stored as their bits (uint8), like the 16-bit floats. Scales lie
+[B, K, S] (per token) or [B, K, H] (per channel, keys only).
 Under `jax.jit` with the cache donated (or carried by a loop), every write is in place:
 tests/test_cache.py checks the compiled decode step for cache-sized copies.
 """
-from typing import Tuple
+from typing import Optional, Tuple
 
 import chex
 import jax
 import jax.numpy as jnp
 
+from attnprec import kvquant
 from attnprec.config import ModelConfig
+from attnprec.contract import COMPUTE_CACHE, SCALED_KV_DTYPES, CacheStorage, KVScales
 
 
 @chex.dataclass(frozen=True)
 class LayerCache:
-  """One layer's keys and values."""
-  k: chex.Array  # [B, K, S, H] in `storage_dtype(compute dtype)`
+  """One layer's keys and values (and, for a scaled storage dtype, their scales).
+
+  Which storage a cache holds is static data (`contract.CacheStorage`, from the phase's
+  `Precision.cache_storage`), passed to `read` and `write`, never inferred from dtypes."""
+  k: chex.Array  # [B, K, S, H] in `side_dtype(storage.k_dtype, compute dtype)`
   v: chex.Array  # [B, K, S, H]
+  # float32: [B, K, S] per token, [B, K, H] per channel (keys only); None when unscaled.
+  # Unwritten positions hold scale 0 and code 0 (they read as zeros). A NaN scale marks a
+  # group that held a non-finite value (`attnprec.kvquant`).
+  k_scale: Optional[chex.Array] = None
+  v_scale: Optional[chex.Array] = None
 
   @property
   def length(self) -> int:
     return self.k.shape[2]
 
-  def read(self, dtype) -> Tuple[jax.Array, jax.Array]:
-    """(k, v) as [B, K, S, H] arrays of the compute dtype `dtype` (a reinterpretation of
-    the stored bits, no rounding)."""
-    return _as(self.k, dtype), _as(self.v, dtype)
+  def read(self, dtype, storage: CacheStorage = COMPUTE_CACHE
+           ) -> Tuple[jax.Array, jax.Array]:
+    """(k, v) as [B, K, S, H] arrays as the kernels take them.
 
-  def write(self, k_BxTxKxH, v_BxTxKxH, positions_BxT) -> "LayerCache":
+    'compute': a reinterpretation of the stored bits as the compute dtype `dtype` (no
+    rounding); 'float32' / 'bfloat16': the stored values cast to `dtype` (exact, see
+    `contract.cache_storage_error`); a scaled dtype: the codes in their code dtype
+    (float8 bits reinterpreted), to be read with `scales`."""
+    return _read(self.k, storage.k_dtype, dtype), _read(self.v, storage.v_dtype, dtype)
+
+  def scales(self, storage: CacheStorage = COMPUTE_CACHE) -> Optional[KVScales]:
+    """None when neither side is scaled, else the `KVScales` the kernels apply to the
+    codes `read` returns (`contract.cache_stage_dtypes`)."""
+    if not storage.quantized:
+      return None
+    return KVScales(
+        k_token_BxKxS=self.k_scale if storage.k_scale == "token" else None,
+        k_channel_BxKxH=self.k_scale if storage.k_scale == "channel" else None,
+        v_token_BxKxS=self.v_scale if storage.v_scale == "token" else None)
+
+  def write(self, k_BxTxKxH, v_BxTxKxH, positions_BxT,
+            storage: CacheStorage = COMPUTE_CACHE) -> "LayerCache":
     """Stores the T new keys/values of each sequence at their absolute positions (values
-    of the compute dtype; positions outside the cache are dropped)."""
+    of the compute dtype; positions outside the cache are dropped), quantized as
+    `storage` says (`attnprec.kvquant`): per token from the T new rows alone; per
+    channel with the scale fixed by the first write (the prompt at prefill: a channel
+    whose scale is still 0 takes this write's absmax; later keys past it clip)."""
     B = positions_BxT.shape[0]
     b_Bx1 = jnp.arange(B)[:, None]
 
-    def put(cache_BxKxSxH, x_BxTxKxH):
+    def put(cache_BxKxS_, x_BxTxK_):
       # Indices (b, pos) on axes 0 and 2 with the K slice between them: the update rows
-      # are [B, T, K, H], the new keys as they come.
-      return cache_BxKxSxH.at[b_Bx1, :, positions_BxT].set(
-          _bits(x_BxTxKxH, cache_BxKxSxH.dtype), mode="drop")
+      # are [B, T, K(, H)], the new keys (or their scales) as they come.
+      return cache_BxKxS_.at[b_Bx1, :, positions_BxT].set(
+          _bits(x_BxTxK_, cache_BxKxS_.dtype), mode="drop")
 
-    return LayerCache(k=put(self.k, k_BxTxKxH), v=put(self.v, v_BxTxKxH))
+    k, k_scale = self.k, self.k_scale
+    if storage.k_scale == "token":
+      codes, scale_BxTxK = kvquant.quantize_token(k_BxTxKxH, storage.k_dtype)
+      k, k_scale = put(k, codes), put(k_scale, scale_BxTxK)
+    elif storage.k_scale == "channel":
+      kept_BxKxH = jnp.isnan(k_scale) | (k_scale > 0)
+      fresh_BxKxH = kvquant.channel_scale(k_BxTxKxH, storage.k_dtype)
+      codes, k_scale = kvquant.quantize_channel(
+          k_BxTxKxH, jnp.where(kept_BxKxH, k_scale, fresh_BxKxH), storage.k_dtype)
+      k = put(k, codes)
+    else:
+      k = put(k, _stored_values(k_BxTxKxH, storage.k_dtype))
+    v, v_scale = self.v, self.v_scale
+    if storage.v_scale == "token":
+      codes, scale_BxTxK = kvquant.quantize_token(v_BxTxKxH, storage.v_dtype)
+      v, v_scale = put(v, codes), put(v_scale, scale_BxTxK)
+    else:
+      v = put(v, _stored_values(v_BxTxKxH, storage.v_dtype))
+    return LayerCache(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
 
 
 @chex.dataclass(frozen=True)
@@ -67,15 +121,25 @@ class KVCache:
 
   @property
   def nbytes(self) -> int:
-    return sum(c.k.nbytes + c.v.nbytes for c in self.layers)
+    """Bytes held: codes or values, and scales."""
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
 
 
-def init_cache(config: ModelConfig, batch: int, length: int, dtype) -> KVCache:
-  """An empty cache of `length` positions for values of the compute dtype `dtype`."""
-  shape = (batch, config.num_kv_heads, length, config.head_dim)
-  store = storage_dtype(dtype)
-  return KVCache(layers=tuple(LayerCache(k=jnp.zeros(shape, store), v=jnp.zeros(shape, store))
-                              for _ in range(config.num_layers)))
+def init_cache(config: ModelConfig, batch: int, length: int, dtype,
+               storage: CacheStorage = COMPUTE_CACHE) -> KVCache:
+  """An empty cache of `length` positions for values of the compute dtype `dtype`, stored
+  as `storage` says (default: the compute dtype, as `storage_dtype`)."""
+  B, K, S, H = batch, config.num_kv_heads, length, config.head_dim
+  scale_shape = {"token": (B, K, S), "channel": (B, K, H), None: None}
+
+  def one():
+    k = jnp.zeros((B, K, S, H), side_dtype(storage.k_dtype, dtype))
+    v = jnp.zeros((B, K, S, H), side_dtype(storage.v_dtype, dtype))
+    ks, vs = scale_shape[storage.k_scale], scale_shape[storage.v_scale]
+    return LayerCache(k=k, v=v, k_scale=None if ks is None else jnp.zeros(ks, jnp.float32),
+                      v_scale=None if vs is None else jnp.zeros(vs, jnp.float32))
+
+  return KVCache(layers=tuple(one() for _ in range(config.num_layers)))
 
 
 def storage_dtype(compute_dtype) -> jnp.dtype:
@@ -85,8 +149,37 @@ def storage_dtype(compute_dtype) -> jnp.dtype:
   return c if c.itemsize == 4 else jnp.dtype(jnp.uint16)
 
 
+def side_dtype(name: str, compute_dtype) -> jnp.dtype:
+  """The buffer dtype of one side (k or v) of a cache with storage dtype `name`: 'compute'
+  -> `storage_dtype(compute_dtype)`; float32; bfloat16 as uint16 bits; int8; float8 as
+  uint8 bits (XLA:CPU scatters into 8-bit integer buffers in place; the bits are
+  reinterpreted on read, nothing rounds)."""
+  if name == "compute":
+    return storage_dtype(compute_dtype)
+  if name in SCALED_KV_DTYPES:
+    code = SCALED_KV_DTYPES[name][0]
+    return code if code == jnp.int8 else jnp.dtype(jnp.uint8)
+  return storage_dtype(name)
+
+
+def _stored_values(x, name: str):
+  """Values of the compute dtype as an unscaled side stores them: 'compute' as they are,
+  else cast (round to nearest even) to that dtype."""
+  return x if name == "compute" else x.astype(name)
+
+
+def _read(stored, name: str, dtype):
+  """One side as the kernels take it (see `LayerCache.read`)."""
+  if name == "compute":
+    return _as(stored, dtype)
+  if name in SCALED_KV_DTYPES:
+    code = SCALED_KV_DTYPES[name][0]
+    return stored if stored.dtype == code else jax.lax.bitcast_convert_type(stored, code)
+  return _as(stored, name).astype(dtype)
+
+
 def _bits(x, store):
-  """Values of the compute dtype as the cache stores them."""
+  """Values of the compute dtype (or codes, or scales) as the cache stores them."""
   return x if x.dtype == store else jax.lax.bitcast_convert_type(x, store)
 
 

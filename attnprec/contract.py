@@ -30,6 +30,29 @@ in.
 Every kernel checks every stage with `chex.assert_type` / `chex.assert_shape` against
 `stage_dtypes` (trace-time checks, free under jit); the audit reads the same table.
 
+The cache rows (`cache_stage_dtypes`, for attention over a KV cache whose storage,
+`CacheStorage`, is int8 or float8 codes with float32 absmax scales; `attnprec.kvquant`):
+
+  | row                              | qk=F,lg=F | qk=F,lg=T | qk=T,lg=F | qk=T,lg=T |
+  | k / v stored as                  | codes (int8, float8_e4m3fn, float8_e5m2)      |
+  | scales                           | float32; per (token, kv head), or per (kv     |
+  |                                  | head, channel) for keys, fixed at prefill     |
+  | codes into the qk / wv dot       | cast exactly to the dot's operand dtype (every|
+  |                                  | code is a bf16, f16 and f32 value): qk c (f32 |
+  |                                  | with a per-channel scale and qk=T), wv probs  |
+  | per-token key scale applied to   | logits, c | logits, c | logits,f32| logits,f32|
+  | per-channel key scale applied to | q, in c   | q, in c   | q, in f32 | q, in f32 |
+  | value scale applied to           | probs, c  | probs,f32 | probs,f32 | probs,f32 |
+  | q, probabilities quantized       | never     | never     | never     | never     |
+
+The key scale multiplies the logits column-wise right after the qk dot (before the query
+scale, the soft-cap and the mask); the value scale multiplies the normalised
+probabilities column-wise before the wv dot. Nothing is dequantized: no code * scale
+product is ever rounded to a dtype. An unscaled cache (float32 / bfloat16 storage) is
+read back as c and meets the first table unchanged. `check_cache_operands`,
+`query_operand`, `code_operand` and `scale_columns` are the kernels' shared
+implementation of these rows, each with its chex asserts.
+
 This module is the ground floor: the names of dtypes and dot precisions, the stage table,
 the head and mask checks, the mask value, the masks (dense and `CausalMask`), the named
 scopes of the two attention dots, what a kernel declares (`KernelSpec`), and the float64
@@ -127,6 +150,189 @@ def scale_logits(logits, scale, expected) -> jax.Array:
     return logits   # q was scaled (in c = f32 both places are the same)
   chex.assert_type(logits, expected["scale"])
   return logits * jnp.asarray(scale, logits.dtype)
+
+
+# ----------------------------------------------------------------------------- cache
+# The KV cache's storage: per keys and values, a storage dtype and, for the scaled types,
+# a scale granularity (`Precision.kv_cache_*`). 'compute' stores the compute dtype c
+# (today's cache, the default). float32 / bfloat16 store values of that dtype and are
+# read back as c (a cast: exact from float32, and from bfloat16 into float32; a rounding
+# of c at the write only for bfloat16 under float32 compute). The scaled types store
+# codes and float32 scales: code = clip(round_even(x / scale), -qmax, qmax) for int8,
+# clip(x / scale, -qmax, qmax) cast (round to nearest even) for float8, with
+# scale = absmax / qmax over the scale's group (`attnprec.kvquant`).
+KV_CACHE_DTYPES = ("compute", "float32", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
+# Scaled storage: name -> (code dtype, qmax = the largest finite code magnitude).
+SCALED_KV_DTYPES = {"int8": (jnp.dtype(jnp.int8), 127.0),
+                    "float8_e4m3fn": (jnp.dtype(jnp.float8_e4m3fn), 448.0),
+                    "float8_e5m2": (jnp.dtype(jnp.float8_e5m2), 57344.0)}
+# Scale granularities: 'token' = one scale per (token, kv head) over H; 'channel' = one
+# per (kv head, head-dim channel), fixed at the cache's first write (the prompt's keys at
+# prefill, as KIVI / KVQuant do). Values take only 'token' (their channels mix in the wv
+# dot's sum over S; a per-channel value scale cannot be folded into the probabilities).
+KV_SCALE_GRANULARITIES = {"k": ("token", "channel"), "v": ("token",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStorage:
+  """The cache's storage, resolved (`Precision.cache_storage`): static, hashable data.
+
+  k_dtype / v_dtype: a name in KV_CACHE_DTYPES. k_scale / v_scale: None for the unscaled
+  dtypes, 'token' or 'channel' (keys only) for the scaled ones."""
+  k_dtype: str = "compute"
+  v_dtype: str = "compute"
+  k_scale: Optional[str] = None
+  v_scale: Optional[str] = None
+
+  @property
+  def quantized(self) -> bool:
+    """Whether the kernels see codes and scales (an int8 / float8 side)."""
+    return self.k_dtype in SCALED_KV_DTYPES or self.v_dtype in SCALED_KV_DTYPES
+
+  def describe(self) -> str:
+    side = lambda d, g: d + (f"/{g}" if g else "")  # noqa: E731
+    return f"kv_cache=k:{side(self.k_dtype, self.k_scale)},v:{side(self.v_dtype, self.v_scale)}"
+
+
+COMPUTE_CACHE = CacheStorage()
+
+
+def cache_storage_error(compute_dtype, *, k_dtype, v_dtype, k_scale,
+                        v_scale) -> Optional[str]:
+  """None if the cache setting is valid, else the paragraph naming the bad value and the
+  valid ones (`Precision` raises it at construction)."""
+  for side, dtype, scale in (("k", k_dtype, k_scale), ("v", v_dtype, v_scale)):
+    field = f"precision.kv_cache_{side}_dtype"
+    if dtype not in KV_CACHE_DTYPES:
+      return (f"Invalid {field} = {dtype!r}; valid values are: "
+              f"{', '.join(repr(d) for d in KV_CACHE_DTYPES)}.")
+    valid = KV_SCALE_GRANULARITIES[side] if dtype in SCALED_KV_DTYPES else ()
+    if scale is not None and scale not in valid:
+      what = (f"valid values for {dtype!r}: None (= 'token'), "
+              f"{', '.join(repr(g) for g in valid)}" if valid else
+              f"{dtype!r} is stored unscaled and takes none; valid: None")
+      extra = (" (a per-channel scale is for keys only: values take 'token')"
+               if side == "v" and scale == "channel" else "")
+      return f"Invalid precision.kv_cache_{side}_scale = {scale!r}{extra}: {what}."
+    if dtype == "bfloat16" and jnp.dtype(compute_dtype) == jnp.float16:
+      return (f"Invalid {field} = 'bfloat16' under precision.dtype = 'float16': a bfloat16 "
+              f"cache cannot hold float16 values exactly nor be read back as float16 "
+              f"without rounding; valid here: 'compute', 'float32', "
+              f"{', '.join(repr(d) for d in SCALED_KV_DTYPES)}.")
+  return None
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["k_token_BxKxS", "k_channel_BxKxH", "v_token_BxKxS"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True, eq=False)
+class KVScales:
+  """The float32 scales of a quantized cache, as the kernels take them (None where the
+  setting has none): x = code * scale, exactly, in float64 terms."""
+  k_token_BxKxS: Optional[jax.Array] = None     # per (token, kv head): on the logits
+  k_channel_BxKxH: Optional[jax.Array] = None   # per (kv head, channel): on q
+  v_token_BxKxS: Optional[jax.Array] = None     # per (token, kv head): on the probs
+
+
+def cache_stage_dtypes(compute_dtype, storage: CacheStorage, *, float32_qk_product: bool,
+                       float32_logits: bool) -> Dict[str, object]:
+  """The cache rows of the contract table for one flag combination (with `stage_dtypes`).
+
+  | row         | meaning                                                              |
+  | k_cache     | dtype the kernel receives keys in: a code dtype (int8, float8_*),    |
+  |             | else c (an unscaled cache is read back as c)                         |
+  | v_cache     | the same for values                                                  |
+  | k_scale     | 'token' | 'channel' | None; the scales are float32 ('scale_dtype')   |
+  | k_scale_in  | per-token: multiplies the QK^T logits column-wise, in the logits     |
+  |             | dtype; per-channel: multiplies q before the dot, in f32 with         |
+  |             | float32_qk_product (else in c)                                       |
+  | v_scale_in  | folded into the probabilities before the wv dot, in the probs dtype  |
+  | q_into_qk   | q's dtype at the qk dot: c, or f32 (per-channel key scale, qk=T)     |
+  | k_into_qk   | the codes' dtype at the qk dot: q_into_qk (codes cast exactly: every |
+  |             | int8 / float8 code is a bfloat16, float16 and float32 value)         |
+  | v_into_wv   | the codes' dtype at the wv dot: the probs dtype                      |
+  q and the probabilities are never quantized: 'q_into_qk' and 'probs' are never a code
+  dtype (the audit checks the compiled program for that)."""
+  base = stage_dtypes(compute_dtype, float32_qk_product=float32_qk_product,
+                      float32_logits=float32_logits)
+  c, f32 = base["qkv"], jnp.dtype(jnp.float32)
+  code = lambda d: SCALED_KV_DTYPES[d][0] if d in SCALED_KV_DTYPES else c  # noqa: E731
+  channel = storage.k_scale == "channel"
+  q_in = f32 if (channel and float32_qk_product) else c
+  return {"k_cache": code(storage.k_dtype), "v_cache": code(storage.v_dtype),
+          "k_scale": storage.k_scale, "v_scale": storage.v_scale, "scale_dtype": f32,
+          "k_scale_in": (None if storage.k_scale is None else
+                         base["logits"] if storage.k_scale == "token" else q_in),
+          "v_scale_in": None if storage.v_scale is None else base["probs"],
+          "q_into_qk": q_in, "k_into_qk": q_in, "v_into_wv": base["probs"]}
+
+
+def check_cache_operands(q, k, v, storage: CacheStorage, kv_scales, *,
+                         float32_qk_product: bool, float32_logits: bool):
+  """The kernels' check of their inputs against the table: with kv_scales None, q, k, v
+  in c (returns None); with a `KVScales`, k / v in the cache rows' code dtypes and each
+  scale float32 of its shape, present exactly where `storage` has one (returns the rows,
+  `cache_stage_dtypes`). Trace-time chex asserts; a mismatch between the setting and
+  the scales is a UserError."""
+  c = q.dtype
+  expected = stage_dtypes(c, float32_qk_product=float32_qk_product,
+                          float32_logits=float32_logits)
+  if kv_scales is None:
+    chex.assert_type([q, k, v], [expected["qkv"]] * 3)
+    return None
+  if not storage.quantized:
+    raise UserError(f"Cache scales were given but the cache storage is unscaled "
+                    f"({storage.describe()}); scaled dtypes: "
+                    f"{', '.join(repr(d) for d in SCALED_KV_DTYPES)}.")
+  rows = cache_stage_dtypes(c, storage, float32_qk_product=float32_qk_product,
+                            float32_logits=float32_logits)
+  chex.assert_type([q, k, v], [expected["qkv"], rows["k_cache"], rows["v_cache"]])
+  B, S, K, H = k.shape
+  want = {"k_token_BxKxS": (B, K, S) if rows["k_scale"] == "token" else None,
+          "k_channel_BxKxH": (B, K, H) if rows["k_scale"] == "channel" else None,
+          "v_token_BxKxS": (B, K, S) if rows["v_scale"] == "token" else None}
+  for name, shape in want.items():
+    got = getattr(kv_scales, name)
+    if (got is None) != (shape is None):
+      raise UserError(f"The cache storage {storage.describe()} needs KVScales.{name} "
+                      f"{'of shape ' + str(shape) if shape else 'to be None'}.")
+    if got is not None:
+      chex.assert_shape(got, shape)
+      chex.assert_type(got, rows["scale_dtype"])
+  return rows
+
+
+def query_operand(q_BxTxKxGxH, rows, kv_scales):
+  """q as the qk dot takes it: unchanged without a quantized cache (rows None); else
+  times the per-channel key scale (if any) in the 'k_scale_in' dtype."""
+  if rows is None:
+    return q_BxTxKxGxH
+  if rows["k_scale"] == "channel":
+    dt = rows["k_scale_in"]
+    scale_Bx1xKx1xH = kv_scales.k_channel_BxKxH[:, None, :, None, :].astype(dt)
+    q_BxTxKxGxH = q_BxTxKxGxH.astype(dt) * scale_Bx1xKx1xH
+  chex.assert_type(q_BxTxKxGxH, rows["q_into_qk"])
+  return q_BxTxKxGxH
+
+
+def code_operand(x, rows, row: str):
+  """Cache keys / values (row 'k_into_qk' / 'v_into_wv') cast to the dot's operand dtype:
+  exact for codes (every int8 / float8 code is a bf16, f16 and f32 value); x unchanged
+  without a quantized cache (rows None)."""
+  if rows is None:
+    return x
+  x = x.astype(rows[row])
+  chex.assert_type(x, rows[row])
+  return x
+
+
+def scale_columns(x_BxKxGxTxS, scale_BxKxS, dtype) -> jax.Array:
+  """x times a per-(token, kv head) cache scale, column s of every row (the QK^T logits
+  for a key scale, the probabilities for a value scale), in `dtype` (the table's)."""
+  chex.assert_type(x_BxKxGxTxS, dtype)
+  out = x_BxKxGxTxS * scale_BxKxS[:, :, None, None, :].astype(dtype)
+  chex.assert_type(out, dtype)
+  return out
 
 
 def check_heads(q, k, v) -> int:

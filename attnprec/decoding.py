@@ -165,7 +165,10 @@ def prefill(params, prompt_BxP, lengths_B, *, config: ModelConfig, precision: Pr
   if P > cache_length:
     raise UserError(f"Prompt of {P} tokens is longer than the KV cache ({cache_length} "
                     f"positions); raise the cache length or shorten the prompt.")
-  cache = init_cache(config, B, cache_length, precision.compute_dtype)
+  # Stored as the phase's cache setting says (`Precision.cache_storage`; default: the
+  # compute dtype). Prefill attends to what it stores (`layers.Attention`).
+  cache = init_cache(config, B, cache_length, precision.compute_dtype,
+                     precision.cache_storage)
   # Logits of each prompt's last real token only (not of all P positions).
   out = model_lib.transformed(config).apply(params, prompt_BxP, None, cache,
                                             precision=precision,

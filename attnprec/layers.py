@@ -186,19 +186,27 @@ class Attention(hk.Module):
     q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, base=base, scale=pos_scale)
     k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, base=base, scale=pos_scale)
 
+    scales = None
     if cache is not None:
       # Write this step's keys/values at their absolute positions (in place under jit),
-      # then attend over the layer's whole cache; the mask hides positions not yet
-      # written (key pos > query pos). The cache lies [B, K, S, H]: the kernel's
-      # [B, S, K, H] view is a transpose XLA folds into the dots (no copy).
-      cache = cache.write(k_BxTxKxH, v_BxTxKxH, positions_BxT)
-      k_BxKxSxH, v_BxKxSxH = cache.read(q_BxTxNxH.dtype)
+      # stored as `precision.cache_storage` says, then attend over the layer's whole
+      # cache as stored: prefill too attends to the keys/values it reads back (the
+      # quantized ones for an int8 / float8 cache), so a prefill's logits are those a
+      # token-by-token decode gives. The mask hides positions not yet written (key pos >
+      # query pos). The cache lies [B, K, S, H]: the kernel's [B, S, K, H] view is a
+      # transpose XLA folds into the dots (no copy). Without a cache (training, full
+      # forwards) attention sees the exact keys/values.
+      storage = prec.cache_storage
+      cache = cache.write(k_BxTxKxH, v_BxTxKxH, positions_BxT, storage)
+      k_BxKxSxH, v_BxKxSxH = cache.read(q_BxTxNxH.dtype, storage)
+      scales = cache.scales(storage)
       k_BxSxKxH, v_BxSxKxH = (jnp.swapaxes(x, 1, 2) for x in (k_BxKxSxH, v_BxKxSxH))
     else:
       k_BxSxKxH, v_BxSxKxH = k_BxTxKxH, v_BxTxKxH
 
-    out_BxTxNxH = AttentionKernel(cfg, prec, self.layer, name="kernel")(
-        q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask)
+    kernel = AttentionKernel(cfg, prec, self.layer, name="kernel")
+    out_BxTxNxH = (kernel(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask) if scales is None else
+                   kernel(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, kv_scales=scales))
     chex.assert_shape(out_BxTxNxH, (B, T, N, H))
     out_BxTxD = Dense(cfg.d_model, precision=mp, carrier=cw, name="o")(
         out_BxTxNxH.reshape(B, T, N * H))
@@ -219,7 +227,9 @@ class AttentionKernel(hk.Module):
   layer: int                # the layer it belongs to
   name: Optional[str] = None
 
-  def __call__(self, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask):
+  def __call__(self, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, kv_scales=None):
+    """kv_scales: the `contract.KVScales` of a quantized cache (k, v are then its codes),
+    or None (k, v in the compute dtype)."""
     return kernels.attend(self.precision, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask,
                           logits_soft_cap=self.config.attn_logit_soft_cap,
-                          scale=self.config.query_scale)
+                          scale=self.config.query_scale, kv_scales=kv_scales)

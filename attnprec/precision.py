@@ -10,6 +10,7 @@ Strings are used for dtypes and precisions (simpler for users and gin files); th
 validated here, once, with errors that name the valid values.
 """
 import dataclasses
+from typing import Optional
 
 import gin
 import jax.numpy as jnp
@@ -17,8 +18,10 @@ import jax.numpy as jnp
 from attnprec import checks, kernels
 # The names of dtypes and dot precisions live on the ground floor (the kernels use them);
 # re-exported here, where users look for them.
-from attnprec.contract import (ALGORITHM_PRESETS, DTYPES, LAX_PRECISIONS,  # noqa: F401
-                               PrecisionLike, parse_dtype, parse_precision, precision_name)
+from attnprec.contract import (ALGORITHM_PRESETS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
+                               LAX_PRECISIONS, SCALED_KV_DTYPES, CacheStorage,
+                               PrecisionLike, cache_storage_error, parse_dtype,
+                               parse_precision, precision_name)
 from attnprec.errors import UserError, choice_error
 from attnprec.kernels.blockwise import BlockSizes, block_sizes
 
@@ -33,7 +36,11 @@ _PRECISION_NAMES = list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS)
     float32_qk_product=checks.boolean, float32_logits=checks.boolean,
     kernel=lambda v: checks.one_of(*kernels.CHOICES)(v),
     block_sizes=checks.instance_of(BlockSizes, "a BlockSizes (gin: blockwise.*)"),
-    carrier_weights=checks.boolean)
+    carrier_weights=checks.boolean,
+    kv_cache_k_dtype=checks.one_of(*KV_CACHE_DTYPES),
+    kv_cache_v_dtype=checks.one_of(*KV_CACHE_DTYPES),
+    kv_cache_k_scale=checks.optional(checks.one_of("token", "channel")),
+    kv_cache_v_scale=checks.optional(checks.one_of("token", "channel")))
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Precision:
   """Numerics of one phase. Hashable, so it can be a static argument of jit."""
@@ -53,6 +60,20 @@ class Precision:
   # dtype) with no cast at each use. For XLA:CPU, which has no bf16 dot units and would
   # convert bf16 weights to float32 again in every decode step.
   carrier_weights: bool = False
+  # The KV cache's storage (read by prefill, which writes it, and by every decode step),
+  # separately for keys and values (`attnprec.kvquant`, the contract's cache rows):
+  #   'compute' (default): values of the compute dtype, exactly today's cache;
+  #   'float32' / 'bfloat16': values of that dtype, read back as the compute dtype;
+  #   'int8' / 'float8_e4m3fn' / 'float8_e5m2': codes with float32 absmax scales; the
+  #   codes enter the attention dots exactly, the scales are applied to the logits
+  #   (or q) and the probabilities, never by dequantizing the cache.
+  kv_cache_k_dtype: str = "compute"
+  kv_cache_v_dtype: str = "compute"
+  # Scale granularity of a scaled dtype: 'token' (one scale per token and kv head, over
+  # the head dim; what None means) or, for keys only, 'channel' (one per kv head and
+  # head-dim channel, fixed at prefill from the prompt's keys). Unscaled dtypes: None.
+  kv_cache_k_scale: Optional[str] = None
+  kv_cache_v_scale: Optional[str] = None
 
   def __post_init__(self):
     # Validate eagerly so a bad gin value fails at configuration time, not mid-trace.
@@ -62,6 +83,11 @@ class Precision:
     for flag in ("float32_qk_product", "float32_logits", "carrier_weights"):
       if not isinstance(getattr(self, flag), bool):
         raise choice_error(flag, getattr(self, flag), (True, False))
+    why = cache_storage_error(self.compute_dtype, k_dtype=self.kv_cache_k_dtype,
+                              v_dtype=self.kv_cache_v_dtype, k_scale=self.kv_cache_k_scale,
+                              v_scale=self.kv_cache_v_scale)
+    if why:
+      raise UserError(why)
     # The registry knows the kernels and what each refuses (e.g. 'jax_nn' has no
     # float32_qk_product=False): an unusable combination fails here, not while tracing.
     why = kernels.refusal(self)
@@ -71,6 +97,14 @@ class Precision:
   @property
   def compute_dtype(self) -> jnp.dtype:
     return parse_dtype(self.dtype)
+
+  @property
+  def cache_storage(self) -> CacheStorage:
+    """The KV cache setting, resolved: a scaled dtype's None granularity is 'token'."""
+    scale = lambda d, g: (g or "token") if d in SCALED_KV_DTYPES else None  # noqa: E731
+    return CacheStorage(k_dtype=self.kv_cache_k_dtype, v_dtype=self.kv_cache_v_dtype,
+                        k_scale=scale(self.kv_cache_k_dtype, self.kv_cache_k_scale),
+                        v_scale=scale(self.kv_cache_v_dtype, self.kv_cache_v_scale))
 
   @property
   def matmul(self) -> PrecisionLike:
@@ -86,7 +120,8 @@ class Precision:
     return (f"dtype={self.dtype} float32_qk_product={self.float32_qk_product} "
             f"float32_logits={self.float32_logits} einsum_precision={self.einsum_precision} "
             f"matmul_precision={self.matmul_precision} kernel={self.kernel}"
-            + self._blocks() + (" weights=float32-carried" if self.carrier_weights else ""))
+            + self._blocks() + (" weights=float32-carried" if self.carrier_weights else "")
+            + f" {self.cache_storage.describe()}")
 
   def _blocks(self) -> str:
     return f" blocks={self.block_sizes.describe()}" if kernels.runs_blockwise(self.kernel) \

@@ -72,10 +72,13 @@ def refusal(precision, *, logits_soft_cap=None) -> Optional[str]:
   return None
 
 
-def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
+def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
+           kv_scales=None):
   """Runs the kernel a phase's `Precision` selects, with its attention flags.
 
-  q [B, T, N, H], k/v [B, S, K, H] in the compute dtype; mask: None, a dense bool array
+  q [B, T, N, H], k/v [B, S, K, H] in the compute dtype, or, with `kv_scales` (a
+  `contract.KVScales`: attention over a quantized cache), k/v as the cache's codes in the
+  dtypes of `precision.cache_storage` (`contract.cache_stage_dtypes`); mask: None, a dense bool array
   broadcastable to [B, N, T, S], or a `contract.CausalMask` (positions + sliding window),
   which 'blockwise' uses structurally (skipping hidden blocks) and the other kernels as
   the equivalent dense mask. Returns [B, T, N, H] in q's dtype. `precision.kernel` may be
@@ -85,5 +88,8 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
   why = kernel.refusal(precision, logits_soft_cap=logits_soft_cap)
   if why:
     raise UserError(why)
+  if kv_scales is None:
+    return kernel.attend(precision, q, k, v, mask=mask, logits_soft_cap=logits_soft_cap,
+                         scale=scale)
   return kernel.attend(precision, q, k, v, mask=mask, logits_soft_cap=logits_soft_cap,
-                       scale=scale)
+                       scale=scale, kv_scales=kv_scales)

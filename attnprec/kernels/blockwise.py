@@ -42,6 +42,10 @@ part of the jit key, so a new value is a new program), never read from gin while
 tracing. The runners read `blockwise.q_block` etc. from gin at configuration time, in the
 phase's scope (`decode/blockwise.kv_block = 128` is decode only), into that field.
 
+A quantized KV cache (int8 / float8 codes, float32 scales) follows the contract's cache
+rows exactly as dot_product does (`contract.cache_stage_dtypes`): the codes enter each
+block's dots cast exactly to the operand dtype, per-token scales are sliced per block.
+
 Gradients: the kernel is differentiable (scan + cond), but reverse mode keeps each
 computed block's residuals, so training gains no memory over dot_product; the memory
 advantage (O(Tq * Sk) per head instead of O(T * S)) is for prefill and decode.
@@ -98,7 +102,8 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
                         sliding_window: Optional[int] = None,
                         q_block: Optional[int] = None, kv_block: Optional[int] = None,
                         block_sizes: BlockSizes = BlockSizes(),
-                        return_stats: bool = False):
+                        kv_cache: contract.CacheStorage = contract.COMPUTE_CACHE,
+                        kv_scales=None, return_stats: bool = False):
   """Flash-style attention; same contract and arguments as `dot_product_attention`.
 
   Extra args:
@@ -108,6 +113,11 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
     q_block, kv_block: block lengths (default from `block_sizes`; kv uses
       `decode_kv_block` when T == 1). Clipped to T and S.
     block_sizes: a `BlockSizes` (static; `Precision.block_sizes` in the model).
+    kv_cache, kv_scales: a quantized cache's storage and scales, as for
+      `dot_product_attention` (the same rows, applied in each block: a per-token key
+      scale on the block's logits, a value scale on the block's un-normalised
+      probabilities before the wv dot; the running sum l is taken before the value
+      scale, so the normalisation is that of the probabilities).
     return_stats: also return {"blocks_computed": int32 scalar, "blocks_total": int}.
 
   Returns:
@@ -119,7 +129,9 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
   G = contract.check_heads(q, k, v)
   expected = contract.stage_dtypes(c, float32_qk_product=float32_qk_product,
                                         float32_logits=float32_logits)
-  chex.assert_type([q, k, v], [expected["qkv"]] * 3)
+  rows = contract.check_cache_operands(q, k, v, kv_cache, kv_scales,
+                                       float32_qk_product=float32_qk_product,
+                                       float32_logits=float32_logits)
   sm = expected["softmax"]
   precision = contract.parse_precision(einsum_precision)
   scale = H ** -0.5 if scale is None else scale
@@ -150,9 +162,15 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
   need_NQxNK = _blocks_needed(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, causal=causal,
                               sliding_window=sliding_window)
 
-  q_BxKxGxTpxH = _pad(jnp.transpose(
-      contract.scale_queries(q, scale, expected).reshape(B, T, K, G, H), (0, 2, 3, 1, 4)),
-      3, Tp)
+  q_BxTxKxGxH = contract.query_operand(
+      contract.scale_queries(q, scale, expected).reshape(B, T, K, G, H), rows, kv_scales)
+  q_BxKxGxTpxH = _pad(jnp.transpose(q_BxTxKxGxH, (0, 2, 3, 1, 4)), 3, Tp)
+  # A quantized cache's per-token scales, [B, K, Sp] (padding scale 0), sliced per block.
+  k_tok = v_tok = None
+  if rows and rows["k_scale"] == "token":
+    k_tok = _pad(kv_scales.k_token_BxKxS, 2, Sp)
+  if rows and rows["v_scale"] == "token":
+    v_tok = _pad(kv_scales.v_token_BxKxS, 2, Sp)
   # Prefill: K/V transposed once to [B, K, Sp, H], so each block's dots are plain batched
   # matmuls over (B, K) (measured 1.3-1.6x faster on XLA:CPU than slicing [B, S, K, H]).
   # A decode step reads each key once, and a transpose (or a pad) would copy the whole
@@ -169,14 +187,21 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
   def kv_step(i, q_BxKxGxTqxH, qpos_BxTq, carry, j):
     """One key/value block j for query block i: the online-softmax update."""
     m_BxKxGxTq, l_BxKxGxTq, acc_BxKxGxTqxH, count = carry
-    k_blk = jax.lax.dynamic_slice_in_dim(k_src, j * Sk, Sk, axis=kv_axis)  # Sk keys
-    v_blk = jax.lax.dynamic_slice_in_dim(v_src, j * Sk, Sk, axis=kv_axis)
+    # Sk keys; a quantized cache's codes cast (exactly) per block, never the whole cache.
+    k_blk = contract.code_operand(
+        jax.lax.dynamic_slice_in_dim(k_src, j * Sk, Sk, axis=kv_axis), rows, "k_into_qk")
+    v_blk = contract.code_operand(
+        jax.lax.dynamic_slice_in_dim(v_src, j * Sk, Sk, axis=kv_axis), rows, "v_into_wv")
     with jax.named_scope(contract.QK_SCOPE):
       logits_BxKxGxTqxSk = jnp.einsum(
           f"BKGTH,{kv_spec}->BKGTS", q_BxKxGxTqxH, k_blk, precision=precision,
           preferred_element_type=F32 if float32_qk_product else c)
     chex.assert_shape(logits_BxKxGxTqxSk, (B, K, G, Tq, Sk))
     chex.assert_type(logits_BxKxGxTqxSk, expected["logits"])
+    if k_tok is not None:
+      logits_BxKxGxTqxSk = contract.scale_columns(
+          logits_BxKxGxTqxSk, jax.lax.dynamic_slice_in_dim(k_tok, j * Sk, Sk, axis=2),
+          rows["k_scale_in"])
     logits_BxKxGxTqxSk = contract.scale_logits(logits_BxKxGxTqxSk, scale, expected)
     logits_BxKxGxTqxSk = logits_BxKxGxTqxSk.astype(sm)
     if logits_soft_cap is not None:
@@ -205,6 +230,10 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
     chex.assert_type(probs_BxKxGxTqxSk, expected["probs"])
     correction = jnp.exp(m_BxKxGxTq - m_new)
     l_new = l_BxKxGxTq * correction + jnp.sum(probs_BxKxGxTqxSk, axis=-1, dtype=F32)
+    if v_tok is not None:
+      probs_BxKxGxTqxSk = contract.scale_columns(
+          probs_BxKxGxTqxSk, jax.lax.dynamic_slice_in_dim(v_tok, j * Sk, Sk, axis=2),
+          rows["v_scale_in"])
     with jax.named_scope(contract.WV_SCOPE):
       pv_BxKxGxTqxH = jnp.einsum(
           f"BKGTS,{kv_spec}->BKGTH", probs_BxKxGxTqxSk, v_blk.astype(expected["probs"]),
@@ -247,10 +276,13 @@ def mask_kwargs(mask) -> dict:
   return dict(mask=mask)
 
 
-def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
-  """The registry's entry: a phase's `Precision` flags, a dense mask or a `CausalMask`."""
+def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
+           kv_scales=None):
+  """The registry's entry: a phase's `Precision` flags (and cache storage), a dense mask
+  or a `CausalMask`; kv_scales: those of a quantized cache, or None."""
   return blockwise_attention(q, k, v, **mask_kwargs(mask), logits_soft_cap=logits_soft_cap,
                              scale=scale, block_sizes=precision.block_sizes,
+                             kv_cache=precision.cache_storage, kv_scales=kv_scales,
                              **precision.attention_kwargs())
 
 

@@ -2,8 +2,9 @@
 table (`attnprec.contract`) asserted with chex.
 
 Shapes: B batch, T queries, S keys, N query heads, K kv heads, G = N // K, H head dim.
-It honours every setting of the table (`refusal` is `honours_everything`); a
-`CausalMask` is applied as its dense equivalent.
+It honours every setting of the table (`refusal` is `honours_everything`), the cache
+rows included (a quantized cache: `contract.cache_stage_dtypes`); a `CausalMask` is
+applied as its dense equivalent.
 """
 import chex
 import jax
@@ -16,7 +17,9 @@ NAME = "dot_product"
 
 def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
                           float32_logits=True, einsum_precision="default",
-                          logits_soft_cap=None, scale=None):
+                          logits_soft_cap=None, scale=None,
+                          kv_cache: contract.CacheStorage = contract.COMPUTE_CACHE,
+                          kv_scales=None):
   """Multi-head (GQA/MQA) dot-product attention that honours the precision contract.
 
   Args:
@@ -32,6 +35,15 @@ def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
     scale: query scale; defaults to H ** -0.5. Applied where the contract table says
       (`contract.stage_dtypes(...)['scale']`): to q in c before the qk dot when the
       QK product is in c, to the float32 logits after it with `float32_qk_product`.
+    kv_cache: the cache's storage (`Precision.cache_storage`); read with `kv_scales`.
+    kv_scales: None (k, v in c), or the `contract.KVScales` of a quantized cache: k / v
+      are then its codes (`contract.cache_stage_dtypes` rows 'k_cache' / 'v_cache'),
+      cast exactly to the dot operand dtypes; a per-token key scale multiplies the
+      logits column-wise in the logits dtype (right after the qk dot, before the query
+      scale, the soft-cap and the mask), a per-channel key scale multiplies q (in f32
+      with `float32_qk_product`, else in c), a value scale multiplies the normalised
+      probabilities column-wise in the probs dtype before the wv dot. Nothing is
+      dequantized; q and the probabilities are never quantized.
 
   Returns:
     [B, T, N, H] in q's dtype.
@@ -42,18 +54,25 @@ def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
   G = contract.check_heads(q, k, v)
   expected = contract.stage_dtypes(c, float32_qk_product=float32_qk_product,
                                    float32_logits=float32_logits)
-  chex.assert_type([q, k, v], [expected["qkv"]] * 3)
+  rows = contract.check_cache_operands(q, k, v, kv_cache, kv_scales,
+                                       float32_qk_product=float32_qk_product,
+                                       float32_logits=float32_logits)
   precision = contract.parse_precision(einsum_precision)
   if scale is None:
     scale = H ** -0.5
 
   q_BxTxKxGxH = contract.scale_queries(q, scale, expected).reshape(B, T, K, G, H)
+  q_BxTxKxGxH = contract.query_operand(q_BxTxKxGxH, rows, kv_scales)
+  k = contract.code_operand(k, rows, "k_into_qk")
   with jax.named_scope(contract.QK_SCOPE):
     logits_BxKxGxTxS = jnp.einsum(
         "BTKGH,BSKH->BKGTS", q_BxTxKxGxH, k, precision=precision,
         preferred_element_type=jnp.float32 if float32_qk_product else c)
   chex.assert_shape(logits_BxKxGxTxS, (B, K, G, T, S))
   chex.assert_type(logits_BxKxGxTxS, expected["logits"])
+  if rows and rows["k_scale"] == "token":
+    logits_BxKxGxTxS = contract.scale_columns(logits_BxKxGxTxS, kv_scales.k_token_BxKxS,
+                                              rows["k_scale_in"])
   logits_BxKxGxTxS = contract.scale_logits(logits_BxKxGxTxS, scale, expected)
 
   logits_BxKxGxTxS = logits_BxKxGxTxS.astype(expected["softmax"])
@@ -67,10 +86,14 @@ def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
                                              expected["softmax"]))
   probs_BxKxGxTxS = jax.nn.softmax(logits_BxKxGxTxS, axis=-1)
   chex.assert_type(probs_BxKxGxTxS, expected["probs"])
+  if rows and rows["v_scale"] == "token":
+    probs_BxKxGxTxS = contract.scale_columns(probs_BxKxGxTxS, kv_scales.v_token_BxKxS,
+                                             rows["v_scale_in"])
 
   with jax.named_scope(contract.WV_SCOPE):
     out_BxTxKxGxH = jnp.einsum(
-        "BKGTS,BSKH->BTKGH", probs_BxKxGxTxS, v.astype(expected["probs"]),
+        "BKGTS,BSKH->BTKGH", probs_BxKxGxTxS,
+        contract.code_operand(v, rows, "v_into_wv").astype(expected["probs"]),
         precision=precision, preferred_element_type=expected["probs"])
   out_BxTxNxH = out_BxTxKxGxH.reshape(B, T, N, H).astype(c)
   chex.assert_shape(out_BxTxNxH, (B, T, N, H))
@@ -78,10 +101,13 @@ def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
   return out_BxTxNxH
 
 
-def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
-  """The registry's entry: a phase's `Precision` flags, a dense mask or a `CausalMask`."""
+def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
+           kv_scales=None):
+  """The registry's entry: a phase's `Precision` flags (and cache storage), a dense mask
+  or a `CausalMask`; kv_scales: those of a quantized cache, or None."""
   return dot_product_attention(q, k, v, mask=contract.dense_mask(mask),
                                logits_soft_cap=logits_soft_cap, scale=scale,
+                               kv_cache=precision.cache_storage, kv_scales=kv_scales,
                                **precision.attention_kwargs())
 
 

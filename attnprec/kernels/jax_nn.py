@@ -26,7 +26,9 @@ setting this kernel accepts), as dot_product and blockwise do.
 
 Its two dots sit inside `jax.nn`, so it declares no named scopes (`qk_scope=None`); the
 audit recognises them by their einsum equations. `Precision(kernel='jax_nn', ...)` refuses
-the unsupported flags when it is constructed (the registry calls `refusal`).
+the unsupported flags when it is constructed (the registry calls `refusal`), and a
+quantized KV cache (int8 / float8 codes with scales: it has nowhere to apply the scales);
+an unscaled cache (float32 / bfloat16 storage) reaches it as values of c, as always.
 """
 from typing import Optional
 
@@ -51,6 +53,17 @@ def refusal(precision=None, *, float32_qk_product=None, float32_logits=None,
     float32_qk_product = precision.float32_qk_product
     float32_logits = precision.float32_logits
     einsum_precision = precision.einsum_precision
+    storage = precision.cache_storage
+    if storage.quantized:
+      return (f"The 'jax_nn' attention kernel cannot read a quantized KV cache "
+              f"(precision.kv_cache_k_dtype = {storage.k_dtype!r}, "
+              f"precision.kv_cache_v_dtype = {storage.v_dtype!r}): "
+              f"jax.nn.dot_product_attention takes k and v in one float dtype and has no "
+              f"place to apply the cache's scales to the logits and probabilities "
+              f"(dequantizing the cache first would add a rounding the contract "
+              f"forbids). Valid cache dtypes for 'jax_nn': 'compute', 'float32', "
+              f"'bfloat16'. Use kernel 'dot_product' or 'blockwise' for "
+              f"{', '.join(repr(d) for d in contract.SCALED_KV_DTYPES)}.")
   if float32_qk_product is not True:
     return _refuse("float32_qk_product", float32_qk_product, (True,))
   if float32_logits is not True:
