@@ -1,6 +1,7 @@
 """`make eval`: the task evaluations by name (`eval.task`), each a gin configurable.
 
     eval.task = 'humaneval'      # humaneval.* (attnprec.evals.humaneval_eval)
+    eval.task = 'retrieval'      # retrieval.* (attnprec.evals.retrieval_eval)
 
 Each task decodes the same presets of gin/precision/ (the reference first), writes one
 record per item as it finishes (`attnprec.evals.records`, a rerun resumes) and scores
@@ -11,8 +12,9 @@ import gin
 from attnprec import checks
 from attnprec.errors import UserError
 from attnprec.evals.humaneval_eval import humaneval_eval
+from attnprec.evals.retrieval_eval import retrieval_eval
 
-TASKS = {"humaneval": humaneval_eval}
+TASKS = {"humaneval": humaneval_eval, "retrieval": retrieval_eval}
 
 
 @gin.configurable("eval", denylist=["run_dir"])

@@ -138,3 +138,41 @@ def plot(summary: dict, path: str, *, title: str, divergence: bool) -> str:
       ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
   return plotting.save_figure(fig, path)
+
+
+def plot_series(summaries: Dict[object, dict], path: str, *, xlabel: str, title: str,
+                log2: bool = False) -> str:
+  """Accuracy vs a setting (e.g. prompt length): one line per preset through the
+  summaries of each setting ({x: summarize(...)}), with Wilson 95% bars; log2: a base-2
+  log x axis (lengths 1k, 2k, 4k, ...)."""
+  from attnprec import plotting
+  plt = plotting.pyplot()
+  fig, ax = plt.subplots(figsize=(6.5, 4.0))
+  xs = sorted(summaries)
+  presets: List[str] = []
+  for x in xs:
+    presets += [r["preset"] for r in summaries[x]["presets"] if r["preset"] not in presets]
+  for k, name in enumerate(presets):
+    pts = [(x, r) for x in xs for r in summaries[x]["presets"]
+           if r["preset"] == name and r["accuracy"] is not None]
+    if not pts:
+      continue
+    # A small horizontal offset per preset keeps the interval bars apart.
+    shift = 2 ** (0.03 * (k - (len(presets) - 1) / 2)) if log2 else 1.0
+    px = [x * shift for x, _ in pts]
+    acc = [100 * r["accuracy"] for _, r in pts]
+    err = [[100 * (r["accuracy"] - r["wilson95"][0]) for _, r in pts],
+           [100 * (r["wilson95"][1] - r["accuracy"]) for _, r in pts]]
+    ax.errorbar(px, acc, yerr=err, fmt="o-", capsize=3, label=name)
+  if log2:
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(min(xs) / 1.4, max(xs) * 1.4)
+  ax.set_xticks(xs, [str(x) for x in xs])
+  ax.set_ylim(0, 102)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel("accuracy % (Wilson 95%)")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=8)
+  return plotting.save_figure(fig, path)
