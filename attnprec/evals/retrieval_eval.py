@@ -152,7 +152,8 @@ class Scorer:
     C = self.chunk
     ids_1xP = np.zeros((1, self.prefix_len), np.int32)
     ids_1xP[0, :len(ids)] = ids
-    cache = init_cache(self.config, 1, self.cache_length, self.precision.compute_dtype)
+    cache = init_cache(self.config, 1, self.cache_length, self.precision.compute_dtype,
+                       self.precision.cache_storage)     # as `decoding.prefill` stores it
     compile_s, seconds, finite = 0.0, 0.0, True
     for start in range(0, len(ids), C):
       args = (self.params, cache, jnp.asarray(ids_1xP[:, start:start + C]),
