@@ -106,10 +106,10 @@ def compute_params(params, precision: Precision):
   at each use, cast once (bit-identical results, half the bytes held for bfloat16).
 
   With `layers.project`'s bf16 x bf16 -> float32 dots this is the fastest prefill on
-  XLA:CPU (whole SmolLM2 prefill of 1000 tokens: 0.38-0.58x the float32-carried form's
+  XLA:CPU (whole SmolLM2 prefill of 1000 tokens: 0.38-0.66x the float32-carried form's
   time) but not the fastest decode: XLA:CPU's bf16 matrix-vector path makes a batch 1
-  decode step 1.8-3.0x the carried form's time (batch 8: 0.94-1.14x; `make bench
-  ARGS=--suite=projections`, two interleaved runs on a loaded machine). So `for_serving`
+  decode step 1.8-3.1x the carried form's time (batch 8: 0.94-1.22x; `make bench
+  ARGS=--suite=projections`, three interleaved runs on a loaded machine). So `for_serving`
   keeps the float32-carried weights; this is for callers that want half the bytes held."""
   c = precision.compute_dtype
   return _map_matrices(params, lambda x: x.astype(c))
@@ -133,15 +133,14 @@ def for_serving(params, precision: Precision, backend: Optional[str] = None):
   of that dtype, held in float32, and `precision.carrier_weights` is set. `layers.project`
   then runs a projection of few rows (a decode step at batch 1-3) as a float32 dot on
   those values, and one of more rows (prefill, larger batches) as a bf16 x bf16 -> float32
-  dot on them cast to bf16 (exact; the cast of the loop-invariant weights is hoisted out
-  of a decode loop): the same products, float32 accumulation, one rounding to the compute
-  dtype either way. Why float32-held and not bf16-stored (`compute_params`), measured on
+  dot on them cast to bf16 (exact): the same products, float32 accumulation, one
+  rounding to the compute dtype either way. Why float32-held and not bf16-stored (`compute_params`), measured on
   SmolLM2 (`make bench ARGS=--suite=projections`, interleaved, loaded 2-core machine):
-  decode step at batch 1, carried 1.00 vs bf16-stored 1.82-3.0x (XLA:CPU's bf16
-  matrix-vector path is slow); batch 8, 1.00 vs 0.94-1.14x (noise); prefill of 1000
-  tokens, 0.46x (carried, bf16 dots) vs 0.38-0.58x (stored): no case where the halved
-  bytes win clearly, one where they lose. The attention kernels and their precision
-  contract are untouched. Elsewhere (GPU/TPU, float32 compute, a dot-algorithm
+  decode step at batch 1, carried 1.00 vs bf16-stored 1.8-3.1x (XLA:CPU's bf16
+  matrix-vector path is slow); batch 8, 1.00 vs 0.94-1.22x (noise); prefill of 1000
+  tokens, 0.46-0.63x (carried, bf16 dots) vs 0.38-0.66x (stored), three runs: no case
+  where the halved bytes win clearly, one where they lose. The attention kernels and
+  their precision contract are untouched. Elsewhere (GPU/TPU, float32 compute, a dot-algorithm
   `matmul_precision`) the params are returned as given, with `carrier_weights` off.
   Rounding is idempotent; call it outside any loop (`generate` does, before its loop)."""
   serving = serving_precision(precision, backend)

@@ -73,17 +73,19 @@ def project(x, w, spec: str, *, precision, carrier: bool = False, out_dtype=None
   rounded once to `out_dtype`. Measured on XLA:CPU (avx512_bf16; `make bench
   ARGS=--suite=projections`, one interleaved run, machine loaded): this form is 0.23-0.52x
   the time of a float32 dot on bf16 values (the float32-carried weights before) on
-  SmolLM2's projections at 1000 rows, and the whole model's 1000-token prefill 0.38-0.58x;
+  SmolLM2's projections at 1000 rows, and the whole model's 1000-token prefill 0.38-0.66x
+  (three runs);
   a c x c dot with a c result (no preferred_element_type) ran at the float32 rate or
   below (0.93-1.65x). Where w is float32 and x has fewer than MIN_ROWS_C_DOT rows (a
   decode step at batch 1), the same products as a float32 dot on w's values of c (carrier:
   w already holds them, `decoding.for_serving`): the same numbers up to float32
   summation order.
 
-  The cast of float32 weights to c sits behind an optimization barrier: fused into the
-  dot, the convert takes the dot off XLA:CPU's bf16 path (whole-model prefill on
-  float32-carried weights cast at use: 1.06x the carried form without the barrier, 0.46x
-  with it; in a decode loop the cast of the loop-invariant weights is hoisted).
+  Float32 weights (carried, or raw in a train step) are cast to c at the use: XLA:CPU
+  still compiles a bf16 x bf16 -> f32 dot on them (the same compiled dot forms as
+  bf16-stored weights), whole-model prefill on carried weights 0.46-0.63x the carried
+  form's time (two runs); a decode step at batch 8 measured 0.86-1.24x (noise: loaded
+  machine).
 
   A dot-algorithm preset as `precision` names its own operand and accumulation types,
   so it gets a plain c x c dot (f32 result only for an f32 out)."""
@@ -102,10 +104,8 @@ def project(x, w, spec: str, *, precision, carrier: bool = False, out_dtype=None
     y = jnp.einsum(spec, x.astype(jnp.float32), w32, precision=precision,
                    preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
-  w_c = w.astype(c)
-  if w.dtype != c:
-    w_c = jax.lax.optimization_barrier(w_c)
-  y = jnp.einsum(spec, x, w_c, precision=precision, preferred_element_type=jnp.float32)
+  y = jnp.einsum(spec, x, w.astype(c), precision=precision,
+                 preferred_element_type=jnp.float32)
   return y.astype(out_dtype)
 
 

@@ -11,8 +11,8 @@ measurement. The forms (c: the 16-bit compute dtype):
   c_f32        c x c dot with `preferred_element_type=float32`, rounded once to c: exact
                products, float32 accumulation, for every row count
   c_f32_castw  c_f32 on float32 weights cast to c at each use (no stored copy in c)
-  current      `layers.project` as it is: c_f32 from MIN_ROWS_C_DOT rows up (weights
-               cast behind an optimization barrier), a float32 dot below
+  current      `layers.project` as it is: c_f32 from MIN_ROWS_C_DOT rows up, a float32
+               dot on float32-held weights below
 
 Two parts, one process, interleaved (every round times each form once; min and median
 over the rounds), so that drift on a shared machine hits all forms alike:
