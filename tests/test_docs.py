@@ -166,8 +166,13 @@ def _add_argument_flags(tree):
         constants[node.targets[0].id] = ast.literal_eval(node.value)
       except ValueError:
         pass
+  # `add = parser.add_argument` then `add("--flag", ...)` counts as add_argument too.
+  aliases = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+             and getattr(node.value, "attr", None) == "add_argument"
+             for t in node.targets if isinstance(t, ast.Name)}
   for node in ast.walk(tree):
-    if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+    if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) == "add_argument"
+                                       or getattr(node.func, "id", None) in aliases):
       names = [a.value for a in node.args
                if isinstance(a, ast.Constant) and str(a.value).startswith("-")]
       flags.update(names)
