@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from attnprec import ginutils, runs
 from attnprec.errors import UserError
 from attnprec.kernels import CHOICES as KERNELS
-from attnprec.precision import DTYPES
+from attnprec.precision import DTYPES, KV_CACHE_DTYPES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
@@ -257,6 +257,16 @@ def test_good_input_reaches_the_work(tmp_path, runner):
     ("study", ["--gin.precision.dtype='bfloat16'"], ["does not read precision.*",
                                                     "study.extra_presets"]),
     ("train", ["--gin.recall_eval.pair_counts=(8, 0)"], ["recall_eval.pair_counts"]),
+    # The KV cache's precision (issue 20).
+    ("decode", ["--gin.precision.kv_cache_k_dtype='int4'"],
+     ["precision.kv_cache_k_dtype = 'int4'", "'int8'", "'float8_e4m3fn'"]),
+    ("decode", ["--gin.decode/precision.kv_cache_k_scale='token'"],
+     ["precision.kv_cache_k_scale = 'token'", "takes none"]),
+    ("decode", ["--gin.precision.kv_cache_v_dtype='int8'",
+                "--gin.precision.kv_cache_v_scale='channel'"],
+     ["precision.kv_cache_v_scale = 'channel'", "values take 'token'"]),
+    ("decode", ["--gin.precision.kernel='jax_nn'", "--gin.precision.kv_cache_k_dtype='int8'"],
+     ["'jax_nn'", "quantized KV cache", "'compute', 'float32', 'bfloat16'"]),
 ])
 def test_issue_examples_are_refused(tmp_path, runner, args, needles):
   run_dir = str(tmp_path / "run")
@@ -585,6 +595,12 @@ PRECISION_BAD = st.one_of(
               st.one_of(identifiers.map(lambda s: s + "_x"), st.integers(), bad_objects)),
     st.tuples(st.sampled_from(["float32_qk_product", "float32_logits"]), not_bools),
     st.tuples(st.just("block_sizes"), st.one_of(st.integers(), bad_objects)),
+    st.tuples(st.sampled_from(["kv_cache_k_dtype", "kv_cache_v_dtype"]),
+              st.one_of(identifiers.filter(lambda s: s not in KV_CACHE_DTYPES), st.integers(),
+                        bad_objects)),
+    st.tuples(st.sampled_from(["kv_cache_k_scale", "kv_cache_v_scale"]),
+              st.one_of(identifiers.filter(lambda s: s not in ("token", "channel")),
+                        st.integers(), st.floats(allow_nan=False))),   # None is valid
 )
 SAMPLER_BAD = st.one_of(
     st.tuples(st.just("TopK"), st.just("k"), st.one_of(st.integers(max_value=0), st.just(2.0),
