@@ -80,7 +80,9 @@ class LayerCache:
     of the compute dtype; positions outside the cache are dropped), quantized as
     `storage` says (`attnprec.kvquant`): per token from the T new rows alone; per
     channel with the scale fixed by the first write (the prompt at prefill: a channel
-    whose scale is still 0 takes this write's absmax; later keys past it clip)."""
+    whose scale is still 0 takes this write's absmax over its T rows, a right-padded
+    prompt's padding tokens included; later keys past that range clip to +-qmax, the
+    price of a fixed scale; a NaN scale, a non-finite key, stays NaN)."""
     B = positions_BxT.shape[0]
     b_Bx1 = jnp.arange(B)[:, None]
 
