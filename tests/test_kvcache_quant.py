@@ -436,3 +436,21 @@ def test_gin_presets(preset, storage):
       ginutils.parse([], ["precision.kv_cache_k_dtype = 'int3'"])
   finally:
     gin.clear_config()
+
+
+@pytest.mark.parametrize("compute,store", [("float32", "bfloat16"), ("bfloat16", "float32"),
+                                           ("float32", "float32"), ("bfloat16", "bfloat16")])
+def test_unscaled_storage_reads_back_as_the_compute_dtype(compute, store):
+  """float32 / bfloat16 storage: written rounded to nearest even into the storage dtype,
+  read back cast to the compute dtype (exact), with no scales for the kernels."""
+  storage = CacheStorage(store, store)
+  layer = init_cache(CONFIG, 2, 8, compute, storage).layers[0]
+  assert layer.k.dtype == side_dtype(store, compute) and layer.k_scale is None
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 2, 16)), compute)
+  pos = jnp.array([[0, 1, 2], [4, 5, 6]])
+  layer = layer.write(x, x, pos, storage)
+  k, v = layer.read(compute, storage)
+  assert k.dtype == v.dtype == jnp.dtype(compute) and layer.scales(storage) is None
+  want = np.asarray(x.astype(store).astype(compute).astype(jnp.float32))
+  np.testing.assert_array_equal(np.asarray(k.astype(jnp.float32))[0, :, :3],
+                                want[0].transpose(1, 0, 2))
