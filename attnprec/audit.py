@@ -128,8 +128,10 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
   if (decode_precision.kernel == kernels.AUTO and
       kernels.AUTO_MIN_KEYS <= config.max_seq_len):
     cache_length = max(cache_length, kernels.AUTO_MIN_KEYS)
+  # stored as the decode phase's cache setting says, as `decoding.prefill` stores it
   cache = jax.eval_shape(lambda: init_cache(config, batch, cache_length,
-                                            decode_precision.compute_dtype))
+                                            decode_precision.compute_dtype,
+                                            decode_precision.cache_storage))
   dstate = decoding.DecodeState(cache, jax.ShapeDtypeStruct((batch, config.vocab_size),
                                                             jnp.float32), lengths_B)
   step = jax.jit(functools.partial(decoding.decode_step, config=config,
