@@ -81,8 +81,9 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
   dtypes of `precision.cache_storage` (`contract.cache_stage_dtypes`); mask: None, a
   dense bool array broadcastable to [B, N, T, S], or a `contract.CausalMask` (positions +
   sliding window), which 'blockwise' uses structurally (skipping hidden blocks) and the
-  other kernels as the equivalent dense mask. Returns [B, T, N, H] in q's dtype. `precision.kernel` may be
-  'auto' (`resolve`: by the static numbers of queries T and keys S).
+  other kernels as the equivalent dense mask. Returns [B, T, N, H] in q's dtype.
+  `precision.kernel` may be 'auto' (`resolve`: by the static numbers of queries T and
+  keys S).
   """
   kernel = get(resolve(precision.kernel, q.shape[1], k.shape[1]))
   why = kernel.refusal(precision, logits_soft_cap=logits_soft_cap)
