@@ -93,9 +93,22 @@ def humaneval_eval(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
   return summary
 
 
+def code_version() -> Optional[str]:
+  """`git describe --always --dirty` of the checkout that computed a record (None outside
+  a git checkout): records computed by other code say so."""
+  import subprocess
+  try:
+    out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                         text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def _decode_preset(log, name, precision, ckpt, todo, prompts, ends_ExL, batch,
                    max_new_tokens, limits) -> None:
   tok = ckpt.tokenizer
+  code = code_version()
   gen = common.Generator(ckpt, precision, batch=batch, max_new_tokens=max_new_tokens,
                          ends_ExL=ends_ExL)
   bar = tqdm(total=len(todo), desc=name, unit="problem", dynamic_ncols=True)
@@ -106,7 +119,7 @@ def _decode_preset(log, name, precision, ckpt, todo, prompts, ends_ExL, batch,
       batch_id = f"{name}:{chunk[0].task_id}"      # each problem is decoded once
       for p, tokens, stopped, finite in zip(chunk, out.tokens, out.stopped, out.finite):
         log.write(dict(_score(p, tokens, stopped, finite, tok, limits, name, out),
-                       batch_id=batch_id))
+                       batch_id=batch_id, code=code))
         bar.update(1)
       bar.set_postfix(steps=out.steps, s=f"{out.seconds:.0f}",
                       compile=f"{out.compile_seconds:.0f}")
