@@ -131,9 +131,9 @@ def for_serving(params, precision: Precision, backend: Optional[str] = None):
 
   On XLA:CPU with a 16-bit compute dtype, the weight matrices are rounded once to values
   of that dtype, held in float32, and `precision.carrier_weights` is set. `layers.project`
-  then runs a projection of few rows (a decode step at batch 1-3) as a float32 dot on
-  those values, and one of more rows (prefill, larger batches) as a bf16 x bf16 -> float32
-  dot on them cast to bf16 (exact): the same products, float32 accumulation, one
+  then runs a projection of fewer than `layers.MIN_ROWS_C_DOT` rows (a decode step) as a
+  float32 dot on those values, and one of more rows (a prefill) as a bf16 x bf16 ->
+  float32 dot on them cast to bf16 (exact): the same products, float32 accumulation, one
   rounding to the compute dtype either way. Why float32-held and not bf16-stored (`compute_params`), measured on
   SmolLM2 (`make bench ARGS=--suite=projections`, interleaved, loaded 2-core machine):
   decode step at batch 1, carried 1.00 vs bf16-stored 1.8-3.1x (XLA:CPU's bf16

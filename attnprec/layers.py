@@ -56,12 +56,16 @@ def rope(x_BxTxNxH, positions_BxT, *, base: float, scale: float = 1.0):
   return out.astype(x_BxTxNxH.dtype)
 
 
-# Below this many rows (x's elements over its last axis: a decode step at batch 1-3) a
-# 16-bit projection on float32-held weights runs as a float32 dot. XLA:CPU's bf16
-# matrix-vector path is slow: SmolLM2 projections at 1 row (one interleaved run, loaded
-# 2-core machine), bf16 x bf16 -> f32 took 2.0-6.4x the float32 dot's time; at 4 rows
-# 0.35-0.93x, at 8 rows 0.51-0.91x, at 2 rows mixed (0.78-1.25x).
-MIN_ROWS_C_DOT = 4
+# Below this many rows (x's elements over its last axis: any decode step, a prefill's
+# last-position unembedding) a 16-bit projection on float32-held weights runs as a float32
+# dot on their values of c instead of casting them to c at the use (measured on SmolLM2,
+# interleaved, loaded 2-core machine: at 1 row bf16 x bf16 -> f32 took 2.0-6.4x the
+# float32 dot's time even on bf16-stored weights (XLA:CPU's bf16 matrix-vector path); at
+# 8 rows, cast at use, 1.21-2.87x; whole-model decode at batch 8 on carried weights cast
+# at use 1.15-1.24x (two runs); at 1000 rows, cast at use, 0.23-0.57x. The convert costs
+# ~6 bytes per weight, the bf16 rate saves ~2.3e-12 s per weight and row: break-even near
+# 170 rows).
+MIN_ROWS_C_DOT = 128
 
 
 def project(x, w, spec: str, *, precision, carrier: bool = False, out_dtype=None):
@@ -77,7 +81,7 @@ def project(x, w, spec: str, *, precision, carrier: bool = False, out_dtype=None
   (three runs);
   a c x c dot with a c result (no preferred_element_type) ran at the float32 rate or
   below (0.93-1.65x). Where w is float32 and x has fewer than MIN_ROWS_C_DOT rows (a
-  decode step at batch 1), the same products as a float32 dot on w's values of c (carrier:
+  decode step), the same products as a float32 dot on w's values of c (carrier:
   w already holds them, `decoding.for_serving`): the same numbers up to float32
   summation order.
 

@@ -66,7 +66,7 @@ def test_few_rows_are_the_float32_carried_dot_bit_for_bit():
   projection IS the float32-carried form (XLA:CPU's bf16 matrix-vector path is slow)."""
   rng = np.random.default_rng(0)
   w = _bf16_values(rng.standard_normal((64, 96)) / 8)
-  for rows in range(1, layers.MIN_ROWS_C_DOT):
+  for rows in (1, 2, 3, 8, layers.MIN_ROWS_C_DOT - 1):
     x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32).astype(jnp.bfloat16)
     for out in (None, jnp.float32):
       new = layers.project(x, w, "mk,kn->mn", precision=None, carrier=True, out_dtype=out)
@@ -83,19 +83,27 @@ def _logits(form, params, precision, tokens_BxT):
         params, tokens_BxT))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_tiny_model_logits_before_and_after(seed):
-  """Whole-model logits (2 layers, bf16 + both attention flags, 2 x 32 tokens) of the
-  bf16 x bf16 -> float32 form against the float32-carried form it replaced: float32
-  summation-order differences only (measured max abs 4.8e-7 on logits of magnitude <= 3.5,
-  three seeds; asserted 2e-6). float32 compute is bit-for-bit unchanged."""
+  """Whole-model logits (2 layers, bf16 + both attention flags, 2 x 64 tokens) of the
+  bf16 x bf16 -> float32 form against the float32-carried form it replaced. Both
+  accumulate exact products in float32, in different orders; where that moves an
+  activation across a bf16 rounding boundary (1 bf16 ulp, 2^-8 relative), the change
+  propagates. Measured, seeds 0-3: max abs 2.4e-7 / 9.8e-3 / 4.8e-7 / 4.9e-3 on logits of
+  magnitude <= 3.6; 0 / 1.6% / 0 / 0.8% of positions differ by more than 1e-5; argmax
+  identical everywhere. Asserted: max abs <= 0.03, <= 5% of positions beyond 1e-5 (float32
+  order elsewhere), every argmax equal. float32 compute is bit-for-bit unchanged."""
   params = init_params(CONFIG, jax.random.PRNGKey(seed))
   params, carried = decoding.for_serving(params, BF16_FLAGS, backend="cpu")
   assert carried.carrier_weights
-  tokens = jax.random.randint(jax.random.PRNGKey(seed + 10), (2, 32), 0, CONFIG.vocab_size)
+  tokens = jax.random.randint(jax.random.PRNGKey(seed + 10), (2, 64), 0, CONFIG.vocab_size)
+  assert tokens.size >= layers.MIN_ROWS_C_DOT       # the bf16 x bf16 -> f32 form runs
   after = _logits("current", params, carried, tokens)
   before = _logits("carried", params, carried, tokens)
-  assert np.abs(after - before).max() <= 2e-6, np.abs(after - before).max()
+  diff = np.abs(after - before)
+  assert diff.max() <= 0.03, diff.max()
+  assert np.mean(diff.max(-1) > 1e-5) <= 0.05
+  np.testing.assert_array_equal(after.argmax(-1), before.argmax(-1))
   fp32 = Precision()
   np.testing.assert_array_equal(_logits("current", params, fp32, tokens),
                                 _logits("c_result", params, fp32, tokens))
@@ -106,14 +114,15 @@ def _dense_dots(compiled_text):
 
 
 def test_compiled_dense_dots_are_bf16_x_bf16_to_f32():
-  """What XLA:CPU compiled for a bf16 prefill (2 x 8 = 16 rows): every dense dot of the
-  q/k/v/o projections and the MLP takes bf16 x bf16 operands and returns f32 (the fast
-  path); a batch-1 decode step (1 row) on the float32-carried weights runs f32 x f32."""
+  """What XLA:CPU compiled for a bf16 prefill (2 x 64 = 128 rows): every dense dot of
+  the q/k/v/o projections and the MLP takes bf16 x bf16 operands and returns f32 (the fast
+  path); a decode step (1 row) on the float32-carried weights runs f32 x f32."""
   params = jax.eval_shape(lambda: init_params(CONFIG, jax.random.PRNGKey(0)))
   prec = decoding.serving_precision(BF16_FLAGS, backend="cpu")
   prefill = jax.jit(functools.partial(decoding.prefill, config=CONFIG, precision=prec,
-                                      cache_length=16))
-  tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+                                      cache_length=64))
+  tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+  assert 2 * 64 >= layers.MIN_ROWS_C_DOT
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
   text = prefill.lower(params, tokens, lengths).compile().as_text()
   dots = _dense_dots(text)
