@@ -35,89 +35,19 @@ configurable those reach with the value in force after the default gin files (an
 `ArgumentParser(prog=..., doc=__doc__, examples=...)` and calls `run`.
 """
 import argparse
-import contextlib
 import os
 import signal
 import sys
-import threading
 from typing import Callable, Optional, Sequence
 
 from attnprec import ginutils, runs
+# The signal handling lives on a lower floor (training uses it); re-exported here.
+from attnprec.signals import (SIGNALS, Interrupted, _handled_signals,  # noqa: F401
+                              _raise_interrupted, deferred_signals)
 from attnprec.errors import UserError
 
 EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_MISMATCH = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class Interrupted(KeyboardInterrupt):
-  """SIGINT or SIGTERM arrived (a KeyboardInterrupt, so cleanup written for Ctrl-C runs).
-  `note` (optional) says what was saved; runners exit with 128 + signum."""
-
-  def __init__(self, signum: int, note: str = ""):
-    super().__init__(signum, note)
-    self.signum, self.note = int(signum), note
-
-  @property
-  def exit_code(self) -> int:
-    return 128 + self.signum
-
-  @property
-  def signal_name(self) -> str:
-    return signal.Signals(self.signum).name
-
-
-def _raise_interrupted(signum, frame):
-  raise Interrupted(signum)
-
-
-@contextlib.contextmanager
-def _handled_signals(handler):
-  """Installs `handler` for SIGINT and SIGTERM while the block runs (main thread only:
-  elsewhere Python cannot install handlers, and the block runs unchanged)."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  previous = {s: signal.signal(s, handler) for s in SIGNALS}
-  try:
-    yield
-  finally:
-    for s, h in previous.items():
-      signal.signal(s, h)
-
-
-class deferred_signals:  # noqa: N801 -- used as a context manager, like a function
-  """While active, SIGINT and SIGTERM only record themselves (`signum`), so the caller can
-  finish what it is doing, save, and then `raise_pending(note)`. A second signal raises
-  Interrupted at once (the user insists; atomic saves keep the last good state).
-
-      with cli.deferred_signals() as signals:
-        for step in ...:
-          ...one step...
-          if signals.signum:
-            save(); signals.raise_pending(f"saved a checkpoint at step {n} in ...")
-  """
-
-  def __init__(self):
-    self.signum: Optional[int] = None
-    self._handled = None
-
-  def _handler(self, signum, frame):
-    if self.signum is not None:
-      raise Interrupted(signum, "a second signal: stopped without waiting for the save")
-    self.signum = signum
-
-  def raise_pending(self, note: str = "") -> None:
-    if self.signum is not None:
-      raise Interrupted(self.signum, note)
-
-  def __enter__(self) -> "deferred_signals":
-    self._handled = _handled_signals(self._handler)
-    self._handled.__enter__()
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self._handled.__exit__(*exc)
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter,

@@ -11,7 +11,7 @@ the newest checkpoint (`attnprec.checkpointing`); and the update is deterministi
 2N steps straight or N steps, killed, then N more, gives the same params bit for bit.
 
 Preemption: SIGINT and SIGTERM do not stop a step half-way. The loop finishes the step
-in flight, saves a checkpoint at that step and raises `cli.Interrupted` (the runner exits
+in flight, saves a checkpoint at that step and raises `signals.Interrupted` (the runner exits
 130 / 143 with one line saying where it saved); training again resumes from it exactly.
 """
 import contextlib
@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from attnprec import checkpointing, checks, cli, plotting, runs, sharding
+from attnprec import checkpointing, checks, plotting, runs, sharding, signals
 from attnprec import model as model_lib
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
@@ -235,7 +235,7 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
                dynamic_ncols=True)
     stack.callback(bar.close)   # before any error message is printed
     last, t0, tokens_seen, skipped = {}, time.perf_counter(), 0, 0
-    signals = stack.enter_context(cli.deferred_signals())   # finish the step, save, exit
+    pending = stack.enter_context(signals.deferred_signals())   # finish the step, save, exit
     for step in range(start, end):
       n = step + 1
       tokens_BxT, mask_BxT = task.train_batch(batch_rng(seed, step), batch_size)
@@ -271,11 +271,11 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
       bar.update(1)
       if faults.pause_after_step == n:
         faults.pause(f"after step {n}")
-      if _signal_pending(signals):
+      if _signal_pending(pending):
         bar.close()
         if not saved:
           ckpt.save(state._asdict(), checkpoint_meta(n, last, reached))
-        signals.raise_pending(
+        pending.raise_pending(
             f"saved a checkpoint at step {n} in {os.path.join(ckpt.directory, str(n))}; "
             f"training again with the same --run_dir resumes from it.")
       if reached:
@@ -303,14 +303,14 @@ def _report_resume(meta: dict, **now) -> None:
             f"{meta['step']} with the new value.")
 
 
-def _signal_pending(signals: cli.deferred_signals) -> bool:
+def _signal_pending(pending: signals.deferred_signals) -> bool:
   """Whether SIGINT/SIGTERM arrived (on any process of a multi-host run: all of them
   then save the same step together)."""
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
-    got = multihost_utils.process_allgather(np.int32(signals.signum or 0))
-    signals.signum = signals.signum or (int(np.max(got)) or None)
-  return signals.signum is not None
+    got = multihost_utils.process_allgather(np.int32(pending.signum or 0))
+    pending.signum = pending.signum or (int(np.max(got)) or None)
+  return pending.signum is not None
 
 
 def _host_params(params):

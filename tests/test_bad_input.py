@@ -462,10 +462,10 @@ def recall_tiny():
 
 @contextlib.contextmanager
 def _no_compile():
-  import attnprec.checkpoints
+  import attnprec.checkpoints.forward
   import attnprec.decoding
   import attnprec.inspect
-  with mock.patch.object(attnprec.checkpoints, "_forward", _work), \
+  with mock.patch.object(attnprec.checkpoints.forward, "_forward", _work), \
        mock.patch.object(attnprec.decoding, "generate", _work), \
        mock.patch.object(attnprec.inspect, "inspect_lowered", _work):
     yield

@@ -136,15 +136,6 @@ def first_nonfinite_stage(config, params, tokens_BxT, precision) -> Optional[str
   return names[int(bad[0])] if bad.size else None
 
 
-def kind_at_end(config, params, tokens_1xT, precision) -> str:
-  """'NaN' or 'Inf': what the logits at the last position of a forward pass of
-  `tokens_1xT` hold ('' when they are finite there)."""
-  from attnprec.checkpoints import logits
-  row = np.asarray(logits((config, params), np.asarray(tokens_1xT), precision=precision,
-                          check_finite=False)[0, -1])
-  return "NaN" if np.isnan(row).any() else "Inf" if np.isinf(row).any() else ""
-
-
 def logits_problem(logits) -> "Tuple[int, int, Tuple[int, ...]]":
   """(NaN count, Inf count, index of the first non-finite value) of a logits array
   (on device or host); the index is () when every value is finite."""

@@ -28,6 +28,8 @@ import numpy as np
 
 from attnprec import checks, decoding
 from attnprec.checkpoints import finite
+from attnprec.checkpoints.forward import Checkpoint
+from attnprec.checkpoints.forward import logits as full_logits
 from attnprec.errors import UserError, shorten
 from attnprec.precision import Precision
 
@@ -88,7 +90,6 @@ def _is_int(v) -> bool:
 def _check_arguments(ckpt, prompts, precision, max_new_tokens, sampler, rng, chat, eos_id,
                      check_finite):
   """Every argument of `generate`, before anything is compiled."""
-  from attnprec.checkpoints import Checkpoint
   fn = "checkpoints.generate"
   if not isinstance(ckpt, Checkpoint):
     raise UserError(f"Invalid argument ckpt={shorten(ckpt)} of {fn}: must be a "
@@ -199,7 +200,6 @@ def _nonfinite(ckpt, ids, rows, finite_B, precision):
   config, params = ckpt.config, ckpt.params
   seq = seq[:config.max_seq_len]
   tokens = np.asarray([seq], np.int32)
-  from attnprec.checkpoints import logits as full_logits
   forward = full_logits((config, params), tokens, precision=precision, check_finite=False)
   bad_T = ~np.isfinite(np.asarray(forward[0])).all(-1)
   start = len(ids[b]) - 1                 # the logits that chose the first new token

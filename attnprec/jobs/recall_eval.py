@@ -17,6 +17,14 @@ from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 from attnprec.tasks import recall
 
+def _kind_at_end(config, params, tokens_1xT, precision) -> str:
+  """'NaN' or 'Inf': what the logits at the last position of a forward pass of
+  `tokens_1xT` hold ('' when they are finite there)."""
+  row = np.asarray(checkpoints.logits((config, params), np.asarray(tokens_1xT),
+                                      precision=precision, check_finite=False)[0, -1])
+  return "NaN" if np.isnan(row).any() else "Inf" if np.isinf(row).any() else ""
+
+
 def load_recall_checkpoint(checkpoint: str):
   """(config, params, RecallTask) of a recall checkpoint: 'recall-tiny' or a recall train
   run directory, through `checkpoints.load`."""
@@ -45,7 +53,7 @@ def evaluate(params, config, task, precision: Precision, pair_counts: Sequence[i
       # The logits of slot m: those after the prompt and the slots before m.
       seq = np.concatenate([prompt_BxP[b], decoded[b, :m]])[None]
       stage = finite.first_nonfinite_stage(config, params, seq, precision)
-      kind = finite.kind_at_end(config, params, seq, precision) or "NaN or Inf"
+      kind = _kind_at_end(config, params, seq, precision) or "NaN or Inf"
       name = "fp32 reference" if precision == REFERENCE else f"{precision.dtype}"
       raise finite.nonfinite_error(
           f"the logits of the {name} decode", precision,
