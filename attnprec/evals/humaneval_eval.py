@@ -11,7 +11,6 @@ Decoding stops when every answer of the batch has ended: at the chat end token o
 token that closes the answer's code block (the code is what is scored; the prose after
 it is not), whichever comes first, or at `max_new_tokens`.
 """
-import dataclasses
 import os
 import time
 from typing import Optional, Sequence
@@ -19,7 +18,7 @@ from typing import Optional, Sequence
 import gin
 from tqdm import tqdm
 
-from attnprec import checkpoints, checks, runs
+from attnprec import checkpoints, checks, runs, xla_env
 from attnprec.errors import UserError
 from attnprec.evals import common, humaneval, records, report, sandbox
 
@@ -67,6 +66,7 @@ def humaneval_eval(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
       "max_new_tokens": max_new_tokens, "batch": batch, "prompt": "evalplus-instruct",
       "timeout_s": timeout_s})
   print(f"sandbox protections on this machine: {', '.join(sandbox.available_protections())}")
+  print(xla_env.describe())     # what XLA runs with (a user's own XLA_FLAGS wins)
   summary = None
   for name, precision in sweep:
     # Batches of answers of about one length stop early together: ordered by the
@@ -166,7 +166,9 @@ def write_report(run_dir, log, presets, items, *, reference, baseline, max_new_t
     row.update(sp, kinds=kinds, max_steps=sp["batches"] * max_new_tokens,
                tok_s=f"{sp['tokens_per_s']:.1f}" if sp["tokens_per_s"] else "–",
                steps_run=f"{sp['steps']} / {sp['batches'] * max_new_tokens}")
-  summary.update(task="humaneval", model=model, max_new_tokens=max_new_tokens)
+  summary.update(task="humaneval", model=model, max_new_tokens=max_new_tokens,
+                 xla=xla_env.describe(),
+                 sandbox_protections=list(sandbox.available_protections()))
   table = report.markdown(summary, extra_columns=("tok_s", "steps_run"))
   kinds = "\n".join(f"- {r['preset']}: " + ", ".join(f"{k} {v}" for k, v in
                                                       sorted(r["kinds"].items()))

@@ -13,7 +13,7 @@ import gin
 import jax
 import numpy as np
 
-from attnprec import checkpoints, checks, compilation, decoding, kernels, runs
+from attnprec import checkpoints, checks, compilation, decoding, kernels, runs, xla_env
 from attnprec.checkpoints import finite
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
@@ -107,6 +107,7 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
   # What the decode programs run: `generate` applies `decoding.for_serving`.
   served = decoding.serving_precision(precision)
   print(f"attention precision in force (decode phase): {served.describe()}")
+  print(xla_env.describe())     # what XLA runs with (a user's own XLA_FLAGS wins)
   # Bucketed: prompts of other lengths in the same bucket reuse the compiled program.
   prompt_BxP, lengths_B = decoding.pad_prompts([ids], bucket=True)
   if prompt_BxP.shape[1] + max_new_tokens > ckpt.config.max_seq_len:
