@@ -235,7 +235,7 @@ def read_bandwidth(mbytes: int = 256, reps: int = 5) -> float:
   return w.nbytes / statistics.median(times)
 
 
-def _round_robin(calls: Dict[str, callable], rounds: int) -> Dict[str, list]:
+def round_robin(calls: Dict[str, callable], rounds: int) -> Dict[str, list]:
   for call in calls.values():
     call()                                   # untimed warm-up (also the ordering bias)
   times = {k: [] for k in calls}
@@ -341,8 +341,8 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
     for row_name, m in torch_models.items():
       runners[row_name] = _TorchCase(m, prompt, steps)
     log(f"timing B={B} P={P} ({rounds} rounds) ...", flush=True)
-    pre = _round_robin({k: r.prefill for k, r in runners.items()}, rounds)
-    dec = _round_robin({k: r.decode for k, r in runners.items()}, rounds)
+    pre = round_robin({k: r.prefill for k, r in runners.items()}, rounds)
+    dec = round_robin({k: r.decode for k, r in runners.items()}, rounds)
     for name, r in runners.items():
       step_s = statistics.median(dec[name]) / steps
       dtype = PRESETS[name].compute_dtype if name in PRESETS else \
@@ -427,7 +427,7 @@ def flag_cost(config, params, case, train_tokens, rounds, log, rng) -> dict:
 
     calls[f"train/{name}"] = train_call
   log("timing the flag cost ...", flush=True)
-  times = _round_robin(calls, rounds)
+  times = round_robin(calls, rounds)
   med = {k: statistics.median(v) for k, v in times.items()}
   return {"batch": B, "prompt": P, "train_tokens": train_tokens, "median_s": med,
           "times_s": times, "compile_s": compile_s,

@@ -41,7 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,7 @@ import numpy as np
 
 from attnprec import decoding, layers, xla_env
 from attnprec import model as model_lib
+from attnprec.bench.model import round_robin  # one interleaving and warm-up rule
 from attnprec.cache import init_cache
 from attnprec.errors import UserError
 from attnprec.precision import Precision
@@ -102,7 +103,7 @@ def micro(*, rows=(1000, 8, 1), shapes=SHAPES, forms=MICRO_FORMS, layers_per_cal
 
         program = jax.jit(f).lower(x, w).compile()
         calls[form] = _timer(lambda p=program, x=x, w=w: p(x, w))
-      times = _round_robin(calls, rounds)
+      times = round_robin(calls, rounds)
       flops = 2.0 * M * K * N * L
       for form, ts in times.items():
         out.append(dict(shape=name, M=M, K=K, N=N, layers=L, form=form,
@@ -213,7 +214,7 @@ def model(config, params, *, forms=tuple(MODEL_FORMS), prefill_tokens=1000,
             per=steps)
       compile_s[name] = time.perf_counter() - t0
   log("timing ...", flush=True)
-  times = _round_robin(calls, rounds)
+  times = round_robin(calls, rounds)
   out = []
   for key, ts in times.items():
     case, name = key.split("/", 1)
@@ -229,16 +230,6 @@ def _timer(call, per=1):
     jax.block_until_ready(call())
     return (time.perf_counter() - t0) / per
   return timed
-
-
-def _round_robin(calls: Dict[str, callable], rounds: int) -> Dict[str, list]:
-  for call in calls.values():
-    call()                                   # untimed warm-up (and the ordering bias)
-  times = {k: [] for k in calls}
-  for _ in range(rounds):
-    for k, call in calls.items():
-      times[k].append(call())
-  return times
 
 
 def add_ratios(rows, key, base):
