@@ -45,7 +45,8 @@ def compare(a_name: str, a: Dict[str, dict], b_name: str, b: Dict[str, dict],
          "difference": (t.only_a - t.only_b) / t.n,
          "mcnemar_p": stats.mcnemar_exact(t.only_a, t.only_b),
          "min_detectable_difference": stats.min_detectable_difference(
-             t.n, max(t.discordant, 1) / t.n)}
+             t.n, max(t.discordant, 1) / t.n),
+         "best_case_detectable": best_case_detectable(t.n)}
   if tokens:
     firsts = [stats.first_divergence(a[i]["tokens"], b[i]["tokens"]) for i in items]
     differ = [f for f in firsts if f is not None]
@@ -53,6 +54,18 @@ def compare(a_name: str, a: Dict[str, dict], b_name: str, b: Dict[str, dict],
     out["median_first_divergence"] = statistics.median(differ) if differ else None
     out["first_divergences"] = differ
   return out
+
+
+def best_case_detectable(n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+  """The smallest difference d the exact McNemar test detects with `power` on n pairs in
+  the most favourable case (every discordant pair in one direction: P(only A) = d, P(only
+  B) = 0): no sample of n items could have shown a smaller difference, whatever the
+  discordance (bisection on `stats.mcnemar_power`)."""
+  lo, hi = 0.0, 1.0
+  for _ in range(40):
+    mid = (lo + hi) / 2
+    lo, hi = (lo, mid) if stats.mcnemar_power(n, mid, 0.0, alpha) >= power else (mid, hi)
+  return hi
 
 
 def summarize(records: Records, *, reference: str, baseline: Optional[str],
@@ -92,14 +105,17 @@ def markdown(summary: dict, *, extra_columns: Sequence[str] = ()) -> str:
   if comps:
     tok = "token_identical" in comps[0]
     lines += ["", "| A vs B | items | both | only A | only B | neither | A − B (points) | "
-              "exact McNemar p | detectable at 80% power (points) |"
+              "exact McNemar p | detectable at 80% power (points): at this discordance "
+              "(best case) |"
               + (" token-identical % | median first divergence |" if tok else ""),
               "|---" * (9 + (2 if tok else 0)) + "|"]
     for c in comps:
-      mdd = c["min_detectable_difference"]
+      mdd, best = c["min_detectable_difference"], c.get("best_case_detectable")
+      shown = "none" if mdd is None else f"{100 * mdd:.1f}"
+      shown += f" ({100 * best:.1f})" if best is not None else ""
       line = (f"| {c['a']} vs {c['b']} | {c['items']} | {c['both']} | {c['only_a']} | "
               f"{c['only_b']} | {c['neither']} | {100 * c['difference']:+.1f} | "
-              f"{c['mcnemar_p']:.3g} | {'–' if mdd is None else f'{100 * mdd:.1f}'} |")
+              f"{c['mcnemar_p']:.3g} | {shown} |")
       if tok:
         med = c["median_first_divergence"]
         line += f" {_pct(c['token_identical'])} | {'–' if med is None else med} |"
