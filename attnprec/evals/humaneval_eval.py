@@ -119,7 +119,7 @@ def _decode_preset(log, name, precision, ckpt, todo, prompts, ends_ExL, batch,
       batch_id = f"{name}:{chunk[0].task_id}"      # each problem is decoded once
       for p, tokens, stopped, finite in zip(chunk, out.tokens, out.stopped, out.finite):
         log.write(dict(_score(p, tokens, stopped, finite, tok, limits, name, out),
-                       batch_id=batch_id, code=code))
+                       batch_id=batch_id, code_version=code))
         bar.update(1)
       bar.set_postfix(steps=out.steps, s=f"{out.seconds:.0f}",
                       compile=f"{out.compile_seconds:.0f}")
