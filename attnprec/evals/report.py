@@ -137,7 +137,10 @@ def plot(summary: dict, path: str, *, title: str, divergence: bool) -> str:
   err = [[100 * (r["accuracy"] - r["wilson95"][0]) for r in rows],
          [100 * (r["wilson95"][1] - r["accuracy"]) for r in rows]]
   ax.errorbar(xs, acc, yerr=err, fmt="o", capsize=4)
-  ax.set_xticks(xs, [r["preset"] for r in rows], rotation=20)
+  full = max(r["items"] for r in rows)
+  ax.set_xticks(xs, [r["preset"] + ("" if r["items"] == full else
+                                    f"\n({r['items'] - r['non_finite']} of {full} items)")
+                     for r in rows], rotation=20)
   ax.set_ylabel("accuracy % (Wilson 95%)")
   ax.set_title(title)
   ax.grid(alpha=0.3)
