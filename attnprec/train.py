@@ -32,6 +32,7 @@ from tqdm import tqdm
 from attnprec import checkpointing, checks, plotting, runs, sharding, signals
 from attnprec import model as model_lib
 from attnprec.config import ModelConfig
+from attnprec.contract import COMPUTE_CACHE
 from attnprec.errors import UserError
 from attnprec.faults import Faults, fault_injection
 from attnprec.precision import Precision
@@ -181,6 +182,12 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   `skip_nonfinite_steps`). Returns the last metrics.
   """
   faults = fault_injection()   # test-only; nothing bound in shipped gin files
+  if precision.cache_storage != COMPUTE_CACHE:
+    # Training runs no KV cache: a cache setting would be silently ignored.
+    raise UserError(
+        f"The train phase has no KV cache, so {precision.cache_storage.describe()} would "
+        f"be ignored: set precision.kv_cache_* for the decode phase only "
+        f"(decode/precision.kv_cache_k_dtype = ...), or leave them at 'compute' for train.")
   mesh = sharding.make_mesh()
   sharding.check(mesh, config, [("train.batch_size", batch_size),
                                 ("train.eval_batch", eval_batch)])

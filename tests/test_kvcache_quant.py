@@ -12,6 +12,7 @@ Bounds: float32 compute 2e-5 (as tests/test_kernels.py); bfloat16 compute a few 
 ulps of O(1) outputs (measured: 3.4e-3 with float32_qk_product, 6.8e-3 without).
 """
 import functools
+import os
 
 import haiku as hk
 import jax
@@ -454,3 +455,19 @@ def test_unscaled_storage_reads_back_as_the_compute_dtype(compute, store):
   want = np.asarray(x.astype(store).astype(compute).astype(jnp.float32))
   np.testing.assert_array_equal(np.asarray(k.astype(jnp.float32))[0, :, :3],
                                 want[0].transpose(1, 0, 2))
+
+
+def test_a_train_phase_cache_setting_is_refused_not_ignored(tmp_path):
+  """Training runs no KV cache: a cache setting for it would be silently ignored, so the
+  train runner refuses it (exit 2, one paragraph, no run directory)."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run_dir = tmp_path / "run"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "runners", "train.py"),
+       "--gin_file=experiments/recall.gin", "--gin.train/precision.kv_cache_k_dtype='int8'",
+       f"--run_dir={run_dir}"], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  assert "train phase has no KV cache" in proc.stderr and "Traceback" not in proc.stderr
+  assert not run_dir.exists()
