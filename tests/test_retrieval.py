@@ -290,6 +290,8 @@ def call(argv, tok, *, load=_work, max_seq_len=2048):
     (["--gin.retrieval.lengths=(1024, 4096)"], "exceed the context"),
     (["--gin.retrieval.lengths=(100, 1024)"], "cannot hold one key-value pair"),
     (["--gin.eval.task='retrieve'"], "Unknown eval.task 'retrieve'"),
+    (["--gin.retrieval.kernel='flash'"], "retrieval.kernel = 'flash' is not an attention"),
+    (["--gin.retrieval.kernel='jax_nn'"], "retrieval.kernel = 'jax_nn' cannot run preset"),
 ])
 def test_bad_input_is_refused_before_the_model_is_loaded(tok, tmp_path, bindings, needle):
   run_dir = tmp_path / "run"
@@ -320,6 +322,7 @@ def test_the_job_writes_records_and_report_and_resumes(tok, params, tmp_path):
   lines = [json.loads(x) for x in (run_dir / "items.jsonl").read_text().splitlines()]
   meta, recs = lines[0]["meta"], lines[1:]
   assert meta["task"] == "retrieval" and meta["seed"] == 0
+  assert meta["kernel"] == "blockwise"              # eval_retrieval.gin's, for every preset
   assert len(recs) == 2 * 2 * 3                     # 2 presets x 2 lengths x 3 items
   assert [r["preset"] for r in recs] == ["highest"] * 6 + ["bf16"] * 6
   assert [r["length"] for r in recs[:6]] == [512] * 3 + [768] * 3   # shortest first

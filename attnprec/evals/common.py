@@ -12,7 +12,7 @@ from typing import Dict, List, Sequence, Tuple
 import jax
 import numpy as np
 
-from attnprec import compilation, decoding
+from attnprec import compilation, decoding, kernels
 from attnprec.errors import UserError
 from attnprec.precision import Precision
 from attnprec.study import presets as preset_lib
@@ -25,6 +25,24 @@ def pick_presets(names: Sequence[str], reference: str) -> List[Tuple[str, Precis
                     f"valid presets: {', '.join(preset_lib.available())}.")
   sweep = preset_lib.load_sweep([reference] + [n for n in names if n != reference])
   return sweep
+
+
+def with_kernel(sweep: List[Tuple[str, Precision]], kernel, setting: str
+                ) -> List[Tuple[str, Precision]]:
+  """The sweep with every preset's attention kernel replaced by `kernel` (flags kept);
+  a name that is not a kernel, or one that refuses a preset's settings, is a UserError
+  naming `setting`."""
+  if not isinstance(kernel, str) or kernel not in kernels.CHOICES:
+    raise UserError(f"{setting} = {kernel!r:.200} is not an attention kernel; valid "
+                    f"kernels: {', '.join(kernels.CHOICES)} (or None for each preset's "
+                    f"own).")
+  out = []
+  for name, precision in sweep:
+    try:
+      out.append((name, dataclasses.replace(precision, kernel=kernel)))
+    except (UserError, ValueError) as e:
+      raise UserError(f"{setting} = {kernel!r} cannot run preset {name!r}: {e}") from None
+  return out
 
 
 def positive(name: str, value) -> int:

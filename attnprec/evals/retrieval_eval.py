@@ -38,6 +38,17 @@ full-prefix forward; on XLA:CPU the attention dominates at long lengths (measure
 context; a batch of 8 suffixes 7.7 s at 1k, 55 s at 8k). gin/experiments/eval_retrieval.gin
 gives the extrapolated run time.
 
+Kernel. `retrieval.kernel` replaces every preset's attention kernel (the flags are kept),
+so all presets are compared under one kernel. gin/experiments/eval_retrieval.gin sets
+'blockwise', the kernel `make decode` serves long contexts with (`auto` picks it from
+512 keys up): measured on the 0.5B (2-core machine, shared with a HumanEval run), one
+512-token prefill chunk over a 4.6k-position cache took 15-20 s with dot_product and
+2-5 s with blockwise (bf16 and the reference alike), because blockwise skips the key
+blocks the causal mask hides and never materialises the [heads, 512, cache] scores.
+Blockwise keeps its softmax statistics in float32 whatever the flags (docs/kernels.md),
+so with both flags off it rounds less than dot_product would; the logits still leave the
+qk dot in bf16 without `float32_qk_product`, the rounding this task probes.
+
 Order and resumption. For each preset (the reference first), every length, shortest
 first, so a partial run is useful; one record per item (`attnprec.evals.records`) is
 appended as its batch finishes, and a rerun skips the items already recorded. The report
@@ -268,10 +279,14 @@ def retrieval_eval(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
                    reference: str = "highest", baseline: Optional[str] = "bf16",
                    lengths: Sequence[int] = (1024, 2048, 4096, 8192), contexts: int = 10,
                    questions: int = 20, seed: int = 0, first_token: str = "endoftext",
-                   batch: int = 10) -> dict:
+                   batch: int = 10, kernel: Optional[str] = None) -> dict:
   """Scores `contexts * questions` retrieval items per length under each preset; writes
-  the records and the report into run_dir."""
+  the records and the report into run_dir. kernel: None runs each preset's own attention
+  kernel; a name (`attnprec.kernels.CHOICES`) runs every preset with that kernel, its
+  precision flags unchanged (see the module docstring, "Kernel")."""
   sweep = common.pick_presets(presets, reference)     # before any model is loaded
+  if kernel is not None:
+    sweep = common.with_kernel(sweep, kernel, "retrieval.kernel")
   names = [n for n, _ in sweep]
   if baseline is not None and baseline not in names:
     raise UserError(f"retrieval.baseline = {baseline!r} is not among the presets {names}; "
@@ -295,7 +310,8 @@ def retrieval_eval(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
             for n, cs in by_length.items()))
   meta = {"task": "retrieval", "format": retrieval.FORMAT, "model": model, "seed": seed,
           "first_token": first_token, "contexts": contexts, "questions": questions,
-          "batch": batch, "score": "value tokens argmax, teacher-forced, prefix reused"}
+          "batch": batch, "score": "value tokens argmax, teacher-forced, prefix reused",
+          "kernel": kernel or "each preset's own"}
   path = os.path.join(run_dir, ITEMS_FILE)
   # Records of other settings are refused before the model is loaded; a new results
   # file is created only once the model has loaded (a failed load leaves nothing).
@@ -315,7 +331,8 @@ def retrieval_eval(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
     for n in lengths:
       _score_length(log, name, precision, ckpt, by_length[n], batch, tok)
       summary = write_report(run_dir, log, names, by_length, reference=reference,
-                             baseline=baseline, model=model, first_token=first_token)
+                             baseline=baseline, model=model, first_token=first_token,
+                             kernel=kernel)
   non_finite = [(n, r) for n, s in summary["lengths"].items() for r in s["presets"]
                 if r["non_finite"]]
   if non_finite:
@@ -392,7 +409,7 @@ def _timing(recs: Dict[str, dict]) -> dict:
 
 
 def write_report(run_dir, log, presets, by_length, *, reference, baseline, model,
-                 first_token) -> dict:
+                 first_token, kernel=None) -> dict:
   lengths, all_items, timing = {}, [], {}
   for n, contexts in sorted(by_length.items()):
     items = [i.id for c in contexts for i in c.items]
@@ -416,7 +433,7 @@ def write_report(run_dir, log, presets, by_length, *, reference, baseline, model
                  "vs_baseline": departure(lengths, p, baseline) if baseline else None}
              for p in recs if p != reference}
   summary = {"task": "retrieval", "model": model, "first_token": first_token,
-             "reference": reference, "baseline": baseline, "alpha": ALPHA,
+             "kernel": kernel or "each preset's own", "reference": reference, "baseline": baseline, "alpha": ALPHA,
              "lengths": lengths, "pooled": pooled, "by_position": positions,
              "departure": departs}
   runs.write_json(run_dir, "results.json", summary)
@@ -442,7 +459,8 @@ def markdown(summary: dict) -> str:
   presets = [r["preset"] for r in summary["pooled"]["presets"]]
   cols = sorted(lengths)
   out = [f"# UUID key-value retrieval, {summary['model']}, teacher-forced value "
-         f"(first token: {summary['first_token']})", "",
+         f"(first token: {summary['first_token']}; attention kernel: "
+         f"{summary['kernel']})", "",
          "Accuracy % (Wilson 95%) [correct/scored] per prompt length (tokens):", "",
          "| preset | " + " | ".join(str(n) for n in cols) + " |",
          "|---" * (len(cols) + 1) + "|"]
