@@ -25,6 +25,7 @@ float8 codes are stored as their bits (uint8), like the 16-bit floats. Scales li
 Under `jax.jit` with the cache donated (or carried by a loop), every write is in place:
 tests/test_cache.py checks the compiled decode step for cache-sized copies.
 """
+import math
 from typing import Optional, Tuple
 
 import chex
@@ -142,6 +143,15 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype,
                       v_scale=None if vs is None else jnp.zeros(vs, jnp.float32))
 
   return KVCache(layers=tuple(one() for _ in range(config.num_layers)))
+
+
+def cache_bytes(config: ModelConfig, batch: int, length: int, dtype,
+                storage: CacheStorage = COMPUTE_CACHE) -> int:
+  """The bytes `init_cache(config, batch, length, dtype, storage)` would hold (codes or
+  values, and scales), from the shapes alone: nothing is allocated."""
+  shapes = jax.eval_shape(lambda: init_cache(config, batch, length, dtype, storage))
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree_util.tree_leaves(shapes))
 
 
 def storage_dtype(compute_dtype) -> jnp.dtype:

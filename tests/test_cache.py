@@ -209,3 +209,32 @@ def test_bf16_decode_loop_does_not_convert_the_weights():
   text = jax.jit(cast_at_use).lower(decoding.compute_params(PARAMS, prec), state,
                                    jnp.zeros((B,), jnp.int32)).compile()
   assert "bf16" in _weight_dtypes_in_loops(text.as_text())          # the check sees them
+
+
+@pytest.mark.parametrize("prec", [
+    Precision(dtype="bfloat16"), Precision(),
+    Precision(dtype="bfloat16", kv_cache_k_dtype="int8", kv_cache_v_dtype="int8",
+              kv_cache_k_scale="token", kv_cache_v_scale="token"),
+    Precision(dtype="bfloat16", kv_cache_k_dtype="float8_e4m3fn", kv_cache_k_scale="channel",
+              kv_cache_v_dtype="float32"),
+], ids=["bf16", "f32", "int8-token", "fp8-channel-k-f32-v"])
+def test_cache_bytes_is_what_init_cache_holds(prec):
+  """cache_bytes (from shapes, nothing allocated) against the bytes of a real cache."""
+  from attnprec.cache import cache_bytes
+  real = init_cache(CONFIG, B, S, prec.compute_dtype, prec.cache_storage).nbytes
+  assert cache_bytes(CONFIG, B, S, prec.compute_dtype, prec.cache_storage) == real
+
+
+def test_the_decode_line_gives_the_cache_setting_and_bytes():
+  from attnprec.jobs.generate_text import cache_line
+  bf16 = cache_line(CONFIG, Precision(dtype="bfloat16"), S, batch=B)
+  # 2 layers x (k + v) x B 2 x K 2 x S 256 x H 16 x 2 bytes = 128 KiB
+  assert bf16 == ("KV cache: kv_cache=k:compute,v:compute, 2 x 256 positions x 2 layers: "
+                  "128.0 KiB"), bf16
+  int8 = Precision(dtype="bfloat16", kv_cache_k_dtype="int8", kv_cache_v_dtype="int8",
+                   kv_cache_k_scale="token", kv_cache_v_scale="token")
+  line = cache_line(CONFIG, int8, S, batch=B)
+  # codes: half the bytes (64 KiB); scales: one float32 per (token, kv head), per side and
+  # layer 2 x 2 x 256 x 4 bytes = 4 KiB, 16 KiB in all -> 80 / 128 KiB = 0.625x.
+  assert line == ("KV cache: kv_cache=k:int8/token,v:int8/token, 2 x 256 positions x 2 layers: "
+                       "80.0 KiB (0.62x the 128.0 KiB of a compute-dtype cache)"), line

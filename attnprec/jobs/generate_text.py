@@ -14,7 +14,9 @@ import jax
 import numpy as np
 
 from attnprec import checkpoints, checks, compilation, decoding, kernels, runs, xla_env
+from attnprec.cache import cache_bytes
 from attnprec.checkpoints import finite
+from attnprec.contract import COMPUTE_CACHE
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 
@@ -72,6 +74,20 @@ def _until_eos(tokens, eos_id):
   return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens
 
 
+def cache_line(config, precision, length: int, batch: int = 1) -> str:
+  """The KV cache `generate` makes under `precision`: its storage and its bytes, beside
+  those of a cache stored in the compute dtype."""
+  mib = lambda n: f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"  # noqa
+  held = cache_bytes(config, batch, length, precision.compute_dtype,
+                     precision.cache_storage)
+  line = (f"KV cache: {precision.cache_storage.describe()}, {batch} x {length} positions "
+          f"x {config.num_layers} layers: {mib(held)}")
+  if precision.cache_storage != COMPUTE_CACHE:
+    plain = cache_bytes(config, batch, length, precision.compute_dtype)
+    line += f" ({held / plain:.2f}x the {mib(plain)} of a compute-dtype cache)"
+  return line
+
+
 @gin.configurable("generate_text", denylist=["precision", "run_dir"])
 @checks.validated("generate_text", model=checks.string, prompt=checks.string,
                   max_new_tokens=checks.at_least(1),
@@ -115,6 +131,7 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
 
   P = int(prompt_BxP.shape[1])
   S = P + max_new_tokens                 # the cache `generate` makes
+  print(cache_line(ckpt.config, served, S))
   prefill_kernel = kernels.resolve(precision.kernel, P, S)
   step_kernel = kernels.resolve(precision.kernel, 1, S)
   print(f"attention kernel: prefill ({P} tokens) {prefill_kernel}, decode steps "
