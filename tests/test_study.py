@@ -178,6 +178,36 @@ def test_decode_errors_come_from_decode_steps(tmp_path):
                              np.moveaxis(np.asarray(attn)[:, :, 9:], 2, 0), atol=2e-6)
 
 
+def test_a_cache_preset_measures_its_cache_in_the_forward_rows():
+  """A quantized-cache preset's forward (prefill error, NLL, logits) runs through its cache:
+  it equals a prefill into that cache done by hand (the model's own cached apply, an
+  independent path), and differs from the same flags with the compute-dtype cache (the
+  setting is measured, not silently ignored); a compute-cache preset is unchanged."""
+  from attnprec import model as model_lib
+  from attnprec.cache import init_cache
+  config = ModelConfig(vocab_size=23, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=8, mlp_hidden=48)
+  params = init_params(config, jax.random.PRNGKey(3))
+  tokens = np.random.default_rng(1).integers(0, 23, (2, 10)).astype(np.int32)
+  exact = dataclasses.replace(REFERENCE, matmul_precision="default",
+                              einsum_precision="default")
+  int8 = dataclasses.replace(exact, kv_cache_k_dtype="int8", kv_cache_v_dtype="int8",
+                             kv_cache_k_scale="token", kv_cache_v_scale="token")
+  nll_c, logits_c, _ = measure.forward_fn(config, exact, 10)(params, tokens)
+  nll_q, logits_q, _ = measure.forward_fn(config, int8, 10)(params, tokens)
+  cache = init_cache(config, 2, 10, int8.compute_dtype, int8.cache_storage)
+  by_hand = model_lib.transformed(config).apply(params, tokens, None, cache,
+                                                precision=int8).logits
+  # jitted vs op by op: float32 accumulation order only (<= 1.1e-6 here); the int8 cache
+  # moves the logits by more than 100x the bound.
+  np.testing.assert_allclose(np.asarray(logits_q), np.asarray(by_hand), rtol=0, atol=1e-5)
+  moved = np.abs(np.asarray(logits_q) - np.asarray(logits_c)).max()
+  assert moved > 1e-3, moved
+  assert not np.array_equal(np.asarray(nll_q), np.asarray(nll_c))
+  plain = model_lib.transformed(config).apply(params, tokens, precision=exact).logits
+  np.testing.assert_allclose(np.asarray(logits_c), np.asarray(plain), rtol=0, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- runner
 def _runner():
   spec = importlib.util.spec_from_file_location("study_runner", RUNNER)

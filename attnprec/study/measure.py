@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnprec import decoding
+from attnprec.cache import init_cache
 from attnprec import model as model_lib
 from attnprec.checkpoints import finite
 from attnprec.config import ModelConfig
+from attnprec.contract import COMPUTE_CACHE
 from attnprec.precision import Precision
 from attnprec.study import probes
 
@@ -30,12 +32,23 @@ def collect(config: ModelConfig, params, tokens_BxT, precision: Precision):
 @functools.lru_cache(maxsize=64)
 def forward_fn(config: ModelConfig, precision: Precision, keep_positions: int):
   """(params, tokens_BxL) -> (nll_BxL' of tokens[1:], logits of the last P positions
-  [B, P, V], attention outputs [Ly, B, L, N, H] float32)."""
+  [B, P, V], attention outputs [Ly, B, L, N, H] float32).
+
+  A preset that stores the KV cache otherwise than in the compute dtype (a quantized or
+  re-typed cache) runs this forward as a prefill into such a cache (fresh, L positions):
+  prefill attends to what it stores (`layers.Attention`), so the rows of this forward
+  (prefill error, NLL, logits) measure the cache setting too. A forward without a cache
+  would see the exact keys and values and silently ignore it. Every other preset runs
+  the plain forward, as before."""
   apply = model_lib.transformed(config).apply
+  through_cache = precision.cache_storage != COMPUTE_CACHE
 
   def fn(params, tokens_BxL):
+    B, L = tokens_BxL.shape
+    cache = (init_cache(config, B, L, precision.compute_dtype, precision.cache_storage)
+             if through_cache else None)
     with probes.attached(params) as rec:
-      out = apply(params, tokens_BxL, precision=precision)
+      out = apply(params, tokens_BxL, None, cache, precision=precision)
     logp_BxLxV = jax.nn.log_softmax(out.logits[:, :-1], axis=-1)
     nll_BxL = -jnp.take_along_axis(logp_BxLxV, tokens_BxL[:, 1:, None], axis=-1)[..., 0]
     attn = jnp.stack([a.astype(jnp.float32) for a in rec.attn])
