@@ -7,10 +7,12 @@ preset against the reference (bitwise equal on CPU, where `precision` changes no
 numbers: a documented XLA:CPU fact this asserts).
 """
 import dataclasses
+import glob
 import importlib.util
 import json
 import os
 
+import gin
 import jax
 import numpy as np
 import pytest
@@ -240,3 +242,37 @@ def test_study_refuses_to_run_with_excess_precision(tmp_path, monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "")
   with pytest.raises(UserError, match="xla_allow_excess_precision=false"):
     study(run_dir=str(tmp_path / "x"), model="recall-tiny", **SMALL)
+
+
+@pytest.mark.parametrize("name", sorted(
+    os.path.basename(p) for p in glob.glob(
+        os.path.join(ginutils.REPO_GIN_DIR, "experiments", "study_*.gin"))))
+def test_every_study_file_names_presets_that_load(name):
+  """Each experiment's study.presets and study.extra_presets load (paths are relative to
+  the repository root, where make runs), and the KV-cache study's variants are what their
+  names say."""
+  gin.clear_config()
+  ginutils.parse([f"experiments/{name}"], [])
+  presets = gin.query_parameter("study.presets") if _bound("study.presets") else None
+  extra = gin.query_parameter("study.extra_presets") if _bound("study.extra_presets") else ()
+  gin.clear_config()
+  cwd = os.getcwd()
+  os.chdir(os.path.dirname(ginutils.REPO_GIN_DIR))
+  try:
+    sweep = dict(preset_lib.load_sweep(presets, extra))
+  finally:
+    os.chdir(cwd)
+  if name.startswith("study_kv_"):
+    assert sweep["kv_int8_channel"].cache_storage.k_scale == "channel"
+    assert sweep["kv_fp8_channel"].kv_cache_k_dtype == "float8_e4m3fn"
+    off = sweep["kv_int8_flags_off"]
+    assert (off.float32_qk_product, off.float32_logits, off.kv_cache_k_dtype) == \
+        (False, False, "int8")
+
+
+def _bound(binding: str) -> bool:
+  try:
+    gin.query_parameter(binding)
+    return True
+  except ValueError:
+    return False
