@@ -38,6 +38,11 @@ Method
     the end) is the floor; `of_roofline` = floor / measured step time (1 = at the floor).
   * Flag cost per phase: bf16 compute with both flags vs without (the `bf16` preset), in
     the full model: a train step, a prefill and a decode step, interleaved.
+  * KV cache: `bf16_flags_kv_int8` / `bf16_flags_kv_fp8` store the cache as int8 /
+    float8_e4m3fn codes with float32 per-token scales (`--presets=bf16_flags,
+    bf16_flags_kv_int8,bf16_flags_kv_fp8 --cases=long`: the decode step against the
+    bf16 cache's in the same run); `kv_bytes` is the cache as each configuration stores
+    it (`cache.cache_bytes`: codes and scales), so the roofline counts the smaller reads.
   * Kernels: the presets fp32, bf16_flags and bf16 use `precision.kernel = 'auto'`, what
     `make decode` runs; `*_dense` keep the dense kernel in prefill, for the comparison.
 """
@@ -53,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnprec import compilation, decoding, plotting, train
+from attnprec.cache import cache_bytes
 from attnprec.errors import UserError
 from attnprec.precision import Precision
 
@@ -73,6 +79,15 @@ PRESETS: Dict[str, Precision] = {
     "bf16_flags_bf16w": Precision(kernel="auto", **_FLAGS),
     # bf16 + flags with float32 weights cast to bf16 at every use (no `for_serving`)
     "bf16_flags_cast": Precision(kernel="auto", **_FLAGS),
+    # bf16 + flags with a quantized KV cache (codes + float32 per-token scales): the
+    # cache rows of the contract; against bf16_flags, the same flags with a bf16 cache
+    "bf16_flags_kv_int8": Precision(kernel="auto", kv_cache_k_dtype="int8",
+                                    kv_cache_v_dtype="int8", kv_cache_k_scale="token",
+                                    kv_cache_v_scale="token", **_FLAGS),
+    "bf16_flags_kv_fp8": Precision(kernel="auto", kv_cache_k_dtype="float8_e4m3fn",
+                                   kv_cache_v_dtype="float8_e4m3fn",
+                                   kv_cache_k_scale="token", kv_cache_v_scale="token",
+                                   **_FLAGS),
 }
 BF16_WEIGHTS = ("bf16_flags_bf16w",)
 CAST_AT_USE = ("bf16_flags_cast",) + BF16_WEIGHTS
@@ -347,8 +362,10 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
       step_s = statistics.median(dec[name]) / steps
       dtype = PRESETS[name].compute_dtype if name in PRESETS else \
           jnp.bfloat16 if name == TORCH_DTYPES["bfloat16"] else jnp.float32
-      S = P + steps if name in PRESETS else P + steps / 2   # transformers' cache grows
-      kv = _cache_bytes(config, B, 1, dtype) * S
+      # the cache as this configuration stores it (codes and scales for a quantized one);
+      # transformers' cache grows, so on average it reads half the decoded steps
+      kv = cache_bytes(config, B, P + steps, dtype, PRESETS[name].cache_storage) \
+          if name in PRESETS else _cache_bytes(config, B, 1, dtype) * (P + steps / 2)
       # the floor: the weights as this configuration holds them (bf16-stored: 2 bytes;
       # float32, cast at use or carried: 4), read once
       weights = getattr(r, "weights", "stored" if dtype == jnp.bfloat16 else "float32")
