@@ -41,6 +41,16 @@ dtype: a FAIL, like a mismatch in the lowered program. XLA:CPU computes bf16 x b
 bf16 dots as f32 dots followed by a rounding, which the contract allows where it asks
 for bf16.
 
+The KV cache's contract rows (`attnprec.inspect.cache_check`, for the prefill and the
+decode step; the train step runs no cache and is held to none) are read back from both
+programs too: the dtype the keys' and values' codes are stored in and enter the qk / wv
+dot as (converted straight to the rows' operand dtype, no arithmetic between), each
+scale's dtype, shape and the axis it varies along, where it multiplies (the logits per
+key, q per channel, the probabilities per key) and in which dtype; a quantized q or
+quantized probabilities (a convert to or from an 8-bit type on their way to the dot),
+a scale in the wrong dtype or place, a missing or extra scale, or codes entering a dot
+in another type: a FAIL.
+
 Shapes: B batch, P prompt length, S cache length (P + new tokens).
 """
 import collections
@@ -58,7 +68,7 @@ from attnprec import checks, decoding, hlo, kernels, layout, runs, train, xla_en
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
-from attnprec.inspect import DotSite, inspect_lowered
+from attnprec.inspect import DotSite, cache_check, inspect_lowered
 from attnprec.inspect import report as contract_check
 from attnprec.model import init_params
 from attnprec.precision import Precision
@@ -184,11 +194,22 @@ def _param_path(arg: str):
   return (keys[-2], keys[-1]) if len(keys) >= 2 else None
 
 
+def _cache_row(phase: str, att, expected: dict) -> dict:
+  """One attention's cache rows as the lowered program shows them, checked."""
+  problems = cache_check.check_cache(att, expected)
+  return dict(cache_check.cache_row(att), phase=phase, layer=att.layer,
+              qk=contract_check.dot_types(att.qk), wv=contract_check.dot_types(att.wv),
+              contract=cache_check.contract_text(expected), ok=not problems,
+              problems=problems)
+
+
 def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig, *,
                   compile: bool = True, key_lengths: tuple = ()) -> dict:
   """Checks one lowered program; returns a JSON-able dict with rows, problems, compiled."""
   report = inspect_lowered(lowered, expect=precision, function=phase)
   rows, problems = [], []
+  cache = cache_check.expected_cache(precision, cache=phase != "train")
+  cache_rows = [_cache_row(phase, a, cache) for a in report.attentions]
   for a in report.attentions:
     checks = contract_check.check_attention(a, precision)
     rows.append(_row(phase, "qk", a.layer, a.qk, checks["qk"] + checks["softmax"],
@@ -217,12 +238,15 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
                for q in r["problems"]]
   problems += [f"{phase} dense {r['module'] or r['label'] or '?'}: {q}" for r in dense_rows
                for q in r["problems"]]
+  problems += [f"{phase} layer {r['layer']} cache: {q}" for r in cache_rows
+               for q in r["problems"]]
   out = {"phase": phase, "precision": dataclasses.asdict(precision),
          "expected": expected_attention(precision),
          "einsum_precision": precision_expectation(precision.einsum_precision),
          "matmul_precision": precision_expectation(precision.matmul_precision),
          "layers_attributed": attributed, "attention": rows, "dense": dense_rows,
-         "problems": problems, "ok": not problems}
+         "cache_expected": cache, "cache": cache_rows, "problems": problems,
+         "ok": not problems}
   if compile:
     # Forward programs: attention dots whose op_name XLA dropped are told apart by
     # structure (the head dim vs the key lengths they contract). The train step holds
@@ -230,20 +254,24 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
     structure = {} if phase == "train" else dict(head_dim=config.head_dim,
                                                  key_lengths=key_lengths)
     out["compiled"] = summarize_compiled(lowered.compile().as_text(), precision,
-                                         **structure)
+                                         cache=cache, **structure)
     problems += [f"{phase} {p}" for p in out["compiled"]["problems"]]
     out["problems"], out["ok"] = problems, not problems
   return out
 
 
 def summarize_compiled(text: str, precision: Optional[Precision] = None, *,
-                       head_dim: Optional[int] = None, key_lengths: tuple = ()) -> dict:
+                       cache: Optional[dict] = None, head_dim: Optional[int] = None,
+                       key_lengths: tuple = ()) -> dict:
   """The compiled program's dots grouped by (site, what the backend made of it, types,
-  verdict), its converts, and (with a `precision`) the problems of the compiled check."""
+  verdict), its converts, and (with a `precision`) the problems of the compiled check,
+  the cache rows' (`cache`, from `cache_check.expected_cache`) included."""
   s = hlo.compiled_summary(text, head_dim, key_lengths)
   checked = contract_check.check_compiled(text, precision, head_dim=head_dim,
                                           key_lengths=key_lengths)["dots"] \
       if precision else [(d, []) for d in s["dots"]]
+  if cache is not None:
+    checked = [(d, ps + cache_check.check_compiled_cache(d, cache)) for d, ps in checked]
 
   def where(d):
     site = d.site + (" (grad)" if d.backward else "")
@@ -275,17 +303,10 @@ def summarize_compiled(text: str, precision: Optional[Precision] = None, *,
 def run_audit(config: ModelConfig, train_precision: Precision, decode_precision: Precision,
               *, batch: int = 2, prompt_len: int = 8, new_tokens: int = 8,
               compile: bool = True, model_source: str = "model.* (gin)") -> dict:
-  for phase, prec in (("train", train_precision), ("decode", decode_precision)):
-    storage = prec.cache_storage
-    if storage.quantized:
-      # The kernels assert the cache rows with chex, but the audit does not yet read
-      # them back from the programs: refusing is honest, a PASS would not be.
-      raise UserError(
-          f"The audit does not check a quantized KV cache yet ({phase} phase: "
-          f"{storage.describe()}): its contract rows (codes into the dots, where each "
-          f"scale is applied) are asserted by chex in the kernels but not yet read back "
-          f"from the compiled program. Audit the phase with kv_cache_k_dtype and "
-          f"kv_cache_v_dtype set to 'compute', 'float32' or 'bfloat16'.")
+  """Lowers (and compiles) the three programs and checks each (`audit_program`): a
+  JSON-able dict whose 'ok' is the verdict. The train step runs no KV cache, so the
+  train precision's cache setting applies to no program (`train` refuses one); the
+  prefill and decode step are held to the decode precision's cache rows."""
   programs = lower_programs(config, train_precision, decode_precision, batch=batch,
                             prompt_len=prompt_len, new_tokens=new_tokens)
   # Every key length an attention dot of the programs can contract over: the prompt, the
@@ -363,6 +384,27 @@ def dense_table(result: dict) -> str:
   return "\n".join(lines)
 
 
+def cache_table(result: dict) -> str:
+  """Markdown: the KV cache's rows per (phase, what the program shows, verdict), layers
+  grouped: the codes the keys / values are stored as and enter their dot from, each
+  scale (dtype, shape, the axis it varies along, what it multiplies and in which dtype),
+  the two attention dots' operand types, and the contract's rows."""
+  lines = ["| phase | layers | k stored as | key scale | qk dot | v stored as | value scale "
+           "| wv dot | contract | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+  keys = ("k", "k_scale", "qk", "v", "v_scale", "wv", "contract", "ok")
+  for ph in PHASES:
+    for (k, ks, qk, v, vs, wv, contract, ok), rows in _grouped(
+        result["phases"][ph].get("cache", []), keys).items():
+      lines.append(f"| {ph} | {_layers(r['layer'] for r in rows)} | {k} | {ks} | {qk} | "
+                   f"{v} | {vs} | {wv} | {contract} | {'ok' if ok else 'MISMATCH'} |")
+  return "\n".join(lines)
+
+
+def quantized_cache(result: dict) -> bool:
+  """Whether the prefill and decode step were audited over a quantized KV cache."""
+  return result["phases"]["decode"].get("cache_expected", {}).get("quantized", False)
+
+
 def compiled_table(result: dict) -> str:
   """Markdown: one line per (phase, site, what the backend made of the dot, types)."""
   lines = ["| phase | dot | layers | count | compiled as | lhs x rhs -> accumulation | "
@@ -385,13 +427,20 @@ def verdict(result: dict) -> str:
     n = sum(len(result["phases"][ph]["attention"]) for ph in PHASES)
     compiled = sum(r["count"] for ph in PHASES
                    for r in result["phases"][ph].get("compiled", {}).get("rows", []))
+    cache = (f", and their {quantized_cache_text(result)} cache's codes and scales "
+             f"match its rows" if quantized_cache(result) else "")
     return (f"PASS: all {n} attention dots of the train step, prefill and decode step match "
-            f"the contract for their phase's flags"
+            f"the contract for their phase's flags{cache}"
             + (f"; so do the {compiled} dots this backend compiled them into."
                if compiled else "."))
   shown = "; ".join(result["problems"][:6])
   more = f" (+{len(result['problems']) - 6} more)" if len(result["problems"]) > 6 else ""
   return f"FAIL: {len(result['problems'])} mismatch(es): {shown}{more}"
+
+
+def quantized_cache_text(result: dict) -> str:
+  """'kv_cache=k:int8/token,v:int8/token' of the prefill / decode step."""
+  return result["phases"]["decode"]["cache_expected"]["storage"]
 
 
 def to_markdown(result: dict) -> str:
@@ -409,7 +458,18 @@ def to_markdown(result: dict) -> str:
           "The attentions are found by their structure (`attnprec.inspect`): a dot whose "
           "result flows into a softmax whose result flows into a second dot; `(grad)` rows "
           "are the gradient dots that read their q, k, v or probabilities.", "",
-          attention_table(result), "", "## Dense dots", "", dense_table(result), ""]
+          attention_table(result), "", "## Dense dots", "", dense_table(result), "",
+          "## KV cache (lowered StableHLO, checked against the contract's cache rows)", "",
+          "What each attention reads from the cache: the type its keys' and values' codes "
+          "are stored as (`no codes`: an unquantized cache), each scale (its dtype and "
+          "shape where it is made, the axis it varies along: per key, per channel, and "
+          "what it multiplies, in which dtype), and the operand types of the qk and wv "
+          "dots (`bf16<-i8`: codes converted straight to bf16). The train step runs no "
+          "KV cache: it is held to no codes and no scales"
+          + (" (its precision's cache setting applies to no program here)."
+             if ph["train"]["precision"]["kv_cache_k_dtype"] != "compute"
+             or ph["train"]["precision"]["kv_cache_v_dtype"] != "compute" else "."), "",
+          cache_table(result), ""]
   if any("compiled" in ph[p] for p in PHASES):
     head += ["## What this backend compiled (`lowered.compile().as_text()`), checked", "",
              "Every dot of the optimized HLO, as the backend made it (an XLA dot, a dot "
@@ -419,7 +479,14 @@ def to_markdown(result: dict) -> str:
              "f32 or rounds its logits where the contract asks for f32 logits, f32 "
              "probabilities narrowed into the wv dot, a dense dot accumulating below f32, "
              "or an operand narrower than the compute dtype: MISMATCH. `precision` changes "
-             "no numbers on CPU, so it is checked in the lowered program above.", "",
+             "no numbers on CPU, so it is checked in the lowered program above. A "
+             "quantized KV cache: `bf16<-s8`, an operand converted from s8 codes; "
+             "`(x f32)`, an operand (q, the probabilities) or a result (the logits) "
+             "multiplied by a cache scale, in f32. Codes of another type or converted "
+             "to another than the rows' operand dtype (or f32), another operand from "
+             "codes (a quantized q or probabilities), q or the probabilities narrower "
+             "than their rows, a scale multiply missing or narrower than its row: "
+             "MISMATCH.", "",
              compiled_table(result), ""]
   return "\n".join(head)
 
@@ -465,6 +532,8 @@ def audit_job(*, train_precision: Precision, decode_precision: Precision, run_di
   print(f"prefill/decode step: {decode_precision.describe()}")
   print(xla_env.describe())
   print(attention_table(result))
+  if quantized_cache(result):
+    print(cache_table(result))
   if compile:
     print(compiled_table(result))
   print(verdict(result))

@@ -13,6 +13,7 @@ and einsum equations, as far as XLA kept them. The audit asserts on this summary
 (`attnprec.inspect.report.check_compiled`): a dot's result type is its accumulation type,
 so a compiled dot narrower than the contract's float32 accumulation is a FAIL.
 """
+import collections
 import dataclasses
 import re
 from typing import Dict, Optional
@@ -60,14 +61,22 @@ def site(name: str) -> str:
 
 # ----------------------------------------------------------------------------- compiled
 _HLO_INSTR = re.compile(
-    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<type>\w+)\[(?P<dims>[^\]]*)\](?:\{[^}]*\})? "
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<type>\w+)\[(?P<dims>[^\]]*)\]"
+    r"(?:\{(?P<layout>[^}]*)\})? (?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$")
+# an instruction of a tuple type (a while loop, a conditional, a multi-output fusion)
+_HLO_TUPLE_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = \([^()]*\) "
     r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$")
+_INDEX = re.compile(r"\bindex=(\d+)")
+_LOOP_PARTS = re.compile(r"\b(?:body|condition|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _HLO_OPERAND = re.compile(r"%([\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # '%fused_computation.3 (param_0: bf16[16,64], ...) -> f32[16,128] {' / 'ENTRY %main ...'
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
+_DIMENSIONS = re.compile(r"dimensions=\{([\d,]*)\}")
 _FUSION_KIND = re.compile(r'"kind":"([^"]+)"')      # backend_config's fusion kind
 _FUSION_KIND_HLO = re.compile(r"kind=(k\w+)")      # else HLO's own (kLoop, kCustom, ...)
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
@@ -80,6 +89,25 @@ _NARROW = ("bf16", "f16")
 # dot's operands come from and where its result goes.
 _PASS_THROUGH = ("bitcast", "copy", "transpose", "reshape", "broadcast", "slice",
                  "dynamic-slice")
+
+
+# Ops whose value is another's across a boundary (or a convert of it): followed, with
+# the moves, when reading where an operand comes from.
+_BOUNDARIES = ("convert", "fusion", "parameter", "get-tuple-element")
+# Element types values are quantized to: integers of 2-8 bits, floats of 8 bits or fewer.
+_CODE_INT = re.compile(r"[su](\d+)$")
+_CODE_FLOAT = re.compile(r"f[468]e")
+# Elementwise ops a (de)quantization is made of: followed when looking for codes.
+_ARITHMETIC = ("multiply", "divide", "negate", "clamp", "round-nearest-even",
+               "round-nearest-afz", "maximum", "minimum", "floor", "select")
+
+
+def is_code(hlo_type: str) -> bool:
+  """'s8', 'u8', 's4', 'f8e4m3fn', 'f8e5m2', ...: a type values are quantized to."""
+  m = _CODE_INT.match(hlo_type)
+  if m:
+    return 2 <= int(m.group(1)) <= 8
+  return _CODE_FLOAT.match(hlo_type) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +126,21 @@ class CompiledDot:
   # where the op_name is gone: 'qk' / 'wv' told apart by structure (`compiled_summary`'s
   # head_dim: a batched dot contracting exactly the head dim is a qk product), else None
   inferred_site: Optional[str] = None
+  # a quantized KV cache: the converts from or to a code type (`is_code`: s8, f8e4m3fn,
+  # ...) on each operand's way back, the nearest first ('s8->bf16'), and whether the
+  # nearest reaches the dot through moves, converts and fusion boundaries only
+  lhs_codes: tuple = ()
+  rhs_codes: tuple = ()
+  lhs_codes_direct: bool = True
+  rhs_codes_direct: bool = True
+  # ((type, along, rounded), ...): the multiplies by a broadcast non-constant value on each
+  # operand's way back (along: varying along the axis it contracts: a value scale on the
+  # probabilities, a per-channel key scale on q) and right after the dot (along: varying
+  # along the keys' axis: a per-token key scale on the logits; rounded: the 16-bit type
+  # the scale was converted up from on its way, or '')
+  lhs_scaled: tuple = ()
+  rhs_scaled: tuple = ()
+  scaled_after: tuple = ()
 
   @property
   def backward(self) -> bool:
@@ -120,11 +163,22 @@ class CompiledDot:
 
   @property
   def described(self) -> str:
-    """'f32<-bf16 x bf16 -> f32->bf16' (the audit's notation)."""
-    lhs = self.lhs_type + (f"<-{self.lhs_from}" if self.lhs_from else "")
-    rhs = self.rhs_type + (f"<-{self.rhs_from}" if self.rhs_from else "")
+    """'f32<-bf16 x bf16 -> f32->bf16' (the audit's notation); codes an operand is made
+    from: 'bf16<-s8'; a cache scale: '(x f32)' on an operand, '-> f32 (x f32)' after."""
+    def operand(t, up, codes, scaled):
+      code = codes[0].split("->")[0] if codes else None
+      return t + (f"<-{up}" if up else "") + (f"<-{code}" if code else "") + _times(scaled)
+    lhs = operand(self.lhs_type, self.lhs_from, self.lhs_codes, self.lhs_scaled)
+    rhs = operand(self.rhs_type, self.rhs_from, self.rhs_codes, self.rhs_scaled)
     return f"{lhs} x {rhs} -> {self.result_type}" + (
-        f"->{self.rounded_to}" if self.rounded_to else "")
+        f"->{self.rounded_to}" if self.rounded_to else "") + _times(self.scaled_after)
+
+
+def _times(scaled: tuple) -> str:
+  """' (x f32)' for the scalings along the tracked axis (a cache scale's: ' (x f32<-bf16)'
+  where the scale was rounded to bf16 on its way), else ''."""
+  types = sorted({t + (f"<-{up}" if up else "") for t, along, up in scaled if along})
+  return f" (x {'/'.join(types)})" if types else ""
 
 
 @dataclasses.dataclass
@@ -137,6 +191,7 @@ class _Instr:
   computation: str
   root: bool
   dims: tuple = ()
+  layout: Optional[tuple] = None     # minor-to-major, when the text gives one
 
 
 class _Program:
@@ -154,23 +209,42 @@ class _Program:
         computation = c.group("name")
         continue
       m = _HLO_INSTR.match(line)
-      if not m:
+      t = None if m else _HLO_TUPLE_INSTR.match(line)
+      if t:
+        i = _Instr(t.group("name"), "tuple", t.group("op"),
+                   _HLO_OPERAND.findall(t.group("args")), t.group("rest"), computation,
+                   line.lstrip().startswith("ROOT "))
+      elif m:
+        i = _Instr(m.group("name"), m.group("type"), m.group("op"),
+                   _HLO_OPERAND.findall(m.group("args")), m.group("rest"), computation,
+                   line.lstrip().startswith("ROOT "),
+                   tuple(int(x) for x in m.group("dims").split(",") if x.strip().isdigit()),
+                   _layout(m.group("layout")))
+      else:
         continue
-      i = _Instr(m.group("name"), m.group("type"), m.group("op"),
-                 _HLO_OPERAND.findall(m.group("args")), m.group("rest"), computation,
-                 line.lstrip().startswith("ROOT "),
-                 tuple(int(x) for x in m.group("dims").split(",") if x.strip().isdigit()))
       self.instrs[i.name] = i
       if i.root:
         self.roots[computation] = i.name
-      if i.op == "parameter":
+      if i.op == "parameter" and m:
         self.params[(computation, int(m.group("args") or 0))] = i.name
     self.callers: Dict[str, _Instr] = {}       # fused computation -> its fusion
     self.kind_of: Dict[str, str] = {}
     self.users: Dict[str, list] = {}
+    # while body / condition, conditional branch -> (the instruction, its tuple operand)
+    self.loop_of: Dict[str, tuple] = {}
     for i in self.instrs.values():
       for k, o in enumerate(i.operands):
         self.users.setdefault(o, []).append((i, k))
+      if i.op == "while":
+        for c in _LOOP_PARTS.findall(i.rest):
+          self.loop_of[c] = (i, 0)
+      elif i.op == "conditional":
+        named = _LOOP_PARTS.findall(i.rest)      # true_computation, false_computation
+        listed = _BRANCHES.search(i.rest)
+        branches = ([b.strip().lstrip("%") for b in listed.group(1).split(",")]
+                    if listed else named)
+        for j, c in enumerate(branches):
+          self.loop_of[c] = (i, j + 1)
       if i.op == "fusion":
         called = _CALLS.search(i.rest)
         kind = _FUSION_KIND.search(i.rest) or _FUSION_KIND_HLO.search(i.rest)
@@ -203,6 +277,178 @@ class _Program:
         return self.upcast_from(caller.operands[index], depth - 1)
     return None
 
+  def _tuple_element(self, t: Optional[_Instr], k: int, depth: int = 8) -> list:
+    """The values element k of the tuple value t can be: a tuple's operand, a while
+    loop's initial or carried element, a fused computation's root element, a loop body's
+    or branch's parameter element."""
+    if t is None or depth == 0:
+      return []
+    if t.op == "tuple":
+      return [t.operands[k]] if k < len(t.operands) else []
+    if t.op in ("while", "fusion"):
+      called = (_LOOP_PARTS.findall(t.rest) if t.op == "while" else
+                [c.group(1) for c in [_CALLS.search(t.rest)] if c])
+      roots = [self.instrs.get(self.roots.get(c, "")) for c in called]
+      out = [v for r in roots for v in self._tuple_element(r, k, depth - 1)]
+      if t.op == "while" and t.operands:
+        out += self._tuple_element(self.instrs.get(t.operands[0]), k, depth - 1)
+      return out
+    if t.op == "parameter" and t.computation in self.loop_of:
+      owner, j = self.loop_of[t.computation]
+      if owner.op == "while":
+        return self._tuple_element(owner, k, depth - 1)
+      return self._tuple_element(self.instrs.get(owner.operands[j]), k, depth - 1) \
+          if j < len(owner.operands) else []
+    if t.op == "get-tuple-element":
+      return [v for src in self._sources(t)
+              for v in self._tuple_element(self.instrs.get(src), k, depth - 1)]
+    return []
+
+  def _sources(self, i: _Instr) -> list:
+    """The values an instruction reads, a fusion's root, a fused parameter's argument
+    and a tuple element's sources standing in for fusion, loop and branch boundaries."""
+    if i.op == "get-tuple-element" and i.operands:
+      index = _INDEX.search(i.rest)
+      return self._tuple_element(self.instrs.get(i.operands[0]),
+                                 int(index.group(1))) if index else []
+    if i.op == "fusion":
+      called = _CALLS.search(i.rest)
+      root = self.roots.get(called.group(1)) if called else None
+      return [root] if root else []
+    if i.op == "parameter" and i.computation in self.callers:
+      index = next((p for (c, p), n in self.params.items()
+                    if c == i.computation and n == i.name), -1)
+      caller = self.callers[i.computation]
+      return [caller.operands[index]] if 0 <= index < len(caller.operands) else []
+    return i.operands
+
+  def code_casts(self, name: str, limit: int = 400) -> tuple:
+    """((converts from or to a code type, nearest first: 's8->bf16'), direct) on the way
+    back from the value `name` through moves, converts, fusion boundaries and elementwise
+    arithmetic; direct: the nearest reached through moves, converts and boundaries only."""
+    casts, direct = [], None
+    queue, seen = collections.deque([(name, True)]), set()
+    while queue and len(seen) < limit:
+      n, moved_only = queue.popleft()
+      i = self.instrs.get(n)
+      if i is None or n in seen:
+        continue
+      seen.add(n)
+      if i.op == "convert" and i.operands:
+        src = self.instrs.get(i.operands[0])
+        if src is not None and (is_code(src.type) or is_code(i.type)):
+          casts.append(f"{src.type}->{i.type}")
+          direct = moved_only if direct is None else direct
+      moves = i.op in _PASS_THROUGH or i.op in _BOUNDARIES
+      if moves or i.op in _ARITHMETIC:
+        queue.extend((o, moved_only and moves) for o in self._sources(i))
+    return tuple(casts), bool(direct) if casts else True
+
+  def _broadcast_dims(self, name: str, dims: tuple) -> Optional[tuple]:
+    """(the dims it varies along, the 16-bit type it was converted up from or '') of the
+    multiply's operand `name` (of shape `dims`), if it is a broadcast of a value no
+    constant makes (through same-shape moves and fusion boundaries); None otherwise (a
+    constant, or a full array)."""
+    i = self.instrs.get(name)
+    for _ in range(8):
+      if i is None or i.dims != dims:
+        return None
+      if i.op == "broadcast":
+        if not i.operands or self._constant(i.operands[0]):
+          return None
+        return (tuple(int(x) for x in _dimensions(i.rest)),
+                self.upcast_from(i.operands[0]) or "")
+      if i.op not in ("copy", "bitcast") and i.op not in _BOUNDARIES:
+        return None
+      src = self._sources(i)
+      i = self.instrs.get(src[0]) if src else None
+    return None
+
+  def _constant(self, name: str, depth: int = 8) -> bool:
+    i = self.instrs.get(name)
+    if i is None or depth == 0:
+      return False
+    if i.op in ("constant", "iota"):
+      return True
+    if i.op in _PASS_THROUGH or i.op in _BOUNDARIES:
+      src = self._sources(i)
+      return bool(src) and all(self._constant(o, depth - 1) for o in src)
+    return False
+
+  def _axis_back(self, i: _Instr, axis: Optional[int]) -> list:
+    """[(source, its axis)] for the values i is moved from (axis None: not tracked)."""
+    src = self._sources(i)
+    if axis is None or i.op in _BOUNDARIES or i.op == "copy":
+      return [(o, axis) for o in src]
+    if i.op == "transpose":
+      perm = _dimensions(i.rest)
+      return [(src[0], perm[axis] if axis < len(perm) else None)]
+    if i.op in ("bitcast", "reshape") and src and src[0] in self.instrs:
+      return [(src[0], _moved_axis(i.op, i, self.instrs[src[0]], axis))]
+    return [(o, None) for o in src]
+
+  def _axis_forward(self, user: _Instr, k: int, axis: Optional[int]) -> Optional[int]:
+    if axis is None or user.op in ("fusion", "convert", "copy"):
+      return axis
+    if user.op == "transpose":
+      perm = _dimensions(user.rest)
+      return perm.index(axis) if axis in perm else None
+    if user.op in ("bitcast", "reshape"):
+      return _moved_axis(user.op, self.instrs[user.operands[k]], user, axis)
+    return None
+
+  def scaled_before(self, name: str, axis: Optional[int], limit: int = 200) -> tuple:
+    """((type, along, rounded), ...): the multiplies by a broadcast non-constant value on
+    the way back from the operand `name` (through moves, converts, fusion boundaries and
+    other multiplies); along: whether the broadcast varies along `axis` of the operand
+    (its contracted one: the keys for the probabilities, the head dim for q); rounded:
+    the 16-bit type the broadcast value was converted up from, or ''."""
+    found, stack, seen = [], [(name, axis)], set()
+    while stack and len(seen) < limit:
+      n, ax = stack.pop()
+      i = self.instrs.get(n)
+      if i is None or (n, ax) in seen:
+        continue
+      seen.add((n, ax))
+      if i.op == "multiply":
+        for o in i.operands:
+          scale = self._broadcast_dims(o, i.dims)
+          if scale is not None:
+            found.append((i.type, ax is not None and ax in scale[0], scale[1]))
+          elif not self._constant(o):
+            stack.append((o, ax))
+      elif i.op in _PASS_THROUGH or i.op in _BOUNDARIES:
+        stack.extend(self._axis_back(i, ax))
+    return tuple(sorted(set(found)))
+
+  def scaled_after(self, name: str, axis: Optional[int], depth: int = 8) -> tuple:
+    """((type, along, rounded), ...): the multiplies by a broadcast non-constant value the
+    result `name` goes through right after it is made (through moves, fusion boundaries
+    and constant multiplies); along: whether it varies along `axis` of the result."""
+    if depth == 0 or name not in self.instrs:
+      return ()
+    i = self.instrs[name]
+    found, targets = set(), []
+    if i.root and i.computation in self.callers:
+      targets.append((self.callers[i.computation].name, axis))
+    for user, k in self.users.get(name, []):
+      if user.op == "multiply" and len(user.operands) == 2:
+        scale = self._broadcast_dims(user.operands[1 - k], user.dims)
+        if scale is not None:
+          found.add((user.type, axis is not None and axis in scale[0], scale[1]))
+        elif self._constant(user.operands[1 - k]):
+          targets.append((user.name, axis))
+      elif user.op in ("bitcast", "copy", "transpose", "reshape", "convert"):
+        targets.append((user.name, self._axis_forward(user, k, axis)))
+      elif user.op == "fusion":
+        called = _CALLS.search(user.rest)
+        param = self.params.get((called.group(1), k)) if called else None
+        if param:
+          targets.append((param, axis))
+    for t, ax in targets:
+      found.update(self.scaled_after(t, ax, depth - 1))
+    return tuple(sorted(found))
+
   def rounded_to(self, name: str, depth: int = 6) -> Optional[str]:
     """The 16-bit type the value `name` is converted down to by what uses it (through
     moves, into fusions and out of a fusion whose root it is), else None."""
@@ -229,6 +475,89 @@ class _Program:
     return None
 
 
+def _layout(text: Optional[str]) -> Optional[tuple]:
+  """'3,2,1,0' -> (3, 2, 1, 0); None where there is none (or tiling follows it)."""
+  if not text or not all(x.strip().isdigit() for x in text.split(",")):
+    return None
+  return tuple(int(x) for x in text.split(","))
+
+
+def _dimensions(rest: str) -> list:
+  m = _DIMENSIONS.search(rest)
+  return [int(x) for x in m.group(1).split(",") if x] if m else []
+
+
+def _reshaped_axis(axis: int, src: tuple, dst: tuple, src_layout: Optional[tuple] = None,
+                   dst_layout: Optional[tuple] = None) -> Optional[int]:
+  """The axis of dst that holds exactly axis `axis` of src (the same span of elements in
+  memory order) when a value of shape src is reshaped, or bitcast with these layouts
+  (minor-to-major; None: row-major), to shape dst; None if none does."""
+  def spans(shape, layout):
+    order = layout if layout is not None else tuple(range(len(shape)))[::-1]
+    out, inner = {}, 1
+    for d in order:
+      out[d] = (inner, inner * shape[d])
+      inner *= shape[d]
+    return out
+  if axis >= len(src) or src[axis] == 1:
+    return None
+  want = spans(src, src_layout)[axis]
+  return next((j for j, sp in spans(dst, dst_layout).items() if sp == want and dst[j] != 1),
+              None)
+
+
+def _moved_axis(op: str, src: _Instr, dst: _Instr, axis: int) -> Optional[int]:
+  """`_reshaped_axis` from instruction src's value to dst's, related by `op`: a reshape
+  (logical: row-major) or a bitcast (physical: by their layouts)."""
+  if op == "reshape":
+    return _reshaped_axis(axis, src.dims, dst.dims)
+  return _reshaped_axis(axis, src.dims, dst.dims, src.layout, dst.layout)
+
+
+def _dot_dims(rest: str, key: str) -> tuple:
+  m = re.search(key + r"=\{([\d,]*)\}", rest)
+  return tuple(int(x) for x in m.group(1).split(",") if x) if m else ()
+
+
+def _key_axis(i: _Instr, prog: "_Program", codes: tuple) -> Optional[int]:
+  """The result axis of a dot that the operand holding codes (keys) contributes, when it
+  has exactly one free dim (a qk product's key axis), else None."""
+  coded = [k for k in (0, 1) if codes[k]]
+  if len(coded) != 1:
+    return None
+  side = ("lhs", "rhs")[coded[0]]
+  operand = prog.instrs.get(i.operands[coded[0]])
+  if operand is None:
+    return None
+  batch = _dot_dims(i.rest, f"{side}_batch_dims")
+  free = [d for d in range(len(operand.dims))
+          if d not in batch and d not in _dot_dims(i.rest, f"{side}_contracting_dims")]
+  if len(free) != 1:
+    return None
+  lhs = prog.instrs.get(i.operands[0])
+  lhs_free = 0 if lhs is None else len(lhs.dims) - len(_dot_dims(i.rest, "lhs_batch_dims")) \
+      - len(_dot_dims(i.rest, "lhs_contracting_dims"))
+  return len(batch) + (0 if side == "lhs" else lhs_free)
+
+
+def _contracted_axis(i: _Instr, side: str) -> Optional[int]:
+  dims = _dot_dims(i.rest, f"{side}_contracting_dims")
+  return dims[0] if len(dims) == 1 else None
+
+
+def _cache_reads(dot: CompiledDot, i: _Instr, prog: _Program) -> CompiledDot:
+  """An attention dot with what a quantized KV cache leaves on it: the codes its
+  operands are converted from and the scale multiplies on its operands and result."""
+  (lhs_codes, lhs_direct), (rhs_codes, rhs_direct) = (
+      prog.code_casts(o) for o in i.operands[:2])
+  return dataclasses.replace(
+      dot, lhs_codes=lhs_codes, rhs_codes=rhs_codes, lhs_codes_direct=lhs_direct,
+      rhs_codes_direct=rhs_direct,
+      lhs_scaled=prog.scaled_before(i.operands[0], _contracted_axis(i, "lhs")),
+      rhs_scaled=prog.scaled_before(i.operands[1], _contracted_axis(i, "rhs")),
+      scaled_after=prog.scaled_after(i.name, _key_axis(i, prog, (lhs_codes, rhs_codes))))
+
+
 def compiled_summary(text: str, head_dim: Optional[int] = None,
                      key_lengths: tuple = ()) -> dict:
   """What the backend compiled: {'dots': [CompiledDot], 'converts': {'bf16->f32': n},
@@ -242,7 +571,13 @@ def compiled_summary(text: str, head_dim: Optional[int] = None,
   size 1). With `head_dim` (and the key lengths S the program attends over), such a
   batched dot of a forward program is attributed by structure: contracting exactly the
   head dim -> 'qk', contracting a key length -> 'wv' (left 'other' where head_dim is
-  itself a key length)."""
+  itself a key length).
+
+  Attention dots (qk / wv) also get what a quantized KV cache leaves on them
+  (`_cache_reads`): the converts from a code type on each operand's way back (through
+  moves, fusion, loop and branch boundaries and elementwise arithmetic) and the
+  multiplies by a broadcast cache scale on the operands and the result, told apart from
+  the softmax's normalisation by the axis they vary along."""
   prog = _Program(text)
   dots, converts, fusions = [], {}, 0
   for i in prog.instrs.values():
@@ -263,10 +598,11 @@ def compiled_summary(text: str, head_dim: Optional[int] = None,
       if batched and head_dim and head_dim not in key_lengths and len(contracting) == 1:
         inferred = ("qk" if contracting[0] == head_dim else
                     "wv" if contracting[0] in key_lengths else None)
-      dots.append(CompiledDot(types[0], types[1], i.type, name.group(1) if name else "",
-                              batched, via, prog.upcast_from(i.operands[0]),
-                              prog.upcast_from(i.operands[1]), prog.rounded_to(i.name),
-                              contracting, inferred))
+      dot = CompiledDot(types[0], types[1], i.type, name.group(1) if name else "",
+                        batched, via, prog.upcast_from(i.operands[0]),
+                        prog.upcast_from(i.operands[1]), prog.rounded_to(i.name),
+                        contracting, inferred)
+      dots.append(_cache_reads(dot, i, prog) if dot.site in ("qk", "wv") else dot)
     elif i.op == "convert" and i.operands:
       src = prog.instrs.get(i.operands[0])
       key = f"{src.type if src else '?'}->{i.type}"

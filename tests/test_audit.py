@@ -22,11 +22,10 @@ from attnprec.precision import Precision, phase_precision
 
 CONFIG = ModelConfig(vocab_size=13, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=8, mlp_hidden=32, max_seq_len=64)
-ALL_PRESETS = sorted(glob.glob(os.path.join(ginutils.REPO_GIN_DIR, "precision", "*.gin")))
-# The quantized-cache presets are refused by the audit until it reads the cache rows back
-# (test_a_quantized_cache_is_refused_not_passed).
-KV_PRESETS = [p for p in ALL_PRESETS if os.path.basename(p).startswith("kv_")]
-PRESETS = [p for p in ALL_PRESETS if p not in KV_PRESETS]
+PRESETS = sorted(glob.glob(os.path.join(ginutils.REPO_GIN_DIR, "precision", "*.gin")))
+# The quantized-KV-cache presets (int8 / float8 codes with float32 scales): the audit reads
+# their cache rows back from the prefill and decode programs (tests at the end).
+KV_PRESETS = [p for p in PRESETS if os.path.basename(p).startswith("kv_")]
 RUNNER = os.path.join(os.path.dirname(ginutils.REPO_GIN_DIR), "runners", "audit.py")
 
 
@@ -372,11 +371,239 @@ def test_inspect_report_checks_the_compiled_program_too(monkeypatch):
   assert any(p.startswith("compiled qk") for p in report.problems())
 
 
+# ----------------------------------------------------------------------------- KV cache
+# The kernels that take a quantized cache (jax_nn refuses one by name), and the attention
+# flags each passes the audit with: blockwise with both flags off fails it without any
+# cache as well (its float32 running max is cast to bf16 on the logits' way to the exp).
+KV_KERNELS = ("dot_product", "blockwise")
+KV_FLAGS = {"dot_product": [(True, True), (True, False), (False, True), (False, False)],
+            "blockwise": [(True, True), (True, False), (False, True)]}
+# the codes each preset stores, as StableHLO and HLO name them
+KV_CODE = {"kv_int8.gin": ("i8", "s8"), "kv_fp8.gin": ("f8E4M3FN", "f8e4m3fn")}
+KV_INT8 = os.path.join(ginutils.REPO_GIN_DIR, "precision", "kv_int8.gin")
+CACHE_LENGTH = 16                        # the audit's prompt_len 8 + new_tokens 8
+
+
+def _kv_phases(preset, kernel, qk=True, logits=True, k_scale=None):
+  bindings = [f"precision.kernel = '{kernel}'", f"precision.float32_qk_product = {qk}",
+              f"precision.float32_logits = {logits}"]
+  if k_scale:
+    bindings.append(f"precision.kv_cache_k_scale = '{k_scale}'")
+  return _phases([preset], bindings)
+
+
+def _compiled_types(result, phase, site):
+  return [r["types"] for r in result["phases"][phase]["compiled"]["rows"]
+          if r["site"] == site]
+
+
+def test_the_kv_presets_are_audited():
+  assert sorted(os.path.basename(p) for p in KV_PRESETS) == sorted(KV_CODE)
+
+
+@pytest.mark.parametrize("kernel", KV_KERNELS)
 @pytest.mark.parametrize("preset", KV_PRESETS, ids=lambda p: os.path.basename(p))
-def test_a_quantized_cache_is_refused_not_passed(preset):
-  """The audit cannot yet read a quantized cache's rows from the programs: it says so
-  (a UserError naming the setting) instead of passing them unchecked."""
-  assert KV_PRESETS, "the kv_*.gin presets exist"
-  p = _phases([preset])
-  with pytest.raises(UserError, match=r"does not check a quantized KV cache yet.*kv_cache=k:"):
-    audit.run_audit(CONFIG, p["train"], p["decode"], compile=False)
+def test_kv_presets_pass_with_their_cache_rows_read_back(preset, kernel):
+  """Every flag combination over the preset's cache: the prefill and decode programs
+  show the codes the keys and values are stored as, converted straight to the dots'
+  operand dtype, and the float32 per-token scales on the logits (in the logits dtype)
+  and the probabilities (in the probs dtype); the train step shows no cache."""
+  code, _ = KV_CODE[os.path.basename(preset)]
+  B, K, S = 2, CONFIG.num_kv_heads, CACHE_LENGTH
+  for qk, logits in KV_FLAGS[kernel]:
+    p = _kv_phases(preset, kernel, qk, logits)
+    result = audit.run_audit(CONFIG, p["train"], p["decode"], compile=False)
+    assert result["ok"], (qk, logits, result["problems"])
+    lg, probs = ("f32" if qk else "bf16"), ("f32" if qk or logits else "bf16")
+    rounded = lambda dt: "" if dt == "f32" else " (f32->bf16)"  # noqa: E731
+    for phase in ("prefill", "decode"):
+      rows = result["phases"][phase]["cache"]
+      assert sorted(r["layer"] for r in rows) == [0, 1], rows
+      for r in rows:
+        assert (r["k"], r["v"]) == (code, code), r
+        assert r["k_scale"] == f"f32[{B}, {K}, {S}] per key, on the logits in {lg}{rounded(lg)}"
+        assert r["v_scale"] == (f"f32[{B}, {K}, {S}] per key, on the probabilities in "
+                                f"{probs}{rounded(probs)}")
+        assert f"bf16<-{code}" in r["qk"] and f"{probs}<-{code}" in r["wv"], r
+    train = result["phases"]["train"]["cache"]
+    assert {(r["k"], r["k_scale"], r["v"], r["v_scale"]) for r in train} == {
+        ("no codes", "none", "no codes", "none")}
+
+
+@pytest.mark.parametrize("kernel", KV_KERNELS)
+@pytest.mark.parametrize("preset", KV_PRESETS, ids=lambda p: os.path.basename(p))
+def test_kv_presets_pass_the_compiled_check(preset, kernel):
+  """As compiled: the attention dots read the codes (converted from s8 / f8e4m3fn), the
+  qk result is multiplied by the key scale in f32 and the probabilities by the value
+  scale in f32, each told apart from the softmax's normalisation by the keys' axis."""
+  code, hlo_code = KV_CODE[os.path.basename(preset)]
+  p = _kv_phases(preset, kernel)
+  result = audit.run_audit(CONFIG, p["train"], p["decode"])
+  assert result["ok"], result["problems"]
+  for phase in ("prefill", "decode"):
+    qk, wv = (_compiled_types(result, phase, site) for site in ("qk", "wv"))
+    assert qk and all(f"<-{hlo_code}" in t and t.endswith("-> f32 (x f32)") for t in qk), qk
+    assert wv and all(f"<-{hlo_code}" in t and "(x f32)" in t for t in wv), wv
+  assert f"| prefill | 0,1 | {code} |" in audit.cache_table(result)
+  assert "## KV cache" in audit.to_markdown(result)
+  assert "cache's codes and scales match its rows" in audit.verdict(result)
+
+
+@pytest.mark.parametrize("kernel", KV_KERNELS)
+def test_a_per_channel_key_scale_is_read_back_on_q(kernel):
+  """kv_cache_k_scale = 'channel': the scale multiplies q (float32, float32_qk_product)
+  along the head dim, in the lowered program and in the compiled one; the logits carry
+  no key scale."""
+  p = _kv_phases(KV_INT8, kernel, k_scale="channel")
+  result = audit.run_audit(CONFIG, p["train"], p["decode"])
+  assert result["ok"], result["problems"]
+  for phase in ("prefill", "decode"):
+    for r in result["phases"][phase]["cache"]:
+      assert r["k_scale"] == f"f32[2, {CONFIG.num_kv_heads}, {CONFIG.head_dim}] per " \
+                             f"channel, on q in f32", r
+      assert "f32<-i8" in r["qk"] and "bf16" not in r["qk"], r
+    qk = _compiled_types(result, phase, "qk")
+    assert qk and all("f32 (x f32) x" in t or "x f32 (x f32)" in t for t in qk), qk
+    assert not any(t.endswith("(x f32)") for t in qk), qk
+
+
+# Deliberately wrong variants: each breaks one cache row of the contract in the kernels'
+# shared helpers (`attnprec.contract`), as a kernel bug would, and must FAIL the audit.
+def _quantized_query(monkeypatch):
+  """q rounded through float8_e4m3fn before the qk dot (the contract never quantizes q)."""
+  import jax
+  import jax.numpy as jnp
+
+  from attnprec import contract
+  real = contract.query_operand
+
+  def query_operand(q, rows, kv_scales):
+    out = real(q, rows, kv_scales)
+    return out.astype(jnp.float8_e4m3fn).astype(out.dtype)
+
+  monkeypatch.setattr(contract, "query_operand", query_operand)
+  jax.clear_caches()
+
+
+def _scale_columns_variant(monkeypatch, *, key=None, value=None):
+  """contract.scale_columns with the key scale's call (the first of each pair: both
+  kernels scale the logits, then the probabilities) and / or the value scale's replaced
+  by key(real, x, scale, dtype) / value(...)."""
+  import jax
+
+  from attnprec import contract
+  real, calls = contract.scale_columns, [0]
+
+  def scale_columns(x, scale, dtype):
+    calls[0] += 1
+    wrong = key if calls[0] % 2 == 1 else value
+    return wrong(real, x, scale, dtype) if wrong else real(x, scale, dtype)
+
+  monkeypatch.setattr(contract, "scale_columns", scale_columns)
+  jax.clear_caches()
+
+
+def _kv_int8_result(kernel="dot_product", compile=True):
+  p = _kv_phases(KV_INT8, kernel)
+  return audit.run_audit(CONFIG, p["train"], p["decode"], compile=compile)
+
+
+def _lowered_problems(result, phase):
+  return [q for q in result["phases"][phase]["problems"] if " compiled " not in f" {q}"]
+
+
+@pytest.mark.parametrize("kernel", KV_KERNELS)
+def test_a_quantized_query_fails_lowered_and_compiled(monkeypatch, kernel):
+  """q rounded through float8 before the qk dot, in every phase."""
+  _quantized_query(monkeypatch)
+  result = _kv_int8_result(kernel)
+  assert not result["ok"]
+  # the train step has no cache, and its q is quantized all the same: caught there too
+  train = _lowered_problems(result, "train")
+  assert any("no KV cache): q is never quantized" in q for q in train), train
+  for phase in ("prefill", "decode"):
+    lowered = _lowered_problems(result, phase)
+    compiled = result["phases"][phase]["compiled"]["problems"]
+    assert any("q is quantized" in q and "f8E4M3FN" in q for q in lowered), lowered
+    assert any("q is quantized" in q and "f8e4m3fn" in q for q in compiled), compiled
+  assert "MISMATCH" in audit.cache_table(result)
+
+
+@pytest.mark.parametrize("kernel", KV_KERNELS)
+def test_a_key_scale_applied_after_a_bf16_cast_fails(monkeypatch, kernel):
+  """The per-token key scale multiplies the logits after they are cast to bf16 (the
+  contract: in the f32 logits dtype): the lowered program shows the multiply in bf16,
+  the compiled one the qk dot's f32 logits rounded to bf16."""
+  import jax.numpy as jnp
+  _scale_columns_variant(monkeypatch, key=lambda real, x, s, dtype: real(
+      x.astype(jnp.bfloat16), s, jnp.bfloat16).astype(dtype))
+  result = _kv_int8_result(kernel)
+  assert not result["ok"]
+  for phase in ("prefill", "decode"):
+    lowered = _lowered_problems(result, phase)
+    compiled = result["phases"][phase]["compiled"]["problems"]
+    assert any("per-token key scale multiplies the logits in bf16; the contract applies "
+               "it in f32" in q for q in lowered), lowered
+    assert any("logits are rounded to bf16 right after" in q for q in compiled), compiled
+
+
+def test_quantized_probabilities_fail_lowered_and_compiled(monkeypatch):
+  import jax.numpy as jnp
+  _scale_columns_variant(monkeypatch, value=lambda real, x, s, dtype: real(
+      x, s, dtype).astype(jnp.float8_e4m3fn).astype(dtype))
+  result = _kv_int8_result()
+  for phase in ("prefill", "decode"):
+    lowered = _lowered_problems(result, phase)
+    compiled = result["phases"][phase]["compiled"]["problems"]
+    assert any("the probabilities come from codes" in q and "quantized" in q
+               for q in lowered), lowered
+    assert any("the probabilities are quantized" in q for q in compiled), compiled
+
+
+def test_a_key_scale_rounded_to_bf16_fails_lowered_and_compiled(monkeypatch):
+  """The f32 key scale rounded through bf16 before it multiplies the f32 logits."""
+  import jax.numpy as jnp
+  _scale_columns_variant(monkeypatch, key=lambda real, x, s, dtype: real(
+      x, s.astype(jnp.bfloat16).astype(s.dtype), dtype))
+  result = _kv_int8_result()
+  for phase in ("prefill", "decode"):
+    lowered = _lowered_problems(result, phase)
+    compiled = result["phases"][phase]["compiled"]["problems"]
+    assert any("key scale is rounded on its way to the logits (f32->bf16)" in q
+               for q in lowered), lowered
+    assert any("key scale is rounded to bf16 before it multiplies the logits" in q
+               for q in compiled), compiled
+
+
+def test_codes_entering_the_qk_dot_in_another_dtype_fail(monkeypatch):
+  """The keys' int8 codes cast to f32 for the qk dot where the rows say bf16 (jnp then
+  upcasts q too): exact, but not the contract's operand dtype."""
+  import jax
+  import jax.numpy as jnp
+
+  from attnprec import contract
+  real = contract.code_operand
+  monkeypatch.setattr(contract, "code_operand", lambda x, rows, row: (
+      x.astype(jnp.float32) if rows is not None and row == "k_into_qk" else
+      real(x, rows, row)))
+  jax.clear_caches()
+  result = _kv_int8_result(compile=False)
+  for phase in ("prefill", "decode"):
+    problems = result["phases"][phase]["problems"]
+    assert any("the keys' codes are cast to f32 (i8->f32); the contract's operand dtype "
+               "is bf16" in q for q in problems), problems
+    assert any("q enters as f32" in q for q in problems), problems
+
+
+def test_the_runner_passes_a_kv_preset_and_exits_3_on_a_quantized_query(tmp_path,
+                                                                       monkeypatch):
+  runner = _runner()
+  small = ["--gin.model.num_layers=1"]
+  ok = tmp_path / "ok"
+  assert runner.main(["--gin_file=precision/kv_int8.gin", f"--run_dir={ok}"] + small) == 0
+  md = (ok / "audit.md").read_text()
+  assert "## KV cache" in md and "| decode | 0 | i8 |" in md and "PASS" in md
+  _quantized_query(monkeypatch)
+  bad = tmp_path / "bad"
+  assert runner.main(["--gin_file=precision/kv_int8.gin", f"--run_dir={bad}"] + small) == 3
+  assert "q is quantized" in (bad / "audit.md").read_text()

@@ -29,8 +29,22 @@ Gradient (backward) dots of an attention are the other dots that read the same q
 or probabilities (followed back through data movement: converts, reshapes, transposes,
 slices, dynamic_update_slice stacks, loop carries): dk reads q, dq reads k, dp reads v,
 dv reads p. Every other dot is a dense dot.
+
+A quantized KV cache leaves two more things in the program, read here as well:
+  codes      converts from or to an 8-bit (or narrower) type (`is_code`: int8, float8, ...)
+             on a dot operand's way to the dot (`DotSite.lhs_codes` / `rhs_codes`,
+             `CodeCasts`): keys / values read from their codes, or a quantized q;
+  scalings   multiplies by a value broadcast from a smaller array that no constant makes
+             (`Scaling`): on the path from the qk dot to the softmax (a per-key scale of
+             the logits), between the probabilities and the wv dot (a per-key scale of
+             the probabilities; the finder follows the probabilities through it), and on
+             the qk dot's operands (a per-channel scale of q). Which axes a scale varies
+             along is read by following them to the softmax's axis or the qk contraction.
 """
+import collections
 import dataclasses
+import math
+import re
 from typing import Dict, List, Optional, Set, Tuple
 
 from attnprec.inspect.mlir_graph import Graph, Node, Value, dot_info, int_list
@@ -50,6 +64,26 @@ BITS = {"f64": 64, "f32": 32, "bf16": 16, "f16": 16, "f8E4M3FN": 8, "f8E5M2": 8}
 
 
 # ----------------------------------------------------------------------------- plain data
+@dataclasses.dataclass
+class CodeCasts:
+  """The converts from or to a code type (`is_code`) on a dot operand's way back from the
+  dot, through data movement and elementwise arithmetic (no dot, no reduction)."""
+  casts: List[str]         # 'i8->bf16', the one nearest the dot first
+  direct: bool             # the nearest reaches the dot through layout ops and converts only
+
+
+@dataclasses.dataclass
+class Scaling:
+  """A multiply by a value broadcast from a smaller array that no constant makes: how a
+  quantized cache's scales are applied (`contract.cache_stage_dtypes`)."""
+  dtype: str               # the dtype the multiply runs in
+  scale: str               # the scale's dtype where it was made, before any convert
+  shape: List[int]         # the scale's shape before it was broadcast
+  along: str               # 'keys' (varies along the softmax axis), 'channels' (along the
+                           # qk dot's contraction), 'elementwise' (not broadcast), 'other'
+  casts: List[str] = dataclasses.field(default_factory=list)  # on the scale's way: 'f32->bf16'
+
+
 @dataclasses.dataclass
 class DotSite:
   """One dot_general, as the contract sees it."""
@@ -72,6 +106,8 @@ class DotSite:
   reads: List[str] = dataclasses.field(default_factory=list)  # the program arguments its
   # operands are made of (through data movement), by their pytree path in the location,
   # e.g. "params['decoder/layer_0/attn/q']['w']": which parameter a dense dot applies
+  lhs_codes: Optional[CodeCasts] = None  # code converts on each operand's way (None: none)
+  rhs_codes: Optional[CodeCasts] = None
 
   @property
   def precision_text(self) -> str:
@@ -97,6 +133,10 @@ class Attention:
   mask: List[str]          # 'select' and/or 'bias'
   logits_scale: bool       # a multiply/divide by a constant between qk and softmax
   backward: List[DotSite] = dataclasses.field(default_factory=list)
+  probs_operand: int = 0   # which wv operand (0 lhs, 1 rhs) holds the probabilities
+  logits_scales: List[Scaling] = dataclasses.field(default_factory=list)  # qk -> softmax
+  probs_scales: List[Scaling] = dataclasses.field(default_factory=list)   # probs -> wv
+  q_scales: List[Scaling] = dataclasses.field(default_factory=list)  # on the qk operands
 
 
 @dataclasses.dataclass
@@ -261,21 +301,25 @@ def _track(node: Node, index: int, axis: Optional[int]) -> Optional[int]:
   return None
 
 
-def _consumers(start: Value, axis: Optional[int], kinds
-               ) -> List[Tuple[Node, int, Optional[int], List[str]]]:
-  """Dots reached from `start` through `kinds` ops: (dot, operand index, tracked axis,
-  converts on the way)."""
+def _consumers(start: Value, axis: Optional[int], kinds):
+  """Dots reached from `start` through `kinds` ops, data-free scalings (dropout, masks)
+  and per-key scalings (`_per_key_scaling`): (dot, operand index, tracked axis, converts
+  on the way, per-key Scalings on the way)."""
   out, seen = [], set()
-  stack = [(start, axis, [])]
+  stack = [(start, axis, [], [])]
   while stack:
-    v, ax, casts = stack.pop()
+    v, ax, casts, scales = stack.pop()
     for user, idx in v.users:
       key = (user.id, idx)
       if key in seen:
         continue
       seen.add(key)
       if user.kind == DOT:
-        out.append((user, idx, ax, casts))
+        out.append((user, idx, ax, casts, scales))
+        continue
+      per_key = _per_key_scaling(user, idx, ax)
+      if per_key is not None:
+        stack.append((user.outputs[0], _track(user, idx, ax), casts, scales + [per_key]))
       elif user.kind in kinds or (user.kind in SCALINGS and all(
           _data_free(o) for j, o in enumerate(user.inputs) if j != idx)):
         c = casts + ([f"{v.dtype}->{user.outputs[0].dtype}"] if user.kind == CONVERT
@@ -285,7 +329,7 @@ def _consumers(start: Value, axis: Optional[int], kinds
         nxt = _track(user, idx, ax) if user.kind not in ("loop_carry", "merge") else ax
         if user.kind == "stablehlo.select" and idx == 0:
           continue
-        stack.extend((o, nxt, c) for o in user.outputs[:1])
+        stack.extend((o, nxt, c, scales) for o in user.outputs[:1])
   return out
 
 
@@ -348,6 +392,204 @@ def unwrap(part: str) -> str:
     if not (sep and head in TRANSFORMS and rest.endswith(")")):
       return part
     part = rest[:-1]
+
+
+# ----------------------------------------------------------------------------- cache reads
+MULTIPLY = "stablehlo.multiply"
+# Elementwise arithmetic a quantization (or a dequantization) is made of: followed, with
+# data movement, when looking for the codes an operand was made from.
+ARITHMETIC = {MULTIPLY, "stablehlo.divide", "stablehlo.negate", "stablehlo.clamp",
+              "stablehlo.round_nearest_even", "stablehlo.round_nearest_afz",
+              "stablehlo.maximum", "stablehlo.minimum", "stablehlo.floor"}
+_INT_TYPE = re.compile(r"u?i(\d+)$")
+_SMALL_FLOAT = re.compile(r"f[468]E")
+_SLICES = ("stablehlo.pad", "stablehlo.slice", "stablehlo.dynamic_slice",
+           "stablehlo.dynamic_update_slice")
+
+
+def is_code(dtype: str) -> bool:
+  """An element type values are quantized to: an integer of 2-8 bits ('i8', 'ui8', 'i4')
+  or a float of 8 bits or fewer ('f8E4M3FN', 'f8E5M2', 'f4E2M1FN', ...)."""
+  m = _INT_TYPE.match(dtype)
+  if m:
+    return 2 <= int(m.group(1)) <= 8
+  return _SMALL_FLOAT.match(dtype) is not None
+
+
+def _data_inputs(n: Node, index: int = 0) -> List[Value]:
+  """The inputs of a data-movement or arithmetic node that its output `index` is made of
+  (not a select's predicate, slice indices or a pad value)."""
+  if n.kind == "stablehlo.optimization_barrier":   # (remat) output i is input i
+    return [n.inputs[index]]
+  if n.kind == "stablehlo.select":
+    return n.inputs[1:]
+  if n.kind in ("stablehlo.dynamic_slice", "stablehlo.gather", "stablehlo.pad"):
+    return n.inputs[:1]
+  if n.kind == "stablehlo.dynamic_update_slice":
+    return n.inputs[:2]
+  return n.inputs
+
+
+def _code_casts(v: Value, limit: int = 400) -> Optional[CodeCasts]:
+  """The code converts on the way back from a dot operand v (breadth first: the nearest
+  first), through data movement and elementwise arithmetic; None if there are none."""
+  casts, direct = [], None
+  queue, seen = collections.deque([(v, True)]), set()
+  while queue and len(seen) < limit:
+    x, layout_only = queue.popleft()
+    n = x.producer
+    if n is None or n.id in seen:
+      continue
+    seen.add(n.id)
+    if n.kind == CONVERT:
+      a, b = n.inputs[0].dtype, n.outputs[0].dtype
+      if is_code(a) or is_code(b):
+        casts.append(f"{a}->{b}")
+        direct = layout_only if direct is None else direct
+    if n.kind in MOVEMENT or n.kind in ARITHMETIC:
+      through = layout_only and n.kind in LAYOUT
+      queue.extend((i, through) for i in _data_inputs(n, x.index))
+  return CodeCasts(casts, bool(direct)) if casts else None
+
+
+def _broadcast_origin(v: Value) -> Tuple[Value, Set[int], List[str], bool]:
+  """(origin, axes, casts, broadcast): v walked back through broadcast_in_dim, converts,
+  transposes and reshapes that only add or drop size-1 axes to the array it was made
+  from; axes: the axes of v that origin varies along; casts: the converts on the way
+  ('f32->bf16', from origin on); broadcast: whether v has axes origin does not fill."""
+  axes = {i: i for i in range(len(v.shape))}     # axis of x -> axis of v
+  casts, x = [], v
+  for _ in range(32):
+    n = x.producer
+    if n is None or not n.inputs:
+      break
+    src = n.inputs[0]
+    if n.kind == "stablehlo.broadcast_in_dim":
+      dims = int_list(n, "broadcast_dimensions") or []
+      axes = {j: axes[d] for j, d in enumerate(dims)
+              if d in axes and src.shape[j] == x.shape[d]}
+    elif n.kind == "stablehlo.transpose":
+      perm = int_list(n, "permutation") or []
+      axes = {perm[i]: a for i, a in axes.items()}
+    elif n.kind == "stablehlo.reshape" and _non_unit(src.shape) == _non_unit(x.shape):
+      pairs = zip([j for j, d in enumerate(src.shape) if d != 1],
+                  [i for i, d in enumerate(x.shape) if d != 1])
+      axes = {j: axes[i] for j, i in pairs if i in axes}
+    elif n.kind == CONVERT:
+      casts.insert(0, f"{src.dtype}->{x.dtype}")
+    else:
+      break
+    x = src
+  varying = {a for j, a in axes.items() if x.shape[j] != 1 or v.shape[a] == 1}
+  return x, varying, casts, len(varying) < len(v.shape)
+
+
+def _non_unit(shape) -> Tuple[int, ...]:
+  return tuple(d for d in shape if d != 1)
+
+
+def _track_moved(node: Node, index: int, axis: Optional[int]) -> Optional[int]:
+  """`_track`, and through pads and slices (which keep every axis where it is)."""
+  if axis is not None and node.kind in _SLICES and \
+      len(node.inputs[index].shape) == len(node.outputs[0].shape):
+    return axis
+  if node.kind in ("loop_carry", "merge"):
+    return axis
+  return _track(node, index, axis)
+
+
+def _follow_axis(start: Value, axis: int, target: Node, through,
+                 limit: int = 4000) -> Optional[Tuple[int, int]]:
+  """(operand index, axis) at which `axis` of `start` reaches node `target`, following
+  the users for which through(node) is True; None if it does not get there."""
+  stack, seen = [(start, axis)], set()
+  while stack and len(seen) < limit:
+    v, ax = stack.pop()
+    for user, idx in v.users:
+      if user.id == target.id:
+        return idx, ax
+      if (user.id, idx) in seen or not through(user):
+        continue
+      seen.add((user.id, idx))
+      nxt = _track_moved(user, idx, ax)
+      if nxt is not None:
+        outs = ([user.outputs[idx]] if user.kind == "stablehlo.optimization_barrier"
+                else user.outputs[:1])
+        stack.extend((o, nxt) for o in outs)
+  return None
+
+
+def _scale_input(v: Value):
+  """`_broadcast_origin(v)` for a multiply's input that no constant makes, else None."""
+  return None if _is_constant(v) else _broadcast_origin(v)
+
+
+def _scaling(mult: Node, info, along: str) -> Scaling:
+  origin, _, casts, broadcast = info
+  return Scaling(dtype=mult.outputs[0].dtype, scale=origin.dtype, shape=list(origin.shape),
+                 along=along if broadcast else "elementwise", casts=casts)
+
+
+def _per_key_scaling(node: Node, index: int, axis: Optional[int]) -> Optional[Scaling]:
+  """The Scaling of multiply `node` whose input `index` is the probabilities (softmax
+  axis `axis`) by a value broadcast along other axes that varies along the softmax axis
+  (a per-key value scale), else None."""
+  if node.kind != MULTIPLY or axis is None or len(node.inputs) != 2:
+    return None
+  info = _scale_input(node.inputs[1 - index])
+  if info is None or not info[3] or axis not in info[1]:
+    return None
+  return _scaling(node, info, "keys")
+
+
+def _logits_scales(path: Dict[int, Node], cone: Set[int], exp: Node,
+                   axis: Optional[int]) -> List[Scaling]:
+  """Scalings between the qk dot and the exp: multiplies by a non-constant value made
+  outside the logits' cone; 'keys' where it varies along the softmax axis."""
+  out = []
+  on_path = lambda m: m.id in path  # noqa: E731
+  for n in sorted(path.values(), key=lambda n: n.id):
+    if n.kind != MULTIPLY:
+      continue
+    for v in n.inputs:
+      if v.producer is not None and v.producer.id in cone:
+        continue                                   # the logits themselves
+      info = _scale_input(v)
+      if info is None:
+        continue
+      keys = axis is not None and any(
+          _follow_axis(n.outputs[0], a, exp, on_path) == (0, axis) for a in info[1])
+      out.append(_scaling(n, info, "keys" if keys else "other"))
+  return out
+
+
+def _q_scales(d1: Node) -> List[Scaling]:
+  """Scalings on the qk dot's operands (walked back through data movement and
+  multiplies): 'channels' where the scale varies along an axis the dot contracts."""
+  out = []
+  moves = lambda m: m.kind in MOVEMENT or m.kind in ARITHMETIC  # noqa: E731
+  for operand in d1.inputs[:2]:
+    stack, seen = [operand], set()
+    while stack and len(seen) < 200:
+      v = stack.pop()
+      n = v.producer
+      if n is None or n.id in seen:
+        continue
+      seen.add(n.id)
+      if n.kind in MOVEMENT:
+        stack.extend(_data_inputs(n, v.index))
+        continue
+      if n.kind != MULTIPLY:
+        continue
+      for w in n.inputs:
+        info = _scale_input(w)
+        if info is None or not info[3]:
+          stack.append(w)
+          continue
+        hits = [_follow_axis(n.outputs[0], a, d1, moves) for a in info[1]]
+        along = any(h is not None and _contracts(d1, *h) for h in hits)
+        out.append(_scaling(n, info, "channels" if along else "other"))
+  return out
 
 
 # ----------------------------------------------------------------------------- the finder
@@ -447,6 +689,20 @@ def _softmax_at(g: Graph, exp: Node, cone: Set[int]) -> Optional[dict]:
               probs=probs, sum_cone=sum_cone)
 
 
+def _is_logits_of(d1: Node, exp: Node, cone: Set[int]) -> bool:
+  """Whether the exp's argument is made of the dot d1's result element for element:
+  reached back through the cone, not through a reduction, a scatter or a broadcast
+  to more elements (as a cache scale computed from a projection's output reaches it)."""
+  def through(n: Node) -> bool:
+    if n.kind in (REDUCE, "stablehlo.scatter", "stablehlo.reduce_window"):
+      return False
+    if n.kind == "stablehlo.broadcast_in_dim" and \
+        math.prod(n.inputs[0].shape) < math.prod(n.outputs[0].shape):
+      return False
+    return n.id in cone
+  return any(n.id == d1.id for n in _back(exp.inputs[0], through, limit=20000))
+
+
 def _log_sum_exp(v: Value, cone: Set[int]) -> Optional[Tuple[Node, Node]]:
   """(inner exp, add-reduction) if v is log(sum(exp(...))) (+ a max), through layout."""
   for n in _back(v, lambda n: n.kind in LAYOUT or n.kind == "stablehlo.add", limit=64):
@@ -477,31 +733,33 @@ def find(g: Graph) -> Findings:
       if exp.kind != EXP:
         continue
       sm = _softmax_at(g, exp, cone)
-      if sm is None:
+      if sm is None or not _is_logits_of(d1, exp, cone):
         continue
       found = None
       # direct: the normalised probabilities enter a dot contracting the softmax axis
       for p in sm["probs"]:
-        for d2, idx, ax, casts in _consumers(p, sm["axis"], LAYOUT):
+        for d2, idx, ax, casts, scales in _consumers(p, sm["axis"], LAYOUT):
           if d2.id != d1.id and _contracts(d2, idx, ax) is not False:
-            found = (d2, idx, casts, p, False)
+            found = (d2, idx, casts, scales, p, False)
             break
         if found:
           break
       if not found:
         # online: the unnormalised exp enters the dot, its sum divides what it accumulated
-        for d2, idx, ax, casts in _consumers(exp.outputs[0], sm["axis"], LAYOUT):
+        for d2, idx, ax, casts, scales in _consumers(exp.outputs[0], sm["axis"], LAYOUT):
           if d2.id == d1.id or _contracts(d2, idx, ax) is False:
             continue
           acc = _forward_cone(d2.outputs[0])
           if any(g.nodes[i].kind == "stablehlo.divide" and i in sm["sum_cone"]
                  for i in acc):
-            found = (d2, idx, casts, exp.outputs[0], True)
+            found = (d2, idx, casts, scales, exp.outputs[0], True)
             break
       if not found:
         continue
-      d2, idx, casts, probs, online = found
-      attentions.append(_attention(g, d1, exp, sm, d2, idx, casts, probs, online, cone))
+      d2, idx, casts, scales, probs, online = found
+      att = _attention(g, d1, exp, sm, d2, idx, casts, probs, online, cone)
+      att.probs_scales = scales
+      attentions.append(att)
       used[d1.id], used[d2.id] = "qk", "wv"
       break   # one softmax per qk dot
   _backward(g, attentions, used)
@@ -541,6 +799,8 @@ def _attention(g, d1, exp, sm, d2, idx, casts, probs, online, cone) -> Attention
         mask.append("bias")
   qk, wv = _dot_site(d1), _dot_site(d2)
   qk.role, wv.role = "qk", "wv"
+  for site, node in ((qk, d1), (wv, d2)):
+    site.lhs_codes, site.rhs_codes = (_code_casts(x) for x in node.inputs[:2])
   softmax = {"exp": exp.outputs[0].dtype, "sum": sm["sums"][0].outputs[0].dtype}
   if sm["max"] is not None:
     softmax = {"max": sm["max"].outputs[0].dtype, **softmax}
@@ -549,7 +809,9 @@ def _attention(g, d1, exp, sm, d2, idx, casts, probs, online, cone) -> Attention
                   softmax=softmax, stabilised=sm["stabilised"], online=online, loop=loop,
                   downcasts=sorted(set(downcasts)), upcasts=sorted(set(upcasts)),
                   probs_casts=list(dict.fromkeys(casts)), soft_cap=soft_cap, mask=mask,
-                  logits_scale=scale)
+                  logits_scale=scale, probs_operand=idx,
+                  logits_scales=_logits_scales(path, cone, exp, sm["axis"]),
+                  q_scales=_q_scales(d1))
   att._nodes = (d1, d2, probs, idx)   # for the backward search (not serialised)
   return att
 
@@ -569,16 +831,7 @@ def _roots(v: Value, cache: dict) -> Set[int]:
     if n is None or n.kind not in MOVEMENT:
       out.add(id(x))
       continue
-    inputs = n.inputs
-    if n.kind == "stablehlo.optimization_barrier":   # (remat) output i is input i
-      inputs = [n.inputs[x.index]]
-    elif n.kind == "stablehlo.select":
-      inputs = inputs[1:]
-    elif n.kind in ("stablehlo.dynamic_slice", "stablehlo.gather", "stablehlo.pad"):
-      inputs = inputs[:1]
-    elif n.kind == "stablehlo.dynamic_update_slice":
-      inputs = inputs[:2]
-    stack.extend(inputs)
+    stack.extend(_data_inputs(n, x.index))
   cache[key] = out
   return out
 

@@ -34,14 +34,16 @@ import jax.numpy as jnp
 from attnprec import runs
 from attnprec.contract import stage_dtypes
 from attnprec.errors import UserError
-from attnprec.inspect.finder import DOT, Attention, DotSite, Findings, unwrap
+from attnprec.inspect.finder import DOT, Attention, DotSite, Findings, is_code, unwrap
 from attnprec.inspect.mlir_graph import Graph, dot_info
 from attnprec.precision import ALGORITHM_PRESETS, Precision, parse_precision
 
-SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
+SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64",
+         "int8": "i8", "float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2"}
 
 
 def short(dtype) -> str:
+  """The StableHLO name of a dtype ('f32', 'bf16', 'i8', 'f8E4M3FN')."""
   return SHORT[jnp.dtype(dtype).name]
 
 
@@ -364,7 +366,9 @@ class Report:
 
 
 def typed(t: str, src: Optional[str]) -> str:
-  up = upcast_from(t, src)
+  """'f32<-bf16' for an operand upcast right before the dot, 'bf16<-i8' for one converted
+  from codes (a quantized KV cache's), else the type."""
+  up = upcast_from(t, src) or (src if src is not None and is_code(src) else None)
   return f"{t}<-{up}" if up else t
 
 
