@@ -22,14 +22,16 @@ A query that sees no key returns 0 (dot_product returns the mean of v there).
 Precision: the same contract table as `attnprec.contract.stage_dtypes`, asserted with
 chex in every block (the two dots sit in the contract's named scopes `attn_qk` and
 `attn_wv`, inside the loop body), with these documented differences (what flash kernels do):
-  * the softmax statistics m and l and the output accumulator are ALWAYS float32,
-    whatever the flags; so the per-block wv dot returns float32
+  * the running sum l and the output accumulator are ALWAYS float32, whatever the
+    flags (the running max m is held in the softmax dtype: a max of values of that
+    dtype, exact there, so the shift exp(logits - m) needs no cast); so the per-block
+    wv dot returns float32
     (`preferred_element_type=float32`) on the table's probability dtype;
   * the probabilities into the wv dot are the un-normalised exp(logits - m) (values in
     [0, 1]); normalisation by l happens once, in float32, on the accumulated output.
 Hence with both flags off (everything c) blockwise rounds less than dot_product: only
-the logits, exp and probabilities are rounded to c, never the statistics, the sums or
-the normalised output (tests check its float64 error is no larger on sharp attention).
+the logits, exp and probabilities are rounded to c, never the sums or the normalised
+output (tests check its float64 error is no larger on sharp attention).
 
 Decode (T == 1): one query block and key blocks of ~`decode_kv_block` (a divisor of S
 when there is one near it) sliced straight from the [B, S, K, H] cache, which is never
@@ -219,16 +221,20 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
     logits_BxKxGxTqxSk = jnp.where(allowed, logits_BxKxGxTqxSk,
                                    jnp.asarray(contract.mask_value(sm), sm))
 
-    # Statistics in float32 whatever the flags; exp and probabilities in the table's dtype.
-    m_new = jnp.maximum(m_BxKxGxTq, jnp.max(logits_BxKxGxTqxSk, axis=-1).astype(F32))
+    # The running max m is a max of softmax-dtype logits, so it is held in that dtype
+    # (exactly: no rounding; and the shift below needs no float32 -> sm cast, which the
+    # audit would rightly read as logits cast down). The running sum, the output
+    # accumulator and the correction factors are float32 whatever the flags; exp and the
+    # probabilities are in the table's dtype.
+    m_new = jnp.maximum(m_BxKxGxTq, jnp.max(logits_BxKxGxTqxSk, axis=-1))
     # Masked entries hold the mask value, so exp(mask value - m) = 0 for every row that has
     # seen a visible key. A row that has not (m is still the mask value) is shifted by 0
     # instead of m, so its masked entries also give 0, not exp(0) = 1: no element-wise
     # re-masking of the probabilities is needed (measured ~1.3x faster).
-    shift = jnp.where(m_new > 0.5 * contract.mask_value(F32), m_new, 0.0)
-    probs_BxKxGxTqxSk = jnp.exp(logits_BxKxGxTqxSk - shift.astype(sm)[..., None])
+    shift = jnp.where(m_new > 0.5 * contract.mask_value(sm), m_new, jnp.zeros((), sm))
+    probs_BxKxGxTqxSk = jnp.exp(logits_BxKxGxTqxSk - shift[..., None])
     chex.assert_type(probs_BxKxGxTqxSk, expected["probs"])
-    correction = jnp.exp(m_BxKxGxTq - m_new)
+    correction = jnp.exp(m_BxKxGxTq.astype(F32) - m_new.astype(F32))
     l_new = l_BxKxGxTq * correction + jnp.sum(probs_BxKxGxTqxSk, axis=-1, dtype=F32)
     if v_tok is not None:
       probs_BxKxGxTqxSk = contract.scale_columns(
@@ -245,7 +251,7 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
     """Query block i against every key/value block it needs."""
     q_BxKxGxTqxH = jax.lax.dynamic_slice_in_dim(q_BxKxGxTpxH, i * Tq, Tq, axis=3)
     qpos_BxTq = jax.lax.dynamic_slice_in_dim(q_pos_BxTp, i * Tq, Tq, axis=1)
-    init = (jnp.full((B, K, G, Tq), contract.mask_value(F32), F32),
+    init = (jnp.full((B, K, G, Tq), contract.mask_value(sm), sm),
             jnp.zeros((B, K, G, Tq), F32), jnp.zeros((B, K, G, Tq, H), F32), count)
 
     def body(carry, j):
