@@ -276,3 +276,14 @@ def _bound(binding: str) -> bool:
     return True
   except ValueError:
     return False
+
+
+def test_the_configurations_table_names_the_kv_cache():
+  from attnprec.study import report
+  int8 = dataclasses.replace(REFERENCE, kv_cache_k_dtype="int8", kv_cache_v_dtype="int8",
+                             kv_cache_k_scale="channel", kv_cache_v_scale="token")
+  res = {"reference": {"precision": dataclasses.asdict(REFERENCE)},
+         "configs": [{"name": "kv", "precision": dataclasses.asdict(int8)}]}
+  rows = report.precision_table(res).splitlines()
+  assert rows[0].endswith("| kernel | KV cache |")
+  assert rows[2].endswith("| compute |") and rows[3].endswith("| k int8/channel, v int8/token |")

@@ -117,14 +117,26 @@ def float64_table(res: dict) -> str:
   return "\n".join(lines)
 
 
+def _cache_text(p: dict) -> str:
+  """The KV cache's storage of a Precision dict (results.json), e.g. 'k int8/token, v
+  int8/token'; 'compute' for the compute dtype (results written before the cache fields
+  existed have none)."""
+  side = lambda d, g: d + (f"/{g}" if g else "")  # noqa: E731
+  k, v = p.get("kv_cache_k_dtype", "compute"), p.get("kv_cache_v_dtype", "compute")
+  if (k, v) == ("compute", "compute"):
+    return "compute"
+  return (f"k {side(k, p.get('kv_cache_k_scale'))}, "
+          f"v {side(v, p.get('kv_cache_v_scale'))}")
+
+
 def precision_table(res: dict) -> str:
   lines = ["| config | dtype | float32_qk_product | float32_logits | einsum_precision | "
-           "matmul_precision | kernel |", "|---|---|---|---|---|---|---|"]
+           "matmul_precision | kernel | KV cache |", "|---|---|---|---|---|---|---|---|"]
   for c in [{"name": "reference", "precision": res["reference"]["precision"]}] + res["configs"]:
     p = c["precision"]
     lines.append(f"| {c['name']} | {p['dtype']} | {p['float32_qk_product']} | "
                  f"{p['float32_logits']} | {p['einsum_precision']} | {p['matmul_precision']} | "
-                 f"{p['kernel']} |")
+                 f"{p['kernel']} | {_cache_text(p)} |")
   return "\n".join(lines)
 
 
