@@ -31,12 +31,11 @@ plus the [10, suffix, 151936] logits. Measured: an 8k slice of the 0.5B under bf
 (batch 8) peaked at 8.2 GB resident, params and their served copy included; float32
 presets hold twice the cache bytes (expect ~10 GB at batch 10).
 
-Cost. With the presets' dot_product kernel every prefill chunk attends to the whole
-cache (the mask hides the positions not yet written), the same work as a dense
-full-prefix forward; on XLA:CPU the attention dominates at long lengths (measured on the
-2-core machine, shared with another eval: bf16 prefill 12 s per 1k context, 894 s per 8k
-context; a batch of 8 suffixes 7.7 s at 1k, 55 s at 8k). gin/experiments/eval_retrieval.gin
-gives the extrapolated run time.
+Cost. With the dot_product kernel every prefill chunk attends to the whole cache (the
+mask hides the positions not yet written), the same work as a dense full-prefix forward
+(measured: 894 s per 8k context under bf16, beside another job); with blockwise (what
+gin/experiments/eval_retrieval.gin runs) the hidden blocks are skipped: bf16 took 40 min
+for all four lengths, the float32 reference 74 min (2-core machine, beside other jobs).
 
 Kernel. `retrieval.kernel` replaces every preset's attention kernel (the flags are kept),
 so all presets are compared under one kernel. gin/experiments/eval_retrieval.gin sets
@@ -45,8 +44,8 @@ so all presets are compared under one kernel. gin/experiments/eval_retrieval.gin
 512-token prefill chunk over a 4.6k-position cache took 15-20 s with dot_product and
 2-5 s with blockwise (bf16 and the reference alike), because blockwise skips the key
 blocks the causal mask hides and never materialises the [heads, 512, cache] scores.
-Blockwise keeps its softmax statistics in float32 whatever the flags (docs/kernels.md),
-so with both flags off it rounds less than dot_product would; the logits still leave the
+Blockwise keeps its running sum and output accumulator in float32 whatever the flags
+(docs/kernels.md), so with both flags off it rounds less than dot_product would; the logits still leave the
 qk dot in bf16 without `float32_qk_product`, the rounding this task probes.
 
 Order and resumption. For each preset (the reference first), every length, shortest
