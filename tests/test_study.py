@@ -198,15 +198,16 @@ def test_a_cache_preset_measures_its_cache_in_the_forward_rows():
   nll_c, logits_c, _ = measure.forward_fn(config, exact, 10)(params, tokens)
   nll_q, logits_q, _ = measure.forward_fn(config, int8, 10)(params, tokens)
   cache = init_cache(config, 2, 10, int8.compute_dtype, int8.cache_storage)
-  by_hand = model_lib.transformed(config).apply(params, tokens, None, cache,
-                                                precision=int8).logits
-  # jitted vs op by op: float32 accumulation order only (<= 1.1e-6 here); the int8 cache
-  # moves the logits by more than 100x the bound.
+  by_hand = jax.jit(lambda p, t, c: model_lib.transformed(config).apply(
+      p, t, None, c, precision=int8).logits)(params, tokens, cache)
+  # two jitted programs: float32 accumulation order only; the int8 cache moves the
+  # logits by more than 100x the bound.
   np.testing.assert_allclose(np.asarray(logits_q), np.asarray(by_hand), rtol=0, atol=1e-5)
   moved = np.abs(np.asarray(logits_q) - np.asarray(logits_c)).max()
   assert moved > 1e-3, moved
   assert not np.array_equal(np.asarray(nll_q), np.asarray(nll_c))
-  plain = model_lib.transformed(config).apply(params, tokens, precision=exact).logits
+  plain = jax.jit(lambda p, t: model_lib.transformed(config).apply(
+      p, t, precision=exact).logits)(params, tokens)
   np.testing.assert_allclose(np.asarray(logits_c), np.asarray(plain), rtol=0, atol=1e-5)
 
 
