@@ -490,11 +490,12 @@ def check_config(phases: Optional[Sequence[str]] = PHASES) -> None:
             f"({', '.join(PHASES)}). Write {name}.{next(iter(values), '')} without a scope.")
     if name in PHASE_CONFIGURABLES and phases is not None and not phases:
       raise UserError(
-          f"{first} is set, but this runner does not read {name}.*: a study sweeps the "
-          f"presets named by study.presets and study.extra_presets (files in "
-          f"gin/precision/ or paths, with their defaults for the rest). Remove the "
-          f"{name}.* bindings (and included gin/precision/ files), or name the preset "
-          f"in study.extra_presets.")
+          f"{first} is set, but this runner does not read {name}.*: it runs the presets "
+          f"its job names (files in gin/precision/ or paths, with their defaults for the "
+          f"rest): study.presets / study.extra_presets for make study, "
+          f"humaneval.presets / retrieval.presets (and retrieval.kernel) for make eval. "
+          f"Remove the {name}.* bindings (and included gin/precision/ files), or name a "
+          f"preset file there.")
     literal = {k: v for k, v in values.items() if not any(_is_gin_value(x) for x in _walk(v))}
     checks.rules_of(configurable.wrapped, name).check(literal,
                                                       where=_binding_name(scope, selector))

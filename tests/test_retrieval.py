@@ -292,6 +292,9 @@ def call(argv, tok, *, load=_work, max_seq_len=2048):
     (["--gin.eval.task='retrieve'"], "Unknown eval.task 'retrieve'"),
     (["--gin.retrieval.kernel='flash'"], "retrieval.kernel = 'flash' is not an attention"),
     (["--gin.retrieval.kernel='jax_nn'"], "retrieval.kernel = 'jax_nn' cannot run preset"),
+    # the presets come from their files: a block size or precision binding would be unused
+    (["--gin.blockwise.kv_block=128"], "retrieval.presets (and retrieval.kernel)"),
+    (["--gin.precision.float32_logits=True"], "does not read precision.*"),
 ])
 def test_bad_input_is_refused_before_the_model_is_loaded(tok, tmp_path, bindings, needle):
   run_dir = tmp_path / "run"
