@@ -287,4 +287,5 @@ def test_the_configurations_table_names_the_kv_cache():
          "configs": [{"name": "kv", "precision": dataclasses.asdict(int8)}]}
   rows = report.precision_table(res).splitlines()
   assert rows[0].endswith("| kernel | KV cache |")
-  assert rows[2].endswith("| compute |") and rows[3].endswith("| k int8/channel, v int8/token |")
+  assert rows[2].endswith("| kv_cache=k:compute,v:compute |")
+  assert rows[3].endswith("| kv_cache=k:int8/channel,v:int8/token |")

@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from attnprec import plotting, runs
+from attnprec.contract import CacheStorage
 
 PLOTS = ("error_vs_context.png", "accuracy_vs_context.png", "cost_vs_error.png",
          "error_by_layer.png")
@@ -118,15 +119,12 @@ def float64_table(res: dict) -> str:
 
 
 def _cache_text(p: dict) -> str:
-  """The KV cache's storage of a Precision dict (results.json), e.g. 'k int8/token, v
-  int8/token'; 'compute' for the compute dtype (results written before the cache fields
-  existed have none)."""
-  side = lambda d, g: d + (f"/{g}" if g else "")  # noqa: E731
-  k, v = p.get("kv_cache_k_dtype", "compute"), p.get("kv_cache_v_dtype", "compute")
-  if (k, v) == ("compute", "compute"):
-    return "compute"
-  return (f"k {side(k, p.get('kv_cache_k_scale'))}, "
-          f"v {side(v, p.get('kv_cache_v_scale'))}")
+  """The KV cache's storage of a Precision dict (results.json), as `Precision.describe`
+  writes it; results written before the cache fields existed: the compute dtype."""
+  return CacheStorage(k_dtype=p.get("kv_cache_k_dtype", "compute"),
+                      v_dtype=p.get("kv_cache_v_dtype", "compute"),
+                      k_scale=p.get("kv_cache_k_scale"),
+                      v_scale=p.get("kv_cache_v_scale")).describe()
 
 
 def precision_table(res: dict) -> str:
