@@ -192,11 +192,6 @@ class _TorchCase:
       return time.perf_counter() - t0
 
 
-def _cache_bytes(config, B, S, dtype) -> int:
-  return 2 * config.num_layers * B * config.num_kv_heads * S * config.head_dim * \
-      jnp.dtype(dtype).itemsize
-
-
 def weight_bytes(params, dtype=None) -> int:
   """Bytes of the weights one decode step reads: every matrix (the tied embedding table
   counts once: the unembedding reads it whole), in `dtype` if given."""
@@ -365,7 +360,7 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
       # the cache as this configuration stores it (codes and scales for a quantized one);
       # transformers' cache grows, so on average it reads half the decoded steps
       kv = cache_bytes(config, B, P + steps, dtype, PRESETS[name].cache_storage) \
-          if name in PRESETS else _cache_bytes(config, B, 1, dtype) * (P + steps / 2)
+          if name in PRESETS else cache_bytes(config, B, 1, dtype) * (P + steps / 2)
       # the floor: the weights as this configuration holds them (bf16-stored: 2 bytes;
       # float32, cast at use or carried: 4), read once
       weights = getattr(r, "weights", "stored" if dtype == jnp.bfloat16 else "float32")
