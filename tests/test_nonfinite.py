@@ -4,6 +4,7 @@ loaded (naming the tensor); logits holding NaN/Inf raise `NonFiniteError` from
 and the decode runner exits 2 naming the step and the stage that overflowed, printing no
 agreement figure. Models: tiny GGUF files written here with `gguf.GGUFWriter`."""
 import contextlib
+import dataclasses
 import io
 import os
 
@@ -207,3 +208,28 @@ def test_template_decode_with_finite_flags_matches_decodings():
   np.testing.assert_array_equal(np.asarray(got_answered), np.asarray(answered))
   assert np.asarray(ok).all() and finite.first_bad(ok) is None
   assert finite.first_bad(np.array([[True, True], [True, False]])) == (1, 1)
+
+
+def test_stage_finder_runs_through_a_quantized_cache(models, monkeypatch):
+  """A precision whose KV cache is int8 is searched as the program that failed ran it: a
+  prefill into that cache. NaN injected into what the cache reads back (a scale, as a
+  corrupt cache would hold) is named at the layer 0 attention kernel; a finder that ran
+  the plain forward (exact keys and values) would find every stage finite."""
+  from attnprec import cache as cache_lib
+  from attnprec import checkpoints
+  from attnprec.checkpoints import finite
+  from attnprec.precision import Precision
+  ckpt = checkpoints.load(models["ok"])
+  int8 = Precision(dtype="bfloat16", kv_cache_k_dtype="int8", kv_cache_v_dtype="int8")
+  tokens = np.array([[1, 2, 3, 4]])
+  assert finite.first_nonfinite_stage(ckpt.config, ckpt.params, tokens, int8) is None
+  real = cache_lib.LayerCache.scales
+
+  def nan_scales(self, storage):
+    out = real(self, storage)
+    return dataclasses.replace(out, k_token_BxKxS=out.k_token_BxKxS * np.float32("nan"))
+  monkeypatch.setattr(cache_lib.LayerCache, "scales", nan_scales)
+  stage = finite.first_nonfinite_stage(ckpt.config, ckpt.params, tokens, int8)
+  assert stage == ("layer 0 attention (attention kernel: QK^T, softmax, weighted values)")
+  plain = Precision(dtype="bfloat16")
+  assert finite.first_nonfinite_stage(ckpt.config, ckpt.params, tokens, plain) is None

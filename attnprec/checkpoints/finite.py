@@ -6,7 +6,10 @@
   converted to their dtype (a float32 value beyond float16's range becomes Inf there).
 * `first_nonfinite_stage(config, params, tokens_BxT, precision)`: runs one full forward
   pass of `tokens_BxT` under `precision` (on the params the decode programs run,
-  `decoding.for_serving`) with every Haiku module call intercepted, and names the first
+  `decoding.for_serving`; as a prefill into a fresh cache of T positions when the
+  precision stores its KV cache otherwise than in the compute dtype, so that the
+  quantized or re-typed cache the failing program read is the one searched, not the
+  exact keys and values) with every Haiku module call intercepted, and names the first
   stage whose output is not finite: the embedding, a layer's attention (its q/k/v
   projection, norm, kernel or o projection) or MLP, the residual stream after a layer,
   the final norm or the unembedding. Used by the error paths only (it costs a compile).
@@ -103,13 +106,19 @@ def first_nonfinite_stage(config, params, tokens_BxT, precision) -> Optional[str
 
   from attnprec import decoding
   from attnprec import model as model_lib
+  from attnprec.cache import init_cache
+  from attnprec.contract import COMPUTE_CACHE
 
   serving, prec = decoding.for_serving(params, precision)
   names: List[str] = []
   apply = model_lib.transformed(config).apply
+  through_cache = prec.cache_storage != COMPUTE_CACHE
 
   def fn(params, tokens):
     flags = []
+    B, T = tokens.shape
+    cache = (init_cache(config, B, T, prec.compute_dtype, prec.cache_storage)
+             if through_cache else None)
 
     def interceptor(next_f, args, kwargs, context):
       if context.method_name != "__call__":
@@ -126,7 +135,7 @@ def first_nonfinite_stage(config, params, tokens_BxT, precision) -> Optional[str
       return out
 
     with hk.experimental.intercept_methods(interceptor):
-      logits = apply(params, tokens, precision=prec).logits
+      logits = apply(params, tokens, None, cache, precision=prec).logits
     names.append("the unembedding (the logits)")
     flags.append(jnp.all(jnp.isfinite(logits)))
     return jnp.stack(flags)
