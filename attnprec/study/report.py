@@ -21,11 +21,14 @@ PLOTS = ("error_vs_context.png", "accuracy_vs_context.png", "cost_vs_error.png",
 _STYLE = {"bf16": ("tab:red", "o"), "fp32_logits": ("tab:orange", "s"),
           "fp32_qk": ("tab:purple", "^"), "fp32_attention": ("tab:blue", "D"),
           "fp32": ("tab:green", "v"), "highest": ("tab:gray", "x")}
-_EXTRA = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+# Other presets (a study's extra_presets): by their index in the study, 8 colours x 3
+# markers, so no two of the first 24 configurations look alike.
+_EXTRA = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan", "black", "gold", "teal", "navy")
+_EXTRA_MARKERS = ("P", "X", "*")
 
 
 def _style(name, i):
-  return _STYLE.get(name, (_EXTRA[i % len(_EXTRA)], "P"))
+  return _STYLE.get(name, (_EXTRA[i % len(_EXTRA)], _EXTRA_MARKERS[i % len(_EXTRA_MARKERS)]))
 
 
 def _worst(xs):
