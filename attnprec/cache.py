@@ -145,6 +145,19 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype,
   return KVCache(layers=tuple(one() for _ in range(config.num_layers)))
 
 
+def forward_cache(config: ModelConfig, batch: int, length: int,
+                  precision) -> Optional[KVCache]:
+  """The cache a full forward of `length` tokens under `precision` must run through:
+  None when the precision stores its KV cache in the compute dtype (the plain forward,
+  the same numbers), else a fresh cache of `length` positions stored as it says, so the
+  forward runs as a prefill into it and attends to the quantized or re-typed keys and
+  values it stores (`layers.Attention`), not the exact ones. The study's forward rows
+  and `checkpoints.finite.first_nonfinite_stage` use it."""
+  if precision.cache_storage == COMPUTE_CACHE:
+    return None
+  return init_cache(config, batch, length, precision.compute_dtype, precision.cache_storage)
+
+
 def cache_bytes(config: ModelConfig, batch: int, length: int, dtype,
                 storage: CacheStorage = COMPUTE_CACHE) -> int:
   """The bytes `init_cache(config, batch, length, dtype, storage)` would hold (codes or

@@ -106,19 +106,15 @@ def first_nonfinite_stage(config, params, tokens_BxT, precision) -> Optional[str
 
   from attnprec import decoding
   from attnprec import model as model_lib
-  from attnprec.cache import init_cache
-  from attnprec.contract import COMPUTE_CACHE
+  from attnprec.cache import forward_cache
 
   serving, prec = decoding.for_serving(params, precision)
   names: List[str] = []
   apply = model_lib.transformed(config).apply
-  through_cache = prec.cache_storage != COMPUTE_CACHE
 
   def fn(params, tokens):
     flags = []
-    B, T = tokens.shape
-    cache = (init_cache(config, B, T, prec.compute_dtype, prec.cache_storage)
-             if through_cache else None)
+    cache = forward_cache(config, *tokens.shape, prec)
 
     def interceptor(next_f, args, kwargs, context):
       if context.method_name != "__call__":

@@ -12,11 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnprec import decoding
-from attnprec.cache import init_cache
+from attnprec.cache import forward_cache
 from attnprec import model as model_lib
 from attnprec.checkpoints import finite
 from attnprec.config import ModelConfig
-from attnprec.contract import COMPUTE_CACHE
 from attnprec.precision import Precision
 from attnprec.study import probes
 
@@ -41,12 +40,9 @@ def forward_fn(config: ModelConfig, precision: Precision, keep_positions: int):
   would see the exact keys and values and silently ignore it. Every other preset runs
   the plain forward, as before."""
   apply = model_lib.transformed(config).apply
-  through_cache = precision.cache_storage != COMPUTE_CACHE
 
   def fn(params, tokens_BxL):
-    B, L = tokens_BxL.shape
-    cache = (init_cache(config, B, L, precision.compute_dtype, precision.cache_storage)
-             if through_cache else None)
+    cache = forward_cache(config, *tokens_BxL.shape, precision)
     with probes.attached(params) as rec:
       out = apply(params, tokens_BxL, None, cache, precision=precision)
     logp_BxLxV = jax.nn.log_softmax(out.logits[:, :-1], axis=-1)
