@@ -127,3 +127,23 @@ def test_runner_bad_input_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert needle in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_query_scale_placement_costs_nothing_when_the_scale_is_a_power_of_two():
+  """prescale_query folds the query scale into q before the bf16 rounding. At head dim 16
+  (1/4) and 64 (1/8) the scale is exact in bf16, so the error is bit-identical to the
+  contract's; at head dim 128 (1/sqrt(128), as Qwen2.5-1.5B has) q * scale in bf16 is a
+  second rounding, which the prescaled variant does not pay: the errors differ."""
+  params = tiny(k_bias=60.0)
+  tokens = np.random.default_rng(4).integers(0, 29, (2, 24))
+  layer0 = sinks.capture(CONFIG, params, tokens)[0]
+  sweep = dict(preset_lib.load_sweep(("bf16", "fp32_qk"), ()))
+  bf16 = sweep["bf16"]
+  assert sinks.local_error(CONFIG, layer0, bf16, prescale_query=True) == \
+      sinks.local_error(CONFIG, layer0, bf16)
+  # The same inputs viewed as head dim 128 would need new params; instead make the scale
+  # explicit and not a power of two (query_scale = 128 ** -0.5 on head dim 16).
+  odd = dataclasses.replace(CONFIG, query_scale=128 ** -0.5)
+  contract_err = sinks.local_error(odd, layer0, bf16)
+  prescaled = sinks.local_error(odd, layer0, bf16, prescale_query=True)
+  assert prescaled != contract_err and prescaled > 0

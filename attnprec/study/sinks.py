@@ -18,6 +18,9 @@ attention kernel: q and k after RoPE, v, and the part of k that is the (rotated)
   * the same with the keys centred (k - mean_s k_s per sequence and kv head): every logit
     of a query moves by the same amount, so the attention function is unchanged in exact
     arithmetic; if the error disappears, it came from the shared offset's magnitude;
+  * the same with the query scale folded into q before q is rounded (`prescale_query`):
+    where the contract scales q in the compute dtype (QK product in c), the difference is
+    what the scale's placement costs (nothing at head dim 64, whose 1/8 is exact);
   * the bias norms of the layer (max |b| of q, k, v).
 Shapes: B batch, T tokens, N/K/G heads, kv heads, heads per kv head, H head dim.
 """
@@ -215,22 +218,34 @@ def logit_profile(cfg: ModelConfig, layer: LayerInputs) -> Dict[str, float]:
 
 
 def local_error(cfg: ModelConfig, layer: LayerInputs, precision: Precision,
-                center_keys: bool = False) -> float:
+                center_keys: bool = False, prescale_query: bool = False) -> float:
   """Relative L2 error of the kernel under `precision` on this layer's inputs (rounded to
-  the compute dtype) against float64 attention of the same rounded inputs."""
+  the compute dtype) against float64 attention of the same rounded inputs.
+
+  prescale_query: q is multiplied by the query scale in float64 BEFORE it is rounded to
+  the compute dtype, and the kernel runs with scale 1. Under a contract row that scales q
+  in the compute dtype (the QK product in c), this removes the second rounding of q (its
+  product with the scale), so the difference from the contract's own error is what the
+  query scale's placement costs. When the scale is a power of two (head dim 64: 1/8) the
+  product is exact and the two errors are identical; at head dim 128 (1/sqrt(128)) it is
+  not."""
   c = contract.parse_dtype(precision.dtype)
   k = np.asarray(layer.k_BxTxKxH, np.float32)
   if center_keys:
     k = k - k.mean(axis=1, keepdims=True)
-  q_, k_, v_ = (jnp.asarray(np.asarray(a, np.float32), c)
-                for a in (layer.q_BxTxNxH, k, layer.v_BxTxKxH))
+  q = np.asarray(layer.q_BxTxNxH, np.float32)
+  scale = cfg.query_scale
+  if prescale_query:
+    q = (np.asarray(q, np.float64) * cfg.effective_query_scale).astype(np.float32)
+    scale = 1.0
+  q_, k_, v_ = (jnp.asarray(np.asarray(a, np.float32), c) for a in (q, k, layer.v_BxTxKxH))
   T = q_.shape[1]
   mask = np.tril(np.ones((T, T), bool))[None, None]
   out = np.asarray(kernels.attend(precision, q_, k_, v_, mask=jnp.asarray(mask),
-                                  scale=cfg.query_scale), np.float64)
+                                  scale=scale), np.float64)
   _require_finite(out, "the attention kernel's output on a layer's inputs", precision)
   ref = contract.reference_attention_np(*(np.asarray(a, np.float64) for a in (q_, k_, v_)),
-                                        mask=mask, scale=cfg.query_scale)
+                                        mask=mask, scale=scale)
   return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
@@ -253,19 +268,22 @@ def bias_norms(cfg: ModelConfig, params) -> List[Dict[str, float]]:
 def analyze(cfg: ModelConfig, params, variants: Dict[str, np.ndarray],
             presets: Sequence) -> dict:
   """{variant: {"profile": [per layer], "local": {preset: [per layer]}, "local_centered":
-  {preset: [per layer]}}, "bias_norms": [per layer]} for each token array in `variants`
+  {preset: [per layer]}, "local_prescaled": {preset: [per layer]}}, "bias_norms": [per
+  layer]} for each token array in `variants`
   (e.g. the windows with and without their first token). presets: [(name, Precision)]."""
   out = {"bias_norms": bias_norms(cfg, params), "variants": {}}
   for label, tokens in variants.items():
     layers = capture(cfg, params, tokens)
     res = {"tokens": list(np.asarray(tokens).shape), "profile": [], "local": {},
-           "local_centered": {}}
+           "local_centered": {}, "local_prescaled": {}}
     for layer in layers:
       res["profile"].append(logit_profile(cfg, layer))
     for name, prec in presets:
       res["local"][name] = [local_error(cfg, l, prec) for l in layers]
       res["local_centered"][name] = [local_error(cfg, l, prec, center_keys=True)
                                      for l in layers]
+      res["local_prescaled"][name] = [local_error(cfg, l, prec, prescale_query=True)
+                                      for l in layers]
     out["variants"][label] = res
   return out
 
@@ -304,6 +322,10 @@ def plot(result: dict, path_prefix: str, title: str = "") -> List[str]:
       if name == "bf16":
         ax.plot(np.arange(len(errs)), errs, ls, color="C7", marker="x",
                 label=f"{name}, keys centred, {label}")
+    for name, errs in res.get("local_prescaled", {}).items():
+      if name == "bf16":
+        ax.plot(np.arange(len(errs)), errs, ls, color="C8", marker="+",
+                label=f"{name}, q scaled before rounding, {label}")
   ax.set_yscale("log")
   ax.set_xlabel("layer")
   ax.set_ylabel("attention output rel. L2 error of the kernel alone")
@@ -368,16 +390,17 @@ def report(result: dict) -> str:
             "| layer | max abs bk | max abs logit | row max | sink logit | largest other | "
             "row mean | sink mass | q.b_k at sink | "
             + " | ".join(f"kernel err {p}" for p in presets)
-            + " | kernel err bf16, keys centred |",
-            "|---:|" + "---:|" * (9 + len(presets))]
+            + " | kernel err bf16, keys centred | kernel err bf16, q scaled before rounding |",
+            "|---:|" + "---:|" * (10 + len(presets))]
     for i, prof in enumerate(res["profile"]):
       errs = " | ".join(f"{res['local'][p][i]:.2e}" for p in presets)
       cen = res["local_centered"].get("bf16", [float("nan")] * (i + 1))[i]
+      pre = res.get("local_prescaled", {}).get("bf16", [float("nan")] * (i + 1))[i]
       out.append(f"| {i} | {bn[i]['max_abs_bk']:.1f} | {prof['max_abs_logit']:.1f} | "
                  f"{prof['median_row_max']:.1f} | {prof['median_sink_logit']:.1f} | "
                  f"{prof['median_other_max']:.1f} | {prof['median_row_mean']:.1f} | "
                  f"{prof['median_sink_mass']:.3f} | {prof['median_sink_bias_logit']:.1f} | "
-                 f"{errs} | {cen:.2e} |")
+                 f"{errs} | {cen:.2e} | {pre:.2e} |")
     out.append("")
   if result.get("injected"):
     layers = list(next(iter(next(iter(result["injected"].values())).values())))
