@@ -18,10 +18,11 @@ STUDY_GIN ?= gin/experiments/study_recall.gin
 NEXTLINE_GIN ?= gin/experiments/nextline_qwen2.gin
 SINKS_GIN ?=
 EVAL_GIN ?= gin/experiments/eval_humaneval.gin
+SIZES_GIN ?=
 RUN ?= runs/recall
 gin_files = $(foreach f,$(or $(GIN),$(1)),--gin_file=$(f))
 
-.PHONY: setup test train decode audit inspect study nextline sinks eval bench plot clean
+.PHONY: setup test train decode audit inspect study nextline sinks eval sizes bench plot clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +64,10 @@ sinks: setup
 
 eval: setup
 	$(PY) runners/eval.py $(call gin_files,$(EVAL_GIN)) $(ARGS)
+
+# Sizes of one family side by side from finished study / eval runs (nothing recomputed).
+sizes: setup
+	$(PY) runners/sizes.py $(call gin_files,$(SIZES_GIN)) $(ARGS)
 
 bench: setup
 	$(PY) runners/bench.py --out=bench $(ARGS)

@@ -14,6 +14,7 @@ import attnprec.audit  # noqa: F401          audit.*
 import attnprec.config  # noqa: F401         model.*
 import attnprec.decoding  # noqa: F401       Greedy, Temperature, TopK, TopP samplers
 import attnprec.evals.jobs  # noqa: F401     eval.*, humaneval.*
+import attnprec.evals.sizes  # noqa: F401    sizes.*
 import attnprec.faults  # noqa: F401         fault_injection.*
 import attnprec.inspect.job  # noqa: F401    inspect.*
 import attnprec.jobs  # noqa: F401           decode.*, train_job.*, recall_eval.*, ...

@@ -1,0 +1,209 @@
+"""Two (or more) sizes of one model family side by side: `python runners/sizes.py`.
+
+Reads what `make study` and `make eval` already wrote (plain JSON, nothing recomputed):
+per size, a study run directory (results.json), and optionally a HumanEval and a
+retrieval run directory (results.json of each). Writes into run_dir:
+
+  sizes.md   one table, a column per size: logits KL, decode logits KL, NLL/token and
+             the worst layer's decode attention error per preset (study); pass@1 with its
+             Wilson 95% interval and the paired test against the reference (HumanEval);
+             accuracy per length with its interval and the paired test against the
+             reference (retrieval); for the reference and `presets`. A cell a size has no result for says so
+             ("not run"); an eval cell over fewer items than the run's full count names
+             how many it holds.
+  sizes_error_by_layer.png  decode attention error per layer and preset, one line per
+             size, layers on a 0..1 depth axis (the sizes differ in depth).
+  sizes.json the table's numbers.
+
+Mixed settings are refused (a UserError naming the setting): the studies must share their
+inputs (text, lengths, windows, steps) and the evals their task settings, apart from the
+model and the batch size, or the columns would not measure the same thing.
+"""
+import json
+import os
+from typing import Dict, List, Optional, Sequence
+
+import gin
+import numpy as np
+
+from attnprec import plotting, runs
+from attnprec.errors import UserError
+
+# Study settings that must agree (the batch is the number of windows: it must too).
+STUDY_KEYS = ("batch", "decode_steps", "greedy_steps", "logit_positions", "seed", "lengths")
+LEGEND = ("Study rows: at the longest context, against fp32/HIGHEST, per size its own "
+          "reference. Eval cells: accuracy % (Wilson 95% interval); for a preset, then the "
+          "paired test against the reference: items only the preset / only the reference "
+          "got right, exact McNemar p.")
+EVAL_IGNORED = ("model", "presets", "lengths", "pooled", "by_position", "departure",
+                "comparisons", "xla", "sandbox_protections")
+
+
+def _read(run_dir: str, what: str) -> dict:
+  path = os.path.join(run_dir, "results.json")
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise UserError(f"sizes: {what} {run_dir!r} has no results.json; run it first (or "
+                    f"leave that size's entry empty: '').") from None
+  except (OSError, json.JSONDecodeError) as e:
+    raise UserError(f"sizes: cannot read {path} ({e}).") from None
+
+
+def _same(kind: str, labels: Sequence[str], values: Sequence, key: str) -> None:
+  if any(v != values[0] for v in values[1:]):
+    shown = "; ".join(f"{l}: {v!r}" for l, v in zip(labels, values))
+    raise UserError(f"sizes: the {kind} runs differ in {key} ({shown}); the columns would "
+                    f"not measure the same thing. Rerun them with the same settings.")
+
+
+def _study_rows(study: dict) -> Dict[str, dict]:
+  """{preset: {kl, decode_kl, nll, worst_decode, per_layer}} at the longest length,
+  plus 'reference' with its NLL."""
+  rows = {}
+  for c in study["configs"]:
+    pl = c["per_length"][-1]
+    rows[c["name"]] = {"kl": pl["logits_kl"], "decode_kl": pl["decode_logits_kl"],
+                       "nll": pl["nll"], "worst_decode": max(pl["decode_attn_rel_l2"]),
+                       "per_layer": pl["decode_attn_rel_l2"]}
+  rows["reference"] = {"nll": study["reference"]["per_length"][-1]["nll"]}
+  return rows
+
+
+def _fmt(x: Optional[float]) -> str:
+  if x is None:
+    return "–"
+  return f"{x:.3g}" if abs(x) >= 0.01 or x == 0 else f"{x:.2e}"
+
+
+def _p(p: float) -> str:
+  return f"{p:.2g}" if p >= 1e-3 else f"{p:.1e}"
+
+
+def _acc_cell(row: Optional[dict], full: Optional[int]) -> str:
+  if row is None or row.get("accuracy") is None:
+    return "not run"
+  lo, hi = row["wilson95"]
+  cell = f"{100 * row['accuracy']:.1f} ({100 * lo:.1f}–{100 * hi:.1f})"
+  if full is not None and row["items"] < full:
+    cell += f", {row['items']} of {full} items"
+  return cell
+
+
+def _cmp_cell(comparisons: List[dict], a: str, b: str) -> str:
+  for c in comparisons:
+    if c["a"] == a and c["b"] == b:
+      return f"{c['only_a']} / {c['only_b']}, p = {_p(c['mcnemar_p'])}"
+  return "not run"
+
+
+def _eval_meta(res: dict) -> dict:
+  return {k: v for k, v in res.items() if k not in EVAL_IGNORED}
+
+
+@gin.configurable("sizes", denylist=["run_dir"])
+def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str] = (),
+              humaneval: Sequence[str] = (), retrieval: Sequence[str] = (),
+              presets: Sequence[str] = ("bf16", "fp32_logits", "fp32_qk"),
+              humaneval_items: int = 164, retrieval_items: int = 200) -> dict:
+  """labels[i] names size i; studies[i], humaneval[i], retrieval[i] are its run
+  directories ('' = not run; humaneval / retrieval may be left empty altogether)."""
+  labels = list(labels)
+  if len(labels) < 2:
+    raise UserError(f"sizes.labels needs at least two sizes, got {tuple(labels)!r}.")
+  for name, dirs, optional in (("studies", studies, False), ("humaneval", humaneval, True),
+                               ("retrieval", retrieval, True)):
+    if (dirs or not optional) and len(dirs) != len(labels):
+      raise UserError(f"sizes.{name} has {len(dirs)} entries for {len(labels)} labels "
+                      f"{tuple(labels)!r}; give one run directory per size ('' for none).")
+  stud = [_read(d, "study") for d in studies]
+  for key in STUDY_KEYS:
+    _same("study", labels, [s["settings"].get(key) for s in stud], key)
+  _same("study", labels, [s.get("text") for s in stud], "text")
+  rows = [_study_rows(s) for s in stud]
+  missing = [p for p in presets if any(p not in r for r in rows)]
+  if missing:
+    raise UserError(f"sizes.presets {tuple(missing)!r} are not in every study (they have "
+                    f"{[sorted(r) for r in rows]}).")
+  he = [(_read(d, "HumanEval run") if d else None) for d in humaneval] or [None] * len(labels)
+  rt = [(_read(d, "retrieval run") if d else None) for d in retrieval] or [None] * len(labels)
+  for kind, res in (("HumanEval", he), ("retrieval", rt)):
+    done = [(l, r) for l, r in zip(labels, res) if r is not None]
+    if len(done) > 1:
+      metas = [_eval_meta(r) for _, r in done]
+      for key in sorted(set().union(*metas)):
+        _same(kind, [l for l, _ in done], [m.get(key) for m in metas], key)
+
+  head = "| measure | preset | " + " | ".join(labels) + " |"
+  lines = [head, "|---|---|" + "---:|" * len(labels)]
+
+  def add(measure, preset, cells):
+    lines.append(f"| {measure} | {preset} | " + " | ".join(cells) + " |")
+
+  for key, measure in (("kl", "logits KL vs reference"),
+                       ("decode_kl", "decode logits KL"),
+                       ("worst_decode", "attn rel L2 decode, worst layer")):
+    for p in presets:
+      add(measure, p, [_fmt(r[p][key]) for r in rows])
+  add("NLL/token", "reference", [f"{r['reference']['nll']:.4f}" for r in rows])
+  for p in presets:
+    add("NLL/token − reference", p,
+        [f"{r[p]['nll'] - r['reference']['nll']:+.4f}" for r in rows])
+
+  def eval_rows(kind, results, sections, full):
+    ref = next((r["reference"] for r in results if r is not None), None)
+    if ref is None:
+      add(kind, "every preset", ["not run"] * len(labels))
+      return
+    for name in [ref] + list(presets):
+      cells = []
+      for res in results:
+        sec = sections(res) if res is not None else None
+        row = None if sec is None else next(
+            (x for x in sec["presets"] if x["preset"] == name), None)
+        cell = _acc_cell(row, full)
+        if name != ref and cell != "not run":
+          cell += "; " + _cmp_cell(sec["comparisons"], name, ref)
+        cells.append(cell)
+      add(kind, f"reference ({ref})" if name == ref else name, cells)
+
+  eval_rows("HumanEval pass@1 %", he, lambda r: r, humaneval_items)
+  lengths = sorted({int(n) for r in rt if r is not None for n in r["lengths"]})
+  for n in lengths:
+    eval_rows(f"retrieval {n // 1024}k tokens, accuracy %", rt,
+              lambda r, n=n: r["lengths"].get(str(n)), retrieval_items)
+  if not lengths:
+    add("retrieval accuracy %", "every preset", ["not run"] * len(labels))
+
+  out = {"labels": labels, "studies": list(studies), "humaneval": list(humaneval),
+         "retrieval": list(retrieval), "study_rows": rows, "table": "\n".join(lines)}
+  runs.ensure_dir(run_dir)
+  png = plot_layers(labels, rows, presets, os.path.join(run_dir, "sizes_error_by_layer.png"))
+  runs.write_json(run_dir, "sizes.json", out)
+  text = (f"# {' vs '.join(labels)}\n\nStudies: {', '.join(studies)}; HumanEval: "
+          f"{', '.join(d or 'not run' for d in humaneval) or 'not run'}; retrieval: "
+          f"{', '.join(d or 'not run' for d in retrieval) or 'not run'}.\n\n"
+          + out["table"] + "\n\n" + LEGEND + f"\n\n![decode attention error by layer]({os.path.basename(png)})\n")
+  runs.atomic_write(os.path.join(run_dir, "sizes.md"), text)
+  print(text)
+  print(f"wrote {run_dir}/sizes.md, sizes.json, {os.path.basename(png)}")
+  return out
+
+
+def plot_layers(labels, rows, presets, path: str) -> str:
+  plt = plotting.pyplot()
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  styles = ["-", "--", ":", "-."]
+  for (label, r), ls in zip(zip(labels, rows), styles * 4):
+    for k, p in enumerate(presets):
+      errs = r[p]["per_layer"]
+      ax.plot(np.linspace(0, 1, len(errs)), errs, ls, color=f"C{k}", marker=".",
+              label=f"{p}, {label} ({len(errs)} layers)")
+  ax.set_yscale("log")
+  ax.set_xlabel("layer depth (0 = first layer, 1 = last)")
+  ax.set_ylabel("decode attention rel. L2 error vs fp32/HIGHEST")
+  ax.set_title("decode attention error by layer, per size and preset")
+  ax.legend(fontsize=7, ncol=2)
+  ax.grid(alpha=0.3)
+  return plotting.save_figure(fig, path)

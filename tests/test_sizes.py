@@ -1,0 +1,114 @@
+"""`attnprec.evals.sizes` (`make sizes`): sizes side by side from finished runs.
+
+Read from the runs committed in results/ (real study and eval outputs, so the reader is
+checked against the writers' actual schema): every number in the table is the one in
+the source results.json; a size without an eval says "not run"; a partly run eval names
+how many items it holds; studies or evals whose settings differ are refused naming the
+setting; the runner exits 2 and writes nothing on bad input.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attnprec.errors import UserError
+from attnprec.evals import sizes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STUDY = os.path.join(ROOT, "results", "study-qwen2.5-coder-1.5b")
+RETRIEVAL = os.path.join(ROOT, "results", "retrieval-qwen2.5-coder-0.5b")
+HUMANEVAL = os.path.join(ROOT, "results", "humaneval-qwen2.5-coder-0.5b")
+
+
+def _copy(src, dst, edit=None):
+  os.makedirs(dst)
+  with open(os.path.join(src, "results.json")) as f:
+    res = json.load(f)
+  if edit:
+    edit(res)
+  with open(os.path.join(dst, "results.json"), "w") as f:
+    json.dump(res, f)
+  return str(dst)
+
+
+def _table_rows(out):
+  return {tuple(c.strip() for c in line.strip("|").split("|")[:2]):
+          [c.strip() for c in line.strip("|").split("|")[2:]]
+          for line in out["table"].splitlines()[2:]}
+
+
+def test_the_table_quotes_the_source_results(tmp_path):
+  out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                        studies=(STUDY, STUDY), humaneval=(HUMANEVAL, ""),
+                        retrieval=("", RETRIEVAL))
+  rows = _table_rows(out)
+  with open(os.path.join(STUDY, "results.json")) as f:
+    study = json.load(f)
+  bf16 = next(c for c in study["configs"] if c["name"] == "bf16")["per_length"][-1]
+  assert rows[("logits KL vs reference", "bf16")] == [f"{bf16['logits_kl']:.2e}"] * 2
+  assert rows[("attn rel L2 decode, worst layer", "bf16")] == \
+      [f"{max(bf16['decode_attn_rel_l2']):.3g}"] * 2
+  with open(os.path.join(RETRIEVAL, "results.json")) as f:
+    ret = json.load(f)["lengths"]["1024"]
+  row = next(r for r in ret["presets"] if r["preset"] == "bf16")
+  cmp = next(c for c in ret["comparisons"] if c["a"] == "bf16" and c["b"] == "highest")
+  cell = rows[("retrieval 1k tokens, accuracy %", "bf16")]
+  assert cell[0] == "not run"
+  assert cell[1].startswith(f"{100 * row['accuracy']:.1f} (")
+  assert f"{cmp['only_a']} / {cmp['only_b']}, p = " in cell[1]
+  he = rows[("HumanEval pass@1 %", "reference (highest)")]
+  assert he[0].startswith("53.0 (45.4–60.5)") and he[1] == "not run"
+  for name in ("sizes.md", "sizes.json", "sizes_error_by_layer.png"):
+    assert (tmp_path / "run" / name).exists()
+  with open(tmp_path / "run" / "sizes_error_by_layer.png", "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_partly_run_eval_says_how_many_items_it_holds(tmp_path):
+  def drop(res):
+    for r in res["lengths"]["1024"]["presets"]:
+      r["items"] = 120
+  part = _copy(RETRIEVAL, tmp_path / "part", drop)
+  out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                        studies=(STUDY, STUDY), retrieval=(RETRIEVAL, part))
+  cell = _table_rows(out)[("retrieval 1k tokens, accuracy %", "fp32_qk")]
+  assert "of 200" not in cell[0] and "120 of 200 items" in cell[1]
+
+
+@pytest.mark.parametrize("kind,edit,needle", [
+    ("study", lambda r: r["settings"].update(batch=4), "batch"),
+    ("study", lambda r: r["text"].update(sha256="0" * 16), "text"),
+    ("retrieval", lambda r: r.update(kernel="dot_product"), "kernel"),
+])
+def test_runs_of_different_settings_are_refused(tmp_path, kind, edit, needle):
+  src = STUDY if kind == "study" else RETRIEVAL
+  other = _copy(src, tmp_path / "other", edit)
+  kw = (dict(studies=(STUDY, other)) if kind == "study"
+        else dict(studies=(STUDY, STUDY), retrieval=(RETRIEVAL, other)))
+  with pytest.raises(UserError, match=needle):
+    sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"), **kw)
+  assert not (tmp_path / "run").exists()
+
+
+def test_bad_arguments(tmp_path):
+  with pytest.raises(UserError, match="at least two"):
+    sizes.sizes_job(run_dir=str(tmp_path), labels=("A",), studies=(STUDY,))
+  with pytest.raises(UserError, match="1 entries for 2 labels"):
+    sizes.sizes_job(run_dir=str(tmp_path), labels=("A", "B"), studies=(STUDY,))
+  with pytest.raises(UserError, match="not in every study"):
+    sizes.sizes_job(run_dir=str(tmp_path), labels=("A", "B"), studies=(STUDY, STUDY),
+                    presets=("fp32_attention",))
+
+
+def test_runner_exit_2_on_a_missing_run_and_nothing_written(tmp_path):
+  run = tmp_path / "run"
+  proc = subprocess.run(
+      [sys.executable, "runners/sizes.py",
+       f"--gin.sizes.studies=('{STUDY}', '{tmp_path / 'missing'}')", f"--run_dir={run}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, PYTHONPATH=ROOT))
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "has no results.json" in proc.stderr and "Traceback" not in proc.stderr
+  assert not run.exists()
