@@ -194,11 +194,11 @@ def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str
 def plot_layers(labels, rows, presets, path: str) -> str:
   plt = plotting.pyplot()
   fig, ax = plt.subplots(figsize=(8, 4.5))
-  styles = ["-", "--", ":", "-."]
-  for (label, r), ls in zip(zip(labels, rows), styles * 4):
+  styles = [("-", "o"), ("--", "x"), (":", "s"), ("-.", "^")]
+  for (label, r), (ls, marker) in zip(zip(labels, rows), styles * 4):
     for k, p in enumerate(presets):
       errs = r[p]["per_layer"]
-      ax.plot(np.linspace(0, 1, len(errs)), errs, ls, color=f"C{k}", marker=".",
+      ax.plot(np.linspace(0, 1, len(errs)), errs, ls, color=f"C{k}", marker=marker, ms=4,
               label=f"{p}, {label} ({len(errs)} layers)")
   ax.set_yscale("log")
   ax.set_xlabel("layer depth (0 = first layer, 1 = last)")
