@@ -30,6 +30,7 @@ from typing import Dict, List, NamedTuple, Sequence
 import gin
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from attnprec import contract, kernels, plotting, runs
 from attnprec.errors import NonFiniteError, UserError
@@ -266,7 +267,7 @@ def bias_norms(cfg: ModelConfig, params) -> List[Dict[str, float]]:
 
 
 def analyze(cfg: ModelConfig, params, variants: Dict[str, np.ndarray],
-            presets: Sequence) -> dict:
+            presets: Sequence, on_variant=None) -> dict:
   """{variant: {"profile": [per layer], "local": {preset: [per layer]}, "local_centered":
   {preset: [per layer]}, "local_prescaled": {preset: [per layer]}}, "bias_norms": [per
   layer]} for each token array in `variants`
@@ -285,6 +286,8 @@ def analyze(cfg: ModelConfig, params, variants: Dict[str, np.ndarray],
       res["local_prescaled"][name] = [local_error(cfg, l, prec, prescale_query=True)
                                       for l in layers]
     out["variants"][label] = res
+    if on_variant is not None:
+      on_variant()
   return out
 
 
@@ -448,11 +451,20 @@ def sinks_job(*, run_dir: str, model: str = "qwen2.5-coder-0.5b", length: int = 
   runs.ensure_dir(run_dir)
   ids = m.tokenizer.encode(inputs.stdlib_text(), add_bos=False)
   toks = {v: _variant_tokens(m.tokenizer, ids, length, windows, v) for v in variants}
-  result = analyze(cfg, m.params, toks, sweep)
-  result.update(model=m.description, length=length, windows=windows)
-  if inject:
-    result["injected"] = {v: {name: injected_kl(cfg, m.params, t, prec, layers)
-                              for name, prec in inject} for v, t in toks.items()}
+  bar = tqdm(total=len(toks) * (1 + len(inject)), desc="sinks", unit="pass",
+             dynamic_ncols=True)
+  with bar:
+    bar.set_postfix_str("kernel errors per layer")
+    result = analyze(cfg, m.params, toks, sweep, on_variant=bar.update)
+    result.update(model=m.description, length=length, windows=windows)
+    if inject:
+      result["injected"] = {}
+      for v, t in toks.items():
+        result["injected"][v] = {}
+        for name, prec in inject:
+          bar.set_postfix_str(f"injected KL, {v}, {name}")
+          result["injected"][v][name] = injected_kl(cfg, m.params, t, prec, layers)
+          bar.update()
   runs.write_json(run_dir, "sinks.json", result)
   runs.atomic_write(os.path.join(run_dir, "report.md"), report(result) + "\n")
   paths = plot(result, os.path.join(run_dir, "sinks"), model)
