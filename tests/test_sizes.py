@@ -112,3 +112,23 @@ def test_runner_exit_2_on_a_missing_run_and_nothing_written(tmp_path):
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "has no results.json" in proc.stderr and "Traceback" not in proc.stderr
   assert not run.exists()
+
+
+def test_out_of_range_counts_and_non_finite_items_are_not_passed_as_numbers(tmp_path):
+  for bad in (0, -5, True, 1.5):
+    with pytest.raises(UserError, match="retrieval_items"):
+      sizes.sizes_job(run_dir=str(tmp_path / "r"), labels=("A", "B"),
+                      studies=(STUDY, STUDY), retrieval_items=bad)
+  with pytest.raises(UserError, match="presets is empty"):
+    sizes.sizes_job(run_dir=str(tmp_path / "r"), labels=("A", "B"),
+                    studies=(STUDY, STUDY), presets=())
+
+  def nan_items(res):
+    for r in res["lengths"]["1024"]["presets"]:
+      r["non_finite"] = 3
+  bad = _copy(RETRIEVAL, tmp_path / "nan", nan_items)
+  out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                        studies=(STUDY, STUDY), retrieval=(RETRIEVAL, bad))
+  cell = _table_rows(out)[("retrieval 1k tokens, accuracy %", "bf16")]
+  assert "non-finite" not in cell[0] and "3 non-finite (not scored)" in cell[1]
+  assert sizes._fmt(float("nan")) == "non-finite"

@@ -74,6 +74,8 @@ def _study_rows(study: dict) -> Dict[str, dict]:
 def _fmt(x: Optional[float]) -> str:
   if x is None:
     return "–"
+  if not np.isfinite(x):
+    return "non-finite"
   return f"{x:.3g}" if abs(x) >= 0.01 or x == 0 else f"{x:.2e}"
 
 
@@ -88,6 +90,8 @@ def _acc_cell(row: Optional[dict], full: Optional[int]) -> str:
   cell = f"{100 * row['accuracy']:.1f} ({100 * lo:.1f}–{100 * hi:.1f})"
   if full is not None and row["items"] < full:
     cell += f", {row['items']} of {full} items"
+  if row.get("non_finite"):
+    cell += f", {row['non_finite']} non-finite (not scored)"
   return cell
 
 
@@ -110,6 +114,13 @@ def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str
   """labels[i] names size i; studies[i], humaneval[i], retrieval[i] are its run
   directories ('' = not run; humaneval / retrieval may be left empty altogether)."""
   labels = list(labels)
+  for name, value in (("humaneval_items", humaneval_items),
+                      ("retrieval_items", retrieval_items)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise UserError(f"sizes.{name} must be an integer >= 1 (the full item count of "
+                      f"that eval), got {value!r}.")
+  if not presets:
+    raise UserError("sizes.presets is empty; name at least one preset, e.g. ('bf16',).")
   if len(labels) < 2:
     raise UserError(f"sizes.labels needs at least two sizes, got {tuple(labels)!r}.")
   for name, dirs, optional in (("studies", studies, False), ("humaneval", humaneval, True),
