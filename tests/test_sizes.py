@@ -132,3 +132,46 @@ def test_out_of_range_counts_and_non_finite_items_are_not_passed_as_numbers(tmp_
   cell = _table_rows(out)[("retrieval 1k tokens, accuracy %", "bf16")]
   assert "non-finite" not in cell[0] and "3 non-finite (not scored)" in cell[1]
   assert sizes._fmt(float("nan")) == "non-finite"
+
+
+def test_humaneval_runs_on_different_problems_are_also_compared_on_the_shared_ones(tmp_path):
+  """A run on a prefix of the problems (as the 1.5B's): the HumanEval rows are repeated
+  over the problems both sizes ran, recomputed from items.jsonl; the expected cells are
+  counted here directly from the records, not through attnprec.evals.report."""
+  with open(os.path.join(HUMANEVAL, "items.jsonl")) as f:
+    lines = f.read().splitlines()
+  recs = [json.loads(line) for line in lines[1:]]
+  keep = sorted({r["item"] for r in recs})[:24]
+  part = tmp_path / "part"
+  os.makedirs(part)
+  with open(part / "items.jsonl", "w") as f:
+    f.write(lines[0] + "\n")
+    for line, r in zip(lines[1:], recs):
+      if r["item"] in keep and r["preset"] in ("highest", "bf16"):
+        f.write(line + "\n")
+  with open(os.path.join(HUMANEVAL, "results.json")) as f:
+    res = json.load(f)
+  with open(part / "results.json", "w") as f:
+    json.dump(res, f)        # its summary is not what the shared rows are computed from
+  out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                        studies=(STUDY, STUDY), humaneval=(HUMANEVAL, str(part)),
+                        presets=("bf16", "fp32_qk"))
+  assert out["humaneval_matched_problems"] == 24
+  rows = _table_rows(out)
+  measure = "HumanEval pass@1 %, the 24 problems every size ran"
+  for preset, row in (("highest", "reference (highest)"), ("bf16", "bf16")):
+    k = sum(r["correct"] for r in recs if r["preset"] == preset and r["item"] in keep)
+    assert [c.split(" (")[0] for c in rows[(measure, row)]] == [f"{100 * k / 24:.1f}"] * 2
+  only = {p: {r["item"]: r["correct"] for r in recs if r["preset"] == p and r["item"] in keep}
+          for p in ("highest", "bf16")}
+  a = sum(only["bf16"][i] and not only["highest"][i] for i in keep)
+  b = sum(only["highest"][i] and not only["bf16"][i] for i in keep)
+  assert all(f"; {a} / {b}, p = " in c for c in rows[(measure, "bf16")])
+  # fp32_qk is in A's records, not in B's: B says so; A's column is over the same 24.
+  assert rows[(measure, "fp32_qk")][1] == "not run"
+  assert rows[(measure, "fp32_qk")][0] != "not run"
+  # Runs over the same problems get no second set of rows.
+  same = sizes.sizes_job(run_dir=str(tmp_path / "run2"), labels=("A", "B"),
+                         studies=(STUDY, STUDY), humaneval=(HUMANEVAL, HUMANEVAL))
+  assert same["humaneval_matched_problems"] is None
+  assert not any("every size ran" in m for m, _ in _table_rows(same))

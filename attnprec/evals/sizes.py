@@ -10,7 +10,11 @@ retrieval run directory (results.json of each). Writes into run_dir:
              accuracy per length with its interval and the paired test against the
              reference (retrieval); for the reference and `presets`. A cell a size has no result for says so
              ("not run"); an eval cell over fewer items than the run's full count names
-             how many it holds.
+             how many it holds. When the sizes' HumanEval runs hold different problems
+             (one run on a prefix of the 164), the HumanEval rows are given a second
+             time over the problems every size ran for every preset, recomputed from
+             each run's items.jsonl with the evals' own statistics (`report.summarize`),
+             so that the columns compare the same problems.
   sizes_error_by_layer.png  decode attention error per layer and preset, one line per
              size, layers on a 0..1 depth axis (the sizes differ in depth).
   sizes.json the table's numbers.
@@ -28,6 +32,7 @@ import numpy as np
 
 from attnprec import plotting, runs
 from attnprec.errors import UserError
+from attnprec.evals import report
 
 # Study settings that must agree (the batch is the number of windows: it must too).
 STUDY_KEYS = ("batch", "decode_steps", "greedy_steps", "logit_positions", "seed", "lengths")
@@ -100,6 +105,60 @@ def _cmp_cell(comparisons: List[dict], a: str, b: str) -> str:
     if c["a"] == a and c["b"] == b:
       return f"{c['only_a']} / {c['only_b']}, p = {_p(c['mcnemar_p'])}"
   return "not run"
+
+
+def _item_records(run_dir: str) -> Dict[str, Dict[str, dict]]:
+  """{preset: {item: record}} from an eval's items.jsonl (read only; a line cut short by
+  a kill is skipped, as the eval itself does)."""
+  path = os.path.join(run_dir, "items.jsonl")
+  out: Dict[str, Dict[str, dict]] = {}
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = f.read().split("\n")
+  except OSError as e:
+    raise UserError(f"sizes: cannot read {path} ({e}); the problems the sizes share are "
+                    f"recomputed from it.") from None
+  for line in lines:
+    try:
+      rec = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if isinstance(rec, dict) and "preset" in rec and "item" in rec:
+      out.setdefault(rec["preset"], {})[str(rec["item"])] = rec
+  return out
+
+
+def matched_summaries(dirs: Sequence[str], results: Sequence[Optional[dict]],
+                      presets: Sequence[str]):
+  """(n, [summary or None per size]) over the items every size that ran holds for the
+  reference and every preset; None when the runs already hold the same items."""
+  ran = [(d, r) for d, r in zip(dirs, results) if r is not None]
+  if len(ran) < 2:
+    return None
+  ref = ran[0][1]["reference"]
+  names = [ref] + [p for p in presets if p != ref]
+  recs = {d: _item_records(d) for d, _ in ran}
+  # A preset a run does not hold shows "not run" in its column and does not shrink the
+  # problems the others are compared on.
+  held = [set(recs[d][p]) for d, _ in ran for p in names if recs[d].get(p)]
+  common = set.intersection(*held) if held else set()
+  if all(h == common for h in held):
+    return None
+  if not common:
+    raise UserError(f"sizes: the HumanEval runs {[d for d, _ in ran]} share no problem "
+                    f"that every one of {names} was run on; nothing can be compared.")
+  out = []
+  for d, r in zip(dirs, results):
+    if r is None:
+      out.append(None)
+      continue
+    sub = {p: {i: x for i, x in recs[d][p].items() if i in common}
+           for p in names if recs[d].get(p)}
+    if ref not in sub:
+      raise UserError(f"sizes: the HumanEval run {d!r} holds no record of the reference "
+                      f"preset {ref!r}; the paired tests need it.")
+    out.append(report.summarize(sub, reference=ref, baseline=None, tokens=True))
+  return len(common), out
 
 
 def _eval_meta(res: dict) -> dict:
@@ -180,6 +239,11 @@ def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str
       add(kind, f"reference ({ref})" if name == ref else name, cells)
 
   eval_rows("HumanEval pass@1 %", he, lambda r: r, humaneval_items)
+  matched = matched_summaries(humaneval, he, presets) if humaneval else None
+  if matched is not None:
+    n, summaries = matched
+    eval_rows(f"HumanEval pass@1 %, the {n} problems every size ran", summaries,
+              lambda r: r, None)
   lengths = sorted({int(n) for r in rt if r is not None for n in r["lengths"]})
   for n in lengths:
     eval_rows(f"retrieval {n // 1024}k tokens, accuracy %", rt,
@@ -188,6 +252,7 @@ def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str
     add("retrieval accuracy %", "every preset", ["not run"] * len(labels))
 
   out = {"labels": labels, "studies": list(studies), "humaneval": list(humaneval),
+         "humaneval_matched_problems": matched[0] if matched else None,
          "retrieval": list(retrieval), "study_rows": rows, "table": "\n".join(lines)}
   runs.ensure_dir(run_dir)
   png = plot_layers(labels, rows, presets, os.path.join(run_dir, "sizes_error_by_layer.png"))
