@@ -22,7 +22,9 @@ RETRIEVAL = os.path.join(ROOT, "results", "retrieval-qwen2.5-coder-0.5b")
 HUMANEVAL = os.path.join(ROOT, "results", "humaneval-qwen2.5-coder-0.5b")
 
 
-def _copy(src, dst, edit=None):
+def _copy(src, dst, edit=None, edit_header=None):
+  """A copy of a run directory: results.json (edited by `edit`) and, for an eval, its
+  items.jsonl (the header's meta edited by `edit_header`)."""
   os.makedirs(dst)
   with open(os.path.join(src, "results.json")) as f:
     res = json.load(f)
@@ -30,6 +32,15 @@ def _copy(src, dst, edit=None):
     edit(res)
   with open(os.path.join(dst, "results.json"), "w") as f:
     json.dump(res, f)
+  items = os.path.join(src, "items.jsonl")
+  if os.path.exists(items):
+    with open(items) as f:
+      lines = f.read().splitlines()
+    header = json.loads(lines[0])
+    if edit_header:
+      edit_header(header["meta"])
+    with open(os.path.join(dst, "items.jsonl"), "w") as f:
+      f.write("\n".join([json.dumps(header)] + lines[1:]) + "\n")
   return str(dst)
 
 
@@ -151,8 +162,12 @@ def test_humaneval_runs_on_different_problems_are_also_compared_on_the_shared_on
         f.write(line + "\n")
   with open(os.path.join(HUMANEVAL, "results.json")) as f:
     res = json.load(f)
+  # Its report names the presets and counts the records it holds (as the eval's own
+  # report would); its accuracies are not what the shared rows are computed from.
+  res["presets"] = [dict(r, items=24) for r in res["presets"]
+                    if r["preset"] in ("highest", "bf16")]
   with open(part / "results.json", "w") as f:
-    json.dump(res, f)        # its summary is not what the shared rows are computed from
+    json.dump(res, f)
   out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
                         studies=(STUDY, STUDY), humaneval=(HUMANEVAL, str(part)),
                         presets=("bf16", "fp32_qk"))
@@ -175,3 +190,35 @@ def test_humaneval_runs_on_different_problems_are_also_compared_on_the_shared_on
                          studies=(STUDY, STUDY), humaneval=(HUMANEVAL, HUMANEVAL))
   assert same["humaneval_matched_problems"] is None
   assert not any("every size ran" in m for m, _ in _table_rows(same))
+
+
+@pytest.mark.parametrize("src,key", [(HUMANEVAL, "prompt"), (HUMANEVAL, "timeout_s"),
+                                     (RETRIEVAL, "seed")])
+def test_runs_whose_records_differ_in_a_setting_results_json_lacks_are_refused(
+    tmp_path, src, key):
+  """The prompt, the sandbox timeout and the items' seed are in the records' header
+  only (not in results.json): runs differing there are refused too."""
+  other = _copy(src, tmp_path / "other",
+                edit_header=lambda m: m.update({key: "something else"}))
+  kind = "humaneval" if src == HUMANEVAL else "retrieval"
+  with pytest.raises(UserError, match=f"differ in {key}"):
+    sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                    studies=(STUDY, STUDY), **{kind: (src, other)})
+  assert not (tmp_path / "run").exists()
+  # The model, its file and the batch size may differ (that is the comparison).
+  same = _copy(src, tmp_path / "same", edit_header=lambda m: m.update(
+      model="another", source="another file", batch=3))
+  sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                  studies=(STUDY, STUDY), **{kind: (src, same)})
+
+
+def test_records_that_do_not_match_the_report_are_refused(tmp_path):
+  """results.json reporting other counts than items.jsonl holds (a run in progress: the
+  report is rewritten only after each preset) is refused, not half-quoted."""
+  def fewer(res):
+    res["presets"][1]["items"] = 40
+  other = _copy(HUMANEVAL, tmp_path / "other", fewer)
+  with pytest.raises(UserError, match="run still in progress"):
+    sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                    studies=(STUDY, STUDY), humaneval=(HUMANEVAL, other))
+  assert not (tmp_path / "run").exists()

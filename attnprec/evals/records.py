@@ -39,31 +39,8 @@ class ItemLog:
       runs.atomic_write(path, json.dumps({"meta": self.meta}) + "\n")
 
   def _load(self) -> None:
-    with open(self.path, encoding="utf-8") as f:
-      text = f.read()
-    # The last piece is "" after a final newline, or a line cut short by a kill.
-    complete = text.split("\n")[:-1]
-    good, header = [], None
-    for line in complete:
-      if not line.strip():
-        continue
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError:
-        continue                         # a line cut short by a kill
-      if header is None and "meta" in obj:
-        header = obj["meta"]
-        good.append(line)
-        continue
-      if not isinstance(obj, dict) or "preset" not in obj or "item" not in obj:
-        continue
-      self._records[(obj["preset"], str(obj["item"]))] = obj
-      good.append(line)
-    if header is None:
-      raise UserError(f"{self.path} is not a results file of this evaluation (no header "
-                      f"line); move it away or choose another --run_dir.")
+    header, self._records, repaired, text = parse(self.path)
     self._check_meta(header)
-    repaired = "".join(line + "\n" for line in good)
     if repaired != text:
       runs.atomic_write(self.path, repaired)
 
@@ -103,6 +80,36 @@ class ItemLog:
     want = None if items is None else {str(i) for i in items}
     return {i: r for (p, i), r in self._records.items()
             if p == preset and (want is None or i in want)}
+
+
+def parse(path: str):
+  """(meta, {(preset, item): record}, the file's text without broken lines, its text) of
+  a results file, read only. Lines cut short by a kill, or that are not records, are left
+  out; a file without a header line is a UserError."""
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  # The last piece is "" after a final newline, or a line cut short by a kill.
+  complete = text.split("\n")[:-1]
+  good, header, recs = [], None, {}
+  for line in complete:
+    if not line.strip():
+      continue
+    try:
+      obj = json.loads(line)
+    except json.JSONDecodeError:
+      continue                         # a line cut short by a kill
+    if header is None and isinstance(obj, dict) and "meta" in obj:
+      header = obj["meta"]
+      good.append(line)
+      continue
+    if not isinstance(obj, dict) or "preset" not in obj or "item" not in obj:
+      continue
+    recs[(obj["preset"], str(obj["item"]))] = obj
+    good.append(line)
+  if header is None:
+    raise UserError(f"{path} is not a results file of this evaluation (no header "
+                    f"line); move it away or choose another --run_dir.")
+  return header, recs, "".join(line + "\n" for line in good), text
 
 
 def _short(value, limit: int = 120) -> str:

@@ -25,14 +25,14 @@ model and the batch size, or the columns would not measure the same thing.
 """
 import json
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import gin
 import numpy as np
 
 from attnprec import plotting, runs
 from attnprec.errors import UserError
-from attnprec.evals import report
+from attnprec.evals import records, report
 
 # Study settings that must agree (the batch is the number of windows: it must too).
 STUDY_KEYS = ("batch", "decode_steps", "greedy_steps", "logit_positions", "seed", "lengths")
@@ -107,37 +107,49 @@ def _cmp_cell(comparisons: List[dict], a: str, b: str) -> str:
   return "not run"
 
 
-def _item_records(run_dir: str) -> Dict[str, Dict[str, dict]]:
-  """{preset: {item: record}} from an eval's items.jsonl (read only; a line cut short by
-  a kill is skipped, as the eval itself does)."""
+# What a HumanEval run's records header may differ in between sizes (the model and its
+# file, and the batch size, which changes no answer).
+RECORDS_IGNORED = ("model", "source", "batch")
+
+
+def _item_records(run_dir: str, result: dict) -> Tuple[dict, Dict[str, Dict[str, dict]]]:
+  """(header, {preset: {item: record}}) of an eval's items.jsonl (read only:
+  `records.parse`). For HumanEval (a results.json with one row per preset) checked
+  against it: every preset it reports has exactly the records it reports (else the
+  directory holds a run in progress or records of another run, and the two would not
+  describe the same thing)."""
   path = os.path.join(run_dir, "items.jsonl")
-  out: Dict[str, Dict[str, dict]] = {}
   try:
-    with open(path, encoding="utf-8") as f:
-      lines = f.read().split("\n")
+    header, recs, _, _ = records.parse(path)
   except OSError as e:
     raise UserError(f"sizes: cannot read {path} ({e}); the problems the sizes share are "
                     f"recomputed from it.") from None
-  for line in lines:
-    try:
-      rec = json.loads(line)
-    except json.JSONDecodeError:
-      continue
-    if isinstance(rec, dict) and "preset" in rec and "item" in rec:
-      out.setdefault(rec["preset"], {})[str(rec["item"])] = rec
-  return out
+  out: Dict[str, Dict[str, dict]] = {}
+  for (preset, item), rec in recs.items():
+    out.setdefault(preset, {})[item] = rec
+  if "presets" not in result:          # retrieval: rows per length
+    return header, out
+  reported = {r["preset"]: r["items"] for r in result["presets"]}
+  held = {p: len(v) for p, v in out.items()}
+  if held != reported:
+    raise UserError(f"sizes: {path} holds {held} records per preset but "
+                    f"{run_dir}/results.json reports {reported}: a run still in progress "
+                    f"or records of another run. Let the eval finish (or rerun it to "
+                    f"rewrite its report), then run sizes again.")
+  return header, out
 
 
 def matched_summaries(dirs: Sequence[str], results: Sequence[Optional[dict]],
-                      presets: Sequence[str]):
+                      read: Sequence[Optional[dict]], presets: Sequence[str]):
   """(n, [summary or None per size]) over the items every size that ran holds for the
-  reference and every preset; None when the runs already hold the same items."""
+  reference and every preset (`read`: each size's {preset: {item: record}}, None where it
+  did not run); None when the runs already hold the same items."""
   ran = [(d, r) for d, r in zip(dirs, results) if r is not None]
   if len(ran) < 2:
     return None
   ref = ran[0][1]["reference"]
   names = [ref] + [p for p in presets if p != ref]
-  recs = {d: _item_records(d) for d, _ in ran}
+  recs = {d: x for d, x in zip(dirs, read) if x is not None}
   # A preset a run does not hold shows "not run" in its column and does not shrink the
   # problems the others are compared on.
   held = [set(recs[d][p]) for d, _ in ran for p in names if recs[d].get(p)]
@@ -198,12 +210,22 @@ def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str
                     f"{[sorted(r) for r in rows]}).")
   he = [(_read(d, "HumanEval run") if d else None) for d in humaneval] or [None] * len(labels)
   rt = [(_read(d, "retrieval run") if d else None) for d in retrieval] or [None] * len(labels)
-  for kind, res in (("HumanEval", he), ("retrieval", rt)):
-    done = [(l, r) for l, r in zip(labels, res) if r is not None]
+  # Each eval's records (items.jsonl): its header holds settings results.json does not
+  # (the prompt, the sandbox timeout, the items' seed).
+  he_read = [_item_records(d, r) if r is not None else None
+             for d, r in zip(humaneval or [""] * len(labels), he)]
+  rt_read = [_item_records(d, r) if r is not None else None
+             for d, r in zip(retrieval or [""] * len(labels), rt)]
+  for kind, res, read in (("HumanEval", he, he_read), ("retrieval", rt, rt_read)):
+    done = [(l, r, x[0]) for l, r, x in zip(labels, res, read) if r is not None]
     if len(done) > 1:
-      metas = [_eval_meta(r) for _, r in done]
+      metas = [_eval_meta(r) for _, r, _ in done]
       for key in sorted(set().union(*metas)):
-        _same(kind, [l for l, _ in done], [m.get(key) for m in metas], key)
+        _same(kind, [l for l, _, _ in done], [m.get(key) for m in metas], key)
+      headers = [{k: v for k, v in h.items() if k not in RECORDS_IGNORED}
+                 for _, _, h in done]
+      for key in sorted(set().union(*headers)):
+        _same(kind, [l for l, _, _ in done], [h.get(key) for h in headers], key)
 
   head = "| measure | preset | " + " | ".join(labels) + " |"
   lines = [head, "|---|---|" + "---:|" * len(labels)]
@@ -239,7 +261,8 @@ def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str
       add(kind, f"reference ({ref})" if name == ref else name, cells)
 
   eval_rows("HumanEval pass@1 %", he, lambda r: r, humaneval_items)
-  matched = matched_summaries(humaneval, he, presets) if humaneval else None
+  matched = (matched_summaries(humaneval, he, [x and x[1] for x in he_read], presets)
+             if humaneval else None)
   if matched is not None:
     n, summaries = matched
     eval_rows(f"HumanEval pass@1 %, the {n} problems every size ran", summaries,
