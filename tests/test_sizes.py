@@ -182,6 +182,11 @@ def test_humaneval_runs_on_different_problems_are_also_compared_on_the_shared_on
   a = sum(only["bf16"][i] and not only["highest"][i] for i in keep)
   b = sum(only["highest"][i] and not only["bf16"][i] for i in keep)
   assert all(f"; {a} / {b}, p = " in c for c in rows[(measure, "bf16")])
+  toks = {p: {r["item"]: r["tokens"] for r in recs if r["preset"] == p and r["item"] in keep}
+          for p in ("highest", "bf16")}
+  identical = sum(toks["bf16"][i] == toks["highest"][i] for i in keep)
+  assert all(c.endswith(f", {100 * identical / 24:.0f}% token-identical")
+             for c in rows[(measure, "bf16")])
   # fp32_qk is in A's records, not in B's: B says so; A's column is over the same 24.
   assert rows[(measure, "fp32_qk")][1] == "not run"
   assert rows[(measure, "fp32_qk")][0] != "not run"

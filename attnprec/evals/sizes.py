@@ -39,7 +39,8 @@ STUDY_KEYS = ("batch", "decode_steps", "greedy_steps", "logit_positions", "seed"
 LEGEND = ("Study rows: at the longest context, against fp32/HIGHEST, per size its own "
           "reference. Eval cells: accuracy % (Wilson 95% interval); for a preset, then the "
           "paired test against the reference: items only the preset / only the reference "
-          "got right, exact McNemar p.")
+          "got right, exact McNemar p; for HumanEval, the share of problems decoded token "
+          "for token as the reference decodes them.")
 EVAL_IGNORED = ("model", "presets", "lengths", "pooled", "by_position", "departure",
                 "comparisons", "xla", "sandbox_protections")
 
@@ -103,7 +104,10 @@ def _acc_cell(row: Optional[dict], full: Optional[int]) -> str:
 def _cmp_cell(comparisons: List[dict], a: str, b: str) -> str:
   for c in comparisons:
     if c["a"] == a and c["b"] == b:
-      return f"{c['only_a']} / {c['only_b']}, p = {_p(c['mcnemar_p'])}"
+      cell = f"{c['only_a']} / {c['only_b']}, p = {_p(c['mcnemar_p'])}"
+      if c.get("token_identical") is not None:       # generation tasks
+        cell += f", {100 * c['token_identical']:.0f}% token-identical"
+      return cell
   return "not run"
 
 
