@@ -227,3 +227,19 @@ def test_records_that_do_not_match_the_report_are_refused(tmp_path):
     sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
                     studies=(STUDY, STUDY), humaneval=(HUMANEVAL, other))
   assert not (tmp_path / "run").exists()
+
+
+def test_records_without_a_header_are_refused_naming_the_file(tmp_path):
+  """An eval directory whose items.jsonl has no header line (not written by `make eval`)
+  is refused naming that file, and nothing is written."""
+  other = _copy(HUMANEVAL, tmp_path / "other")
+  items = os.path.join(other, "items.jsonl")
+  with open(items) as f:
+    lines = f.read().splitlines()
+  with open(items, "w") as f:
+    f.write("\n".join(lines[1:]) + "\n")
+  with pytest.raises(UserError, match="no header line") as e:
+    sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                    studies=(STUDY, STUDY), humaneval=(HUMANEVAL, other))
+  assert items in str(e.value) and "--run_dir" not in str(e.value)
+  assert not (tmp_path / "run").exists()

@@ -107,8 +107,9 @@ def parse(path: str):
     recs[(obj["preset"], str(obj["item"]))] = obj
     good.append(line)
   if header is None:
-    raise UserError(f"{path} is not a results file of this evaluation (no header "
-                    f"line); move it away or choose another --run_dir.")
+    raise UserError(f"{path} is not a results file of an evaluation (no header line): "
+                    f"not written by `make eval`. Move it away, or use the run directory "
+                    f"an eval wrote.")
   return header, recs, "".join(line + "\n" for line in good), text
 
 
