@@ -145,29 +145,40 @@ def test_out_of_range_counts_and_non_finite_items_are_not_passed_as_numbers(tmp_
   assert sizes._fmt(float("nan")) == "non-finite"
 
 
+def _he_records():
+  with open(os.path.join(HUMANEVAL, "items.jsonl")) as f:
+    return [json.loads(line) for line in f.read().splitlines()[1:]]
+
+
+def _partial_humaneval(part, keep):
+  """A copy of the committed HumanEval run holding only keep[preset]'s problems. Its
+  report names the presets and counts the records it holds (as the eval's own report
+  would); its accuracies are not what the shared rows are computed from."""
+  with open(os.path.join(HUMANEVAL, "items.jsonl")) as f:
+    lines = f.read().splitlines()
+  os.makedirs(part)
+  with open(part / "items.jsonl", "w") as f:
+    f.write(lines[0] + "\n")
+    for line in lines[1:]:
+      r = json.loads(line)
+      if r["item"] in keep.get(r["preset"], ()):
+        f.write(line + "\n")
+  with open(os.path.join(HUMANEVAL, "results.json")) as f:
+    res = json.load(f)
+  res["presets"] = [dict(r, items=len(keep[r["preset"]])) for r in res["presets"]
+                    if r["preset"] in keep]
+  with open(part / "results.json", "w") as f:
+    json.dump(res, f)
+  return part
+
+
 def test_humaneval_runs_on_different_problems_are_also_compared_on_the_shared_ones(tmp_path):
   """A run on a prefix of the problems (as the 1.5B's): the HumanEval rows are repeated
   over the problems both sizes ran, recomputed from items.jsonl; the expected cells are
   counted here directly from the records, not through attnprec.evals.report."""
-  with open(os.path.join(HUMANEVAL, "items.jsonl")) as f:
-    lines = f.read().splitlines()
-  recs = [json.loads(line) for line in lines[1:]]
+  recs = _he_records()
   keep = sorted({r["item"] for r in recs})[:24]
-  part = tmp_path / "part"
-  os.makedirs(part)
-  with open(part / "items.jsonl", "w") as f:
-    f.write(lines[0] + "\n")
-    for line, r in zip(lines[1:], recs):
-      if r["item"] in keep and r["preset"] in ("highest", "bf16"):
-        f.write(line + "\n")
-  with open(os.path.join(HUMANEVAL, "results.json")) as f:
-    res = json.load(f)
-  # Its report names the presets and counts the records it holds (as the eval's own
-  # report would); its accuracies are not what the shared rows are computed from.
-  res["presets"] = [dict(r, items=24) for r in res["presets"]
-                    if r["preset"] in ("highest", "bf16")]
-  with open(part / "results.json", "w") as f:
-    json.dump(res, f)
+  part = _partial_humaneval(tmp_path / "part", {"highest": keep, "bf16": keep})
   out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
                         studies=(STUDY, STUDY), humaneval=(HUMANEVAL, str(part)),
                         presets=("bf16", "fp32_qk"))
@@ -195,6 +206,30 @@ def test_humaneval_runs_on_different_problems_are_also_compared_on_the_shared_on
                          studies=(STUDY, STUDY), humaneval=(HUMANEVAL, HUMANEVAL))
   assert same["humaneval_matched_problems"] is None
   assert not any("every size ran" in m for m, _ in _table_rows(same))
+
+
+def test_a_preset_run_on_more_problems_is_also_compared_on_all_of_them(tmp_path):
+  """B holds the reference and bf16 on 24 problems, fp32_qk on 8 (as the 1.5B's run):
+  the rows over every preset's 8 stay, and bf16 gets its own rows over the 24; the
+  expected cells are counted here directly from the records."""
+  recs = _he_records()
+  items = sorted({r["item"] for r in recs})
+  part = _partial_humaneval(tmp_path / "part", {"highest": items[:24], "bf16": items[:24],
+                                                "fp32_qk": items[:8]})
+  out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                        studies=(STUDY, STUDY), humaneval=(HUMANEVAL, str(part)),
+                        presets=("bf16", "fp32_qk"))
+  assert out["humaneval_matched_problems"] == 8
+  assert out["humaneval_matched_by_preset"] == {"bf16": 24}
+  rows = _table_rows(out)
+  wide = "HumanEval pass@1 %, the 24 problems every size ran bf16 on"
+  assert (wide, "fp32_qk") not in rows
+  for preset, row in (("highest", "reference (highest)"), ("bf16", "bf16")):
+    k = sum(r["correct"] for r in recs if r["preset"] == preset and r["item"] in items[:24])
+    assert [c.split(" (")[0] for c in rows[(wide, row)]] == [f"{100 * k / 24:.1f}"] * 2
+  k = sum(r["correct"] for r in recs if r["preset"] == "fp32_qk" and r["item"] in items[:8])
+  narrow = "HumanEval pass@1 %, the 8 problems every size ran"
+  assert [c.split(" (")[0] for c in rows[(narrow, "fp32_qk")]] == [f"{100 * k / 8:.1f}"] * 2
 
 
 @pytest.mark.parametrize("src,key", [(HUMANEVAL, "prompt"), (HUMANEVAL, "timeout_s"),
