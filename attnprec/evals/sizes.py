@@ -267,8 +267,8 @@ def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str
       add(kind, f"reference ({ref})" if name == ref else name, cells)
 
   eval_rows("HumanEval pass@1 %", he, lambda r: r, humaneval_items)
-  matched = (matched_summaries(humaneval, he, [x and x[1] for x in he_read], presets)
-             if humaneval else None)
+  he_recs = [x and x[1] for x in he_read]     # each size's {preset: {item: record}}
+  matched = matched_summaries(humaneval, he, he_recs, presets) if humaneval else None
   if matched is not None:
     n, summaries = matched
     eval_rows(f"HumanEval pass@1 %, the {n} problems every size ran", summaries,
@@ -276,11 +276,10 @@ def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str
   # A preset that both sizes ran on more problems than every preset shares (bf16 on 104
   # where fp32_qk holds 40) is also compared on all of those, beside the reference.
   wider = {}
-  every = [x[1] for x in he_read if x is not None]
   for p in (presets if matched is not None else ()):
-    if not all(recs.get(p) for recs in every):
+    if not all(recs.get(p) for recs in he_recs if recs is not None):
       continue
-    one = matched_summaries(humaneval, he, [x and x[1] for x in he_read], [p])
+    one = matched_summaries(humaneval, he, he_recs, [p])
     if one is not None and one[0] > matched[0]:
       wider[p] = one[0]
       eval_rows(f"HumanEval pass@1 %, the {one[0]} problems every size ran {p} on",
