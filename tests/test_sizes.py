@@ -44,6 +44,36 @@ def _copy(src, dst, edit=None, edit_header=None):
   return str(dst)
 
 
+def _retrieval_copy(dst, keep=lambda rec, k: True, edit=lambda rec, k: None):
+  """A copy of the committed 0.5B retrieval run whose records are filtered by `keep` and
+  edited in place by `edit` (both given the record and k, its place among its preset's
+  records at its length), with each report row's counts recomputed from them (as the
+  eval's own report would count them; its comparisons are left as they were)."""
+  from attnprec.evals import report
+  with open(os.path.join(RETRIEVAL, "items.jsonl")) as f:
+    lines = f.read().splitlines()
+  recs, seen = [], {}
+  for line in lines[1:]:
+    r = json.loads(line)
+    k = seen[r["preset"], r["length"]] = seen.get((r["preset"], r["length"]), -1) + 1
+    if keep(r, k):
+      edit(r, k)
+      recs.append(r)
+  os.makedirs(dst)
+  with open(os.path.join(dst, "items.jsonl"), "w") as f:
+    f.write("\n".join([lines[0]] + [json.dumps(r) for r in recs]) + "\n")
+  with open(os.path.join(RETRIEVAL, "results.json")) as f:
+    res = json.load(f)
+  for n, s in res["lengths"].items():
+    for row in s["presets"]:
+      held = {r["item"]: r for r in recs
+              if r["preset"] == row["preset"] and r["length"] == int(n)}
+      row.update(report.preset_row(row["preset"], held))
+  with open(os.path.join(dst, "results.json"), "w") as f:
+    json.dump(res, f)
+  return str(dst)
+
+
 def _table_rows(out):
   return {tuple(c.strip() for c in line.strip("|").split("|")[:2]):
           [c.strip() for c in line.strip("|").split("|")[2:]]
@@ -78,10 +108,9 @@ def test_the_table_quotes_the_source_results(tmp_path):
 
 
 def test_a_partly_run_eval_says_how_many_items_it_holds(tmp_path):
-  def drop(res):
-    for r in res["lengths"]["1024"]["presets"]:
-      r["items"] = 120
-  part = _copy(RETRIEVAL, tmp_path / "part", drop)
+  # 120 of the 200 items at 1k for every preset (records and report alike).
+  part = _retrieval_copy(tmp_path / "part",
+                         keep=lambda r, k: r["length"] != 1024 or k < 120)
   out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
                         studies=(STUDY, STUDY), retrieval=(RETRIEVAL, part))
   cell = _table_rows(out)[("retrieval 1k tokens, accuracy %", "fp32_qk")]
@@ -134,10 +163,10 @@ def test_out_of_range_counts_and_non_finite_items_are_not_passed_as_numbers(tmp_
     sizes.sizes_job(run_dir=str(tmp_path / "r"), labels=("A", "B"),
                     studies=(STUDY, STUDY), presets=())
 
-  def nan_items(res):
-    for r in res["lengths"]["1024"]["presets"]:
-      r["non_finite"] = 3
-  bad = _copy(RETRIEVAL, tmp_path / "nan", nan_items)
+  def nan_items(rec, k):    # 3 items per preset at 1k whose logits were not finite
+    if rec["length"] == 1024 and k < 3:
+      rec["finite"] = False
+  bad = _retrieval_copy(tmp_path / "nan", edit=nan_items)
   out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
                         studies=(STUDY, STUDY), retrieval=(RETRIEVAL, bad))
   cell = _table_rows(out)[("retrieval 1k tokens, accuracy %", "bf16")]
@@ -153,7 +182,7 @@ def _he_records():
 def _partial_humaneval(part, keep):
   """A copy of the committed HumanEval run holding only keep[preset]'s problems. Its
   report names the presets and counts the records it holds (as the eval's own report
-  would); its accuracies are not what the shared rows are computed from."""
+  would); its comparisons are left as they were (the shared rows are recomputed)."""
   with open(os.path.join(HUMANEVAL, "items.jsonl")) as f:
     lines = f.read().splitlines()
   os.makedirs(part)
@@ -165,8 +194,14 @@ def _partial_humaneval(part, keep):
         f.write(line + "\n")
   with open(os.path.join(HUMANEVAL, "results.json")) as f:
     res = json.load(f)
-  res["presets"] = [dict(r, items=len(keep[r["preset"]])) for r in res["presets"]
-                    if r["preset"] in keep]
+  from attnprec.evals import report
+  held = {}
+  for line in lines[1:]:
+    r = json.loads(line)
+    if r["item"] in keep.get(r["preset"], ()):
+      held.setdefault(r["preset"], {})[r["item"]] = r
+  res["presets"] = [dict(r, **report.preset_row(r["preset"], held[r["preset"]]))
+                    for r in res["presets"] if r["preset"] in keep]
   with open(part / "results.json", "w") as f:
     json.dump(res, f)
   return part
@@ -261,6 +296,33 @@ def test_records_that_do_not_match_the_report_are_refused(tmp_path):
   with pytest.raises(UserError, match="run still in progress"):
     sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
                     studies=(STUDY, STUDY), humaneval=(HUMANEVAL, other))
+  assert not (tmp_path / "run").exists()
+
+
+def test_retrieval_records_that_do_not_match_the_report_are_refused(tmp_path):
+  """A retrieval report whose counts its records do not reproduce is refused, naming the
+  row: records marked non-finite after the report was written (the report would pass
+  them as scored), and records of a length the report does not hold yet (a run stopped
+  partway through 8k, its report last written after 4k)."""
+  edited = _retrieval_copy(tmp_path / "edited")
+  with open(os.path.join(edited, "items.jsonl")) as f:
+    lines = f.read().splitlines()
+  recs = [json.loads(line) for line in lines[1:]]
+  at_2k = [r for r in recs if r["preset"] == "bf16" and r["length"] == 2048]
+  for r in at_2k[:2]:
+    r["finite"] = False
+  with open(os.path.join(edited, "items.jsonl"), "w") as f:
+    f.write("\n".join([lines[0]] + [json.dumps(r) for r in recs]) + "\n")
+  with pytest.raises(UserError, match="run still in progress") as e:
+    sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                    studies=(STUDY, STUDY), retrieval=(RETRIEVAL, edited))
+  assert "bf16 at 2048" in str(e.value) and "(200, 2, " in str(e.value)
+  def stopped(res):
+    del res["lengths"]["8192"]
+  early = _copy(RETRIEVAL, tmp_path / "early", stopped)
+  with pytest.raises(UserError, match="report none"):
+    sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                    studies=(STUDY, STUDY), retrieval=(RETRIEVAL, early))
   assert not (tmp_path / "run").exists()
 
 

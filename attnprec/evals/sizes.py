@@ -118,12 +118,18 @@ def _cmp_cell(comparisons: List[dict], a: str, b: str) -> str:
 RECORDS_IGNORED = ("model", "source", "batch")
 
 
+# What a report row counts that its records must reproduce (`report.preset_row`).
+ROW_COUNTS = ("items", "non_finite", "correct")
+
+
 def _item_records(run_dir: str, result: dict) -> Tuple[dict, Dict[str, Dict[str, dict]]]:
   """(header, {preset: {item: record}}) of an eval's items.jsonl (read only:
-  `records.parse`). For HumanEval (a results.json with one row per preset) checked
-  against it: every preset it reports has exactly the records it reports (else the
-  directory holds a run in progress or records of another run, and the two would not
-  describe the same thing)."""
+  `records.parse`), checked against its results.json: every row it reports (per preset;
+  for retrieval per preset and length) counts exactly the items, non-finite items and
+  correct items its records hold, and no records lie outside a reported row. Otherwise
+  the directory holds a run in progress (the report is rewritten only after each preset
+  or length), records of another run, or an edited report, and the table would quote
+  numbers its records do not support."""
   path = os.path.join(run_dir, "items.jsonl")
   try:
     header, recs, _, _ = records.parse(path)
@@ -133,15 +139,28 @@ def _item_records(run_dir: str, result: dict) -> Tuple[dict, Dict[str, Dict[str,
   out: Dict[str, Dict[str, dict]] = {}
   for (preset, item), rec in recs.items():
     out.setdefault(preset, {})[item] = rec
-  if "presets" not in result:          # retrieval: rows per length
-    return header, out
-  reported = {r["preset"]: r["items"] for r in result["presets"]}
-  held = {p: len(v) for p, v in out.items()}
-  if held != reported:
-    raise UserError(f"sizes: {path} holds {held} records per preset but "
-                    f"{run_dir}/results.json reports {reported}: a run still in progress "
-                    f"or records of another run. Let the eval finish (or rerun it to "
-                    f"rewrite its report), then run sizes again.")
+  per_length = "presets" not in result          # retrieval: rows per length
+  rows = ([(r["preset"], int(n), r) for n, s in result["lengths"].items()
+           for r in s["presets"]] if per_length else
+          [(r["preset"], None, r) for r in result["presets"]])
+  held: Dict[tuple, Dict[str, dict]] = {}
+  for (preset, item), rec in recs.items():
+    key = (preset, rec.get("length") if per_length else None)
+    held.setdefault(key, {})[item] = rec
+  counts = lambda row: tuple(row[k] for k in ROW_COUNTS)
+  reported = {(p, n): counts(r) for p, n, r in rows}
+  recounted = {key: counts(report.preset_row(key[0], v)) for key, v in held.items()}
+  if recounted != reported:
+    bad = sorted((k for k in set(reported) | set(recounted)
+                  if reported.get(k) != recounted.get(k)), key=str)
+    where = "; ".join(
+        f"{p}{f' at {n}' if n else ''}: records {recounted.get((p, n), 'none')}, "
+        f"report {reported.get((p, n), 'none')}" for p, n in bad[:3])
+    raise UserError(f"sizes: {path} does not match {run_dir}/results.json in "
+                    f"{len(bad)} row(s) ({'/'.join(ROW_COUNTS)}; {where}): a run still "
+                    f"in progress, records of another run or an edited report. Let the "
+                    f"eval finish (or rerun it to rewrite its report), then run sizes "
+                    f"again.")
   return header, out
 
 
