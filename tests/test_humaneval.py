@@ -108,6 +108,9 @@ def test_report_counts_pairs_and_never_scores_non_finite():
   assert c["mcnemar_p"] == 1.0
   assert c["token_identical"] == 3 / 5 and c["median_first_divergence"] == 0.5
   assert "| bf16 vs ref | 5 |" in report.markdown(s)
+  assert report.markdown(s).rstrip().endswith("| 60.0 | 0.5 |")
+  c["median_first_divergence"] = 125.0  # the median of an even count: shown as 125, not 125.0
+  assert report.markdown(s).rstrip().endswith("| 60.0 | 125 |")
 
 
 # ------------------------------------------------------------------- the job, tiny model

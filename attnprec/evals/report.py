@@ -118,7 +118,7 @@ def markdown(summary: dict, *, extra_columns: Sequence[str] = ()) -> str:
               f"{c['mcnemar_p']:.3g} | {shown} |")
       if tok:
         med = c["median_first_divergence"]
-        line += f" {_pct(c['token_identical'])} | {'–' if med is None else med} |"
+        line += f" {_pct(c['token_identical'])} | {'–' if med is None else f'{med:g}'} |"
       lines.append(line)
   return "\n".join(lines) + "\n"
 
