@@ -1,7 +1,7 @@
 """Benchmarks: `python runners/bench.py [--suite=model|attention|all] [--quick] [--out=bench]`.
 
 `model` (the default, `make bench`; `--cases=1x32,8x1000`, `--model_presets=fp32,bf16_flags`,
-`--steps`, `--rounds`, `--no_torch`): decode tokens/s and prefill time of a real model under
+`--steps`, `--rounds`, `--no_torch`, `--no_flag_phases`): decode tokens/s and prefill time of a real model under
 the fp32 and bf16 + flags presets beside transformers, the bandwidth roofline, the cost of
 the flags per phase, compile times (`attnprec.bench.model`). Writes <out>/model.json,
 model.md, model.png. `--quick`: batch 1 and 8 at a 32-token prompt, 8 steps, 2 rounds.
@@ -103,7 +103,7 @@ def run_model(args):
       cases=args.cases or (model_bench.QUICK_CASES if quick else model_bench.DEFAULT_CASES),
       presets=args.model_presets,
       steps=args.steps or (8 if quick else 32), rounds=args.rounds or (2 if quick else 3),
-      include_torch=not args.no_torch, flag_phases=not quick,
+      include_torch=not args.no_torch, flag_phases=not (quick or args.no_flag_phases),
       torch_dtypes=args.torch_dtypes,
       flag_case=(1, 1000))
   _write_model(args.out, result)
@@ -166,6 +166,9 @@ def _parse(argv):
   add("--kernels", default=",".join(bench.KERNELS), help="attention suite: kernels")
   add("--presets", default=",".join(bench.PRESETS), help="attention suite: precision presets")
   add("--no_torch", action="store_true", help="skip the transformers / torch baselines")
+  add("--no_flag_phases", action="store_true",
+      help="model suite: skip the cost of the flags per phase (its train step holds the "
+      "weights, gradients and optimizer state in float32: ~16 bytes per parameter)")
   add("--torch_dtypes", default="float32",
       help="model suite: transformers in these dtypes (float32, bfloat16)")
   add("--projection_parts", default="micro,model",

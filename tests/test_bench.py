@@ -142,3 +142,37 @@ def test_projection_bench_tiny(tmp_path):
                    for f in ("fp32", "carried", "current/carried")}
   json.dumps(result, default=float)
   assert "| decode_B8 | current/carried |" in projections.to_markdown(result)
+
+
+def test_runner_no_flag_phases_reaches_the_model_bench(tmp_path):
+  """`--no_flag_phases` (and only it, or --quick) turns off the per-phase flag cost: the
+  runner's options as `run_model_bench` receives them (the bench itself replaced)."""
+  import importlib.util
+  import os
+  from unittest import mock
+
+  from attnprec.bench import model as model_bench
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location(
+      "runner_bench", os.path.join(root, "runners", "bench.py"))
+  runner = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(runner)
+
+  class Stop(BaseException):
+    pass
+
+  seen = []
+
+  def fake(**kwargs):
+    seen.append(kwargs)
+    raise Stop()
+
+  for argv in (["--no_torch"], ["--no_torch", "--no_flag_phases"]):
+    with mock.patch.object(model_bench, "run_model_bench", fake):
+      try:
+        runner.main(argv + [f"--out={tmp_path / 'bench'}"])
+      except Stop:
+        pass
+  assert [k["flag_phases"] for k in seen] == [True, False]
+  assert not any(k["include_torch"] for k in seen)
