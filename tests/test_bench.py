@@ -176,3 +176,31 @@ def test_runner_no_flag_phases_reaches_the_model_bench(tmp_path):
         pass
   assert [k["flag_phases"] for k in seen] == [True, False]
   assert not any(k["include_torch"] for k in seen)
+
+
+def test_presets_and_cases_share_one_copy_of_the_carried_weights():
+  """bf16 and bf16_flags carry the same rounded weights: one copy per compute dtype and
+  bench run (a 1.5B model's is 6 GB), equal to what `decoding.for_serving` makes; fp32
+  keeps the given params."""
+  import jax
+  import numpy as np
+
+  from attnprec import decoding
+  from attnprec.bench import model as model_bench
+  from attnprec.config import ModelConfig
+  from attnprec.model import init_params
+  config = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                       head_dim=8, mlp_hidden=16, max_seq_len=64)
+  params = init_params(config, jax.random.PRNGKey(0))
+  prompt = np.zeros((2, 5), np.int32)
+  carried = {}
+  case = lambda name, prompt: model_bench._AttnprecCase(  # noqa: E731
+      config, params, model_bench.PRESETS[name], prompt, 2, carried=carried)
+  fp32, bf16, flags = case("fp32", prompt), case("bf16", prompt), case("bf16_flags", prompt)
+  longer = case("bf16_flags", np.zeros((1, 7), np.int32))
+  assert fp32.params is params and fp32.weights == "float32"
+  assert bf16.params is flags.params is longer.params and list(carried) == ["bfloat16"]
+  assert flags.weights == longer.weights == "carried"
+  expect, _ = decoding.for_serving(params, model_bench.PRESETS["bf16_flags"])
+  for a, b in zip(jax.tree_util.tree_leaves(expect), jax.tree_util.tree_leaves(flags.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

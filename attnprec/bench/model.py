@@ -126,12 +126,22 @@ class _AttnprecCase:
   """Compiled prefill + decode of one (preset, B, P); `prefill()` / `decode()` time one
   call each."""
 
-  def __init__(self, config, params, precision, prompt_BxP, steps, weights="serving"):
+  def __init__(self, config, params, precision, prompt_BxP, steps, weights="serving",
+               carried=None):
     B, P = prompt_BxP.shape
     self.steps = steps
     self.weights = weights
     if weights == "serving":
-      self.params, precision = decoding.for_serving(params, precision)
+      # carried weights depend only on the compute dtype: `carried` ({dtype name: params},
+      # one per bench run) lets presets and cases share one copy (a 1.5B model's is 6 GB)
+      key = jnp.dtype(precision.compute_dtype).name
+      serving = decoding.serving_precision(precision)
+      if serving.carrier_weights and carried is not None and key in carried:
+        self.params, precision = carried[key], serving
+      else:
+        self.params, precision = decoding.for_serving(params, precision)
+        if carried is not None and precision.carrier_weights:
+          carried[key] = self.params
       self.weights = "carried" if precision.carrier_weights else "float32"
     else:   # "cast": float32, cast at each use; "stored": in the compute dtype
       self.params = decoding.compute_params(params, precision) if weights == "stored" else \
@@ -336,6 +346,7 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
   result["matmul_peak"] = matmul_peak()
   rng = np.random.default_rng(seed)
 
+  carried = {}   # one copy of the carried weights per compute dtype, for every case
   for B, P in cases:
     if P + steps > config.max_seq_len:
       raise UserError(f"Bench case prompt={P} + steps={steps} exceeds the model's "
@@ -347,7 +358,7 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
       runners[name] = _AttnprecCase(
           config, params, PRESETS[name], prompt, steps,
           weights="stored" if name in BF16_WEIGHTS else
-          "cast" if name in CAST_AT_USE else "serving")
+          "cast" if name in CAST_AT_USE else "serving", carried=carried)
     for row_name, m in torch_models.items():
       runners[row_name] = _TorchCase(m, prompt, steps)
     log(f"timing B={B} P={P} ({rounds} rounds) ...", flush=True)
