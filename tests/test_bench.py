@@ -182,6 +182,8 @@ def test_presets_and_cases_share_one_copy_of_the_carried_weights():
   """bf16 and bf16_flags carry the same rounded weights: one copy per compute dtype and
   bench run (a 1.5B model's is 6 GB), equal to what `decoding.for_serving` makes; fp32
   keeps the given params."""
+  import dataclasses
+
   import jax
   import numpy as np
 
@@ -199,7 +201,13 @@ def test_presets_and_cases_share_one_copy_of_the_carried_weights():
   fp32, bf16, flags = case("fp32", prompt), case("bf16", prompt), case("bf16_flags", prompt)
   longer = case("bf16_flags", np.zeros((1, 7), np.int32))
   assert fp32.params is params and fp32.weights == "float32"
-  assert bf16.params is flags.params is longer.params and list(carried) == ["bfloat16"]
+  assert bf16.params is flags.params is longer.params
+  assert sorted(carried) == [("bfloat16", True), ("float32", False)]
+  # a bf16 preset whose weights are not carried (a dot-algorithm matmul_precision) gets
+  # the params as given, not the carried copy
+  algo = dataclasses.replace(model_bench.PRESETS["bf16"], matmul_precision="BF16_BF16_F32")
+  uncarried = model_bench._AttnprecCase(config, params, algo, prompt, 2, carried=carried)
+  assert uncarried.params is params and uncarried.weights == "float32"
   assert flags.weights == longer.weights == "carried"
   expect, _ = decoding.for_serving(params, model_bench.PRESETS["bf16_flags"])
   for a, b in zip(jax.tree_util.tree_leaves(expect), jax.tree_util.tree_leaves(flags.params)):

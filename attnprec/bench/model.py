@@ -132,16 +132,15 @@ class _AttnprecCase:
     self.steps = steps
     self.weights = weights
     if weights == "serving":
-      # carried weights depend only on the compute dtype: `carried` ({dtype name: params},
-      # one per bench run) lets presets and cases share one copy (a 1.5B model's is 6 GB)
-      key = jnp.dtype(precision.compute_dtype).name
+      # the serving params depend only on the compute dtype and whether they are carried:
+      # `carried` ({(dtype name, carried): params}, one per bench run) lets presets and
+      # cases share one copy (a 1.5B model's carried weights are 6 GB)
+      carried = {} if carried is None else carried
       serving = decoding.serving_precision(precision)
-      if serving.carrier_weights and carried is not None and key in carried:
-        self.params, precision = carried[key], serving
-      else:
-        self.params, precision = decoding.for_serving(params, precision)
-        if carried is not None and precision.carrier_weights:
-          carried[key] = self.params
+      key = (jnp.dtype(precision.compute_dtype).name, serving.carrier_weights)
+      if key not in carried:
+        carried[key], _ = decoding.for_serving(params, precision)
+      self.params, precision = carried[key], serving
       self.weights = "carried" if precision.carrier_weights else "float32"
     else:   # "cast": float32, cast at each use; "stored": in the compute dtype
       self.params = decoding.compute_params(params, precision) if weights == "stored" else \
@@ -398,7 +397,8 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
       on_case(result)
 
   if flag_phases:
-    result["flags"] = flag_cost(config, params, flag_case, train_tokens, rounds, log, rng)
+    result["flags"] = flag_cost(config, params, flag_case, train_tokens, rounds, log, rng,
+                                carried)
   result["read_bandwidth_end"] = read_bandwidth(bandwidth_mbytes)
   result["wall_s"] = time.perf_counter() - t_start
   return result
@@ -420,7 +420,7 @@ def _add_ratios(rows, B, P):
       r["prefill_vs_transformers"] = r["prefill_s"] / torch_row["prefill_s"]
 
 
-def flag_cost(config, params, case, train_tokens, rounds, log, rng) -> dict:
+def flag_cost(config, params, case, train_tokens, rounds, log, rng, carried=None) -> dict:
   """bf16 with both flags / without, per phase, in the full model, interleaved."""
   B, P = case
   steps = 8
@@ -432,7 +432,7 @@ def flag_cost(config, params, case, train_tokens, rounds, log, rng) -> dict:
   for name in ("bf16", "bf16_flags"):
     prec = PRESETS[name]
     log(f"compiling the flag-cost programs ({name}) ...", flush=True)
-    r = _AttnprecCase(config, params, prec, prompt, steps)
+    r = _AttnprecCase(config, params, prec, prompt, steps, carried=carried)
     calls[f"prefill/{name}"] = r.prefill
     calls[f"decode/{name}"] = lambda r=r: r.decode() / r.steps
     state = train.TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32),
