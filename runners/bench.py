@@ -1,10 +1,11 @@
 """Benchmarks: `python runners/bench.py [--suite=model|attention|all] [--quick] [--out=bench]`.
 
 `model` (the default, `make bench`; `--cases=1x32,8x1000`, `--model_presets=fp32,bf16_flags`,
-`--steps`, `--rounds`, `--no_torch`, `--no_flag_phases`): decode tokens/s and prefill time of a real model under
-the fp32 and bf16 + flags presets beside transformers, the bandwidth roofline, the cost of
-the flags per phase, compile times (`attnprec.bench.model`). Writes <out>/model.json,
-model.md, model.png. `--quick`: batch 1 and 8 at a 32-token prompt, 8 steps, 2 rounds.
+`--steps`, `--rounds`, `--no_torch`, `--no_flag_phases`, `--torch_dtypes`): decode
+tokens/s and prefill time of a real model under the fp32 and bf16 + flags presets beside
+transformers, the bandwidth roofline, the cost of the flags per phase (skipped by
+`--no_flag_phases`: its float32 train step needs ~16 bytes per parameter), compile times
+(`attnprec.bench.model`). Writes <out>/model.json, model.md, model.png. `--quick`: batch 1 and 8 at a 32-token prompt, 8 steps, 2 rounds.
 
 `attention`: every attention kernel x precision preset alone, plus torch SDPA
 (`attnprec.bench.attention`). Writes <out>/results.json, results.md, results.png.
@@ -14,6 +15,9 @@ SmolLM2-shaped projections and the whole model's prefill (1000 tokens) and decod
 (batch 1 and 8) per form; `--projection_parts=micro,model`; `--xla_settings=default,
 onednn,xnnpack` repeats it once per XLA:CPU setting, each in its own process (XLA_FLAGS
 is process-wide). Writes <out>/projections.json, projections.md.
+
+An option the chosen suite does not read (`--cases` with `--suite=attention`, say) is
+refused, not ignored.
 
 It reads no gin files: the options below are its configuration. Every option and --out
 are checked before anything is loaded or compiled. Exit codes: 0 done, 2 bad input (one
@@ -35,6 +39,15 @@ from attnprec.bench import projections as projection_bench  # noqa: E402
 from attnprec.errors import UserError  # noqa: E402
 
 SUITES = ("model", "attention", "projections", "all")
+# The options each suite reads (--suite and --out: every suite). One a suite does not
+# read is refused, never ignored.
+_MODEL_OPTIONS = ("quick", "model", "cases", "model_presets", "steps", "rounds", "no_torch",
+                  "no_flag_phases", "torch_dtypes")
+_ATTENTION_OPTIONS = ("seq_lens", "memory_seq_lens", "decode_seq_lens", "kernels", "presets",
+                      "no_torch")
+READS = {"model": _MODEL_OPTIONS, "attention": _ATTENTION_OPTIONS,
+         "projections": ("projection_parts", "xla_settings", "rounds"),
+         "all": tuple(dict.fromkeys(_MODEL_OPTIONS + _ATTENTION_OPTIONS))}
 
 
 def _ints(text):
@@ -178,6 +191,18 @@ def _parse(argv):
       f"{','.join(xla_env.SETTINGS)} ('': this process's setting only)")
   add("--out", default="bench", metavar="DIR", help="where results are written")
   args = parser.parse_args(argv)
+  # which options the command line gave: parsing into a namespace that already holds a
+  # marker for every option leaves the marker wherever an option was not given
+  marker = object()
+  given = vars(parser.parse_args(argv, argparse.Namespace(
+      **{k: marker for k in vars(args)})))
+  unread = [k for k, v in given.items()
+            if v is not marker and k not in ("suite", "out") + READS[args.suite]]
+  if unread:
+    raise UserError(
+        f"--suite={args.suite} does not read {', '.join('--' + k for k in unread)}; "
+        f"the options it reads: {', '.join('--' + k for k in READS[args.suite])} "
+        f"(and --suite, --out). Drop them, or choose the suite that reads them.")
   args.model_presets = _names("--model_presets", args.model_presets,
                               list(model_bench.PRESETS))
   args.kernels = _names("--kernels", args.kernels, bench.KERNELS)

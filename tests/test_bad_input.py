@@ -750,3 +750,25 @@ def test_a_normal_chat_template_still_renders():
   long = "y" * 3_000_000                         # a long prompt is not a hostile template
   assert tok.apply_chat_template([{"role": "user", "content": long}]) == \
       f"<|user|>{long}---"
+
+
+@pytest.mark.parametrize("suite,option", [
+    ("attention", "--cases=1x32"), ("attention", "--quick"), ("attention", "--no_flag_phases"),
+    ("projections", "--no_torch"), ("projections", "--model=smollm2-135m"),
+    ("model", "--seq_lens=64"), ("model", "--xla_settings=default"),
+    ("all", "--projection_parts=micro")])
+def test_bench_refuses_an_option_its_suite_does_not_read(tmp_path, suite, option):
+  """A bench option the chosen suite would not use is refused before any work, naming it
+  and the options the suite reads (never silently ignored)."""
+  out = str(tmp_path / "bench")
+  rc, err = call("bench", [f"--suite={suite}", option, f"--out={out}"])
+  assert_refused("bench", rc, err, out, f"--suite={suite} does not read "
+                 f"{option.split('=')[0]}", "the options it reads:")
+  # the same option with a suite that reads it gets past every check (the projections
+  # suite's own work is not replaced here, so its options are only refused)
+  reader = {"--cases": "model", "--quick": "model", "--no_flag_phases": "model",
+            "--no_torch": "attention", "--model": "model", "--seq_lens": "attention"}
+  if option.split("=")[0] in reader:
+    rc, _ = call("bench", [f"--suite={reader[option.split('=')[0]]}", option,
+                           f"--out={out}"])
+    assert rc == "work"
