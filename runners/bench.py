@@ -191,6 +191,17 @@ def _parse(argv):
       f"{','.join(xla_env.SETTINGS)} ('': this process's setting only)")
   add("--out", default="bench", metavar="DIR", help="where results are written")
   args = parser.parse_args(argv)
+  args.model_presets = _names("--model_presets", args.model_presets,
+                              list(model_bench.PRESETS))
+  args.kernels = _names("--kernels", args.kernels, bench.KERNELS)
+  args.torch_dtypes = _names("--torch_dtypes", args.torch_dtypes,
+                             list(model_bench.TORCH_DTYPES))
+  args.presets = _names("--presets", args.presets, list(bench.PRESETS))
+  args.projection_parts = _names("--projection_parts", args.projection_parts,
+                                 ["micro", "model"])
+  args.xla_settings = _names("--xla_settings", args.xla_settings, list(xla_env.SETTINGS)) \
+      if args.xla_settings else []
+  # after the names are checked: a bad name is reported as such, whatever the suite
   # which options the command line gave: parsing into a namespace that already holds a
   # marker for every option leaves the marker wherever an option was not given
   marker = object()
@@ -203,16 +214,6 @@ def _parse(argv):
         f"--suite={args.suite} does not read {', '.join('--' + k for k in unread)}; "
         f"the options it reads: {', '.join('--' + k for k in READS[args.suite])} "
         f"(and --suite, --out). Drop them, or choose the suite that reads them.")
-  args.model_presets = _names("--model_presets", args.model_presets,
-                              list(model_bench.PRESETS))
-  args.kernels = _names("--kernels", args.kernels, bench.KERNELS)
-  args.torch_dtypes = _names("--torch_dtypes", args.torch_dtypes,
-                             list(model_bench.TORCH_DTYPES))
-  args.presets = _names("--presets", args.presets, list(bench.PRESETS))
-  args.projection_parts = _names("--projection_parts", args.projection_parts,
-                                 ["micro", "model"])
-  args.xla_settings = _names("--xla_settings", args.xla_settings, list(xla_env.SETTINGS)) \
-      if args.xla_settings else []
   if not args.seq_lens:
     raise UserError("--seq_lens is empty; give at least one length, e.g. 1024,4096.")
   runs.check_output_dir(args.out, flag="--out")   # before minutes of benchmarking
