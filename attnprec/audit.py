@@ -64,11 +64,11 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import checks, decoding, hlo, kernels, layout, runs, train, xla_env
+from attnprec import checks, decoding, hlo, kernels, keyoffset, layout, runs, train, xla_env
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
-from attnprec.inspect import DotSite, cache_check, inspect_lowered
+from attnprec.inspect import DotSite, cache_check, inspect_lowered, offset_check
 from attnprec.inspect import report as contract_check
 from attnprec.model import init_params
 from attnprec.precision import Precision
@@ -89,8 +89,11 @@ def check_dense_dot(dot: DotSite, precision: Precision) -> List[str]:
   c = short(precision.compute_dtype)
   _, _, result = contract_check.effective(
       dot, widened_ok=contract_check.is_preset(precision.matmul_precision))
-  unembed = _module(dot) == "unembed"
-  want = "f32" if unembed else c
+  module = _module(dot)
+  unembed = module == "unembed"
+  # With a key offset the key projection's f32 accumulation stays f32 until the offset
+  # is subtracted (the offset row; `offset_check` proves the one rounding after it).
+  want = "f32" if unembed or (module == "attn/k" and precision.key_offset != "none") else c
   # The f32 accumulator rounded once to c right after the dot: `layers.project`'s
   # c x c -> f32 form, and the float32 dot on float32-carried weights.
   rounded_once = dot.result == "f32" and dot.converted_to == want
@@ -119,6 +122,9 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
     raise UserError(f"The audit's context (prompt_len {prompt_len} + new_tokens "
                     f"{new_tokens} = {cache_length}) exceeds the model's max_seq_len "
                     f"{config.max_seq_len}; lower audit.prompt_len / audit.new_tokens.")
+  why = keyoffset.refusal(config, train_precision.key_offset, phase="train")
+  if why:
+    raise UserError(why)
   tokens_BxP = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
   lengths_B = jax.ShapeDtypeStruct((batch,), jnp.int32)
   params = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
@@ -212,7 +218,10 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
   cache_rows = [_cache_row(phase, a, cache) for a in report.attentions]
   for a in report.attentions:
     checks = contract_check.check_attention(a, precision)
-    rows.append(_row(phase, "qk", a.layer, a.qk, checks["qk"] + checks["softmax"],
+    # The key offset's row: subtracted in f32 before the keys' one rounding.
+    offset = [f"key offset: {p}" for p in
+              offset_check.offset_problems(a.key_path, precision.key_offset)]
+    rows.append(_row(phase, "qk", a.layer, a.qk, checks["qk"] + checks["softmax"] + offset,
                      "types+precision", a.softmax, a.label))
     rows.append(_row(phase, "wv", a.layer, a.wv, checks["wv"], "types+precision",
                      a.softmax, a.label))

@@ -34,7 +34,9 @@ import jax.numpy as jnp
 
 from attnprec import kvquant
 from attnprec.config import ModelConfig
-from attnprec.contract import COMPUTE_CACHE, SCALED_KV_DTYPES, CacheStorage, KVScales
+from attnprec.contract import (COMPUTE_CACHE, KEY_OFFSETS, SCALED_KV_DTYPES, CacheStorage,
+                               KVScales)
+from attnprec.errors import UserError
 
 
 @chex.dataclass(frozen=True)
@@ -50,6 +52,10 @@ class LayerCache:
   # group that held a non-finite value (`attnprec.kvquant`).
   k_scale: Optional[chex.Array] = None
   v_scale: Optional[chex.Array] = None
+  # The key offset its keys were stored with: {name: float32 [B, K, H]} for a
+  # `CacheStorage.key_offset` other than 'none' (the name is pytree structure, so a step
+  # that would subtract another offset is refused while tracing: `offset_for`), else None.
+  key_offset: Optional[dict] = None
 
   @property
   def length(self) -> int:
@@ -111,7 +117,36 @@ class LayerCache:
       v, v_scale = put(v, codes), put(v_scale, scale_BxTxK)
     else:
       v = put(v, _stored_values(v_BxTxKxH, storage.v_dtype))
-    return LayerCache(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+    return LayerCache(k=k, v=v, k_scale=k_scale, v_scale=v_scale,
+                      key_offset=self.key_offset)
+
+  def offset_for(self, name: str, fresh_BxKxH, positions_BxT) -> Tuple[jax.Array, "LayerCache"]:
+    """(c [B, K, H] float32, the cache holding it) for a call writing `positions_BxT`
+    under key offset `name`: a sequence whose write starts at position 0 (its prefill)
+    takes `fresh_BxKxH` and stores it; every later write (a decode step) gets the stored
+    one, so all keys of a sequence carry the same c. A cache filled under another offset
+    is refused (`UserError`, while tracing): its keys carry another c."""
+    _refuse_mixed(self, name)
+    stored_BxKxH = self.key_offset[name]
+    first_B = positions_BxT[:, 0] == 0
+    c_BxKxH = jnp.where(first_B[:, None, None], fresh_BxKxH.astype(jnp.float32), stored_BxKxH)
+    return c_BxKxH, self.replace(key_offset={name: c_BxKxH})
+
+  def check_offset(self, name: str) -> None:
+    """Refuses (`UserError`, while tracing) a step under key offset `name` over a cache
+    whose keys were stored with another."""
+    _refuse_mixed(self, name)
+
+
+def _refuse_mixed(cache: LayerCache, name: str) -> None:
+  held = next(iter(cache.key_offset)) if cache.key_offset else "none"
+  if held != name:
+    raise UserError(
+        f"This KV cache's keys were stored with key offset {held!r}, but the step "
+        f"reading it runs precision.key_offset = {name!r}: the softmax removes an offset "
+        f"only when every key a query sees carries the same one. Use one key_offset for "
+        f"the prefill that fills a cache and the decode steps that read it (valid: "
+        f"{', '.join(repr(k) for k in KEY_OFFSETS)}).")
 
 
 @chex.dataclass(frozen=True)
@@ -139,8 +174,11 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype,
     k = jnp.zeros((B, K, S, H), side_dtype(storage.k_dtype, dtype))
     v = jnp.zeros((B, K, S, H), side_dtype(storage.v_dtype, dtype))
     ks, vs = scale_shape[storage.k_scale], scale_shape[storage.v_scale]
+    offset = (None if storage.key_offset == "none" else
+              {storage.key_offset: jnp.zeros((B, K, H), jnp.float32)})
     return LayerCache(k=k, v=v, k_scale=None if ks is None else jnp.zeros(ks, jnp.float32),
-                      v_scale=None if vs is None else jnp.zeros(vs, jnp.float32))
+                      v_scale=None if vs is None else jnp.zeros(vs, jnp.float32),
+                      key_offset=offset)
 
   return KVCache(layers=tuple(one() for _ in range(config.num_layers)))
 
@@ -153,7 +191,8 @@ def forward_cache(config: ModelConfig, batch: int, length: int,
   forward runs as a prefill into it and attends to the quantized or re-typed keys and
   values it stores (`layers.Attention`), not the exact ones. The study's forward rows
   and `checkpoints.finite.first_nonfinite_stage` use it."""
-  if precision.cache_storage == COMPUTE_CACHE:
+  # The key offset alone needs no cache: a cacheless forward subtracts the same c.
+  if precision.cache_storage.without_offset() == COMPUTE_CACHE:
     return None
   return init_cache(config, batch, length, precision.compute_dtype, precision.cache_storage)
 

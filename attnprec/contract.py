@@ -153,6 +153,31 @@ def scale_logits(logits, scale, expected) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- cache
+# ----------------------------------------------------------------------------- key offset
+# The key offset (`Precision.key_offset`, `attnprec.keyoffset`): a vector c per layer and kv
+# head subtracted from every rotated key in float32, before the keys' one rounding to c
+# (or to the cache's storage type). Exact: each query's logits shift by the constant q . c,
+# which the softmax removes, PROVIDED every key a query sees had the same c subtracted.
+#
+#   | row                         | 'none'            | 'zero' / 'bias' / 'prefill_mean'   |
+#   | keys before the rounding    | projection in c,  | projection accumulated in f32, bias|
+#   |                             | bias added in c,  | added in f32, RoPE in f32, then    |
+#   |                             | RoPE f32 -> c     | k - c in f32, rounded once to c    |
+#   | c                           | -                 | f32 [K, H] ('bias') or [B, K, H]   |
+#   | decode steps                | -                 | the c the prefill stored (cache)   |
+#   | refused                     | -                 | soft-capped logits, sinks with an  |
+#   |                             |                   | explicit logit; 'bias' without a   |
+#   |                             |                   | key bias or with a key norm;       |
+#   |                             |                   | 'prefill_mean' in the train phase  |
+#
+# The later rows of the table (qk dot, softmax, ...) are unchanged: the kernels receive
+# the residual keys in c like any other keys. The audit proves the order from the program
+# (`attnprec.inspect.offset_check`): the subtraction is float32 and no rounding to 16 bits
+# lies between the key projection and it.
+KEY_OFFSETS = ("none", "zero", "bias", "prefill_mean")
+KEY_OFFSET_SCOPE = "key_offset"   # the named scope of the subtraction
+
+
 # The KV cache's storage: per keys and values, a storage dtype and, for the scaled types,
 # a scale granularity (`Precision.kv_cache_*`). 'compute' stores the compute dtype c
 # (today's cache, the default). float32 / bfloat16 store values of that dtype and are
@@ -183,6 +208,14 @@ class CacheStorage:
   v_dtype: str = "compute"
   k_scale: Optional[str] = None
   v_scale: Optional[str] = None
+  # The key offset the cache's keys were stored with (KEY_OFFSETS): any but 'none' keeps
+  # the offset vector beside the keys, so every decode step subtracts the one its prefill
+  # used (a cache filled under another offset is refused, `cache.LayerCache.key_offset`).
+  key_offset: str = "none"
+
+  def without_offset(self) -> "CacheStorage":
+    """The same storage with key_offset 'none': what the keys and values are stored as."""
+    return dataclasses.replace(self, key_offset="none")
 
   @property
   def quantized(self) -> bool:
@@ -191,7 +224,8 @@ class CacheStorage:
 
   def describe(self) -> str:
     side = lambda d, g: d + (f"/{g}" if g else "")  # noqa: E731
-    return f"kv_cache=k:{side(self.k_dtype, self.k_scale)},v:{side(self.v_dtype, self.v_scale)}"
+    return (f"kv_cache=k:{side(self.k_dtype, self.k_scale)},v:{side(self.v_dtype, self.v_scale)}"
+            + (f" key_offset={self.key_offset}" if self.key_offset != "none" else ""))
 
 
 COMPUTE_CACHE = CacheStorage()

@@ -171,7 +171,8 @@ def prefill(params, prompt_BxP, lengths_B, *, config: ModelConfig, precision: Pr
   # Logits of each prompt's last real token only (not of all P positions).
   out = model_lib.transformed(config).apply(params, prompt_BxP, None, cache,
                                             precision=precision,
-                                            logits_at_B=(lengths_B - 1).astype(jnp.int32))
+                                            logits_at_B=(lengths_B - 1).astype(jnp.int32),
+                                            lengths_B=lengths_B)
   last_BxV = out.logits[:, 0]
   return DecodeState(out.cache, last_BxV, lengths_B.astype(jnp.int32))
 

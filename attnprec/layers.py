@@ -14,9 +14,11 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from attnprec import kernels
+from attnprec import kernels, keyoffset
 from attnprec.cache import LayerCache
 from attnprec.config import ModelConfig
+from attnprec.contract import KEY_OFFSET_SCOPE
+from attnprec.errors import UserError
 from attnprec.precision import Precision
 
 
@@ -119,19 +121,26 @@ class Dense(hk.Module):
   (`Precision.carrier_weights`)."""
 
   def __init__(self, out: int, *, precision, with_bias: bool = False, carrier: bool = False,
-               name: Optional[str] = None):
+               out_dtype=None, name: Optional[str] = None):
     super().__init__(name=name)
     self.out, self.precision, self.with_bias = out, precision, with_bias
-    self.carrier = carrier
+    self.carrier, self.out_dtype = carrier, out_dtype
 
   def __call__(self, x):
+    """y in x's dtype (the default) or in `out_dtype` (float32: the projection's float32
+    accumulation unrounded, the bias added in float32)."""
     d_in = x.shape[-1]
     w = hk.get_parameter("w", (d_in, self.out), jnp.float32,
                          init=hk.initializers.VarianceScaling(1.0, "fan_in", "normal"))
-    y = project(x, w, "...i,io->...o", precision=self.precision, carrier=self.carrier)
+    y = project(x, w, "...i,io->...o", precision=self.precision, carrier=self.carrier,
+                out_dtype=self.out_dtype)
     if self.with_bias:
-      y = y + hk.get_parameter("b", (self.out,), jnp.float32, init=jnp.zeros).astype(x.dtype)
+      y = y + self.bias().astype(y.dtype)
     return y
+
+  def bias(self) -> jax.Array:
+    """The bias parameter, float32 [out] (only with `with_bias`)."""
+    return hk.get_parameter("b", (self.out,), jnp.float32, init=jnp.zeros)
 
 
 @dataclasses.dataclass
@@ -163,10 +172,13 @@ class Attention(hk.Module):
   layer: int                # index: picks the window and RoPE base of this layer
   name: Optional[str] = None
 
-  def __call__(self, x_BxTxD, positions_BxT, mask, cache: Optional[LayerCache] = None):
+  def __call__(self, x_BxTxD, positions_BxT, mask, cache: Optional[LayerCache] = None,
+               lengths_B=None):
     """mask: a `CausalMask` (or a dense bool [B, 1, T, S]), passed on to `attend`.
 
     cache: this layer's `LayerCache` (S positions), or None (then S = T).
+    lengths_B: each sequence's real tokens in this call (a right-padded prompt), or None
+    (all T): read only by the 'prefill_mean' key offset.
 
     Returns (out_BxTxD, the updated LayerCache or None).
     """
@@ -174,10 +186,17 @@ class Attention(hk.Module):
     B, T, _ = x_BxTxD.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     mp, cw = prec.matmul, prec.carrier_weights
+    offset = prec.key_offset
+    why = keyoffset.refusal(cfg, offset)
+    if why:
+      raise UserError(why)
     q_BxTxNxH = Dense(N * H, precision=mp, with_bias=cfg.qkv_bias, carrier=cw,
                       name="q")(x_BxTxD)
-    k_BxTxKxH = Dense(K * H, precision=mp, with_bias=cfg.qkv_bias, carrier=cw,
-                      name="k")(x_BxTxD)
+    # With a key offset the keys stay float32 (the projection's accumulation, the bias,
+    # RoPE) until the offset is subtracted: one rounding, of the residual (contract row).
+    k_proj = Dense(K * H, precision=mp, with_bias=cfg.qkv_bias, carrier=cw,
+                   out_dtype=None if offset == "none" else jnp.float32, name="k")
+    k_BxTxKxH = k_proj(x_BxTxD)
     v_BxTxKxH = Dense(K * H, precision=mp, with_bias=cfg.qkv_bias, carrier=cw,
                       name="v")(x_BxTxD)
     q_BxTxNxH = q_BxTxNxH.reshape(B, T, N, H)
@@ -189,6 +208,11 @@ class Attention(hk.Module):
     base, pos_scale = cfg.rope(self.layer)
     q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, base=base, scale=pos_scale)
     k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, base=base, scale=pos_scale)
+    if offset != "none":
+      k_BxTxKxH, cache = self._subtract_offset(k_BxTxKxH, k_proj, positions_BxT, cache,
+                                               lengths_B, q_BxTxNxH.dtype)
+    elif cache is not None:
+      cache.check_offset(offset)
 
     scales = None
     if cache is not None:
@@ -215,6 +239,31 @@ class Attention(hk.Module):
     out_BxTxD = Dense(cfg.d_model, precision=mp, carrier=cw, name="o")(
         out_BxTxNxH.reshape(B, T, N * H))
     return out_BxTxD, cache
+
+  def _subtract_offset(self, k32_BxTxKxH, k_proj: Dense, positions_BxT, cache, lengths_B,
+                       c):
+    """(k - c rounded once to the compute dtype `c`, the cache holding c): the
+    contract's offset row (`attnprec.keyoffset`)."""
+    cfg, name = self.config, self.precision.key_offset
+    B, T, K, H = k32_BxTxKxH.shape
+    chex.assert_type(k32_BxTxKxH, jnp.float32)
+    with jax.named_scope(KEY_OFFSET_SCOPE):
+      if name == "zero":
+        fresh_BxKxH = jnp.zeros((B, K, H), jnp.float32)
+      elif name == "bias":
+        c_KxH = keyoffset.bias_offset(k_proj.bias().reshape(K, H), cfg, self.layer)
+        fresh_BxKxH = jnp.broadcast_to(c_KxH, (B, K, H))
+      else:  # 'prefill_mean': this call's real tokens (a prefill's prompt)
+        valid_BxT = (None if lengths_B is None else
+                     jnp.arange(T)[None, :] < lengths_B[:, None])
+        fresh_BxKxH = keyoffset.token_mean(k32_BxTxKxH, valid_BxT)
+      if cache is None:
+        c_BxKxH = fresh_BxKxH
+      else:
+        c_BxKxH, cache = cache.offset_for(name, fresh_BxKxH, positions_BxT)
+      chex.assert_type(c_BxKxH, jnp.float32)
+      k_BxTxKxH = (k32_BxTxKxH - c_BxKxH[:, None]).astype(c)
+    return k_BxTxKxH, cache
 
 
 @dataclasses.dataclass

@@ -38,13 +38,14 @@ class Block(hk.Module):
   layer: int
   name: Optional[str] = None
 
-  def __call__(self, x_BxTxD, positions_BxT, mask, cache: Optional[LayerCache] = None):
+  def __call__(self, x_BxTxD, positions_BxT, mask, cache: Optional[LayerCache] = None,
+               lengths_B=None):
     """Returns (x_BxTxD, this layer's updated cache or None)."""
     cfg = self.config
     norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.norm_plus_one)
     h_BxTxD = norm(name="pre_attn_norm")(x_BxTxD)
     h_BxTxD, cache = Attention(cfg, self.precision, self.layer, name="attn")(
-        h_BxTxD, positions_BxT, mask, cache)
+        h_BxTxD, positions_BxT, mask, cache, lengths_B)
     if cfg.post_attn_norm:
       h_BxTxD = norm(name="post_attn_norm")(h_BxTxD)
     x_BxTxD = x_BxTxD + h_BxTxD
@@ -62,8 +63,11 @@ class Decoder(hk.Module):
   name: Optional[str] = "decoder"
 
   def __call__(self, tokens_BxT, positions_BxT=None, cache: Optional[KVCache] = None,
-               logits_at_B: Optional[jax.Array] = None) -> Output:
-    """logits_at_B: if given, the index (0..T-1) of the one token per sequence whose
+               logits_at_B: Optional[jax.Array] = None, lengths_B=None) -> Output:
+    """lengths_B: each sequence's real tokens (a right-padded prompt; None: all T), read
+    only by the 'prefill_mean' key offset (`attnprec.keyoffset`).
+
+    logits_at_B: if given, the index (0..T-1) of the one token per sequence whose
     logits are computed (logits [B, 1, V]); prefill needs only each prompt's last token,
     and the unembedding of all T tokens is the costliest single product of a long
     prefill (T x D x V). None: logits of every token."""
@@ -92,7 +96,7 @@ class Decoder(hk.Module):
     for i in range(cfg.num_layers):
       x_BxTxD, layer_cache = Block(cfg, prec, i, name=f"layer_{i}")(
           x_BxTxD, positions_BxT, masks[cfg.window(i)],
-          cache.layers[i] if cache is not None else None)
+          cache.layers[i] if cache is not None else None, lengths_B)
       chex.assert_type(x_BxTxD, c)
       new_layers.append(layer_cache)
 
@@ -119,11 +123,13 @@ class Decoder(hk.Module):
 
 def transformed(config: ModelConfig) -> hk.Transformed:
   """Pure init/apply for `config`; apply(params, tokens, positions=None, cache=None, *,
-  precision, logits_at_B=None) -> Output. `precision` is a static, per-phase value."""
+  precision, logits_at_B=None, lengths_B=None) -> Output. `precision` is a static,
+  per-phase value."""
 
   def fn(tokens_BxT, positions_BxT=None, cache=None, *, precision: Precision,
-         logits_at_B=None):
-    return Decoder(config, precision)(tokens_BxT, positions_BxT, cache, logits_at_B)
+         logits_at_B=None, lengths_B=None):
+    return Decoder(config, precision)(tokens_BxT, positions_BxT, cache, logits_at_B,
+                                      lengths_B)
 
   return hk.without_apply_rng(hk.transform(fn))
 

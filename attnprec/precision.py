@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from attnprec import checks, kernels
 # The names of dtypes and dot precisions live on the ground floor (the kernels use them);
 # re-exported here, where users look for them.
-from attnprec.contract import (ALGORITHM_PRESETS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
-                               LAX_PRECISIONS, SCALED_KV_DTYPES, CacheStorage,
+from attnprec.contract import (ALGORITHM_PRESETS, DTYPES, KEY_OFFSETS,  # noqa: F401
+                               KV_CACHE_DTYPES, LAX_PRECISIONS, SCALED_KV_DTYPES, CacheStorage,
                                PrecisionLike, cache_storage_error, parse_dtype,
                                parse_precision, precision_name)
 from attnprec.errors import UserError, choice_error
@@ -40,7 +40,8 @@ _PRECISION_NAMES = list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS)
     kv_cache_k_dtype=checks.one_of(*KV_CACHE_DTYPES),
     kv_cache_v_dtype=checks.one_of(*KV_CACHE_DTYPES),
     kv_cache_k_scale=checks.optional(checks.one_of("token", "channel")),
-    kv_cache_v_scale=checks.optional(checks.one_of("token", "channel")))
+    kv_cache_v_scale=checks.optional(checks.one_of("token", "channel")),
+    key_offset=checks.one_of(*KEY_OFFSETS))
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Precision:
   """Numerics of one phase. Hashable, so it can be a static argument of jit."""
@@ -74,6 +75,11 @@ class Precision:
   # head-dim channel, fixed at prefill from the prompt's keys). Unscaled dtypes: None.
   kv_cache_k_scale: Optional[str] = None
   kv_cache_v_scale: Optional[str] = None
+  # A vector subtracted from every rotated key in float32 before the keys' one rounding
+  # (`attnprec.keyoffset`, the contract's offset row): 'none' (today's keys, bit for bit),
+  # 'zero' (the float32 key path, c = 0: a control), 'bias' (from the model's key bias),
+  # 'prefill_mean' (the prompt's mean key, frozen into the cache).
+  key_offset: str = "none"
 
   def __post_init__(self):
     # Validate eagerly so a bad gin value fails at configuration time, not mid-trace.
@@ -83,6 +89,8 @@ class Precision:
     for flag in ("float32_qk_product", "float32_logits", "carrier_weights"):
       if not isinstance(getattr(self, flag), bool):
         raise choice_error(flag, getattr(self, flag), (True, False))
+    if self.key_offset not in KEY_OFFSETS:
+      raise choice_error("precision.key_offset", self.key_offset, KEY_OFFSETS)
     why = cache_storage_error(self.compute_dtype, k_dtype=self.kv_cache_k_dtype,
                               v_dtype=self.kv_cache_v_dtype, k_scale=self.kv_cache_k_scale,
                               v_scale=self.kv_cache_v_scale)
@@ -104,7 +112,8 @@ class Precision:
     scale = lambda d, g: (g or "token") if d in SCALED_KV_DTYPES else None  # noqa: E731
     return CacheStorage(k_dtype=self.kv_cache_k_dtype, v_dtype=self.kv_cache_v_dtype,
                         k_scale=scale(self.kv_cache_k_dtype, self.kv_cache_k_scale),
-                        v_scale=scale(self.kv_cache_v_dtype, self.kv_cache_v_scale))
+                        v_scale=scale(self.kv_cache_v_dtype, self.kv_cache_v_scale),
+                        key_offset=self.key_offset)
 
   @property
   def matmul(self) -> PrecisionLike:

@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from attnprec import checkpointing, checks, plotting, runs, sharding, signals
+from attnprec import checkpointing, checks, keyoffset, plotting, runs, sharding, signals
 from attnprec import model as model_lib
 from attnprec.config import ModelConfig
 from attnprec.contract import COMPUTE_CACHE
@@ -182,7 +182,10 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   `skip_nonfinite_steps`). Returns the last metrics.
   """
   faults = fault_injection()   # test-only; nothing bound in shipped gin files
-  if precision.cache_storage != COMPUTE_CACHE:
+  why = keyoffset.refusal(config, precision.key_offset, phase="train")
+  if why:
+    raise UserError(why)
+  if precision.cache_storage.without_offset() != COMPUTE_CACHE:
     # Training runs no KV cache: a cache setting would be silently ignored.
     raise UserError(
         f"The train phase has no KV cache, so {precision.cache_storage.describe()} would "

@@ -48,6 +48,7 @@ import re
 from typing import Dict, List, Optional, Set, Tuple
 
 from attnprec.inspect.mlir_graph import Graph, Node, Value, dot_info, int_list
+from attnprec.inspect import offset_check
 
 DOT = "stablehlo.dot_general"
 EXP = "stablehlo.exponential"
@@ -137,6 +138,9 @@ class Attention:
   logits_scales: List[Scaling] = dataclasses.field(default_factory=list)  # qk -> softmax
   probs_scales: List[Scaling] = dataclasses.field(default_factory=list)   # probs -> wv
   q_scales: List[Scaling] = dataclasses.field(default_factory=list)  # on the qk operands
+  # The keys' way from the projection to the qk dot: the key offset's row
+  # (`attnprec.inspect.offset_check.key_path`).
+  key_path: Dict[str, object] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -811,7 +815,7 @@ def _attention(g, d1, exp, sm, d2, idx, casts, probs, online, cone) -> Attention
                   probs_casts=list(dict.fromkeys(casts)), soft_cap=soft_cap, mask=mask,
                   logits_scale=scale, probs_operand=idx,
                   logits_scales=_logits_scales(path, cone, exp, sm["axis"]),
-                  q_scales=_q_scales(d1))
+                  q_scales=_q_scales(d1), key_path=offset_check.key_path(d1))
   att._nodes = (d1, d2, probs, idx)   # for the backward search (not serialised)
   return att
 
