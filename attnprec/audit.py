@@ -122,9 +122,7 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
     raise UserError(f"The audit's context (prompt_len {prompt_len} + new_tokens "
                     f"{new_tokens} = {cache_length}) exceeds the model's max_seq_len "
                     f"{config.max_seq_len}; lower audit.prompt_len / audit.new_tokens.")
-  why = keyoffset.refusal(config, train_precision.key_offset, phase="train")
-  if why:
-    raise UserError(why)
+  keyoffset.check(config, train_precision.key_offset, phase="train")
   tokens_BxP = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
   lengths_B = jax.ShapeDtypeStruct((batch,), jnp.int32)
   params = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
@@ -369,6 +367,9 @@ def attention_table(result: dict) -> str:
                   else f"probs {P}, v {c if c == P else c + '/' + P} -> "
                   f"{P if P == 'f32' else P + '/f32'}")
       contract += f", {a['einsum_precision']}"
+      offset = a["precision"].get("key_offset", "none")
+      if site == "qk" and offset != "none":
+        contract += f"; keys - c ({offset}) in f32, then one rounding"
       if bwd or checked == "precision":
         contract = f"precision {a['einsum_precision']}"
       lines.append(f"| {ph} | {site}{' (grad)' if bwd else ''} | "

@@ -54,6 +54,7 @@ import numpy as np
 
 from attnprec.config import ModelConfig
 from attnprec.contract import KEY_OFFSETS
+from attnprec.errors import UserError
 
 F32 = jnp.float32
 
@@ -87,6 +88,13 @@ def refusal(config: ModelConfig, key_offset: str, *, phase: Optional[str] = None
             f"(decode/precision.key_offset), or use 'bias' / 'zero' / 'none' for training "
             f"(valid: {valid}).")
   return None
+
+
+def check(config: ModelConfig, key_offset: str, *, phase: Optional[str] = None) -> None:
+  """Raises the `refusal` as a UserError (exit 2), before any work."""
+  why = refusal(config, key_offset, phase=phase)
+  if why:
+    raise UserError(why)
 
 
 def rotation_means(config: ModelConfig, layer: int) -> np.ndarray:

@@ -18,7 +18,6 @@ from attnprec import kernels, keyoffset
 from attnprec.cache import LayerCache
 from attnprec.config import ModelConfig
 from attnprec.contract import KEY_OFFSET_SCOPE
-from attnprec.errors import UserError
 from attnprec.precision import Precision
 
 
@@ -187,9 +186,7 @@ class Attention(hk.Module):
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     mp, cw = prec.matmul, prec.carrier_weights
     offset = prec.key_offset
-    why = keyoffset.refusal(cfg, offset)
-    if why:
-      raise UserError(why)
+    keyoffset.check(cfg, offset)
     q_BxTxNxH = Dense(N * H, precision=mp, with_bias=cfg.qkv_bias, carrier=cw,
                       name="q")(x_BxTxD)
     # With a key offset the keys stay float32 (the projection's accumulation, the bias,

@@ -182,9 +182,7 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   `skip_nonfinite_steps`). Returns the last metrics.
   """
   faults = fault_injection()   # test-only; nothing bound in shipped gin files
-  why = keyoffset.refusal(config, precision.key_offset, phase="train")
-  if why:
-    raise UserError(why)
+  keyoffset.check(config, precision.key_offset, phase="train")
   if precision.cache_storage.without_offset() != COMPUTE_CACHE:
     # Training runs no KV cache: a cache setting would be silently ignored.
     raise UserError(

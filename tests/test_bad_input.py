@@ -267,6 +267,14 @@ def test_good_input_reaches_the_work(tmp_path, runner):
      ["precision.kv_cache_v_scale = 'channel'", "values take 'token'"]),
     ("decode", ["--gin.precision.kernel='jax_nn'", "--gin.precision.kv_cache_k_dtype='int8'"],
      ["'jax_nn'", "quantized KV cache", "'compute', 'float32', 'bfloat16'"]),
+    # The key offset (issue 35): an unknown name, an offset the model cannot take (no
+    # key bias), the prompt's mean in a phase without a prefill.
+    ("decode", ["--gin.precision.key_offset='mean'"],
+     ["precision.key_offset", "'mean'", "'prefill_mean'"]),
+    ("decode", ["--gin.decode/precision.key_offset='bias'"],
+     ["key_offset = 'bias'", "has none", "'prefill_mean'"]),
+    ("train", ["--gin.precision.key_offset='prefill_mean'"],
+     ["'prefill_mean'", "train phase", "decode/precision.key_offset"]),
 ])
 def test_issue_examples_are_refused(tmp_path, runner, args, needles):
   run_dir = str(tmp_path / "run")

@@ -88,6 +88,15 @@ PRESETS: Dict[str, Precision] = {
                                    kv_cache_v_dtype="float8_e4m3fn",
                                    kv_cache_k_scale="token", kv_cache_v_scale="token",
                                    **_FLAGS),
+    # the key offset (`attnprec.keyoffset`): its cost against bf16 / bf16_flags (one float32
+    # subtraction per key; the key projection left in float32 until it). 'bias' needs a
+    # model with a key bias (Qwen2); 'prefill_mean' runs on any.
+    "bf16_offset": Precision(dtype="bfloat16", float32_qk_product=False,
+                             float32_logits=False, kernel="auto", key_offset="bias"),
+    "bf16_offset_mean": Precision(dtype="bfloat16", float32_qk_product=False,
+                                  float32_logits=False, kernel="auto",
+                                  key_offset="prefill_mean"),
+    "bf16_flags_offset": Precision(kernel="auto", key_offset="bias", **_FLAGS),
 }
 BF16_WEIGHTS = ("bf16_flags_bf16w",)
 CAST_AT_USE = ("bf16_flags_cast",) + BF16_WEIGHTS

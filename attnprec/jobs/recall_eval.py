@@ -11,7 +11,7 @@ from typing import Sequence
 import gin
 import numpy as np
 
-from attnprec import checkpoints, checks, runs
+from attnprec import checkpoints, checks, keyoffset, runs
 from attnprec.checkpoints import finite
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
@@ -74,6 +74,7 @@ def recall_eval(*, precision: Precision, run_dir: str, checkpoint: str = "recall
     raise UserError("recall_eval.pair_counts is empty; give at least one pair count, "
                     "e.g. (8, 16, 32).")
   config, params, task = load_recall_checkpoint(checkpoint)
+  keyoffset.check(config, precision.key_offset)
   for p in pair_counts:
     if not 1 <= p <= task.max_pairs:
       raise UserError(f"recall_eval.pair_counts has {p}; valid pair counts for this "
