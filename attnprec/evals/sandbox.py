@@ -71,6 +71,7 @@ import os
 import selectors
 import shutil
 import signal
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,7 @@ import time
 from typing import Optional, Tuple
 
 from attnprec.errors import UserError
+from attnprec.evals import sandbox_cgroup
 
 NOBODY = 65534
 _DETAIL_CHARS = 300
@@ -99,7 +101,12 @@ KINDS = {
 _WORKER_KINDS = ("passed", "assertion", "syntax", "error", "memory")
 
 _ALWAYS = ("isolated interpreter", "scrubbed environment", "temporary directory", "timeout")
-_NAMESPACE_FLAGS = ("--net", "--pid", "--fork", "--mount-proc", "--kill-child")
+_NAMESPACE_FLAGS = ("--net", "--pid", "--ipc", "--fork", "--mount-proc", "--kill-child")
+_NAMESPACE_KINDS = ("net", "pid", "ipc", "mnt")
+_PASS_FILE = ".pass_code"
+# Exit statuses the worker uses for a failure (sandbox._SUPERVISOR: FAILURE_CODES) and a few
+# a process commonly exits with; the status that means "passed" is drawn among the others.
+_RESERVED_CODES = frozenset({0, 1, 2, 3, 4, 5, 6, 120, 125, 126, 127})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +114,10 @@ class Limits:
   """Per-program limits; the defaults suit HumanEval (a few ms of CPU per problem).
 
   timeout_s: wall clock, interpreter start included. cpu_s: CPU seconds (RLIMIT_CPU).
-  memory_bytes: address space per process (RLIMIT_AS). file_bytes: largest file the program
+  memory_bytes: address space per process (RLIMIT_AS). total_memory_bytes: memory of the
+  whole sandbox, all its processes together (never more than half the machine's RAM): the
+  limit of its memory cgroup, or where none applies the cap that lowers each process's
+  address space to total_memory_bytes // processes. file_bytes: largest file the program
   may write (RLIMIT_FSIZE). processes: processes of the sandbox user (RLIMIT_NPROC; counts
   the supervisor). output_bytes: stdout + stderr together. tmpfs_bytes: size of each
   private tmpfs (working directory, /tmp, /var/tmp, /dev/shm) where they apply.
@@ -115,6 +125,7 @@ class Limits:
   timeout_s: float = 10.0
   cpu_s: int = 10
   memory_bytes: int = 2 << 30
+  total_memory_bytes: int = 2 << 30
   file_bytes: int = 16 << 20
   processes: int = 16
   output_bytes: int = 1 << 20
@@ -164,7 +175,8 @@ def _short(text: str, chars: int = _DETAIL_CHARS) -> str:
 _SUPERVISOR = r'''
 import builtins, json, os, resource, socket, sys, traceback
 
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 2, 4, 8, 32, 4096
+FAILURE_CODES = {"syntax": 3, "assertion": 4, "error": 5, "memory": 6}
 
 
 def libc():
@@ -172,28 +184,77 @@ def libc():
   return ctypes.CDLL(None, use_errno=True)
 
 
-def mount_tmpfs(lib, target, size, mode, uid):
+def errno_error(what):
   import ctypes
+  err = ctypes.get_errno()
+  return OSError(err, "%s: %s" % (what, os.strerror(err)))
+
+
+def new_namespace(kind, host_ns):
+  """Whether this process is in another namespace of `kind` than the harness."""
+  return os.stat("/proc/self/ns/" + kind).st_ino != host_ns[kind]
+
+
+def mount_tmpfs(lib, target, size, mode, uid):
   opts = "size=%d,nr_inodes=4096,mode=%o" % (size, mode)
   if uid is not None:
     opts += ",uid=%d,gid=%d" % (uid, uid)
   flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
   if lib.mount(b"tmpfs", target.encode(), b"tmpfs", flags, opts.encode()) != 0:
-    err = ctypes.get_errno()
-    raise OSError(err, "mount tmpfs on %s: %s" % (target, os.strerror(err)))
+    raise errno_error("mount tmpfs on %s" % target)
+
+
+def read_only_root(lib):
+  """Every mount of this (private) mount namespace read-only: mount_setattr(2) on / with
+  AT_RECURSIVE, or one bind remount per mount point where the kernel lacks it (< 5.12)."""
+  import ctypes
+
+  class MountAttr(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64)
+                for name in ("attr_set", "attr_clr", "propagation", "userns_fd")]
+
+  attr = MountAttr(1, 0, 0, 0)   # MOUNT_ATTR_RDONLY
+  lib.syscall.restype = ctypes.c_long
+  if lib.syscall(ctypes.c_long(442), ctypes.c_int(-100), b"/", ctypes.c_uint(0x8000),
+                 ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))) == 0:
+    return
+  keep = {1: 1, 2: 2, 4: 4, 8: 8, 1024: 1024, 2048: 2048, 4096: 1 << 21}  # statvfs -> mount
+  with open("/proc/self/mountinfo") as f:
+    points = [line.split()[4] for line in f]
+  for point in points:
+    point = point.encode().decode("unicode_escape").encode("latin-1")
+    flags = os.statvfs(point).f_flag
+    extra = sum(mount for st, mount in keep.items() if flags & st)
+    if lib.mount(None, point, None, MS_REMOUNT | MS_BIND | 1 | extra, None) != 0:
+      raise errno_error("remount %s read-only" % point.decode(errors="replace"))
 
 
 def private_tmpfs(lib, cfg):
   for target in ("/tmp", "/var/tmp", "/dev/shm"):
-    if os.path.isdir(target):
+    if os.path.isdir(target) and not os.path.islink(target):
       mount_tmpfs(lib, target, cfg["tmpfs_bytes"], 0o1777, None)
   os.makedirs(cfg["workdir"], exist_ok=True)
   mount_tmpfs(lib, cfg["workdir"], cfg["tmpfs_bytes"], 0o700, cfg["drop_to"])
   os.chdir(cfg["workdir"])
 
 
-def set_limits(cfg):
-  for name, soft, hard in cfg["rlimits"]:
+def ipc_limits(cfg):
+  """SysV IPC of the new namespace bounded (its defaults allow terabytes of shared memory
+  and 32000 message queues), so it also holds where no memory cgroup applies."""
+  page = os.sysconf("SC_PAGE_SIZE")
+  for name, value in (("shmmax", cfg["tmpfs_bytes"]), ("shmall", cfg["tmpfs_bytes"] // page),
+                      ("shmmni", 16), ("msgmni", 16), ("sem", "32 256 32 16")):
+    with open("/proc/sys/kernel/" + name, "w") as f:
+      f.write("%s\n" % value)
+
+
+def join_cgroup(path):
+  with open(os.path.join(path, "cgroup.procs"), "w") as f:
+    f.write("0\n")
+
+
+def set_limits(cfg, address_space):
+  for name, soft, hard in cfg["rlimits"] + [["RLIMIT_AS", address_space, address_space]]:
     resource.setrlimit(getattr(resource, name), (soft, hard))
 
 
@@ -213,6 +274,10 @@ def drop_privileges(uid):
 
 def no_new_privs(lib):
   return lib.prctl(38, 1, 0, 0, 0) == 0   # PR_SET_NO_NEW_PRIVS
+
+
+def not_dumpable(lib):
+  return lib.prctl(4, 0, 0, 0, 0) == 0    # PR_SET_DUMPABLE: no ptrace, /proc/1/fd closed
 
 
 def only_loopback():
@@ -250,22 +315,52 @@ def execute(source):
   return "passed", ""
 
 
-def worker(source, status_fd):
-  write, dumps = os.write, json.dumps
-  memory_line = b'{"kind": "memory", "detail": "MemoryError"}\n'
+def worker(source, pass_code, detail_fd):
+  """Runs the program; its verdict is its exit status (the status pipe is closed)."""
+  codes = dict(FAILURE_CODES, passed=pass_code)
   sys.argv = [""]
   kind, detail = execute(source)
+  code = codes[kind]
   for stream in (sys.stdout, sys.stderr):
     try:
       stream.flush()
     except BaseException:
       pass
   try:
-    line = (dumps({"kind": kind, "detail": detail[:1000]}) + "\n").encode()
-  except MemoryError:
-    line = memory_line
-  write(status_fd, line)
-  os._exit(0)
+    os.set_blocking(detail_fd, False)
+    os.write(detail_fd, b"\n" + detail[:1000].encode("utf-8", "replace") + b"\n")
+  except BaseException:
+    pass
+  os._exit(code)
+
+
+def read_detail(fd):
+  os.set_blocking(fd, False)
+  data = b""
+  while len(data) < (64 << 10):
+    try:
+      chunk = os.read(fd, 64 << 10)
+    except OSError:
+      break
+    if not chunk:
+      break
+    data += chunk
+  lines = [line for line in data.split(b"\n") if line.strip()]
+  return lines[-1].decode("utf-8", "replace") if lines else ""
+
+
+def verdict(status, pass_code, detail):
+  """What the worker's wait status says (the only verdict the harness reads)."""
+  if os.WIFSIGNALED(status):
+    return {"signal": os.WTERMSIG(status)}
+  code = os.waitstatus_to_exitcode(status)
+  if code == pass_code:
+    return {"kind": "passed", "detail": ""}
+  for kind, failure_code in FAILURE_CODES.items():
+    if code == failure_code:
+      return {"kind": kind, "detail": detail}
+  return {"kind": "error",
+          "detail": "the program exited with status %d before its verdict (os._exit?)" % code}
 
 
 def main():
@@ -274,37 +369,67 @@ def main():
   with open(cfg["program"], "rb") as f:
     source = f.read().decode("utf-8", "surrogatepass")
   os.unlink(cfg["program"])
+  with open(cfg["pass_code"]) as f:
+    pass_code = int(f.read())
+  os.unlink(cfg["pass_code"])
   lib = libc()   # before the limits: loading it needs memory
   applied = []
+  cgroup = False
+  if cfg["cgroup"]:
+    try:
+      join_cgroup(cfg["cgroup"])
+      cgroup = True
+      applied.append("memory cgroup")
+    except OSError as exc:
+      sys.stderr.write("sandbox: no memory cgroup: %s\n" % exc)
   if cfg["namespaces"]:
+    host_ns = cfg["host_ns"]
     if os.getpid() == 1:
       applied.append("pid namespace")
-    if only_loopback():
+    if new_namespace("net", host_ns) and only_loopback():
       applied.append("network namespace")
-    try:
-      private_tmpfs(lib, cfg)
-      applied.append("private tmpfs")
-    except OSError as exc:
-      sys.stderr.write("sandbox: no private tmpfs: %s\n" % exc)
-  set_limits(cfg)
+    if new_namespace("ipc", host_ns):
+      ipc_limits(cfg)
+      applied.append("ipc namespace")
+    if new_namespace("mnt", host_ns):   # never touch the harness's own mounts
+      try:
+        read_only_root(lib)
+        applied.append("read-only root")
+      except OSError as exc:
+        sys.stderr.write("sandbox: root not read-only: %s\n" % exc)
+      try:
+        private_tmpfs(lib, cfg)
+        applied.append("private tmpfs")
+      except OSError as exc:
+        sys.stderr.write("sandbox: no private tmpfs: %s\n" % exc)
+  memory = cfg["memory"]
+  set_limits(cfg, memory["per_process"] if cgroup else memory["capped"])
   applied.append("rlimits")
+  if not cgroup:
+    applied.append("memory cap")
   if cfg["drop_to"] is not None:
     drop_privileges(cfg["drop_to"])
     applied.append("uid nobody")
   if no_new_privs(lib):
     applied.append("no_new_privs")
+  if not_dumpable(lib):
+    applied.append("sealed verdict")
   os.write(status_fd, (json.dumps({"supervisor": applied}) + "\n").encode())
+  detail_r, detail_w = os.pipe()
   try:
     pid = os.fork()
   except OSError as exc:   # e.g. other sandboxes hold user nobody's RLIMIT_NPROC budget
     sys.stderr.write("sandbox: cannot fork the program: %s\n" % exc)
     os._exit(125)
   if pid == 0:
-    worker(source, status_fd)
-  os.close(status_fd)
+    os.close(status_fd)
+    os.close(detail_r)
+    worker(source, pass_code, detail_w)
+  os.close(detail_w)
   _, status = os.waitpid(pid, 0)
-  code = os.waitstatus_to_exitcode(status)
-  os._exit(code if code >= 0 else 128 - code)
+  line = json.dumps(verdict(status, pass_code, read_detail(detail_r))) + "\n"
+  os.write(status_fd, line.encode())
+  os._exit(0)
 
 
 main()
@@ -318,6 +443,7 @@ class _Plan:
   prefix: Tuple[str, ...]     # the unshare command line, or ()
   python: str                 # the interpreter that runs the supervisor and the program
   drop_to: Optional[int]      # NOBODY when running as root and an interpreter allows it
+  cgroup: Optional[sandbox_cgroup.Hierarchy]   # where each run gets a memory cgroup
 
 
 # What the probe imports as nobody: proof that the interpreter's standard library (not
@@ -369,7 +495,7 @@ def _namespaces() -> Tuple[str, ...]:
 def _plan() -> _Plan:
   """Probes once what this machine allows."""
   python, drop = _interpreter(os.geteuid() == 0)
-  return _Plan(_namespaces(), python, NOBODY if drop else None)
+  return _Plan(_namespaces(), python, NOBODY if drop else None, sandbox_cgroup.find())
 
 
 @functools.lru_cache(maxsize=None)
@@ -379,11 +505,33 @@ def available_protections() -> Tuple[str, ...]:
 
 
 def _rlimits(limits: Limits):
+  """All but RLIMIT_AS, which depends on whether the memory cgroup applied (_memory)."""
   return [("RLIMIT_CPU", limits.cpu_s, limits.cpu_s + 1),
-          ("RLIMIT_AS", limits.memory_bytes, limits.memory_bytes),
           ("RLIMIT_FSIZE", limits.file_bytes, limits.file_bytes),
           ("RLIMIT_NPROC", limits.processes, limits.processes),
           ("RLIMIT_CORE", 0, 0)]
+
+
+def _memory(limits: Limits):
+  """RLIMIT_AS with the memory cgroup ('per_process') and without it ('capped': at most
+  `processes` processes of total // processes each), and the total itself."""
+  total = min(limits.total_memory_bytes, _physical_memory() // 2)
+  return {"total": total, "per_process": limits.memory_bytes,
+          "capped": min(limits.memory_bytes, total // limits.processes)}
+
+
+def _physical_memory() -> int:
+  return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _host_namespaces():
+  """The harness's namespaces (their inode numbers): the supervisor compares its own with
+  these and touches mounts and IPC settings only in namespaces that are really new."""
+  return {kind: os.stat(f"/proc/self/ns/{kind}").st_ino for kind in _NAMESPACE_KINDS}
+
+
+def _pass_code() -> int:
+  return secrets.choice([code for code in range(256) if code not in _RESERVED_CODES])
 
 
 def _environment(workdir: str):
@@ -412,22 +560,39 @@ def run_program(source: str, *, limits: Limits = Limits()) -> Outcome:
   """Runs `source` as a program in the sandbox and says how it ended (see KINDS)."""
   _check_args(source, limits)
   plan = _plan()
+  memory = _memory(limits)
   workdir = _make_workdir(plan)
+  cgroup = None
   try:
-    program = os.path.join(workdir, _PROGRAM_FILE)
-    with open(os.open(program, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-      f.write(source.encode("utf-8", "surrogatepass"))
-    return _run(plan, workdir, program, limits)
+    program = _write_private(workdir, _PROGRAM_FILE, source.encode("utf-8", "surrogatepass"))
+    pass_code = _write_private(workdir, _PASS_FILE, str(_pass_code()).encode())
+    if plan.cgroup is not None:
+      cgroup = sandbox_cgroup.create(plan.cgroup, memory["total"])
+    return _run(plan, workdir, program, pass_code, cgroup, memory, limits)
   finally:
-    _remove_workdir(workdir)
+    try:
+      _remove_workdir(workdir)
+    finally:
+      if cgroup is not None:
+        sandbox_cgroup.remove(cgroup)
 
 
-def _run(plan: _Plan, workdir: str, program: str, limits: Limits) -> Outcome:
+def _write_private(workdir: str, name: str, data: bytes) -> str:
+  """A file only the harness's user (root, before the supervisor drops) can read."""
+  path = os.path.join(workdir, name)
+  with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+    f.write(data)
+  return path
+
+
+def _run(plan: _Plan, workdir: str, program: str, pass_code: str, cgroup: Optional[str],
+         memory, limits: Limits) -> Outcome:
   out_r, out_w = os.pipe()
   status_r, status_w = os.pipe()
-  config = {"status_fd": status_w, "program": program, "workdir": workdir,
-            "namespaces": bool(plan.prefix), "drop_to": plan.drop_to,
-            "rlimits": _rlimits(limits), "tmpfs_bytes": limits.tmpfs_bytes}
+  config = {"status_fd": status_w, "program": program, "pass_code": pass_code,
+            "workdir": workdir, "namespaces": bool(plan.prefix),
+            "host_ns": _host_namespaces(), "drop_to": plan.drop_to, "cgroup": cgroup,
+            "memory": memory, "rlimits": _rlimits(limits), "tmpfs_bytes": limits.tmpfs_bytes}
   argv = list(plan.prefix) + [plan.python, "-I", "-S", "-B", "-X", "utf8", "-c",
                               _SUPERVISOR, json.dumps(config)]
   start = time.monotonic()
@@ -556,8 +721,9 @@ def _wait_exited(pid: int, timeout_s: float) -> None:
 
 
 def _parse_status(status: bytes):
-  """The supervisor's report (first line, written before any untrusted code ran) and the
-  worker's verdict (the next line; the program could have forged it)."""
+  """The supervisor's report (first line, written before any untrusted code ran) and its
+  verdict from the worker's wait status (second line). Only the supervisor holds the
+  status pipe: the worker closes it before the program starts."""
   lines = status.split(b"\n")
   try:
     applied = tuple(json.loads(lines[0])["supervisor"])
@@ -565,6 +731,8 @@ def _parse_status(status: bytes):
     return None, None
   try:
     verdict = json.loads(lines[1])
+    if "signal" in verdict:
+      return applied, ("signal", int(verdict["signal"]))
     kind, detail = str(verdict["kind"]), str(verdict["detail"])
   except (ValueError, KeyError, TypeError, IndexError):
     return applied, None
@@ -597,14 +765,17 @@ def _classify(stop, returncode, output, status, limits, seconds) -> Outcome:
   if applied is None:
     raise RuntimeError(f"The sandbox did not start (exit status {returncode}): "
                        f"{_short(_last_line(output))}")
-  if returncode > 128 or returncode < 0:
-    number = returncode - 128 if returncode > 128 else -returncode
+  def killed(number):
     if number == signal.SIGXCPU:
       return outcome("timeout", f"CPU-time limit of {limits.cpu_s} s exceeded (SIGXCPU)")
     return outcome("killed", f"killed by {_signal_name(number)}")
-  if returncode != 0:
-    return outcome("error", f"exit status {returncode}: {_last_line(output)}")
-  if verdict is None:
-    return outcome("error", "the program exited without a verdict (os._exit?)")
+
+  if returncode > 128 or returncode < 0:   # the supervisor itself (unshare passes it on)
+    return killed(returncode - 128 if returncode > 128 else -returncode)
+  if returncode != 0 or verdict is None:
+    return outcome("error", f"the sandbox's supervisor failed (exit status {returncode}): "
+                            f"{_last_line(output)}")
   kind, detail = verdict
+  if kind == "signal":
+    return killed(detail)
   return outcome(kind, detail or "all assertions held", passed=(kind == "passed"))
