@@ -280,6 +280,53 @@ def not_dumpable(lib):
   return lib.prctl(4, 0, 0, 0, 0) == 0    # PR_SET_DUMPABLE: no ptrace, /proc/1/fd closed
 
 
+# Per architecture: (audit arch, calls refused outright, the socket call or None) for the
+# native and the compat table (a 64-bit process may still make 32-bit calls, e.g. int 0x80;
+# no honest program does, so the compat table loses every socket call as well).
+SYSCALL_FILTER = {
+    "x86_64": [(0xC000003E, (248, 249, 250), 41), (0x40000003, (286, 287, 288, 102, 359), None)],
+    "aarch64": [(0xC00000B7, (217, 218, 219), 198), (0x40000028, (309, 310, 311, 281), None)],
+}
+
+
+def syscall_filter(lib):
+  """A seccomp filter: add_key, request_key and keyctl fail with EPERM (the kernel keeps a
+  user's keyrings after the run, so a key would survive it), and so does socket(AF_UNIX, ...)
+  (a socket file on the read-only root, a host daemon's, still accepts connections;
+  socketpair stays), x32 calls and calls of any other architecture. Needs no_new_privs."""
+  import ctypes
+  tables = SYSCALL_FILTER.get(os.uname().machine)
+  if tables is None:
+    return False
+  load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+  allow, deny = 0x7FFF0000, 0x00050000 | 1   # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+  code = [(load, 0, 0, 4)]                   # A = seccomp_data.arch
+  for arch, refused, socket_call in tables:
+    body = [(load, 0, 0, 0)]                 # A = seccomp_data.nr
+    if arch == 0xC000003E:
+      body.append((jge, "deny", 0, 0x40000000))   # x32 system calls
+    body += [(jeq, "deny", 0, nr) for nr in refused]
+    if socket_call is not None:              # A = args[0] (its low word: an int)
+      body += [(jeq, 0, 2, socket_call), (load, 0, 0, 16), (jeq, "deny", 0, 1)]   # AF_UNIX
+    body.append((ret, 0, 0, allow))
+    code += [(jeq, 0, len(body), arch)] + body
+  code.append((ret, 0, 0, deny))
+  end = len(code) - 1
+  code = [(op, end - i - 1 if jt == "deny" else jt, jf, k)
+          for i, (op, jt, jf, k) in enumerate(code)]
+
+  class Filter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+  class Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+  filters = (Filter * len(code))(*[Filter(*row) for row in code])
+  program = Program(len(code), filters)
+  return lib.prctl(22, 2, ctypes.byref(program), 0, 0) == 0   # PR_SET_SECCOMP, FILTER
+
+
 def only_loopback():
   return [name for _, name in socket.if_nameindex()] == ["lo"]
 
@@ -412,6 +459,8 @@ def main():
     applied.append("uid nobody")
   if no_new_privs(lib):
     applied.append("no_new_privs")
+    if syscall_filter(lib):
+      applied.append("seccomp filter")
   if not_dumpable(lib):
     applied.append("sealed verdict")
   os.write(status_fd, (json.dumps({"supervisor": applied}) + "\n").encode())
