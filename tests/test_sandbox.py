@@ -634,6 +634,45 @@ def test_memory_cap_without_a_cgroup(monkeypatch):
   assert "memory cap" in outcome.protections and "memory cgroup" not in outcome.protections
 
 
+def test_keyrings_and_host_unix_sockets_are_refused(tmp_path_factory):
+  """A key added to the user's keyring would outlive the run (the kernel keeps it), and a
+  daemon's socket file on the read-only root would still take connections: the seccomp
+  filter refuses add_key, keyctl and socket(AF_UNIX) with EPERM; socketpair still works."""
+  directory = tmp_path_factory.mktemp("sock")
+  path = str(directory / "daemon.sock")
+  source = ("import ctypes, errno, socket\n"
+            "lib = ctypes.CDLL(None, use_errno=True)\n"
+            "lib.syscall.restype = ctypes.c_long\n"
+            "def call(*args):\n"
+            "  result = lib.syscall(*args)\n"
+            "  return errno.errorcode.get(ctypes.get_errno()) if result < 0 else 'made'\n"
+            "key = call(248, b'user', b'attnprec-sandbox', b'persist', 7, ctypes.c_int(-4))\n"
+            "ring = call(250, 0, ctypes.c_int(-4), 0)\n"
+            "try:\n"
+            f"  socket.socket(socket.AF_UNIX).connect({path!r})\n"
+            "  unix = 'connected'\n"
+            "except OSError as e:\n"
+            "  unix = errno.errorcode[e.errno]\n"
+            "a, b = socket.socketpair()\n"
+            "a.send(b'x')\n"
+            "assert b.recv(1) == b'x'\n"
+            "assert False, (key, ring, unix)\n")
+  try:
+    with socket.socket(socket.AF_UNIX) as listener:
+      listener.bind(path)
+      os.chmod(path, 0o777)
+      listener.listen(1)
+      outcome = run_program(source, limits=QUICK)
+  finally:
+    os.remove(path)
+  assert (outcome.passed, outcome.kind) == (False, "assertion"), outcome
+  if "seccomp filter" in outcome.protections:
+    assert outcome.detail == "AssertionError: ('EPERM', 'EPERM', 'EPERM') (line 17)"
+  else:   # the filter is written for x86_64 and aarch64 and needs no_new_privs
+    assert (os.uname().machine not in ("x86_64", "aarch64")
+            or "no_new_privs" not in outcome.protections), outcome.protections
+
+
 def test_printing_1_gb_hits_the_output_limit():
   source = ("import sys\n"
             "chunk = 'x' * (1 << 20)\n"
@@ -656,7 +695,10 @@ def test_available_protections_are_those_applied():
   assert "rlimits" in protections
   assert ("uid nobody" in protections) == (os.geteuid() == 0 and sandbox._plan().drop_to == 65534)
   if not sandbox._plan().prefix:
-    assert not {"network namespace", "pid namespace", "private tmpfs"} & set(protections)
+    assert not {"network namespace", "pid namespace", "ipc namespace", "read-only root",
+                "private tmpfs"} & set(protections)
+  assert ("memory cgroup" in protections) != ("memory cap" in protections)
+  assert ("memory cgroup" in protections) == (sandbox._plan().cgroup is not None)
 
 
 def test_kinds_are_documented():
