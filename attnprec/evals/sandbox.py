@@ -4,19 +4,22 @@ Design. `run_program(source)` runs one program in a fresh subprocess and classif
 happened as an `Outcome`. The chain of processes is
 
   harness (this process)
-    -> unshare --net --pid --fork --mount-proc --kill-child   (where the machine allows it)
+    -> unshare --net --pid --ipc --fork --mount-proc --kill-child   (where the machine allows it)
       -> supervisor: `python -I -S -B -X utf8 -c <_SUPERVISOR>`  (trusted, written here)
-        -> worker: a fork of the supervisor that compiles and execs the untrusted source
+        -> worker: a fork of the supervisor that compiles and runs the untrusted source
 
-The supervisor reads the program from the (root-owned) working directory and deletes it,
-mounts private size-capped tmpfs file systems over /tmp, /var/tmp, /dev/shm and the working
-directory (inside its own mount namespace, so nothing the program writes reaches the disk
-and all of it vanishes with the namespace), sets hard resource limits, drops to the user
-`nobody` (uid/gid 65534) when it runs as root, sets no_new_privs, reports on a status pipe
-which of these it applied, and then forks the worker and waits for it. Resource limits
-alone do not hold under root (root may raise its hard limits, and RLIMIT_NPROC is not
-enforced for it), which is why the drop comes after the limits and before any untrusted
-code runs.
+The supervisor reads the program and the run's pass code (below) from the (root-owned)
+working directory and deletes them, joins the run's memory cgroup, makes every mount of its
+own mount namespace read-only and mounts private size-capped tmpfs file systems over /tmp,
+/var/tmp, /dev/shm and the working directory (so the only writable places are fresh tmpfs
+that vanish with the namespace), bounds SysV IPC in its new IPC namespace, sets hard
+resource limits, drops to the user `nobody` (uid/gid 65534) when it runs as root, sets
+no_new_privs, installs a seccomp filter, makes itself non-dumpable, reports on a status pipe
+which of these it applied, and then forks the worker and waits for it. It changes mounts and
+IPC settings only after checking (by the namespace's inode number) that its namespace is
+not the harness's. Resource limits alone do not hold under root (root may raise its hard
+limits, and RLIMIT_NPROC is not enforced for it), which is why the drop comes after the
+limits and before any untrusted code runs.
 
 Protections, each reported in `Outcome.protections` only when it actually applied:
 
@@ -26,26 +29,49 @@ Protections, each reported in `Outcome.protections` only when it actually applie
 - 'temporary directory': an empty working directory (mkdtemp) removed after every run.
 - 'timeout': a wall-clock limit; on expiry the whole process group is SIGKILLed.
 - 'rlimits': RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_CORE=0 (hard limits).
+- 'memory cgroup': all processes of the run share one memory limit,
+  `Limits.total_memory_bytes` (2 GiB; swap included), in a cgroup made for the run under
+  the harness's own (v2 where it delegates `memory`, else v1; `sandbox_cgroup`) and
+  removed after it. Over the limit the kernel's OOM killer kills inside the run only.
+- 'memory cap': where no such cgroup can be made (not root, no writable hierarchy), each
+  process's address space is lowered to total_memory_bytes // processes, so the at most
+  `processes` processes map at most total_memory_bytes together (2 GiB / 16 = 128 MiB
+  each by default). Exactly one of the two applies; the total never exceeds half the RAM.
 - 'uid nobody': the program runs as uid/gid 65534 with no supplementary groups (only when
   the harness runs as root; otherwise it runs as the harness's own user).
 - 'no_new_privs': set-uid binaries cannot give the program its privileges back.
+- 'seccomp filter': add_key, request_key and keyctl fail (a key in the user's keyring
+  would outlive the run), and so does socket(AF_UNIX) (a daemon's socket file on the
+  read-only root would still accept connections; socketpair works); x86_64 and aarch64.
+- 'sealed verdict': the verdict reaches the harness only through the status pipe, which
+  the worker closes before the program starts, from a supervisor that is not dumpable (the
+  program cannot ptrace it or open /proc/<pid>/fd of it).
 - 'network namespace': a new network namespace with no interfaces up: no network at all.
 - 'pid namespace': the supervisor is pid 1 of its own PID namespace; the program cannot see
   or signal any process outside it (its "parent" is the supervisor, which it cannot kill
   either: pid 1 ignores signals from inside its namespace), and when the supervisor exits
   or is killed (`--kill-child`) the kernel kills everything left in the namespace,
   including processes that left the process group.
-- 'private tmpfs': the mounts described above.
+- 'ipc namespace': SysV shared memory, semaphores and message queues (and POSIX message
+  queues) the program makes live in a namespace that dies with the run; its shared memory
+  is bounded by Limits.tmpfs_bytes and it may have at most 16 segments and 16 queues.
+- 'read-only root': every mount the program sees is read-only (mount_setattr with
+  AT_RECURSIVE, or one bind remount per mount point on kernels before 5.12), so no file
+  it writes outside the private tmpfs can outlive the run, whatever directories are
+  world-writable on the machine (e.g. /run/lock).
+- 'private tmpfs': the tmpfs mounts described above.
 
-Honesty about the verdict. The worker runs the untrusted code in the same interpreter that
-writes its verdict line, so a hostile program can always forge its own verdict (write a
-"passed" line to the status pipe and exit): HumanEval's own harness has the same property.
-The sandbox contains damage; it does not make a hostile program's verdict trustworthy. What
-it does guarantee is that a crash, a kill, a limit or a timeout is never reported as
-passed: `passed` requires that the run ended by itself within the time limit, that the
-supervisor exited with 0 (the worker's exit status is passed through), and that the
-worker's verdict line says passed. The supervisor's own report (which protections applied)
-is written before any untrusted code runs, so it cannot be forged.
+The verdict. The worker runs the program with `exec` and ends with an exit status that
+says how: one fixed status per failure kind (syntax, assertion, error, memory) or, for
+passed, a status drawn at random per run by the harness and handed to the supervisor in a
+file it deletes (never on a command line). The supervisor turns the worker's wait status
+into the verdict line; a program that prints or writes a verdict anywhere, or exits by
+itself (os._exit, a signal) before its tests have run, fails. What no sandbox can prevent:
+a hostile program runs in the interpreter that runs its tests, so it can subvert them
+(replace `check`, patch builtins, return an object equal to everything), and in the same
+way it can read the pass status out of the worker's own frames. The sandbox contains
+damage; it guarantees that a crash, a kill, a limit, a timeout, an early exit or a printed
+verdict is never reported as passed.
 
 The interpreter. Under root the harness's own Python may live where nobody cannot read it
 (pyenv under /root, mode 0700, on these machines); the probe then picks the first of the
@@ -54,11 +80,12 @@ whose standard library nobody can import, so the program may run on another Pyth
 the harness (HumanEval needs the standard library only). With none, the program runs as
 the harness's user and 'uid nobody' is not reported.
 
-What is not contained. RLIMIT_AS is per process, so a program may hold up to `processes` x
-`memory_bytes` in total. RLIMIT_NPROC counts all processes of a user, so sandboxes running
+What is not contained. RLIMIT_NPROC counts all processes of a user, so sandboxes running
 at the same time share the `processes` budget of user nobody (run them one at a time or
-raise `Limits.processes`). Without the namespaces (no `unshare`, or not allowed) the
-program has the machine's network, can write to world-writable directories such as /tmp
+raise `Limits.processes`). Under the memory cap (no cgroup) the private tmpfs mounts (4 x
+Limits.tmpfs_bytes) and SysV shared memory (Limits.tmpfs_bytes) come on top of the
+processes' total. Without the namespaces (no `unshare`, or not allowed) the program has
+the machine's network and SysV IPC, can write to world-writable directories such as /tmp
 (each file bounded by RLIMIT_FSIZE), and a process that leaves its process group outlives
 the run; `protections` then says so by leaving those entries out.
 """
@@ -231,7 +258,7 @@ def read_only_root(lib):
 
 def private_tmpfs(lib, cfg):
   for target in ("/tmp", "/var/tmp", "/dev/shm"):
-    if os.path.isdir(target) and not os.path.islink(target):
+    if os.path.isdir(target):
       mount_tmpfs(lib, target, cfg["tmpfs_bytes"], 0o1777, None)
   os.makedirs(cfg["workdir"], exist_ok=True)
   mount_tmpfs(lib, cfg["workdir"], cfg["tmpfs_bytes"], 0o700, cfg["drop_to"])
@@ -436,8 +463,11 @@ def main():
     if new_namespace("net", host_ns) and only_loopback():
       applied.append("network namespace")
     if new_namespace("ipc", host_ns):
-      ipc_limits(cfg)
       applied.append("ipc namespace")
+      try:
+        ipc_limits(cfg)
+      except OSError as exc:
+        sys.stderr.write("sandbox: SysV IPC not bounded: %s\n" % exc)
     if new_namespace("mnt", host_ns):   # never touch the harness's own mounts
       try:
         read_only_root(lib)
