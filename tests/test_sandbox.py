@@ -617,7 +617,8 @@ def test_fork_bomb_that_allocates_is_contained():
   hierarchy = sandbox._plan().cgroup
   if hierarchy is not None:
     assert "memory cgroup" in outcome.protections
-    assert [d for d in os.listdir(hierarchy.parent) if d.startswith("attnprec-sandbox-")] == []
+    mine = f"attnprec-sandbox-{os.getpid()}-"
+    assert [d for d in os.listdir(hierarchy.parent) if d.startswith(mine)] == []
 
 
 def test_memory_cap_without_a_cgroup(monkeypatch):
