@@ -571,12 +571,12 @@ _HOLDERS = ("import os, time\n"
 @pytest.mark.parametrize("cgroup", [True, False])
 def test_forked_allocations_share_one_memory_bound(cgroup, monkeypatch):
   """Six children each write 96 MiB and keep it (576 MiB in all, each well within its own
-  address-space limit); the sandbox's total is 256 MiB. With the memory cgroup the kernel
-  kills children beyond it; with the fallback cap each process may only have 256 MiB / 8,
-  so the allocations fail. Either way at most 256 MiB are held at once, and the program
-  fails quickly."""
-  limits, marker = _marked_limits(timeout_s=8.0, processes=8, memory_bytes=192 << 20,
-                                  total_memory_bytes=256 << 20)
+  address-space limit); the sandbox's total is 384 MiB. With the memory cgroup the kernel
+  kills children beyond it; with the fallback cap each process may only have 384 MiB / 16,
+  so the allocations fail. Either way at most 384 MiB are held at once, and the program
+  fails quickly. (16 processes: room to spare where other runs hold some of user nobody's.)"""
+  limits, marker = _marked_limits(timeout_s=8.0, processes=16, memory_bytes=192 << 20,
+                                  total_memory_bytes=384 << 20)
   if not cgroup:
     _no_cgroup(monkeypatch)
   outcome = run_program(_HOLDERS, limits=limits)
@@ -599,7 +599,7 @@ def test_fork_bomb_that_allocates_is_contained():
   """Forks without end, each process writing 64 MiB: contained by the sandbox's memory
   bound (256 MiB here) and its process limit, judged a failure within the time limit, its
   processes and its cgroup gone afterwards."""
-  limits, marker = _marked_limits(timeout_s=3.0, processes=8, memory_bytes=192 << 20,
+  limits, marker = _marked_limits(timeout_s=2.0, processes=6, memory_bytes=192 << 20,
                                   total_memory_bytes=256 << 20)
   bomb = ("import os\n"
           "blocks = []\n"
