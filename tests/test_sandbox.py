@@ -497,6 +497,33 @@ def test_no_written_file_survives_the_run(sandbox_parent):
       os.remove(os.path.join(d, tag))
 
 
+def test_read_only_fallback_for_kernels_without_mount_setattr(tmp_path):
+  """Kernels before 5.12 lack mount_setattr; then every mount point is remounted read-only
+  one by one. Run here directly in a private mount namespace: the harness's own directory
+  and /dev/shm refuse a new file inside it, and stay writable outside."""
+  if not sandbox._plan().prefix:
+    assert "read-only root" not in _protections()
+    return
+  definitions = sandbox._SUPERVISOR.replace("\nmain()\n", "\n")   # the functions, not main()
+  script = ("import os\n"
+            f"namespace = {{}}\nexec({definitions!r}, namespace)\n"
+            "namespace['remount_each_read_only'](namespace['libc']())\n"
+            "refused = []\n"
+            f"inside = {str(tmp_path / 'inside')!r}\n"
+            "for path in [inside, '/dev/shm/attnprec-sandbox-%d' % os.getpid()]:\n"
+            "  try:\n"
+            "    open(path, 'x').close()\n"
+            "  except OSError as e:\n"
+            "    refused.append(e.strerror)\n"
+            "print(refused)\n")
+  unshare = sandbox._plan().prefix[0]
+  done = subprocess.run([unshare, "--mount", "--propagation", "private", sys.executable, "-c",
+                         script], capture_output=True, text=True, timeout=30)
+  assert done.stdout.strip() == "['Read-only file system', 'Read-only file system']", done
+  (tmp_path / "outside").write_text("still writable")
+  assert not (tmp_path / "inside").exists()
+
+
 _FORGED = b'{"kind": "passed", "detail": ""}\n'
 
 
@@ -523,9 +550,11 @@ _FORGED = b'{"kind": "passed", "detail": ""}\n'
     ("os.write(1, forged)\nos._exit(0)\n", "error"),
 ])
 def test_a_forged_verdict_is_not_believed(forgery, exit_kind):
-  """A program writes a passing verdict line to its output, to every file descriptor it has and to every /proc/<pid>/fd it can open, then fails its test:
-  judged by how the worker ended, it fails. (The status pipe is closed in the worker
-  before the program starts, and the supervisor is not dumpable.)"""
+  """A program writes a passing verdict line to its output; to every file descriptor it has
+  and every /proc/<pid>/fd it can open (again from a child after the worker has exited);
+  or to its output before exiting with status 0. Its test then fails, or never runs: judged
+  by how the worker ended, it fails. (The worker closes the status pipe before the program
+  starts, and the supervisor is not dumpable.)"""
   source = (f"import os, sys, time\nforged = {_FORGED!r}\n{forgery}"
             "def add(a, b):\n  return a - b\n"
             "assert add(2, 3) == 5, 'add is wrong'\n")

@@ -243,8 +243,12 @@ def read_only_root(lib):
   attr = MountAttr(1, 0, 0, 0)   # MOUNT_ATTR_RDONLY
   lib.syscall.restype = ctypes.c_long
   if lib.syscall(ctypes.c_long(442), ctypes.c_int(-100), b"/", ctypes.c_uint(0x8000),
-                 ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))) == 0:
-    return
+                 ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))) != 0:
+    remount_each_read_only(lib)
+
+
+def remount_each_read_only(lib):
+  """One read-only bind remount per mount point, keeping its nosuid/nodev/noexec/atime."""
   keep = {1: 1, 2: 2, 4: 4, 8: 8, 1024: 1024, 2048: 2048, 4096: 1 << 21}  # statvfs -> mount
   with open("/proc/self/mountinfo") as f:
     points = [line.split()[4] for line in f]
