@@ -667,7 +667,8 @@ def test_memory_cap_without_a_cgroup(monkeypatch):
 def test_keyrings_and_host_unix_sockets_are_refused(tmp_path_factory):
   """A key added to the user's keyring would outlive the run (the kernel keeps it), and a
   daemon's socket file on the read-only root would still take connections: the seccomp
-  filter refuses add_key, keyctl and socket(AF_UNIX) with EPERM; socketpair still works."""
+  filter refuses add_key, keyctl, socket(AF_UNIX) and io_uring (which could make the socket
+  without the socket call) with EPERM; socketpair still works."""
   directory = tmp_path_factory.mktemp("sock")
   path = str(directory / "daemon.sock")
   source = ("import ctypes, errno, socket\n"
@@ -678,6 +679,8 @@ def test_keyrings_and_host_unix_sockets_are_refused(tmp_path_factory):
             "  return errno.errorcode.get(ctypes.get_errno()) if result < 0 else 'made'\n"
             "key = call(248, b'user', b'attnprec-sandbox', b'persist', 7, ctypes.c_int(-4))\n"
             "ring = call(250, 0, ctypes.c_int(-4), 0)\n"
+            "params = ctypes.create_string_buffer(120)\n"
+            "uring = call(425, 8, params)\n"
             "try:\n"
             f"  socket.socket(socket.AF_UNIX).connect({path!r})\n"
             "  unix = 'connected'\n"
@@ -686,7 +689,7 @@ def test_keyrings_and_host_unix_sockets_are_refused(tmp_path_factory):
             "a, b = socket.socketpair()\n"
             "a.send(b'x')\n"
             "assert b.recv(1) == b'x'\n"
-            "assert False, (key, ring, unix)\n")
+            "assert False, (key, ring, uring, unix)\n")
   try:
     with socket.socket(socket.AF_UNIX) as listener:
       listener.bind(path)
@@ -697,7 +700,7 @@ def test_keyrings_and_host_unix_sockets_are_refused(tmp_path_factory):
     os.remove(path)
   assert (outcome.passed, outcome.kind) == (False, "assertion"), outcome
   if "seccomp filter" in outcome.protections:
-    assert outcome.detail == "AssertionError: ('EPERM', 'EPERM', 'EPERM') (line 17)"
+    assert outcome.detail == "AssertionError: ('EPERM', 'EPERM', 'EPERM', 'EPERM') (line 19)"
   else:   # the filter is written for x86_64 and aarch64 and needs no_new_privs
     assert (os.uname().machine not in ("x86_64", "aarch64")
             or "no_new_privs" not in outcome.protections), outcome.protections

@@ -41,8 +41,9 @@ Protections, each reported in `Outcome.protections` only when it actually applie
   the harness runs as root; otherwise it runs as the harness's own user).
 - 'no_new_privs': set-uid binaries cannot give the program its privileges back.
 - 'seccomp filter': add_key, request_key and keyctl fail (a key in the user's keyring
-  would outlive the run), and so does socket(AF_UNIX) (a daemon's socket file on the
-  read-only root would still accept connections; socketpair works); x86_64 and aarch64.
+  would outlive the run), and so do socket(AF_UNIX) (a daemon's socket file on the
+  read-only root would still accept connections; socketpair works) and io_uring (it could
+  make that socket without the socket call); x86_64 and aarch64.
 - 'sealed verdict': the verdict reaches the harness only through the status pipe, which
   the worker closes before the program starts, from a supervisor that is not dumpable (the
   program cannot ptrace it or open /proc/<pid>/fd of it).
@@ -313,18 +314,24 @@ def not_dumpable(lib):
 
 # Per architecture: (audit arch, calls refused outright, the socket call or None) for the
 # native and the compat table (a 64-bit process may still make 32-bit calls, e.g. int 0x80;
-# no honest program does, so the compat table loses every socket call as well).
+# no honest program does, so the compat table loses every socket call as well). Refused
+# everywhere: the keyring calls and io_uring (425-427), whose requests (a socket, a
+# connect) would not pass through this filter.
+IO_URING = (425, 426, 427)
 SYSCALL_FILTER = {
-    "x86_64": [(0xC000003E, (248, 249, 250), 41), (0x40000003, (286, 287, 288, 102, 359), None)],
-    "aarch64": [(0xC00000B7, (217, 218, 219), 198), (0x40000028, (309, 310, 311, 281), None)],
+    "x86_64": [(0xC000003E, (248, 249, 250) + IO_URING, 41),
+               (0x40000003, (286, 287, 288, 102, 359) + IO_URING, None)],
+    "aarch64": [(0xC00000B7, (217, 218, 219) + IO_URING, 198),
+                (0x40000028, (309, 310, 311, 281) + IO_URING, None)],
 }
 
 
 def syscall_filter(lib):
   """A seccomp filter: add_key, request_key and keyctl fail with EPERM (the kernel keeps a
-  user's keyrings after the run, so a key would survive it), and so does socket(AF_UNIX, ...)
+  user's keyrings after the run, so a key would survive it), and so do socket(AF_UNIX, ...)
   (a socket file on the read-only root, a host daemon's, still accepts connections;
-  socketpair stays), x32 calls and calls of any other architecture. Needs no_new_privs."""
+  socketpair stays), io_uring, x32 calls and calls of any other architecture. Needs
+  no_new_privs."""
   import ctypes
   tables = SYSCALL_FILTER.get(os.uname().machine)
   if tables is None:
