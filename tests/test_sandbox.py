@@ -7,6 +7,7 @@ protection depends on the machine (namespaces, running as root), the test assert
 `Outcome.protections` says and checks the behaviour that follows from it.
 """
 import dataclasses
+import functools
 import inspect
 import os
 import random
@@ -23,7 +24,7 @@ import time
 import pytest
 
 from attnprec.errors import UserError
-from attnprec.evals import sandbox
+from attnprec.evals import sandbox, sandbox_cgroup
 from attnprec.evals.sandbox import Limits, run_program
 
 QUICK = Limits(timeout_s=2.0, cpu_s=5)
@@ -648,6 +649,33 @@ def test_fork_bomb_that_allocates_is_contained():
     assert "memory cgroup" in outcome.protections
     mine = f"attnprec-sandbox-{os.getpid()}-"
     assert [d for d in os.listdir(hierarchy.parent) if d.startswith(mine)] == []
+
+
+def test_cgroup_hierarchies_are_found_from_proc(tmp_path):
+  """Where a run's memory cgroup goes, read from mountinfo and /proc/self/cgroup (here
+  fakes): cgroup v2 under the harness's cgroup or, since a v2 cgroup holding processes
+  cannot delegate, its parent, where `memory` is delegated; else the v1 memory hierarchy;
+  never a cgroup that does not list the harness's pid."""
+  v2, v1 = tmp_path / "unified", tmp_path / "memory"
+  (v2 / "slice" / "me").mkdir(parents=True)
+  (v2 / "slice" / "me" / "cgroup.procs").write_text("42\n")
+  (v2 / "slice" / "me" / "cgroup.subtree_control").write_text("")
+  (v2 / "slice" / "cgroup.subtree_control").write_text("cpu memory\n")
+  (v1 / "group").mkdir(parents=True)
+  (v1 / "group" / "cgroup.procs").write_text("7\n42\n")
+  mountinfo, cgroup = tmp_path / "mountinfo", tmp_path / "cgroup"
+  mountinfo.write_text(f"30 25 0:26 / {v2} rw,relatime shared:9 - cgroup2 cgroup2 rw\n"
+                       f"31 25 0:27 / {v1} rw,relatime shared:10 - cgroup cgroup rw,memory\n")
+  cgroup.write_text("4:memory:/group\n0::/slice/me\n")
+  find = functools.partial(sandbox_cgroup.candidates, str(mountinfo), str(cgroup))
+  on_v1 = sandbox_cgroup.Hierarchy(1, str(v1 / "group"))
+  assert find(pid=42) == [sandbox_cgroup.Hierarchy(2, str(v2 / "slice")), on_v1]
+  assert find(pid=43) == []
+  (v2 / "slice" / "me" / "cgroup.subtree_control").write_text("memory\n")
+  assert find(pid=42)[0] == sandbox_cgroup.Hierarchy(2, str(v2 / "slice" / "me"))
+  (v2 / "slice" / "me" / "cgroup.subtree_control").write_text("")
+  (v2 / "slice" / "cgroup.subtree_control").write_text("cpu\n")
+  assert find(pid=42) == [on_v1]
 
 
 def test_memory_cap_without_a_cgroup(monkeypatch):

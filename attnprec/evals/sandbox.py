@@ -30,9 +30,9 @@ Protections, each reported in `Outcome.protections` only when it actually applie
 - 'timeout': a wall-clock limit; on expiry the whole process group is SIGKILLed.
 - 'rlimits': RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_CORE=0 (hard limits).
 - 'memory cgroup': all processes of the run share one memory limit,
-  `Limits.total_memory_bytes` (2 GiB; swap included), in a cgroup made for the run under
-  the harness's own (v2 where it delegates `memory`, else v1; `sandbox_cgroup`) and
-  removed after it. Over the limit the kernel's OOM killer kills inside the run only.
+  `Limits.total_memory_bytes` (2 GiB; swap included), in a cgroup made for the run
+  (cgroup v2 under the harness's own cgroup or its parent, where `memory` is delegated;
+  else v1 under the harness's own; `sandbox_cgroup`) and removed after it. Over the limit the kernel's OOM killer kills inside the run only.
 - 'memory cap': where no such cgroup can be made (not root, no writable hierarchy), each
   process's address space is lowered to total_memory_bytes // processes, so the at most
   `processes` processes map at most total_memory_bytes together (2 GiB / 16 = 128 MiB

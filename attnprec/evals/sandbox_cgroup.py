@@ -1,10 +1,12 @@
 """A memory cgroup per sandbox run: one bound on the memory of all its processes together.
 
 `find()` probes once for a cgroup hierarchy with the memory controller in which this process
-may create children: cgroup v2 where the harness's own cgroup already delegates `memory`
-to its children (cgroup.subtree_control; it is never switched on here, as that would change
-the machine's configuration), else the cgroup v1 memory hierarchy. The harness's own cgroup
-is the parent, so the run stays inside whatever limit the harness itself is under.
+may create children: cgroup v2 where the harness's own cgroup, or else its parent, already
+delegates `memory` to its children (cgroup.subtree_control; it is never switched on here,
+as that would change the machine's configuration; a v2 cgroup that holds processes cannot
+delegate, so outside the root cgroup it is usually the parent, and the run's cgroup is a
+sibling of the harness's), else the cgroup v1 memory hierarchy, where the harness's own
+cgroup is the parent. Either way the run stays inside the limits above the harness.
 `create()` makes one child per run with its limit (swap included, where the kernel accounts
 it) and `remove()` deletes it once every process of the run has exited. The supervisor
 joins it (writes to cgroup.procs) before it forks the program, so every process the
@@ -27,10 +29,10 @@ class Hierarchy:
   parent: str      # the harness's own memory cgroup, e.g. /sys/fs/cgroup/memory/some/group
 
 
-def _mounts() -> List[List[str]]:
+def _mounts(mountinfo: str) -> List[List[str]]:
   """(mount point, file system type, super options) of each mount, from mountinfo."""
   rows = []
-  with open("/proc/self/mountinfo") as f:
+  with open(mountinfo) as f:
     for line in f:
       before, _, after = line.partition(" - ")
       fields, tail = before.split(), after.split()
@@ -40,10 +42,10 @@ def _mounts() -> List[List[str]]:
   return rows
 
 
-def _own_cgroups() -> Dict[str, str]:
+def _own_cgroups(cgroup: str) -> Dict[str, str]:
   """controller list ('' for v2) -> this process's cgroup path, from /proc/self/cgroup."""
   paths = {}
-  with open("/proc/self/cgroup") as f:
+  with open(cgroup) as f:
     for line in f:
       parts = line.rstrip("\n").split(":", 2)
       if len(parts) == 3:
@@ -61,40 +63,49 @@ def _write(path: str, value) -> None:
     f.write(f"{value}\n")
 
 
-def _candidates() -> List[Hierarchy]:
-  mounts, own = _mounts(), _own_cgroups()
+def _holds(directory: str, pid: int) -> bool:
+  """The directory is really the cgroup of process `pid` (it is listed there)."""
+  try:
+    return str(pid) in _read(os.path.join(directory, "cgroup.procs")).split()
+  except OSError:
+    return False
+
+
+def _delegates_memory(directory: str) -> bool:
+  try:
+    return "memory" in _read(os.path.join(directory, "cgroup.subtree_control")).split()
+  except OSError:
+    return False
+
+
+def candidates(mountinfo: str = "/proc/self/mountinfo", cgroup: str = "/proc/self/cgroup",
+               pid: Optional[int] = None) -> List[Hierarchy]:
+  """Where a run's cgroup could go, best first (read from the given /proc files)."""
+  mounts, own = _mounts(mountinfo), _own_cgroups(cgroup)
+  pid = os.getpid() if pid is None else pid
   found = []
   for point, fstype, _ in mounts:
     if fstype == "cgroup2" and "" in own:
-      parent = os.path.join(point, own[""].lstrip("/"))
-      subtree = os.path.join(parent, "cgroup.subtree_control")
-      if os.path.exists(subtree) and "memory" in _read(subtree).split():
-        found.append(Hierarchy(2, parent))
+      mine = os.path.normpath(os.path.join(point, own[""].lstrip("/")))
+      if _holds(mine, pid):
+        parents = [mine] + ([os.path.dirname(mine)] if mine != os.path.normpath(point) else [])
+        found += [Hierarchy(2, d) for d in parents[:2] if _delegates_memory(d)][:1]
   for point, fstype, options in mounts:
     if fstype == "cgroup" and "memory" in options.split(","):
       path = next((p for c, p in own.items() if "memory" in c.split(",")), None)
-      if path is not None:
-        found.append(Hierarchy(1, os.path.join(point, path.lstrip("/"))))
+      mine = None if path is None else os.path.join(point, path.lstrip("/"))
+      if mine is not None and _holds(mine, pid):
+        found.append(Hierarchy(1, mine))
   return found
-
-
-def _owns_us(hierarchy: Hierarchy) -> bool:
-  """The path is really this process's cgroup (its pid is listed there)."""
-  try:
-    return str(os.getpid()) in _read(os.path.join(hierarchy.parent, "cgroup.procs")).split()
-  except OSError:
-    return False
 
 
 def find() -> Optional[Hierarchy]:
   """The first hierarchy where a child with a memory limit can be made (tried for real)."""
   try:
-    candidates = _candidates()
+    found = candidates()
   except OSError:
     return None
-  for hierarchy in candidates:
-    if not _owns_us(hierarchy):
-      continue
+  for hierarchy in found:
     path = create(hierarchy, 64 << 20)
     if path is not None:
       remove(path)
