@@ -32,7 +32,8 @@ Protections, each reported in `Outcome.protections` only when it actually applie
 - 'memory cgroup': all processes of the run share one memory limit,
   `Limits.total_memory_bytes` (2 GiB; swap included), in a cgroup made for the run
   (cgroup v2 under the harness's own cgroup or its parent, where `memory` is delegated;
-  else v1 under the harness's own; `sandbox_cgroup`) and removed after it. Over the limit the kernel's OOM killer kills inside the run only.
+  else v1 under the harness's own; `sandbox_cgroup`) and removed after it. Over the
+  limit the kernel's OOM killer kills inside the run only.
 - 'memory cap': where no such cgroup can be made (not root, no writable hierarchy), each
   process's address space is lowered to total_memory_bytes // processes, so the at most
   `processes` processes map at most total_memory_bytes together (2 GiB / 16 = 128 MiB
@@ -117,10 +118,10 @@ _CHUNK_BYTES = 64 << 10
 _PROGRAM_FILE = ".program.py"
 
 KINDS = {
-    "passed": "the program ran to the end and its verdict says passed",
+    "passed": "the program ran to its end without an exception (said by the worker's exit status)",
     "assertion": "an AssertionError escaped (a failed test)",
     "syntax": "the source does not compile (SyntaxError, IndentationError, null bytes)",
-    "error": "another exception escaped, or the program exited without a verdict",
+    "error": "another exception escaped, or the program exited before its end (os._exit)",
     "memory": "a MemoryError escaped (the address-space limit was hit)",
     "timeout": "the wall-clock limit (or the CPU-time limit) was exceeded",
     "killed": "the program died from a signal (a resource limit, a crash, or killing itself)",
