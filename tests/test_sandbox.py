@@ -6,6 +6,9 @@ so the autouse fixture can check that each run's working directory was removed. 
 protection depends on the machine (namespaces, running as root), the test asserts what
 `Outcome.protections` says and checks the behaviour that follows from it.
 """
+import dataclasses
+import functools
+import inspect
 import os
 import random
 import resource
@@ -21,7 +24,7 @@ import time
 import pytest
 
 from attnprec.errors import UserError
-from attnprec.evals import sandbox
+from attnprec.evals import sandbox, sandbox_cgroup
 from attnprec.evals.sandbox import Limits, run_program
 
 QUICK = Limits(timeout_s=2.0, cpu_s=5)
@@ -255,7 +258,8 @@ def test_writing_10_gb_file_is_stopped(sandbox_parent):
 
 
 def _deleting_program(canary: str) -> str:
-  return ("import os, shutil\n"
+  """Tries four ways to destroy the canary; fails naming the errno of each refusal."""
+  return ("import errno, os, shutil\n"
           f"canary = {canary!r}\n"
           "done, errors = [], []\n"
           "for name, attempt in [('remove', lambda: os.remove(canary)),\n"
@@ -266,7 +270,7 @@ def _deleting_program(canary: str) -> str:
           "    attempt()\n"
           "    done.append(name)\n"
           "  except OSError as e:\n"
-          "    errors.append(type(e).__name__)\n"
+          "    errors.append(errno.errorcode.get(e.errno, type(e).__name__))\n"
           "assert done, ' '.join(sorted(set(errors)))\n")
 
 
@@ -309,14 +313,15 @@ def test_deleting_files_by_absolute_path_in_tmp(tmp_path):
   _assert_intact(canary)
   assert (outcome.passed, outcome.kind) == (False, "assertion")
   if "private tmpfs" in outcome.protections:
-    assert "FileNotFoundError" in outcome.detail, outcome.detail
+    assert "ENOENT" in outcome.detail, outcome.detail
   elif "uid nobody" in outcome.protections:
-    assert "PermissionError" in outcome.detail, outcome.detail
+    assert "EACCES" in outcome.detail, outcome.detail
 
 
 def test_deleting_files_by_absolute_path_outside_tmp(request):
   """A canary the program can see (in the repository's pytest cache, outside every private
-  mount): only the drop to user nobody protects it."""
+  mount): the read-only root refuses every change (EROFS), and without it the drop to user
+  nobody does (EACCES)."""
   cache = getattr(request.config, "cache", None)
   if cache is None:
     pytest.skip("needs pytest's cache directory (cacheprovider plugin)")
@@ -329,7 +334,10 @@ def test_deleting_files_by_absolute_path_outside_tmp(request):
     outcome = run_program(_deleting_program(canary), limits=QUICK)
     _assert_intact(canary)
     assert (outcome.passed, outcome.kind) == (False, "assertion")
-    assert "PermissionError" in outcome.detail, outcome.detail
+    if "read-only root" in outcome.protections:
+      assert outcome.detail == "AssertionError: EROFS (line 13)", outcome.detail
+    else:
+      assert "EACCES" in outcome.detail, outcome.detail
   finally:
     shutil.rmtree(directory, ignore_errors=True)
 
@@ -398,6 +406,334 @@ def test_killing_only_its_parent_leaves_the_supervisor_in_charge():
     assert outcome.kind == "killed", outcome
 
 
+def test_sysv_ipc_does_not_outlive_the_run():
+  """Shared memory, a semaphore set and a message queue (one with a fixed key, one private)
+  are made inside; none of them is left on the host afterwards, and the namespace's own
+  shared-memory limit refuses a segment larger than Limits.tmpfs_bytes."""
+  key = random.randrange(1 << 20, 1 << 30)
+  source = ("import ctypes\n"
+            "lib = ctypes.CDLL(None, use_errno=True)\n"
+            f"key, create = {key}, 0o1666\n"
+            "made = [lib.shmget(key, 1 << 20, create), lib.semget(key, 1, create),\n"
+            "        lib.msgget(key, create), lib.shmget(0, 1 << 20, create),\n"
+            "        lib.msgget(0, create)]\n"
+            "assert min(made) >= 0, ('not made', made, ctypes.get_errno())\n"
+            f"huge = lib.shmget(0, ctypes.c_size_t({2 * QUICK.tmpfs_bytes}), create)\n"
+            "assert False, 'made all, huge segment %s' % ('refused' if huge < 0 else 'made')\n")
+  before = _sysv_ipc()
+  outcome = run_program(source, limits=QUICK)
+  after = _sysv_ipc()
+  try:
+    assert (outcome.passed, outcome.kind) == (False, "assertion"), outcome
+    if "ipc namespace" in outcome.protections:
+      assert outcome.detail == "AssertionError: made all, huge segment refused (line 9)"
+      assert [entry for entry in after if entry[1] == key] == []
+      assert after <= before, f"IPC objects left on the host: {sorted(after - before)}"
+    else:   # only where this machine allows no namespaces at all
+      assert not sandbox._plan().prefix, outcome.protections
+  finally:
+    for kind, _, ident in after - before:
+      subprocess.run(["ipcrm", {"shm": "-m", "sem": "-s", "msg": "-q"}[kind], str(ident)],
+                     stderr=subprocess.DEVNULL, check=False)
+
+
+def _sysv_ipc():
+  """{(kind, key, id)} of every SysV IPC object on the host."""
+  found = set()
+  for kind in ("shm", "sem", "msg"):
+    with open(f"/proc/sysvipc/{kind}") as f:
+      for line in f.read().splitlines()[1:]:
+        key, ident = line.split()[:2]
+        found.add((kind, int(key), int(ident)))
+  return found
+
+
+def _directories(depth: int):
+  """Every directory at most `depth` levels below / (not /proc or /sys), without links."""
+  for top, subdirs, _ in os.walk("/"):
+    level = 0 if top == "/" else top.count("/")
+    if level >= depth:
+      subdirs[:] = []
+    elif top == "/":
+      subdirs[:] = [d for d in subdirs if d not in ("proc", "sys")]
+    yield top
+
+
+_WALK_DEPTH = 3
+
+
+def test_no_written_file_survives_the_run(sandbox_parent):
+  """The program writes a file into every directory it finds (three levels deep, plus
+  the usual world-writable ones and its working directory). Only the private tmpfs mounts
+  may take it (the root is read-only), and afterwards none of the files exists on the
+  host: not in /run/lock (on the root disk), nor anywhere else the host's own walk finds."""
+  tag = f"attnprec-sandbox-left-{os.getpid()}-{random.randrange(1 << 30)}"
+  fixed = ["/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue", "/run/shm"]
+  source = ("import os\n"
+            f"tag, fixed = {tag!r}, {fixed!r} + [os.getcwd()]\n"
+            f"{inspect.getsource(_directories)}\n"
+            "wrote = set()\n"
+            f"for d in fixed + list(_directories({_WALK_DEPTH})):\n"
+            "  try:\n"
+            "    with open(os.path.join(d, tag), 'x') as f:\n"
+            "      f.write('left behind')\n"
+            "    wrote.add(os.path.realpath(d))\n"
+            "  except OSError:\n"
+            "    pass\n"
+            "assert {'/tmp', os.getcwd()} <= wrote, sorted(wrote)\n"
+            "extra = wrote - {'/tmp', '/var/tmp', '/dev/shm', os.getcwd()}\n"
+            "assert False, 'elsewhere: %s' % sorted(extra)\n")
+  outcome = run_program(source, limits=QUICK)
+  host = set(_directories(_WALK_DEPTH)) | set(fixed)
+  left = sorted({os.path.realpath(d) for d in host if os.path.lexists(os.path.join(d, tag))})
+  try:
+    assert (outcome.passed, outcome.kind) == (False, "assertion"), outcome
+    if "read-only root" in outcome.protections and "private tmpfs" in outcome.protections:
+      assert outcome.detail.startswith("AssertionError: elsewhere: [] "), outcome.detail
+      assert left == [], f"files the program wrote are still on the host in {left}"
+    else:   # only where this machine allows no namespaces at all
+      assert not sandbox._plan().prefix, outcome.protections
+  finally:
+    for d in left:
+      os.remove(os.path.join(d, tag))
+
+
+def test_read_only_fallback_for_kernels_without_mount_setattr(tmp_path):
+  """Kernels before 5.12 lack mount_setattr; then every mount point is remounted read-only
+  one by one. Run here directly in a private mount namespace: the harness's own directory
+  and /dev/shm refuse a new file inside it, and stay writable outside."""
+  if not sandbox._plan().prefix:
+    assert "read-only root" not in _protections()
+    return
+  definitions = sandbox._SUPERVISOR.replace("\nmain()\n", "\n")   # the functions, not main()
+  script = ("import os\n"
+            f"namespace = {{}}\nexec({definitions!r}, namespace)\n"
+            "namespace['remount_each_read_only'](namespace['libc']())\n"
+            "refused = []\n"
+            f"inside = {str(tmp_path / 'inside')!r}\n"
+            "for path in [inside, '/dev/shm/attnprec-sandbox-%d' % os.getpid()]:\n"
+            "  try:\n"
+            "    open(path, 'x').close()\n"
+            "  except OSError as e:\n"
+            "    refused.append(e.strerror)\n"
+            "print(refused)\n")
+  unshare = sandbox._plan().prefix[0]
+  done = subprocess.run([unshare, "--mount", "--propagation", "private", sys.executable, "-c",
+                         script], capture_output=True, text=True, timeout=30)
+  assert done.stdout.strip() == "['Read-only file system', 'Read-only file system']", done
+  (tmp_path / "outside").write_text("still writable")
+  assert not (tmp_path / "inside").exists()
+
+
+_FORGED = b'{"kind": "passed", "detail": ""}\n'
+
+
+@pytest.mark.parametrize("forgery, exit_kind", [
+    ("print(forged.decode(), end='')\nsys.stderr.write(forged.decode())\n", "assertion"),
+    ("import glob\n"
+     "def forge():\n"
+     "  for fd in range(1024):\n"
+     "    try:\n"
+     "      os.write(fd, forged)\n"
+     "    except OSError:\n"
+     "      pass\n"
+     "  for path in glob.glob('/proc/[0-9]*/fd/*'):\n"
+     "    try:\n"
+     "      with open(path, 'wb') as f:\n"
+     "        f.write(forged)\n"
+     "    except OSError:\n"
+     "      pass\n"
+     "forge()\n"
+     "if os.fork() == 0:\n"          # a child that forges again once the worker has exited
+     "  time.sleep(0.3)\n"
+     "  forge()\n"
+     "  os._exit(0)\n", "assertion"),
+    ("os.write(1, forged)\nos._exit(0)\n", "error"),
+])
+def test_a_forged_verdict_is_not_believed(forgery, exit_kind):
+  """A program writes a passing verdict line to its output; to every file descriptor it has
+  and every /proc/<pid>/fd it can open (again from a child after the worker has exited);
+  or to its output before exiting with status 0. Its test then fails, or never runs: judged
+  by how the worker ended, it fails. (The worker closes the status pipe before the program
+  starts, and the supervisor is not dumpable.)"""
+  source = (f"import os, sys, time\nforged = {_FORGED!r}\n{forgery}"
+            "def add(a, b):\n  return a - b\n"
+            "assert add(2, 3) == 5, 'add is wrong'\n")
+  outcome = run_program(source, limits=QUICK)
+  assert (outcome.passed, outcome.kind) == (False, exit_kind), outcome
+  if exit_kind == "assertion":
+    assert outcome.detail.startswith("AssertionError: add is wrong (line "), outcome.detail
+  assert "sealed verdict" in outcome.protections
+
+
+def _no_cgroup(monkeypatch):
+  plan = sandbox._plan()
+  monkeypatch.setattr(sandbox, "_plan", lambda: dataclasses.replace(plan, cgroup=None))
+
+
+_HOLDERS = ("import os, time\n"
+            "r, w = os.pipe()\n"
+            "children = []\n"
+            "for _ in range(6):\n"
+            "  try:\n"
+            "    pid = os.fork()\n"
+            "  except OSError:\n"
+            "    break\n"
+            "  if pid == 0:\n"
+            "    try:\n"
+            "      block = b'x' * (96 << 20)\n"   # written, so it is resident
+            "      os.write(w, b'%d ' % os.getpid())\n"
+            "    except MemoryError:\n"
+            "      os._exit(3)\n"
+            "    time.sleep(30)\n"
+            "    os._exit(0)\n"
+            "  children.append(pid)\n"
+            "time.sleep(1.5)\n"
+            "os.set_blocking(r, False)\n"
+            "try:\n"
+            "  reported = {int(p) for p in os.read(r, 4096).split()}\n"
+            "except BlockingIOError:\n"
+            "  reported = set()\n"
+            "alive = {p for p in children if os.waitpid(p, os.WNOHANG) == (0, 0)}\n"
+            "assert False, 'holding %d' % len(reported & alive)\n")
+
+
+@pytest.mark.parametrize("cgroup", [True, False])
+def test_forked_allocations_share_one_memory_bound(cgroup, monkeypatch):
+  """Six children each write 96 MiB and keep it (576 MiB in all, each well within its own
+  address-space limit); the sandbox's total is 384 MiB. With the memory cgroup the kernel
+  kills children beyond it; with the fallback cap each process may only have 384 MiB / 16,
+  so the allocations fail. Either way at most 384 MiB are held at once, and the program
+  fails quickly. (16 processes: room to spare where other runs hold some of user nobody's.)"""
+  limits, marker = _marked_limits(timeout_s=8.0, processes=16, memory_bytes=192 << 20,
+                                  total_memory_bytes=384 << 20)
+  if not cgroup:
+    _no_cgroup(monkeypatch)
+  outcome = run_program(_HOLDERS, limits=limits)
+  assert not outcome.passed
+  assert outcome.seconds < limits.timeout_s
+  assert _wait_gone(marker) == []
+  if cgroup and "memory cgroup" not in _protections():
+    assert sandbox._plan().cgroup is None   # no writable cgroup hierarchy here
+    return
+  assert ("memory cgroup" in outcome.protections) == cgroup, outcome.protections
+  assert ("memory cap" in outcome.protections) == (not cgroup), outcome.protections
+  assert outcome.kind == "assertion", outcome
+  held = int(outcome.detail.split("holding ")[1].split()[0])
+  assert held * (96 << 20) <= limits.total_memory_bytes, outcome.detail
+  if not cgroup:
+    assert held == 0
+
+
+def test_fork_bomb_that_allocates_is_contained():
+  """Forks without end, each process writing 64 MiB: contained by the sandbox's memory
+  bound (256 MiB here) and its process limit, judged a failure within the time limit, its
+  processes and its cgroup gone afterwards."""
+  limits, marker = _marked_limits(timeout_s=2.0, processes=6, memory_bytes=192 << 20,
+                                  total_memory_bytes=256 << 20)
+  bomb = ("import os\n"
+          "blocks = []\n"
+          "while True:\n"
+          "  try:\n"
+          "    os.fork()\n"
+          "    blocks.append(b'x' * (64 << 20))\n"
+          "  except (OSError, MemoryError):\n"
+          "    pass\n")
+  outcome = run_program(bomb, limits=limits)
+  assert not outcome.passed
+  assert outcome.kind in ("timeout", "killed", "memory", "error"), outcome
+  assert outcome.seconds < limits.timeout_s + 3.0
+  assert _wait_gone(marker) == [], "fork-bomb processes outlived the run"
+  hierarchy = sandbox._plan().cgroup
+  if hierarchy is not None:
+    assert "memory cgroup" in outcome.protections
+    mine = f"attnprec-sandbox-{os.getpid()}-"
+    assert [d for d in os.listdir(hierarchy.parent) if d.startswith(mine)] == []
+
+
+def test_cgroup_hierarchies_are_found_from_proc(tmp_path):
+  """Where a run's memory cgroup goes, read from mountinfo and /proc/self/cgroup (here
+  fakes): cgroup v2 under the harness's cgroup or, since a v2 cgroup holding processes
+  cannot delegate, its parent, where `memory` is delegated; else the v1 memory hierarchy;
+  never a cgroup that does not list the harness's pid."""
+  v2, v1 = tmp_path / "unified", tmp_path / "memory"
+  (v2 / "slice" / "me").mkdir(parents=True)
+  (v2 / "slice" / "me" / "cgroup.procs").write_text("42\n")
+  (v2 / "slice" / "me" / "cgroup.subtree_control").write_text("")
+  (v2 / "slice" / "cgroup.subtree_control").write_text("cpu memory\n")
+  (v1 / "group").mkdir(parents=True)
+  (v1 / "group" / "cgroup.procs").write_text("7\n42\n")
+  mountinfo, cgroup = tmp_path / "mountinfo", tmp_path / "cgroup"
+  mountinfo.write_text(f"30 25 0:26 / {v2} rw,relatime shared:9 - cgroup2 cgroup2 rw\n"
+                       f"31 25 0:27 / {v1} rw,relatime shared:10 - cgroup cgroup rw,memory\n")
+  cgroup.write_text("4:memory:/group\n0::/slice/me\n")
+  find = functools.partial(sandbox_cgroup.candidates, str(mountinfo), str(cgroup))
+  on_v1 = sandbox_cgroup.Hierarchy(1, str(v1 / "group"))
+  assert find(pid=42) == [sandbox_cgroup.Hierarchy(2, str(v2 / "slice")), on_v1]
+  assert find(pid=43) == []
+  (v2 / "slice" / "me" / "cgroup.subtree_control").write_text("memory\n")
+  assert find(pid=42)[0] == sandbox_cgroup.Hierarchy(2, str(v2 / "slice" / "me"))
+  (v2 / "slice" / "me" / "cgroup.subtree_control").write_text("")
+  (v2 / "slice" / "cgroup.subtree_control").write_text("cpu\n")
+  assert find(pid=42) == [on_v1]
+
+
+def test_memory_cap_without_a_cgroup(monkeypatch):
+  """Where no memory cgroup applies, the processes the program may have times the address
+  space each may map is at most Limits.total_memory_bytes."""
+  limits = Limits(timeout_s=QUICK.timeout_s, processes=8, total_memory_bytes=1 << 30)
+  _no_cgroup(monkeypatch)
+  source = ("import resource\n"
+            "space = resource.getrlimit(resource.RLIMIT_AS)\n"
+            "processes = resource.getrlimit(resource.RLIMIT_NPROC)\n"
+            f"assert space == ({1 << 27}, {1 << 27}) and processes == (8, 8), (space, processes)\n")
+  outcome = run_program(source, limits=limits)
+  assert outcome.passed, outcome.detail
+  assert "memory cap" in outcome.protections and "memory cgroup" not in outcome.protections
+
+
+def test_keyrings_and_host_unix_sockets_are_refused(tmp_path_factory):
+  """A key added to the user's keyring would outlive the run (the kernel keeps it), and a
+  daemon's socket file on the read-only root would still take connections: the seccomp
+  filter refuses add_key, keyctl, socket(AF_UNIX) and io_uring (which could make the socket
+  without the socket call) with EPERM; socketpair still works."""
+  directory = tmp_path_factory.mktemp("sock")
+  path = str(directory / "daemon.sock")
+  source = ("import ctypes, errno, socket\n"
+            "lib = ctypes.CDLL(None, use_errno=True)\n"
+            "lib.syscall.restype = ctypes.c_long\n"
+            "def call(*args):\n"
+            "  result = lib.syscall(*args)\n"
+            "  return errno.errorcode.get(ctypes.get_errno()) if result < 0 else 'made'\n"
+            "key = call(248, b'user', b'attnprec-sandbox', b'persist', 7, ctypes.c_int(-4))\n"
+            "ring = call(250, 0, ctypes.c_int(-4), 0)\n"
+            "params = ctypes.create_string_buffer(120)\n"
+            "uring = call(425, 8, params)\n"
+            "try:\n"
+            f"  socket.socket(socket.AF_UNIX).connect({path!r})\n"
+            "  unix = 'connected'\n"
+            "except OSError as e:\n"
+            "  unix = errno.errorcode[e.errno]\n"
+            "a, b = socket.socketpair()\n"
+            "a.send(b'x')\n"
+            "assert b.recv(1) == b'x'\n"
+            "assert False, (key, ring, uring, unix)\n")
+  try:
+    with socket.socket(socket.AF_UNIX) as listener:
+      listener.bind(path)
+      os.chmod(path, 0o777)
+      listener.listen(1)
+      outcome = run_program(source, limits=QUICK)
+  finally:
+    os.remove(path)
+  assert (outcome.passed, outcome.kind) == (False, "assertion"), outcome
+  if "seccomp filter" in outcome.protections:
+    assert outcome.detail == "AssertionError: ('EPERM', 'EPERM', 'EPERM', 'EPERM') (line 19)"
+  else:   # the filter is written for x86_64 and aarch64 and needs no_new_privs
+    assert (os.uname().machine not in ("x86_64", "aarch64")
+            or "no_new_privs" not in outcome.protections), outcome.protections
+
+
 def test_printing_1_gb_hits_the_output_limit():
   source = ("import sys\n"
             "chunk = 'x' * (1 << 20)\n"
@@ -420,7 +756,10 @@ def test_available_protections_are_those_applied():
   assert "rlimits" in protections
   assert ("uid nobody" in protections) == (os.geteuid() == 0 and sandbox._plan().drop_to == 65534)
   if not sandbox._plan().prefix:
-    assert not {"network namespace", "pid namespace", "private tmpfs"} & set(protections)
+    assert not {"network namespace", "pid namespace", "ipc namespace", "read-only root",
+                "private tmpfs"} & set(protections)
+  assert ("memory cgroup" in protections) != ("memory cap" in protections)
+  assert ("memory cgroup" in protections) == (sandbox._plan().cgroup is not None)
 
 
 def test_kinds_are_documented():
