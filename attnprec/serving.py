@@ -176,7 +176,7 @@ class Decoded(NamedTuple):
   finite: List[bool]          # every logits row that chose its tokens was finite
   steps: int                  # tokens per row the batch ran (<= max_new_tokens)
   seconds: float              # the run, compile excluded
-  compiled: Optional[compilation.Compiled]   # None: the program was in `programs`
+  compiled: "Optional[compilation.Compiled]"   # None: the program was in `programs`
   out: decoding.Generated     # the program's own output (all B rows)
 
   @property
