@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from attnprec import checkpoints
+from attnprec import checkpoints, serving
 from attnprec.checkpoints import Checkpoint
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
@@ -69,8 +69,8 @@ def test_end_sequences_and_end_index():
   tick = ord("`")
   assert [tick, tick] not in ends.tolist()          # "``" is no fence
   text = [ord(c) for c in "x = 1\n``"] + [tick, 10]   # three single backticks: no pair
-  assert common.end_index(text, ends) is None
-  assert common.end_index([1, 2, 259, 5], ends) == 2
+  assert serving.end_index(text, ends) is None
+  assert serving.end_index([1, 2, 259, 5], ends) == 2
 
 
 def test_item_log_resumes_repairs_and_refuses_other_settings(tmp_path):

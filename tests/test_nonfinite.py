@@ -233,3 +233,29 @@ def test_stage_finder_runs_through_a_quantized_cache(models, monkeypatch):
   assert stage == ("layer 0 attention (attention kernel: QK^T, softmax, weighted values)")
   plain = Precision(dtype="bfloat16")
   assert finite.first_nonfinite_stage(ckpt.config, ckpt.params, tokens, plain) is None
+
+
+def test_one_error_path_whether_the_logits_were_kept_or_not(models):
+  """`serving.nonfinite_error` names the same step, kind and stage from the program's own
+  logits (the decode job keeps them) as from a forward pass (the API and the evals keep
+  none)."""
+  from attnprec import checkpoints, serving
+  from attnprec.errors import NonFiniteError
+  from attnprec.precision import Precision
+  big = checkpoints.load(models["big"])
+  fp16 = Precision(dtype="float16")
+  ids = big.tokenizer.encode("ab a")
+  messages = set()
+  for keep in (True, False):
+    plan = serving.plan(big.config, fp16, [ids, ids[:2]], max_new_tokens=3,
+                        return_logits=keep)
+    out = serving.run(plan, big.params)
+    assert out.finite == [False, False]
+    assert (out.out.logits_BxMxV is not None) == keep
+    e = serving.nonfinite_error(plan, big.params, out, what="the logits of the decode",
+                                step="at step {step} of prompt {prompt}")
+    assert isinstance(e, NonFiniteError) and e.stage == "layer 0 MLP (down projection)"
+    messages.add(str(e))
+  (message,) = messages
+  assert message.startswith("The logits of the decode were not finite (NaN at step 0 of "
+                            "prompt 0) under dtype=float16"), message

@@ -7,15 +7,17 @@
                                max_new_tokens=16)
     out.texts[0], out.tokens[0]
 
-Built on `decoding.pad_prompts` and `decoding.generate` (one jitted prefill + decode loop
-under the given `Precision`): prompts are right-padded into one batch, and each sequence
-stops at the tokenizer's end token (the end token itself is not returned).
+Built on `serving.plan` and `serving.run` (one jitted prefill + decode loop,
+`decoding.generate`, under the given `Precision`): prompts are right-padded to the longest
+into one batch, and each sequence stops at the tokenizer's end token (the end token
+itself is not returned).
 
 Non-finite logits: `decoding.generate` flags each sequence whose tokens were chosen from
 logits holding NaN or Inf (`finite_B`). By default (`check_finite=True`) `generate`
-raises `attnprec.errors.NonFiniteError` if any sequence is flagged, naming the prompt,
-the first decode step whose logits were not finite (when a full forward pass of the same
-tokens shows it) and the first model stage whose output was not finite. With
+raises `attnprec.errors.NonFiniteError` if any sequence is flagged
+(`serving.nonfinite_error`), naming the prompt, the first decode step whose logits were
+not finite (when a full forward pass of the same tokens shows it) and the first model
+stage whose output was not finite. With
 `check_finite=False` it returns every sequence and `Generation.finite[b]` says which ones
 are meaningful. Arguments are checked before anything is compiled (UserError naming the
 argument, the bad value shortened, and what is valid).
@@ -26,14 +28,19 @@ from typing import List, NamedTuple, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from attnprec import checks, decoding
-from attnprec.checkpoints import finite
+from attnprec import checks, decoding, serving
 from attnprec.checkpoints.forward import Checkpoint
-from attnprec.checkpoints.forward import logits as full_logits
 from attnprec.errors import UserError, shorten
 from attnprec.precision import Precision
 
 Prompts = Union[str, Sequence[str], Sequence[Sequence[int]]]
+_PROGRAMS = []       # [serving.Programs]: compiled once per shape, sampler and precision
+
+
+def _programs():
+  if not _PROGRAMS:                   # made on first use (`serving` imports this package)
+    _PROGRAMS.append(serving.Programs(size=8))
+  return _PROGRAMS[0]
 
 
 class Generation(NamedTuple):
@@ -166,53 +173,19 @@ def generate(ckpt, prompts: Prompts, *, precision: Precision = Precision(),
     if min(p) < 0 or max(p) >= config.vocab_size:
       raise UserError(f"Token ids must lie in [0, {config.vocab_size}); a prompt holds "
                       f"{min(p)}..{max(p)}.")
-  longest = max(len(p) for p in ids)
-  if longest + max_new_tokens > config.max_seq_len:
-    raise UserError(f"The longest prompt ({longest} tokens) + max_new_tokens "
-                    f"({max_new_tokens}) exceed the model's context ({config.max_seq_len} "
-                    f"tokens).")
   tok = ckpt.tokenizer
   if eos_id is None and tok is not None:
     eos_id = tok.eos_id
-  eos = -1 if eos_id is None else int(eos_id)
-  prompt_BxP, lengths_B = decoding.pad_prompts(ids)
-  out = decoding.generate(ckpt.params, prompt_BxP, lengths_B, rng, config=config,
-                          precision=precision, sampler=sampler,
-                          max_new_tokens=max_new_tokens, eos_id=eos, return_logits=False)
-  finite_B = [bool(f) for f in np.asarray(out.finite_B)]
-  rows = np.asarray(out.tokens_BxM).tolist()
-  if check_finite and not all(finite_B):
-    raise _nonfinite(ckpt, ids, rows, finite_B, precision)
-  new, stopped = [], []
-  for row in rows:
-    stop = eos in row
-    new.append(row[:row.index(eos)] if stop else row)
-    stopped.append(stop)
-  texts = [tok.decode(t) for t in new] if tok is not None else None
-  return Generation(texts, new, stopped, finite_B)
-
-
-def _nonfinite(ckpt, ids, rows, finite_B, precision):
-  """The NonFiniteError of a decode: the first flagged prompt, the first decode step a
-  full forward pass of its tokens shows non-finite logits at, the first stage."""
-  b = finite_B.index(False)
-  seq = ids[b] + rows[b]
-  config, params = ckpt.config, ckpt.params
-  seq = seq[:config.max_seq_len]
-  tokens = np.asarray([seq], np.int32)
-  forward = full_logits((config, params), tokens, precision=precision, check_finite=False)
-  bad_T = ~np.isfinite(np.asarray(forward[0])).all(-1)
-  start = len(ids[b]) - 1                 # the logits that chose the first new token
-  steps = np.nonzero(bad_T[start:])[0]
-  if steps.size:
-    row = np.asarray(forward[0, start + int(steps[0])])
-    kind = "NaN" if np.isnan(row).any() else "Inf"
-    where = finite.Where(kind, f"at decode step {int(steps[0])} of prompt {b}")
-  else:
-    where = finite.Where("", f"prompt {b}")
-  stage = finite.first_nonfinite_stage(config, params, tokens, precision)
-  flagged = finite_B.count(False)
-  return finite.nonfinite_error(
-      f"the logits of checkpoints.generate ({flagged} of {len(finite_B)} sequences)",
-      precision, where, stage,
-      " Pass check_finite=False to get the tokens anyway (Generation.finite flags them).")
+  plan = serving.plan(config, precision, ids, max_new_tokens=max_new_tokens, ends=eos_id,
+                      bucket=False, keep_end=False, sampler=sampler)   # checks the context
+  out = serving.run(plan, ckpt.params, rng, programs=_programs())
+  if check_finite and not all(out.finite):
+    raise serving.nonfinite_error(
+        plan, ckpt.params, out,
+        what=f"the logits of checkpoints.generate ({out.finite.count(False)} of "
+             f"{len(out.finite)} sequences)",
+        step="at decode step {step} of prompt {prompt}",
+        advice=" Pass check_finite=False to get the tokens anyway (Generation.finite flags "
+               "them).")
+  texts = [tok.decode(t) for t in out.tokens] if tok is not None else None
+  return Generation(texts, out.tokens, out.stopped, out.finite)

@@ -1,18 +1,16 @@
 """What every task evaluation shares: the presets it decodes, batched greedy generation
-with compile time kept apart, and the checks made before any model is loaded.
+(`serving`) with compile time kept apart, and the checks made before any model is loaded.
 
 Presets are the files of gin/precision/ read as `Precision`s of the decode phase
 (`attnprec.study.presets`, the one way the study and the evals pick them); `reference`
 names the one every other preset is compared with and is run first.
 """
 import dataclasses
-import time
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
-import jax
 import numpy as np
 
-from attnprec import compilation, decoding, kernels
+from attnprec import kernels, serving
 from attnprec.errors import UserError
 from attnprec.precision import Precision
 from attnprec.study import presets as preset_lib
@@ -62,10 +60,10 @@ class BatchOut:
 
 
 class Generator:
-  """Greedy batched decoding under one Precision: prompts padded to a length bucket and the
-  batch to a fixed size (rows repeated, results dropped), so a few programs serve a whole
-  eval; each program is compiled once (or loaded from the persistent cache) and timed
-  apart from its runs."""
+  """Greedy batched decoding under one Precision (`serving.plan` / `serving.run`): prompts
+  padded to a length bucket and the batch to a fixed size (rows repeated, results
+  dropped), so a few programs serve a whole eval; each program is compiled once (or
+  loaded from the persistent cache) and timed apart from its runs."""
 
   def __init__(self, ckpt, precision: Precision, *, batch: int, max_new_tokens: int,
                ends_ExL):
@@ -74,45 +72,11 @@ class Generator:
     self.ends_ExL = np.asarray(ends_ExL, np.int32)   # `decoding.generate`'s end rows
     if self.ends_ExL.ndim != 2:
       raise ValueError("ends_ExL: [E, L] end rows (-1: any token)")
-    self._programs: Dict[int, object] = {}
+    self._programs = serving.Programs(size=64)
 
   def __call__(self, prompts: Sequence[Sequence[int]]) -> BatchOut:
-    if not 1 <= len(prompts) <= self.batch:
-      raise ValueError(f"1..{self.batch} prompts per call, got {len(prompts)}")
-    rows = list(prompts) + [prompts[0]] * (self.batch - len(prompts))
-    prompt_BxP, lengths_B = decoding.pad_prompts(rows, bucket=True)
-    P = int(prompt_BxP.shape[1])
-    if P + self.max_new_tokens > self.ckpt.config.max_seq_len:
-      prompt_BxP, lengths_B = decoding.pad_prompts(rows)
-      P = int(prompt_BxP.shape[1])
-    args = (self.ckpt.params, prompt_BxP, lengths_B, jax.random.PRNGKey(0))
-    compile_s = 0.0
-    if P not in self._programs:
-      compiled = compilation.compile_lowerable(
-          decoding.generate, *args, config=self.ckpt.config, precision=self.precision,
-          max_new_tokens=self.max_new_tokens, eos_id=self.ends_ExL, return_logits=False)
-      self._programs[P], compile_s = compiled.program, compiled.seconds
-    t0 = time.perf_counter()
-    out = self._programs[P](*args, eos_id=self.ends_ExL)
-    tokens_BxM = np.asarray(jax.block_until_ready(out.tokens_BxM))
-    seconds = time.perf_counter() - t0
-    new, stopped = [], []
-    for row in tokens_BxM[:len(prompts)].tolist():
-      stop = end_index(row, self.ends_ExL)
-      new.append(row if stop is None else row[:stop + 1])
-      stopped.append(stop is not None)
-    return BatchOut(new, stopped, np.asarray(out.finite_B)[:len(prompts)].tolist(),
-                    int(out.steps), seconds, compile_s)
-
-
-def end_index(tokens: Sequence[int], ends_ExL: np.ndarray):
-  """Index of the token that ended `tokens` (its last L tokens match an end row; -1 in a
-  row matches any token), or None."""
-  L = ends_ExL.shape[1]
-  rows = ends_ExL.tolist()
-  padded = [-2] * (L - 1) + list(tokens)
-  for m in range(len(tokens)):
-    tail = padded[m:m + L]
-    if any(all(e == -1 or e == t for e, t in zip(r, tail)) for r in rows):
-      return m
-  return None
+    plan = serving.plan(self.ckpt.config, self.precision, prompts, batch=self.batch,
+                        max_new_tokens=self.max_new_tokens, ends=self.ends_ExL)
+    out = serving.run(plan, self.ckpt.params, programs=self._programs)
+    return BatchOut(out.tokens, out.stopped, out.finite, out.steps, out.seconds,
+                    out.compile_seconds)
