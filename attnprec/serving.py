@@ -27,7 +27,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import jax
 import numpy as np
 
-from attnprec import compilation, decoding, kernels
+from attnprec import compilation, decoding, kernels, keyoffset
 from attnprec.cache import cache_bytes
 from attnprec.checkpoints import finite
 from attnprec.checkpoints.forward import logits as full_logits
@@ -111,6 +111,7 @@ def plan(config: ModelConfig, precision: Precision, prompts: Sequence[Sequence[i
   prompt-length bucket (falls back to the longest prompt where bucket + max_new_tokens
   would pass the model's context). setting: how messages name max_new_tokens.
   A prompt that does not fit the context with max_new_tokens is a UserError."""
+  keyoffset.check(config, precision.key_offset)   # an offset this model cannot take
   prompts = tuple(tuple(int(t) for t in p) for p in prompts)
   batch = len(prompts) if batch is None else batch
   if not 1 <= len(prompts) <= batch:
