@@ -5,7 +5,7 @@
 
 Each task decodes the same presets of gin/precision/ (the reference first), writes one
 record per item as it finishes (`attnprec.evals.records`, a rerun resumes) and scores
-them with one statistics module (`attnprec.evals.stats`, `attnprec.evals.report`).
+them with one statistics module (`attnprec.stats`, `attnprec.evals.report`).
 """
 import gin
 

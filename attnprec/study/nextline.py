@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from attnprec import checkpoints, decoding, plotting, runs
 from attnprec.errors import NonFiniteError, UserError
-from attnprec.evals import stats
+from attnprec import stats
 from attnprec.precision import REFERENCE, Precision
 from attnprec import presets as preset_lib
 
