@@ -96,7 +96,7 @@ def _clean_gin_error(e: BaseException) -> str:
                 "not a literal value:", text)
   if isinstance(e, KeyError):
     text = text.strip("'\"")
-  m = re.search(r"No configurable matching '([^']+)'", text)
+  m = re.search(r"No configurable matching (?:reference )?'@?([^']+)'", text)
   if m:
     text += (f" Known configurables: {', '.join(sorted(_configurable_names()))}.")
   m = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", text)
