@@ -29,7 +29,7 @@ dots that read an attention's q, k, v or probabilities) are listed and checked f
 precision only: the contract table is about the forward computation.
 
 It also compiles each program and checks what this backend turned every dot into
-(`lowered.compile().as_text()`, read by `attnprec.hlo`, checked by
+(`lowered.compile().as_text()`, read by `attnprec.inspect.compiled`, checked by
 `attnprec.inspect.report.check_compiled_dot`): an XLA dot, a dot inside a library fusion
 (XLA:CPU's `__ynn_fusion`), or a matmul custom-call (oneDNN), with its operand types
 (traced back through converts: 'f32<-bf16') and its result type, which is its
@@ -64,7 +64,8 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import checks, decoding, hlo, kernels, keyoffset, layout, runs, train, xla_env
+from attnprec import checks, decoding, kernels, keyoffset, layout, runs, train, xla_env
+from attnprec.inspect import compiled as compiled_program
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
@@ -273,7 +274,7 @@ def summarize_compiled(text: str, precision: Optional[Precision] = None, *,
   """The compiled program's dots grouped by (site, what the backend made of it, types,
   verdict), its converts, and (with a `precision`) the problems of the compiled check,
   the cache rows' (`cache`, from `cache_check.expected_cache`) included."""
-  s = hlo.compiled_summary(text, head_dim, key_lengths)
+  s = compiled_program.compiled_summary(text, head_dim, key_lengths)
   checked = contract_check.check_compiled(text, precision, head_dim=head_dim,
                                           key_lengths=key_lengths)["dots"] \
       if precision else [(d, []) for d in s["dots"]]
@@ -284,7 +285,7 @@ def summarize_compiled(text: str, precision: Optional[Precision] = None, *,
     site = d.site + (" (grad)" if d.backward else "")
     if d.site == "other" and not d.name and d.batched:
       return "batched, op_name dropped: accumulation checked"
-    if d.inferred_site and hlo.site(d.name) == "other":
+    if d.inferred_site and compiled_program.site(d.name) == "other":
       return f"{site} (op_name dropped; by shape)"
     return site
 

@@ -83,6 +83,18 @@ def one_of(*choices) -> Rule:
   return rule
 
 
+def one_of_jobs(*jobs) -> Rule:
+  """One of these configurables, named in gin by a reference without `()`
+  (`eval.job = @retrieval`): the one way a runner's job is chosen. The valid names are
+  read from the jobs' own rules (`validated`'s name), so the message follows the code."""
+
+  def rule(v):
+    if not any(v is j or getattr(v, "__wrapped__", None) is j for j in jobs):
+      names = ", ".join(f"@{rules_of(j).name}" for j in jobs)
+      return f"valid jobs are: {names} (a gin reference, without '()')"
+  return rule
+
+
 def optional(inner: Rule) -> Rule:
   """None, or a value `inner` accepts."""
 
@@ -186,7 +198,14 @@ class Rules:
       rule = self.rules.get(arg)
       problem = rule(value) if rule else None
       if problem:
-        raise UserError(f"Invalid {where or self.name}.{arg} = {shorten(value)}: {problem}.")
+        raise UserError(f"Invalid {where or self.name}.{arg} = {show(value)}: {problem}.")
+
+
+def show(value) -> str:
+  """A value as a message shows it: a configurable by its gin reference (`@recall_eval`),
+  anything else by its shortened repr."""
+  spec = getattr(value, "__checks__", None) if callable(value) else None
+  return f"@{spec.name}" if isinstance(spec, Rules) else shorten(value)
 
 
 def validated(name: str, **rules: Rule):

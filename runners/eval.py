@@ -1,6 +1,6 @@
 """Task evaluations: `python runners/eval.py [--gin_file=gin/experiments/eval_humaneval.gin]`.
 
-Runs a task (eval.task: 'humaneval', or 'retrieval': long-context UUID key-value
+Runs a task (eval.job: @humaneval, or @retrieval: long-context UUID key-value
 retrieval scored teacher-forced, gin/experiments/eval_retrieval.gin) under each precision
 preset of the decode phase (the fp32/HIGHEST reference first) and writes, into --run_dir,
 one record per item as it finishes (items.jsonl: a rerun resumes where a killed one
@@ -38,7 +38,7 @@ def run(run_dir: str):
 def main(argv) -> int:
   return cli.main(argv, prog="eval", doc=__doc__, examples=EXAMPLES,
                   default_files=["runs/eval.gin"], default_run_dir="runs/eval",
-                  reads=("eval", "humaneval", "retrieval"), keep_partial=True, body=run)
+                  reads=("eval",), keep_partial=True, body=run)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import os
 
 import pytest
 
-from attnprec import audit, decoding, ginutils, hlo
+from attnprec import audit, decoding, ginutils
+from attnprec.inspect import compiled
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.precision import Precision, phase_precision
@@ -307,14 +308,14 @@ def test_the_runner_exits_3_on_a_compiled_mismatch(tmp_path, monkeypatch):
 
 
 def test_site_classification():
-  assert hlo.site("jit(update)/jvp(decoder)/layer_0/attn/q/dot_general") == "dense"
-  assert hlo.site("jit(f)/decoder/layer_3/mlp/down/dot_general") == "dense"
-  assert hlo.site("jit(f)/decoder/BTD,DV->BTV/dot_general") == "dense"
-  assert hlo.site("jit(f)/decoder/layer_0/attn/attn_qk/BTKGH,BSKH->BKGTS/dot_general") == "qk"
-  assert hlo.site("cond/branch_1_fun/BKGTS,BKSH->BKGTH/dot_general") == "wv"
-  assert hlo.site("cond/branch_1_fun/BKGTH,BKSH->BKGTS/dot_general") == "qk"
-  assert hlo.site("jit(f)/decoder/layer_0/attn/vmap(BNTS,BSNH->BTNH)/dot_general") == "wv"
-  assert hlo.site("jit(f)/something/dot_general") == "other"
+  assert compiled.site("jit(update)/jvp(decoder)/layer_0/attn/q/dot_general") == "dense"
+  assert compiled.site("jit(f)/decoder/layer_3/mlp/down/dot_general") == "dense"
+  assert compiled.site("jit(f)/decoder/BTD,DV->BTV/dot_general") == "dense"
+  assert compiled.site("jit(f)/decoder/layer_0/attn/attn_qk/BTKGH,BSKH->BKGTS/dot_general") == "qk"
+  assert compiled.site("cond/branch_1_fun/BKGTS,BKSH->BKGTH/dot_general") == "wv"
+  assert compiled.site("cond/branch_1_fun/BKGTH,BKSH->BKGTS/dot_general") == "qk"
+  assert compiled.site("jit(f)/decoder/layer_0/attn/vmap(BNTS,BSNH->BTNH)/dot_general") == "wv"
+  assert compiled.site("jit(f)/something/dot_general") == "other"
 
 
 def test_too_long_context_is_a_user_error():

@@ -191,7 +191,7 @@ def _add_argument_flags(tree):
 @functools.lru_cache(maxsize=None)
 def _gin_flags():
   """The flags `ginutils.split_flags` takes (`--gin_file`, `--gin_bindings`, `--gin.`)."""
-  tree = ast.parse(_read("attnprec/ginutils.py"))
+  tree = ast.parse(_read("attnprec/ginutils/flags.py"))
   fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "split_flags")
   return {n.value.rstrip(".=") for n in ast.walk(fn)
           if isinstance(n, ast.Constant) and isinstance(n.value, str)

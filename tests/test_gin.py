@@ -185,3 +185,54 @@ def test_references_without_a_cycle_still_parse():
   ginutils.parse([], ["x = 3", "y = %x", "train.seed = %y",
                       "decode/precision.dtype = %dtype", "dtype = 'bfloat16'"])
   assert _phase_precision("decode").dtype == "bfloat16"
+
+
+# --- what a runner reaches: derived from the code (ginutils.calls) -------------------------
+
+def _calls_leaf_helper():
+  return _calls_leaf()
+
+
+@gin.configurable("test_calls_leaf")
+def _calls_leaf(x: int = 1):
+  return x
+
+
+@gin.configurable("test_calls_root")
+def _calls_root(y: int = 2):
+  return _calls_leaf_helper() + y   # through a plain function, not a reference
+
+
+@gin.configurable("test_calls_default")
+def _calls_default(job=_calls_root):
+  return job()
+
+
+def test_calls_are_read_from_the_code():
+  from attnprec.ginutils import calls
+  ginutils._import_configurables()  # noqa: SLF001
+  # the edges a runner needs and the code makes: train's optimizer, mesh and fault
+  # injection, the audit's model and optimizer (through its helpers), precision's
+  # block sizes (a BlockSizes field), train_job's default job
+  assert {"optimizer", "mesh", "fault_injection"} <= calls.calls("train")
+  assert {"model", "optimizer"} <= calls.calls("audit")
+  assert calls.calls("precision") == {"blockwise"}
+  assert "train_recall" in calls.calls("train_job")
+  assert "train" in calls.calls("train_text")
+  assert calls.calls("test_calls_root") == {"test_calls_leaf"}
+  assert calls.calls("test_calls_default") == {"test_calls_root"}
+  assert calls.calls("test_calls_leaf") == frozenset()
+  assert calls.reached(["test_calls_default"]) == {
+      "test_calls_default", "test_calls_root", "test_calls_leaf"}
+
+
+def test_reached_follows_references_in_bindings():
+  from attnprec.ginutils import calls
+  ginutils._import_configurables()  # noqa: SLF001
+  gin.clear_config()
+  try:
+    gin.parse_config("test_calls_leaf.x = 3\ndecode.job = @generate_text")
+    assert {"decode", "generate_text"} <= calls.reached(["decode"])
+    assert "recall_eval" not in calls.reached(["decode"])
+  finally:
+    gin.clear_config()

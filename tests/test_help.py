@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIN_RUNNERS = {"train": "train.steps = 1500", "decode": "decode.job = (required)",
                "audit": "train/precision.dtype = ", "inspect_model": "inspect.fn = None",
                "study": "study.model = 'recall-tiny'", "nextline": "nextline.model = ",
-               "sinks": "sinks.length = 256", "sizes": "sizes.humaneval_items = 164"}
+               "sinks": "sinks.length = 256", "sizes": "sizes.humaneval_items = 164",
+               "eval": "eval.job = @humaneval"}
 PLAIN_RUNNERS = {"bench": "--out DIR             where results are written (default: bench)",
                  "plot": "--run_dir DIR  the train run directory to plot (default: runs/recall)"}
 

@@ -169,7 +169,7 @@ def test_job_runs_resumes_and_checks_before_loading(tiny_model, tmp_path, capsys
 def test_best_case_detectable_is_the_power_threshold():
   """No sample of n pairs detects a smaller difference at 80% power than this, even with
   every discordant pair in one direction (checked against the exact power)."""
-  from attnprec.evals import stats
+  from attnprec import stats
   for n in (40, 164):
     d = report.best_case_detectable(n)
     assert stats.mcnemar_power(n, d, 0.0) >= 0.8 > stats.mcnemar_power(n, d - 1e-3, 0.0)

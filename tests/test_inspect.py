@@ -307,3 +307,16 @@ def test_attnprec_blockwise_kernel_alone_in_its_scan():
   (a,) = r.attentions
   assert a.online and a.loop and a.qk.result == "bf16" and a.softmax["exp"] == "bf16"
   assert a.softmax["sum"] == "f32"
+
+
+@pytest.mark.parametrize("dtype,code", [
+    ("i8", True), ("ui8", True), ("si4", True), ("f8E4M3FN", True), ("f8E5M2", True),
+    ("s8", True), ("u8", True), ("s4", True), ("f8e4m3fn", True), ("f4e2m1fn", True),
+    ("i1", False), ("i32", False), ("s32", False), ("f16", False), ("bf16", False),
+    ("f32", False), ("pred", False)])
+def test_is_code_reads_mlir_and_hlo_spellings(dtype, code):
+  """One `is_code` for the lowered program's (MLIR) and the compiled program's (HLO text)
+  element types: the quantized cache's codes are found the same way in both."""
+  from attnprec.inspect import compiled, finder
+  assert finder.is_code(dtype) is code
+  assert compiled.is_code is finder.is_code

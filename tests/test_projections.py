@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attnprec import decoding, hlo, layers
+from attnprec import decoding, layers
+from attnprec.inspect import compiled
 from attnprec import model as model_lib
 from attnprec.bench import projections as forms
 from attnprec.cache import init_cache
@@ -110,7 +111,7 @@ def test_tiny_model_logits_before_and_after(seed):
 
 
 def _dense_dots(compiled_text):
-  return [d for d in hlo.compiled_summary(compiled_text)["dots"] if d.site == "dense"]
+  return [d for d in compiled.compiled_summary(compiled_text)["dots"] if d.site == "dense"]
 
 
 def test_compiled_dense_dots_are_bf16_x_bf16_to_f32():

@@ -263,7 +263,7 @@ def _work(*args, **kwargs):
 
 
 def call(argv, tok, *, load=_work, max_seq_len=2048):
-  """(exit code or 'work', stderr) of runners/eval.py with eval.task = 'retrieval'."""
+  """(exit code or 'work', stderr) of runners/eval.py with eval.job = @retrieval."""
   gin.clear_config()
   err = io.StringIO()
   with mock.patch.object(retrieval_eval, "model_facts", lambda m: (max_seq_len, tok)), \
@@ -289,7 +289,10 @@ def call(argv, tok, *, load=_work, max_seq_len=2048):
     (["--gin.retrieval.first_token='bos'"], "retrieval.first_token"),
     (["--gin.retrieval.lengths=(1024, 4096)"], "exceed the context"),
     (["--gin.retrieval.lengths=(100, 1024)"], "cannot hold one key-value pair"),
-    (["--gin.eval.task='retrieve'"], "Unknown eval.task 'retrieve'"),
+    (["--gin.eval.job=@retrieve"], "No configurable matching reference '@retrieve'"),
+    (["--gin.eval.job='retrieval'"], "Invalid eval.job = 'retrieval': valid jobs are: "
+                                     "@humaneval, @retrieval"),
+    (["--gin.eval.task='retrieval'"], "Valid parameters of eval: job"),
     (["--gin.retrieval.kernel='flash'"], "retrieval.kernel = 'flash' is not an attention"),
     (["--gin.retrieval.kernel='jax_nn'"], "retrieval.kernel = 'jax_nn' cannot run preset"),
     # the presets come from their files: a block size or precision binding would be unused

@@ -1,4 +1,4 @@
-"""The evals' statistics (`attnprec.evals.stats`) against independent values: published
+"""The evals' statistics (`attnprec.stats`) against independent values: published
 Wilson intervals (Newcombe 1998), scipy's binomial test and Wilson interval, brute-force
 enumeration and Monte Carlo simulation of the McNemar test's power; and bad arguments."""
 import itertools
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from scipy import stats as sps
 
 from attnprec.errors import UserError
-from attnprec.evals import stats
+from attnprec import stats
 
 
 # --- Wilson ---------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from attnprec.errors import UserError
 from attnprec.model import init_params
 from attnprec.precision import REFERENCE
 from attnprec.study import float64, measure
-from attnprec.study import presets as preset_lib
+from attnprec import presets as preset_lib
 from attnprec.study.sweep import study
 from attnprec.tasks.recall import RecallTask
 

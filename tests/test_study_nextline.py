@@ -18,7 +18,7 @@ import pytest
 
 from attnprec import checkpoints, decoding
 from attnprec.config import ModelConfig
-from attnprec.evals import stats
+from attnprec import stats
 from attnprec.model import init_params
 from attnprec.precision import REFERENCE
 from attnprec.study import nextline

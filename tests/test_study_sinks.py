@@ -17,7 +17,7 @@ import numpy as np
 from attnprec.config import ModelConfig
 from attnprec.model import init_params
 from attnprec.study import float64, measure, sinks
-from attnprec.study import presets as preset_lib
+from attnprec import presets as preset_lib
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CONFIG = ModelConfig(vocab_size=29, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,

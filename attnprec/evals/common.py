@@ -2,7 +2,7 @@
 (`serving`) with compile time kept apart, and the checks made before any model is loaded.
 
 Presets are the files of gin/precision/ read as `Precision`s of the decode phase
-(`attnprec.study.presets`, the one way the study and the evals pick them); `reference`
+(`attnprec.presets`, the one way the study and the evals pick them); `reference`
 names the one every other preset is compared with and is run first.
 """
 import dataclasses
@@ -13,7 +13,7 @@ import numpy as np
 from attnprec import kernels, serving
 from attnprec.errors import UserError
 from attnprec.precision import Precision
-from attnprec.study import presets as preset_lib
+from attnprec import presets as preset_lib
 
 
 def pick_presets(names: Sequence[str], reference: str) -> List[Tuple[str, Precision]]:

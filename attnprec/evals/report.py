@@ -13,7 +13,7 @@ the reference's and the median index of the first differing token.
 import statistics
 from typing import Dict, List, Optional, Sequence
 
-from attnprec.evals import stats
+from attnprec import stats
 
 Records = Dict[str, Dict[str, dict]]
 

@@ -1,4 +1,4 @@
-"""`eval.task = 'retrieval'`: long-context key-value retrieval per precision preset, paired.
+"""`eval.job = @retrieval`: long-context key-value retrieval per precision preset, paired.
 
 The items are `attnprec.evals.retrieval`'s (UUID key -> value JSON objects of about
 `lengths` tokens; a fixed seed, nothing downloaded). An item is scored teacher-forced:

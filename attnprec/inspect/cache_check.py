@@ -19,7 +19,7 @@ A program without a cache (the train step) or with an unscaled one is held to th
 rows with no codes and no scales: a code on an attention dot's operand, or a scaling of
 its logits, q or probabilities, is a mismatch there too.
 
-In the compiled program (`attnprec.hlo.CompiledDot`) the backend may widen what the
+In the compiled program (`attnprec.inspect.compiled.CompiledDot`) the backend may widen what the
 program states (XLA:CPU computes bf16 dots and elementwise ops in f32, rounding after
 each), so there: the codes are converted to the operand dtype or to f32, no other
 operand comes from a code type, neither q nor the probabilities enter narrower than
@@ -29,7 +29,7 @@ head dim of q) and is not narrower than its row's dtype.
 """
 from typing import Dict, List, Optional
 
-from attnprec import hlo
+from attnprec.inspect.compiled import CompiledDot
 from attnprec.contract import COMPUTE_CACHE, SCALED_KV_DTYPES, cache_stage_dtypes, stage_dtypes
 from attnprec.inspect.finder import BITS, Attention, Scaling, is_code
 from attnprec.inspect.report import is_preset, short
@@ -262,8 +262,8 @@ def _narrower(t: str, than: str) -> bool:
   return t in _WIDTH and than in _WIDTH and _WIDTH[t] < _WIDTH[than]
 
 
-def check_compiled_cache(dot: hlo.CompiledDot, e: dict) -> List[str]:
-  """The cache rows for one compiled attention dot (`attnprec.hlo.CompiledDot`); the
+def check_compiled_cache(dot: CompiledDot, e: dict) -> List[str]:
+  """The cache rows for one compiled attention dot (`attnprec.inspect.compiled.CompiledDot`); the
   other dots and the gradient dots have none ([])."""
   if dot.backward or dot.site not in ("qk", "wv"):
     return []
@@ -272,7 +272,7 @@ def check_compiled_cache(dot: hlo.CompiledDot, e: dict) -> List[str]:
   what, other = ("keys", "q is") if qk else ("values", "the probabilities are")
   ops = [(dot.lhs_type, dot.lhs_from, dot.lhs_codes, dot.lhs_codes_direct, dot.lhs_scaled),
          (dot.rhs_type, dot.rhs_from, dot.rhs_codes, dot.rhs_codes_direct, dot.rhs_scaled)]
-  coded = [i for i, o in enumerate(ops) if o[2] or hlo.is_code(o[0])]
+  coded = [i for i, o in enumerate(ops) if o[2] or is_code(o[0])]
   codes = lambda o: ", ".join(o[2]) or f"{o[0]} itself"  # noqa: E731
   if code is None:
     return [f"an operand comes from codes ({codes(ops[i])}) but the {what} are not "
@@ -313,7 +313,7 @@ def _compiled_entry(operand, code: str, e: dict, what: str, qk: bool) -> List[st
   return problems
 
 
-def _compiled_other(dot: hlo.CompiledDot, operand, e: dict, qk: bool) -> List[str]:
+def _compiled_other(dot: CompiledDot, operand, e: dict, qk: bool) -> List[str]:
   """The operand that is not the codes (q, or the probabilities): not narrower than its
   row, and multiplied by each of the contract's scales there, neither in a narrower
   dtype than the row's nor by a scale rounded below it on its way."""

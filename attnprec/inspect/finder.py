@@ -405,15 +405,19 @@ MULTIPLY = "stablehlo.multiply"
 ARITHMETIC = {MULTIPLY, "stablehlo.divide", "stablehlo.negate", "stablehlo.clamp",
               "stablehlo.round_nearest_even", "stablehlo.round_nearest_afz",
               "stablehlo.maximum", "stablehlo.minimum", "stablehlo.floor"}
-_INT_TYPE = re.compile(r"u?i(\d+)$")
-_SMALL_FLOAT = re.compile(r"f[468]E")
+# Integer and small-float element types, as MLIR writes them (i8, ui8, si8, f8E4M3FN)
+# and as XLA's HLO text does (s8, u8, f8e4m3fn): `is_code` reads both.
+_INT_TYPE = re.compile(r"(?:u?i|si|[su])(\d+)$")
+_SMALL_FLOAT = re.compile(r"f[468]e", re.IGNORECASE)
 _SLICES = ("stablehlo.pad", "stablehlo.slice", "stablehlo.dynamic_slice",
            "stablehlo.dynamic_update_slice")
 
 
 def is_code(dtype: str) -> bool:
-  """An element type values are quantized to: an integer of 2-8 bits ('i8', 'ui8', 'i4')
-  or a float of 8 bits or fewer ('f8E4M3FN', 'f8E5M2', 'f4E2M1FN', ...)."""
+  """An element type values are quantized to: an integer of 2-8 bits ('i8', 'ui8', 'i4';
+  in HLO text 's8', 'u8', 's4') or a float of 8 bits or fewer ('f8E4M3FN', 'f8E5M2',
+  'f4E2M1FN', ...; in HLO text 'f8e4m3fn', ...). The one test for both programs: the
+  lowered one (MLIR) and the compiled one (`attnprec.inspect.compiled`)."""
   m = _INT_TYPE.match(dtype)
   if m:
     return 2 <= int(m.group(1)) <= 8

@@ -208,8 +208,8 @@ class Report:
     if self.expect is not None:
       self.compiled = check_compiled(text, self.expect)
     else:
-      from attnprec import hlo
-      self.compiled = {"dots": [(d, []) for d in hlo.compiled_summary(text)["dots"]],
+      from attnprec.inspect import compiled
+      self.compiled = {"dots": [(d, []) for d in compiled.compiled_summary(text)["dots"]],
                        "problems": [], "ok": True}
     return self
 
@@ -421,7 +421,7 @@ def _narrower(t: str, than: str) -> bool:
 
 
 def check_compiled_dot(dot, precision: Precision) -> List[str]:
-  """What the backend compiled a dot into (`attnprec.hlo.CompiledDot`: an XLA dot, a dot
+  """What the backend compiled a dot into (`inspect.compiled.CompiledDot`: an XLA dot, a dot
   inside a library fusion, a matmul custom-call) against the contract: its result type is
   its accumulation type, so
 
@@ -473,10 +473,10 @@ def check_compiled(text: str, precision: Precision, *, head_dim: Optional[int] =
                    key_lengths: tuple = ()) -> dict:
   """The compiled program (`lowered.compile().as_text()`) checked dot by dot:
   {'dots': [(CompiledDot, problems)], 'problems': [...], 'ok': bool}. head_dim and
-  key_lengths attribute attention dots whose op_name XLA dropped (`hlo.compiled_summary`;
+  key_lengths attribute attention dots whose op_name XLA dropped (`compiled.compiled_summary`;
   pass them for forward programs only)."""
-  from attnprec import hlo
-  summary = hlo.compiled_summary(text, head_dim, key_lengths)
+  from attnprec.inspect import compiled
+  summary = compiled.compiled_summary(text, head_dim, key_lengths)
   checked = [(d, check_compiled_dot(d, precision)) for d in summary["dots"]]
   problems = [f"compiled {d.site} dot{'' if d.layer is None else f' (layer {d.layer})'} "
               f"[{d.via}, {d.described}]: {p}" for d, ps in checked for p in ps]

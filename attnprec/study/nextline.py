@@ -36,9 +36,9 @@ from tqdm import tqdm
 
 from attnprec import checkpoints, decoding, plotting, runs
 from attnprec.errors import NonFiniteError, UserError
-from attnprec.evals import stats
+from attnprec import stats
 from attnprec.precision import REFERENCE, Precision
-from attnprec.study import presets as preset_lib
+from attnprec import presets as preset_lib
 
 # Stdlib modules whose source is the task's text (none is in study.inputs.DOC_MODULES'
 # docstring text the other studies read).

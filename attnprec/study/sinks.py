@@ -428,7 +428,7 @@ def sinks_job(*, run_dir: str, model: str = "qwen2.5-coder-0.5b", length: int = 
   study's stdlib text, for each first-token variant ('endoftext': the tokenizer's BOS id
   first; 'none': the same text without it); writes sinks.json, report.md and PNGs."""
   from attnprec.study import inputs, models
-  from attnprec.study import presets as preset_lib
+  from attnprec import presets as preset_lib
   bad = [v for v in variants if v not in VARIANTS]
   if bad or not variants:
     raise UserError(f"Invalid sinks.variants {tuple(variants)!r}; valid values are: "

@@ -34,7 +34,7 @@ from attnprec.precision import REFERENCE
 from attnprec.tasks import recall
 from attnprec import xla_env
 from attnprec.study import float64, inputs, measure, models, offsets, report
-from attnprec.study import presets as preset_lib
+from attnprec import presets as preset_lib
 
 EXCESS_FLAG = xla_env.FLAG
 

@@ -1,7 +1,7 @@
 """What the backend compiled: dots and converts of `lowered.compile().as_text()`.
 
 The lowered program (StableHLO, the program's own statement of its types) is read by
-`attnprec.inspect` through the MLIR bindings. The compiled program is XLA's HLO after its
+`attnprec.inspect.finder` through the MLIR bindings. The compiled program is XLA's HLO after its
 passes (fusions, layout, the backend's rewrites: XLA:CPU computes bf16 dots as f32 dots on
 converted operands); jax hands it out as HLO text, so this module reads that text:
 `compiled_summary(text)` lists every dot with its operand/result types, op_name
@@ -19,6 +19,7 @@ import re
 from typing import Dict, Optional
 
 from attnprec.contract import QK_SCOPE, WV_SCOPE
+from attnprec.inspect.finder import is_code
 
 _LAYER = re.compile(r"layer_(\d+)")
 
@@ -94,20 +95,9 @@ _PASS_THROUGH = ("bitcast", "copy", "transpose", "reshape", "broadcast", "slice"
 # Ops whose value is another's across a boundary (or a convert of it): followed, with
 # the moves, when reading where an operand comes from.
 _BOUNDARIES = ("convert", "fusion", "parameter", "get-tuple-element")
-# Element types values are quantized to: integers of 2-8 bits, floats of 8 bits or fewer.
-_CODE_INT = re.compile(r"[su](\d+)$")
-_CODE_FLOAT = re.compile(r"f[468]e")
 # Elementwise ops a (de)quantization is made of: followed when looking for codes.
 _ARITHMETIC = ("multiply", "divide", "negate", "clamp", "round-nearest-even",
                "round-nearest-afz", "maximum", "minimum", "floor", "select")
-
-
-def is_code(hlo_type: str) -> bool:
-  """'s8', 'u8', 's4', 'f8e4m3fn', 'f8e5m2', ...: a type values are quantized to."""
-  m = _CODE_INT.match(hlo_type)
-  if m:
-    return 2 <= int(m.group(1)) <= 8
-  return _CODE_FLOAT.match(hlo_type) is not None
 
 
 @dataclasses.dataclass(frozen=True)

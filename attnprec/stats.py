@@ -1,4 +1,5 @@
-"""Statistics of the task evaluations: intervals, paired tests, power.
+"""Statistics of the task evaluations and the study (one module for both, below them):
+intervals, paired tests, power.
 
 Every evaluation scores items pass/fail under several precision presets, on the same items,
 so the statistics are those of proportions and of matched pairs:

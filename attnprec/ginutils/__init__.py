@@ -1,0 +1,142 @@
+"""gin plumbing for the runners: flags -> config, phase scopes, friendly errors.
+
+One idea per module:
+  flags.py          --gin_file / --gin_bindings / --gin.NAME=VALUE -> files and bindings
+  scanner.py        the files (with their includes) and bindings read before gin parses
+                    them: include cycles, unterminated brackets and strings, where each
+                    binding was written
+  config_checks.py  the configuration's checks after parsing
+  calls.py          what a runner reaches, derived from the code and the bindings
+  listing.py        the configurables and their values for --help
+  scopes.py         the phase scopes (`decode/precision.x`)
+  _gin.py           the only reads of gin's private state (no public API for them)
+This module parses (`parse`): flags' files and bindings -> gin -> checks, turning gin's
+errors into one-paragraph UserErrors, and calls configured jobs (`call`).
+"""
+import inspect
+import re
+import tokenize
+from typing import List, Optional, Sequence
+
+import gin
+import jax
+
+from attnprec.errors import UserError
+from attnprec.ginutils import _gin
+from attnprec.ginutils.calls import reached  # noqa: F401
+from attnprec.ginutils.config_checks import (check_command_line, check_config,  # noqa: F401
+                                             check_kernel_settings,
+                                             check_reference_cycles)
+from attnprec.ginutils.flags import resolve_file, split_flags  # noqa: F401
+from attnprec.ginutils.listing import HIDDEN_IN_HELP, configurable_values  # noqa: F401
+from attnprec.ginutils.scanner import scan
+from attnprec.ginutils.scopes import PHASE_CONFIGURABLES, PHASES, phase  # noqa: F401
+from attnprec.paths import REPO_GIN_DIR
+
+_registered = False
+
+
+def register_constants() -> None:
+  """`jax.lax.Precision.HIGHEST` etc. as gin constants (registered by hand: gin's
+  constants_from_enum registers wrong names for this enum)."""
+  global _registered
+  if _registered:
+    return
+  for p in jax.lax.Precision:
+    gin.constant(f"jax.lax.Precision.{p.name}", p.name.lower())
+  _registered = True
+
+
+def _import_configurables() -> None:
+  """Import every module that defines configurables, so gin files can bind them (the
+  list is `attnprec.configurables`, the top of the import graph)."""
+  import attnprec.configurables  # noqa: F401
+
+
+def parse(files: Sequence[str], bindings: Sequence[str],
+          phases: Optional[Sequence[str]] = PHASES,
+          reads: Optional[Sequence[str]] = None, prog: str = "this runner") -> None:
+  """Parses gin files then bindings, turning gin's errors into one-paragraph UserErrors,
+  then checks the whole configuration (`check_config`) before anything runs.
+
+  reads: the configurables the runner calls itself, `phase/name` for one called in a
+  phase scope (`train/precision`); then a binding given on the command line must be one
+  the runner reads (`check_command_line`), and `phases` are taken from `reads`.
+  """
+  if reads is not None:
+    phases = tuple(r.split("/")[0] for r in reads if "/" in r)
+  _import_configurables()
+  register_constants()
+  # First, so `include 'models/x.gin'` resolves against gin/ from any directory (see
+  # `_gin.search_first` for why not gin.add_config_file_search_path).
+  _gin.search_first(REPO_GIN_DIR)
+  resolved = [resolve_file(f) for f in files]
+  statements = scan(resolved, bindings)
+  try:
+    gin.parse_config_files_and_bindings(resolved, list(bindings), finalize_config=False)
+  except (ValueError, SyntaxError, KeyError, IOError, tokenize.TokenError) as e:
+    raise UserError(_clean_gin_error(e)) from None
+  except RecursionError:
+    raise UserError("Invalid gin configuration: parsing the gin files recursed without end "
+                    "(an include cycle?). Check the include lines of "
+                    f"{', '.join(map(repr, files))}.") from None
+  check_reference_cycles(statements)
+  check_config(phases)
+  check_kernel_settings(phases)
+  if reads is not None:
+    check_command_line(bindings, reads, prog)
+
+
+def _clean_gin_error(e: BaseException) -> str:
+  if isinstance(e, tokenize.TokenError):
+    return f"Invalid gin configuration: unterminated expression or string ({e.args[0]})."
+  text = " ".join(str(e).split())
+  # ast.literal_eval's message names an object address, not what was written.
+  text = re.sub(r"malformed node or string on line \d+: <ast\.\w+ object at 0x[0-9a-f]+>",
+                "not a literal value:", text)
+  if isinstance(e, KeyError):
+    text = text.strip("'\"")
+  m = re.search(r"No configurable matching (?:reference )?'@?([^']+)'", text)
+  if m:
+    text += (f" Known configurables: {', '.join(sorted(_configurable_names()))}.")
+  m = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", text)
+  if m:
+    params = _parameter_names(m.group(1))
+    if params:
+      text += f" Valid parameters of {m.group(1)}: {', '.join(params)}."
+  return f"Invalid gin configuration: {text}"
+
+
+def _parameter_names(selector: str) -> List[str]:
+  configurable = _gin.lookup(selector)
+  if configurable is None:
+    return []
+  try:
+    params = inspect.signature(configurable.wrapped).parameters
+  except (TypeError, ValueError):
+    return []
+  deny = set(configurable.denylist or ())
+  return [p for p in params if p not in deny and p != "self"]
+
+
+def _configurable_names():
+  return {_gin.minimal_selector(selector) for selector, _ in _gin.registered()
+          if not selector.startswith(("gin.", "jax.lax"))}
+
+
+def clear() -> None:
+  gin.clear_config()
+
+
+def call(fn, *args, **kwargs):
+  """Calls a gin configurable, turning gin's wrapped errors into UserErrors."""
+  try:
+    return fn(*args, **kwargs)
+  except RecursionError:
+    raise UserError("Invalid gin configuration: calling the configured job recursed "
+                    "without end; a binding probably refers to itself through a reference "
+                    "(@name() or %macro) that check_reference_cycles could not see.") from None
+  except TypeError as e:
+    if "missing" in str(e) or "unexpected keyword" in str(e):
+      raise UserError(f"Configuration incomplete or wrong: {e}") from None
+    raise

@@ -1,0 +1,106 @@
+"""Precision presets: the gin files in gin/precision/, read into `Precision` values.
+
+A preset is a gin file of `precision.<field> = <literal>` bindings (and comments): the
+same file `--gin_file=gin/precision/bf16.gin` binds for a runner. The study and the
+evals read it with gin's own parser (`gin.config_parser`), not into gin's global config,
+so a sweep can hold many at once: one road from a preset file to a `Precision`, with
+gin's syntax. Fields a file leaves out take `Precision`'s defaults. A name is a file stem
+in gin/precision/ ('bf16') or a path to such a file.
+"""
+import dataclasses
+import glob
+import os
+import tokenize
+from typing import List, Tuple
+
+import gin
+from gin import config_parser
+
+from attnprec.errors import UserError
+from attnprec.paths import REPO_GIN_DIR
+from attnprec.precision import NOT_BINDABLE, Precision
+
+PRESET_DIR = os.path.join(REPO_GIN_DIR, "precision")
+
+
+def available() -> List[str]:
+  return sorted(os.path.splitext(os.path.basename(p))[0]
+                for p in glob.glob(os.path.join(PRESET_DIR, "*.gin")))
+
+
+def preset_path(name: str) -> str:
+  if isinstance(name, str) and name.endswith(".gin") and os.path.isfile(name):
+    return name
+  path = os.path.join(PRESET_DIR, f"{name}.gin")
+  if not isinstance(name, str) or not os.path.isfile(path):
+    raise UserError(f"Unknown precision preset {name!r}; valid presets: "
+                    f"{', '.join(available())} (files in gin/precision/), or the path of a "
+                    f"gin file with precision.* lines.")
+  return path
+
+
+def _fields() -> List[str]:
+  return sorted({f.name for f in dataclasses.fields(Precision)} - set(NOT_BINDABLE))
+
+
+def _is_literal(value) -> bool:
+  """No reference, macro or constant anywhere in `value` (gin's parser returns those as
+  its own objects; literals as Python values)."""
+  if isinstance(value, (list, tuple, set)):
+    return all(_is_literal(v) for v in value)
+  if isinstance(value, dict):
+    return all(_is_literal(k) and _is_literal(v) for k, v in value.items())
+  return not type(value).__module__.startswith("gin")
+
+
+def bindings(path: str) -> dict:
+  """{field: value} of a preset file, parsed by gin's parser: only unscoped
+  `precision.<field> = <literal>` bindings (an include, import, scope, reference or macro
+  would make a preset mean something outside itself)."""
+  fields = _fields()
+  with open(path) as f:
+    lines = f.read().splitlines()
+  values = {}
+  with open(path) as f:   # gin's parser reads the file (and names it in its errors)
+    parser = config_parser.ConfigParser(f, gin.config.ParserDelegate(skip_unknown=True))
+    try:
+      for st in parser:
+        number = st.location.line_num
+        if not (isinstance(st, config_parser.BindingStatement) and not st.scope
+                and st.selector == "precision" and st.arg_name in fields
+                and _is_literal(st.value)):
+          line = lines[number - 1].strip() if 0 < number <= len(lines) else ""
+          raise UserError(f"{path}:{number}: a precision preset may hold only "
+                          f"'precision.<field> = <value>' lines with fields "
+                          f"{fields}; got {line!r}.")
+        values[st.arg_name] = st.value
+    except (SyntaxError, tokenize.TokenError) as e:
+      number = getattr(e, "lineno", None) or e.args[1][0]
+      line = lines[number - 1].strip() if 0 < number <= len(lines) else ""
+      raise UserError(f"{path}:{number}: a precision preset may hold only "
+                      f"'precision.<field> = <literal>' lines; {line!r} does not parse "
+                      f"as one.") from None
+  return values
+
+
+def load_preset(name: str) -> Tuple[str, Precision]:
+  """(short name, Precision) for a preset name or file path."""
+  path = preset_path(name)
+  short = os.path.splitext(os.path.basename(path))[0]
+  return short, Precision(**bindings(path))
+
+
+def load_sweep(names, extra=()) -> List[Tuple[str, Precision]]:
+  """The sweep's configurations: `names` (None = every preset) plus `extra`, in order,
+  without duplicate names."""
+  names = list(available() if names is None else names) + list(extra or ())
+  if not names:
+    raise UserError("The sweep is empty: study.presets and study.extra_presets list no "
+                    f"configuration. Valid presets: {', '.join(available())}.")
+  out, seen = [], set()
+  for n in names:
+    short, prec = load_preset(n)
+    if short not in seen:
+      seen.add(short)
+      out.append((short, prec))
+  return out
