@@ -30,7 +30,7 @@ import warnings
 
 import jax
 
-from attnprec.checkpoints.cache import cache_dir
+from attnprec.diskcache import cache_dir
 
 SUBDIR = "jax-compilation"
 _ENTRY_SUFFIX = "-cache"        # jax's file cache: <key>-cache (and <key>-atime)

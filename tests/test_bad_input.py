@@ -473,10 +473,10 @@ def _no_compile():
   import attnprec.checkpoints.forward
   import attnprec.decoding
   import attnprec.inspect
-  import attnprec.serving
+  import attnprec.checkpoints.serving
   with mock.patch.object(attnprec.checkpoints.forward, "_forward", _work), \
        mock.patch.object(attnprec.decoding, "generate", _work), \
-       mock.patch.object(attnprec.serving, "run", _work), \
+       mock.patch.object(attnprec.checkpoints.serving, "run", _work), \
        mock.patch.object(attnprec.inspect, "inspect_lowered", _work):
     yield
 

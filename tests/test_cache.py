@@ -226,7 +226,7 @@ def test_cache_bytes_is_what_init_cache_holds(prec):
 
 
 def test_the_decode_line_gives_the_cache_setting_and_bytes():
-  from attnprec.serving import cache_line
+  from attnprec.checkpoints.serving import cache_line
   bf16 = cache_line(CONFIG, Precision(dtype="bfloat16"), S, batch=B)
   # 2 layers x (k + v) x B 2 x K 2 x S 256 x H 16 x 2 bytes = 128 KiB
   assert bf16 == ("KV cache: kv_cache=k:compute,v:compute, 2 x 256 positions x 2 layers: "

@@ -13,7 +13,7 @@ import pytest
 from jax._src import compilation_cache as jax_cache
 
 from attnprec import compilation
-from attnprec.checkpoints import cache
+from attnprec import diskcache as cache
 
 
 @pytest.fixture

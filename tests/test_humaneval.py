@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from attnprec import checkpoints, serving
+from attnprec import checkpoints
+from attnprec.checkpoints import serving
 from attnprec.checkpoints import Checkpoint
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError

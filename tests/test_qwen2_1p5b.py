@@ -59,7 +59,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import test_checkpoints_real as real_tests  # noqa: E402  (tests/ is on sys.path)
 from attnprec import checkpoints, decoding  # noqa: E402
-from attnprec.checkpoints import cache, shipped  # noqa: E402
+from attnprec import diskcache as cache
+from attnprec.checkpoints import shipped  # noqa: E402
 from attnprec.checkpoints.gguf_reader import GGUFFile  # noqa: E402
 from attnprec.checkpoints.tokenizer import Tokenizer  # noqa: E402
 from attnprec.precision import Precision  # noqa: E402

@@ -1,10 +1,11 @@
-"""The generation front end (`attnprec.serving`): what a plan says (padding bucket, end
+"""The generation front end (`attnprec.checkpoints.serving`): what a plan says (padding bucket, end
 handling, serving precision, attention kernels, cache) is what the program it runs does."""
 import jax
 import numpy as np
 import pytest
 
-from attnprec import decoding, kernels, serving
+from attnprec import decoding, kernels
+from attnprec.checkpoints import serving
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.inspect import inspect_lowered

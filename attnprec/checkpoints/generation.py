@@ -28,7 +28,8 @@ from typing import List, NamedTuple, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from attnprec import checks, decoding, serving
+from attnprec import checks, decoding
+from attnprec.checkpoints import serving
 from attnprec.checkpoints.forward import Checkpoint
 from attnprec.errors import UserError, shorten
 from attnprec.precision import Precision

@@ -37,7 +37,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from attnprec import layout
-from attnprec.checkpoints.cache import cache_dir, locked_temporary_dir
+from attnprec.diskcache import cache_dir, locked_temporary_dir
 from attnprec.checkpoints.gguf_reader import GGUFFile
 from attnprec.checkpoints.hf_config import period
 from attnprec.checkpoints.params import ParamBuilder

@@ -32,7 +32,7 @@ import sys
 from typing import Optional, Sequence
 
 from attnprec.checkpoints import wheel_parts
-from attnprec.checkpoints.cache import atomic_path, cache_dir
+from attnprec.diskcache import atomic_path, cache_dir
 from attnprec.errors import UserError
 
 

@@ -38,7 +38,7 @@ from typing import Tuple
 
 from tqdm import tqdm
 
-from attnprec.checkpoints.cache import (ENV_VAR, atomic_path, locked_temporary_dir,
+from attnprec.diskcache import (ENV_VAR, atomic_path, locked_temporary_dir,
                                         remove_stale_temporaries)
 from attnprec.errors import UserError
 

@@ -10,7 +10,8 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from attnprec import kernels, serving
+from attnprec import kernels
+from attnprec.checkpoints import serving
 from attnprec.errors import UserError
 from attnprec.precision import Precision
 from attnprec import presets as preset_lib

@@ -35,7 +35,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from attnprec.checkpoints import wheel_parts
-from attnprec.checkpoints.cache import cache_dir
+from attnprec.diskcache import cache_dir
 from attnprec.errors import UserError
 
 DATA = wheel_parts.SplitFile(

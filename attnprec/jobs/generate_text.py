@@ -15,7 +15,8 @@ from typing import Optional
 import gin
 import numpy as np
 
-from attnprec import checkpoints, checks, decoding, runs, serving, xla_env
+from attnprec import checkpoints, checks, decoding, runs, xla_env
+from attnprec.checkpoints import serving
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 
