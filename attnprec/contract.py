@@ -6,7 +6,7 @@ Shapes:
   H: head dim.
 
 Stage dtypes (compute dtype c = the dtype of q, k, v), as in
-`shared/design/precision-contract.md`:
+`docs/contract.md`:
 
   | stage                         | qk=F,lg=F | qk=F,lg=T | qk=T,lg=F | qk=T,lg=T |
   | q, k, v entering attention    | c         | c         | c         | c         |

@@ -106,10 +106,8 @@ def compute_params(params, precision: Precision):
   at each use, cast once (bit-identical results, half the bytes held for bfloat16).
 
   With `layers.project`'s bf16 x bf16 -> float32 dots this is the fastest prefill on
-  XLA:CPU (whole SmolLM2 prefill of 1000 tokens: 0.38-0.66x the float32-carried form's
-  time) but not the fastest decode: XLA:CPU's bf16 matrix-vector path makes a batch 1
-  decode step 1.8-3.1x the carried form's time (batch 8: 0.94-1.22x; `make bench
-  ARGS=--suite=projections`, three interleaved runs on a loaded machine). So `for_serving`
+  XLA:CPU but not the fastest decode (its bf16 matrix-vector path is slow:
+  docs/performance.md). So `for_serving`
   keeps the float32-carried weights; this is for callers that want half the bytes held."""
   c = precision.compute_dtype
   return _map_matrices(params, lambda x: x.astype(c))
@@ -134,12 +132,8 @@ def for_serving(params, precision: Precision, backend: Optional[str] = None):
   then runs a projection of fewer than `layers.MIN_ROWS_C_DOT` rows (a decode step) as a
   float32 dot on those values, and one of more rows (a prefill) as a bf16 x bf16 ->
   float32 dot on them cast to bf16 (exact): the same products, float32 accumulation, one
-  rounding to the compute dtype either way. Why float32-held and not bf16-stored (`compute_params`), measured on
-  SmolLM2 (`make bench ARGS=--suite=projections`, interleaved, loaded 2-core machine):
-  decode step at batch 1, carried 1.00 vs bf16-stored 1.8-3.1x (XLA:CPU's bf16
-  matrix-vector path is slow); batch 8, 1.00 vs 0.94-1.22x (noise); prefill of 1000
-  tokens, 0.46-0.63x (carried, bf16 dots) vs 0.38-0.66x (stored), three runs: no case
-  where the halved bytes win clearly, one where they lose. The attention kernels and
+  rounding to the compute dtype either way. Float32-held rather than bf16-stored
+  (`compute_params`): the decode step is faster (docs/performance.md). The attention kernels and
   their precision contract are untouched. Elsewhere (GPU/TPU, float32 compute, a dot-algorithm
   `matmul_precision`) the params are returned as given, with `carrier_weights` off.
   Rounding is idempotent; call it outside any loop (`generate` does, before its loop)."""

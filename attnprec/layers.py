@@ -59,13 +59,8 @@ def rope(x_BxTxNxH, positions_BxT, *, base: float, scale: float = 1.0):
 
 # Below this many rows (x's elements over its last axis: any decode step, a prefill's
 # last-position unembedding) a 16-bit projection on float32-held weights runs as a float32
-# dot on their values of c instead of casting them to c at the use (measured on SmolLM2,
-# interleaved, loaded 2-core machine: at 1 row bf16 x bf16 -> f32 took 2.0-6.4x the
-# float32 dot's time even on bf16-stored weights (XLA:CPU's bf16 matrix-vector path); at
-# 8 rows, cast at use, 1.21-2.87x; whole-model decode at batch 8 on carried weights cast
-# at use 1.15-1.24x (two runs); at 1000 rows, cast at use, 0.23-0.57x. The convert costs
-# ~6 bytes per weight, the bf16 rate saves ~2.3e-12 s per weight and row: break-even near
-# 170 rows).
+# dot on their values of c instead of casting them to c at the use: XLA:CPU's bf16
+# matrix-vector path is slow (docs/performance.md, "The measurements behind the projection forms").
 MIN_ROWS_C_DOT = 128
 
 
@@ -75,22 +70,15 @@ def project(x, w, spec: str, *, precision, carrier: bool = False, out_dtype=None
 
   c float32: a float32 dot. c 16-bit (bf16, f16): a c x c dot with
   `preferred_element_type=float32` (exact products of c values, float32 accumulation),
-  rounded once to `out_dtype`. Measured on XLA:CPU (avx512_bf16; `make bench
-  ARGS=--suite=projections`, one interleaved run, machine loaded): this form is 0.23-0.52x
-  the time of a float32 dot on bf16 values (the float32-carried weights before) on
-  SmolLM2's projections at 1000 rows, and the whole model's 1000-token prefill 0.38-0.66x
-  (three runs);
-  a c x c dot with a c result (no preferred_element_type) ran at the float32 rate or
-  below (0.93-1.65x). Where w is float32 and x has fewer than MIN_ROWS_C_DOT rows (a
+  rounded once to `out_dtype` (the fastest form on XLA:CPU for a prefill: docs/performance.md).
+  Where w is float32 and x has fewer than MIN_ROWS_C_DOT rows (a
   decode step), the same products as a float32 dot on w's values of c (carrier:
   w already holds them, `decoding.for_serving`): the same numbers up to float32
   summation order.
 
   Float32 weights (carried, or raw in a train step) are cast to c at the use: XLA:CPU
   still compiles a bf16 x bf16 -> f32 dot on them (the same compiled dot forms as
-  bf16-stored weights), whole-model prefill on carried weights 0.46-0.63x the carried
-  form's time (two runs); a decode step at batch 8 measured 0.86-1.24x (noise: loaded
-  machine).
+  bf16-stored weights).
 
   A dot-algorithm preset as `precision` names its own operand and accumulation types,
   so it gets a plain c x c dot (f32 result only for an f32 out)."""

@@ -508,3 +508,78 @@ def test_relative_links_resolve():
                         f"{os.path.relpath(resolved, ROOT)}")
   assert checked > 10, checked
   assert not problems, "\n".join(problems)
+
+
+# --- the README as a front door -------------------------------------------------------------
+
+README_MAX_LINES = 150
+
+
+def test_readme_is_a_front_door():
+  """Short, with the pages to read next near the top, and every page under docs/ listed."""
+  readme = _read("README.md")
+  lines = readme.split("\n")
+  if lines and lines[-1] == "":
+    lines = lines[:-1]
+  assert len(lines) <= README_MAX_LINES, (
+      f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): evidence belongs in "
+      f"docs/evals.md or docs/study.md")
+  headings = [i for i, line in enumerate(lines) if re.match(r"#{2,6}\s", line)]
+  first = next((i for i in headings if "where to go next" in lines[i].lower()), None)
+  assert first is not None and first == headings[0], "README: 'Where to go next' comes first"
+  missing = [p for p in DOCS[1:] if f"({p})" not in readme]
+  assert not missing, f"README.md does not link {', '.join(missing)}"
+
+
+def test_no_undefined_seed():
+  """'seed' in the docs means a random seed only (a parameter such as `train.seed`); the
+  README does not use the word at all."""
+  assert not re.search(r"seed", _read("README.md"), re.I), "README.md says 'seed'"
+  problems = [f"{path}: {m.group(0)!r}" for path in DOCS
+              for m in re.finditer(r"\bthe seed\b|\bseed's\b", _read(path), re.I)]
+  assert not problems, "\n".join(problems)
+
+
+def _python_blocks(path):
+  return re.findall(r"^```python\n(.*?)^```", _read(path), re.M | re.S)
+
+
+def test_readme_python_example_names_what_exists():
+  """The README's Python example parses, its imports resolve, and every function or class
+  it calls from them exists and takes the keywords it is given (nothing is loaded)."""
+  blocks = _python_blocks("README.md")
+  assert blocks, "README.md has no ```python example"
+  problems, checked = [], 0
+  for block in blocks:
+    tree = ast.parse(block)
+    names = {}
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom):
+        module = importlib.import_module(node.module)
+        for alias in node.names:
+          if not hasattr(module, alias.name):
+            problems.append(f"no {node.module}.{alias.name}")
+          else:
+            names[alias.asname or alias.name] = getattr(module, alias.name)
+    for node in ast.walk(tree):
+      if not isinstance(node, ast.Call):
+        continue
+      fn = node.func
+      if isinstance(fn, ast.Name) and fn.id in names:
+        target, label = names[fn.id], fn.id
+      elif isinstance(fn, ast.Attribute) and getattr(fn.value, "id", None) in names:
+        owner = names[fn.value.id]
+        label = f"{fn.value.id}.{fn.attr}"
+        if not hasattr(owner, fn.attr):
+          problems.append(f"no {label}")
+          continue
+        target = getattr(owner, fn.attr)
+      else:
+        continue
+      checked += 1
+      params = inspect.signature(target).parameters
+      for kw in node.keywords:
+        if kw.arg not in params:
+          problems.append(f"{label} has no parameter {kw.arg!r}")
+  assert checked >= 2, checked
+  assert not problems, "\n".join(problems)

@@ -11,7 +11,7 @@ from attnprec.kernels import dot_product
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 
-# The contract table (shared/design/precision-contract.md), written out independently.
+# The contract table (docs/contract.md), written out independently.
 TABLE = {
     # (qk, logits): (logits stage, softmax stage, probs stage)
     (False, False): (BF16, BF16, BF16),

@@ -5,7 +5,7 @@ key-value retrieval of Liu et al. 2023 ("Lost in the Middle"): an instruction li
 object of random UUID keys -> UUID values, then a question asking for one key's value,
 as raw text (no chat template) led by `first_token` ('endoftext': the tokenizer's
 BOS id, `<|endoftext|>` for Qwen2.5-Coder, the leading token whose large logits offset
-made the 0.5B's bf16 error 14x larger, see docs/measured-facts; 'none': the text alone):
+made the 0.5B's bf16 error 14x larger, see docs/study.md; 'none': the text alone):
 
     <|endoftext|>Extract the value corresponding to the specified key in the JSON object below.
 
