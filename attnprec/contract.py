@@ -53,7 +53,12 @@ read back as c and meets the first table unchanged. `check_cache_operands`,
 `query_operand`, `code_operand` and `scale_columns` are the kernels' shared
 implementation of these rows, each with its chex asserts.
 
-This module is the ground floor: the names of dtypes and dot precisions, the stage table,
+The knobs of both tables travel as one value, `AttentionFlags` (`Precision.attention`);
+`prepare` is every kernel's preamble (the checks, the table for its flags, the dots'
+precision, the query scale).
+
+This module is the ground floor: the names of dtypes and dot precisions, the knobs
+(`AttentionFlags`), the stage table, the kernels' preamble (`prepare`),
 the head and mask checks, the mask value, the masks (dense and `CausalMask`), the named
 scopes of the two attention dots, what a kernel declares (`KernelSpec`), and the float64
 reference every kernel is tested against. Kernels (`attnprec/kernels/`) import it; it
@@ -118,16 +123,57 @@ STAGES = ("qkv", "scale", "logits", "softmax", "probs", "output")
 QK_SCOPE, WV_SCOPE = "attn_qk", "attn_wv"
 
 
-def stage_dtypes(compute_dtype, *, float32_qk_product: bool,
-                 float32_logits: bool) -> Dict[str, jnp.dtype]:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionFlags:
+  """The attention knobs of the table, as one value: static, hashable data (a jit key).
+
+  `Precision.attention` builds it from a phase's fields of the same names; every kernel,
+  `stage_dtypes`, the cache rows and `prepare` take it whole. A new knob is one field
+  here (with its default, the setting kernels had before it), its rows in the table, the
+  `Precision` field of the same name, and the kernels' use of it."""
+  float32_qk_product: bool = True    # the QK^T dot accumulates and returns float32
+  float32_logits: bool = True        # soft-cap, mask and softmax run in float32
+  einsum_precision: str = "default"  # precision of BOTH the qk and the wv einsum
+
+  def __post_init__(self):
+    for flag in ("float32_qk_product", "float32_logits"):
+      if not isinstance(getattr(self, flag), bool):
+        raise choice_error(flag, getattr(self, flag), (True, False))
+    parse_precision(self.einsum_precision)
+
+  @property
+  def einsum(self) -> PrecisionLike:
+    """The `precision=` of both attention dots."""
+    return parse_precision(self.einsum_precision)
+
+  def settings(self) -> Dict[str, object]:
+    """Knob name -> value, in field order."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+  def differing(self, other: "AttentionFlags") -> Optional[str]:
+    """The first knob whose setting differs from `other`'s (einsum precisions compared
+    as parsed: 'default' == 'DEFAULT'), or None."""
+    for name, value in self.settings().items():
+      want = getattr(other, name)
+      same = (parse_precision(value) == parse_precision(want)
+              if name == "einsum_precision" else value == want)
+      if not same:
+        return name
+    return None
+
+  def describe(self) -> str:
+    return " ".join(f"{k}={v}" for k, v in self.settings().items())
+
+
+def stage_dtypes(compute_dtype, flags: AttentionFlags) -> Dict[str, jnp.dtype]:
   """The contract table as data: stage name -> dtype for one flag combination.
 
   'scale' is the dtype the query scale is applied in: on q in c (before the qk dot)
   when the QK product is in c, on the float32 logits (after the dot) when it is f32."""
   c = jnp.dtype(compute_dtype)
   f32 = jnp.dtype(jnp.float32)
-  logits = f32 if float32_qk_product else c
-  softmax = f32 if (float32_logits or float32_qk_product) else c
+  logits = f32 if flags.float32_qk_product else c
+  softmax = f32 if (flags.float32_logits or flags.float32_qk_product) else c
   return {"qkv": c, "scale": logits, "logits": logits, "softmax": softmax,
           "probs": softmax, "output": c}
 
@@ -234,8 +280,8 @@ class KVScales:
   v_token_BxKxS: Optional[jax.Array] = None     # per (token, kv head): on the probs
 
 
-def cache_stage_dtypes(compute_dtype, storage: CacheStorage, *, float32_qk_product: bool,
-                       float32_logits: bool) -> Dict[str, object]:
+def cache_stage_dtypes(compute_dtype, storage: CacheStorage,
+                       flags: AttentionFlags) -> Dict[str, object]:
   """The cache rows of the contract table for one flag combination (with `stage_dtypes`).
 
   | row         | meaning                                                              |
@@ -253,12 +299,11 @@ def cache_stage_dtypes(compute_dtype, storage: CacheStorage, *, float32_qk_produ
   | v_into_wv   | the codes' dtype at the wv dot: the probs dtype                      |
   q and the probabilities are never quantized: 'q_into_qk' and 'probs' are never a code
   dtype (the audit checks the compiled program for that)."""
-  base = stage_dtypes(compute_dtype, float32_qk_product=float32_qk_product,
-                      float32_logits=float32_logits)
+  base = stage_dtypes(compute_dtype, flags)
   c, f32 = base["qkv"], jnp.dtype(jnp.float32)
   code = lambda d: SCALED_KV_DTYPES[d][0] if d in SCALED_KV_DTYPES else c  # noqa: E731
   channel = storage.k_scale == "channel"
-  q_in = f32 if (channel and float32_qk_product) else c
+  q_in = f32 if (channel and flags.float32_qk_product) else c
   return {"k_cache": code(storage.k_dtype), "v_cache": code(storage.v_dtype),
           "k_scale": storage.k_scale, "v_scale": storage.v_scale, "scale_dtype": f32,
           "k_scale_in": (None if storage.k_scale is None else
@@ -267,16 +312,15 @@ def cache_stage_dtypes(compute_dtype, storage: CacheStorage, *, float32_qk_produ
           "q_into_qk": q_in, "k_into_qk": q_in, "v_into_wv": base["probs"]}
 
 
-def check_cache_operands(q, k, v, storage: CacheStorage, kv_scales, *,
-                         float32_qk_product: bool, float32_logits: bool):
+def check_cache_operands(q, k, v, storage: CacheStorage, kv_scales,
+                         flags: AttentionFlags):
   """The kernels' check of their inputs against the table: with kv_scales None, q, k, v
   in c (returns None); with a `KVScales`, k / v in the cache rows' code dtypes and each
   scale float32 of its shape, present exactly where `storage` has one (returns the rows,
   `cache_stage_dtypes`). Trace-time chex asserts; a mismatch between the setting and
   the scales is a UserError."""
   c = q.dtype
-  expected = stage_dtypes(c, float32_qk_product=float32_qk_product,
-                          float32_logits=float32_logits)
+  expected = stage_dtypes(c, flags)
   if kv_scales is None:
     chex.assert_type([q, k, v], [expected["qkv"]] * 3)
     return None
@@ -284,8 +328,7 @@ def check_cache_operands(q, k, v, storage: CacheStorage, kv_scales, *,
     raise UserError(f"Cache scales were given but the cache storage is unscaled "
                     f"({storage.describe()}); scaled dtypes: "
                     f"{', '.join(repr(d) for d in SCALED_KV_DTYPES)}.")
-  rows = cache_stage_dtypes(c, storage, float32_qk_product=float32_qk_product,
-                            float32_logits=float32_logits)
+  rows = cache_stage_dtypes(c, storage, flags)
   chex.assert_type([q, k, v], [expected["qkv"], rows["k_cache"], rows["v_cache"]])
   B, S, K, H = k.shape
   want = {"k_token_BxKxS": (B, K, S) if rows["k_scale"] == "token" else None,
@@ -351,6 +394,44 @@ def check_heads(q, k, v) -> int:
 def mask_value(dtype) -> float:
   """A large finite negative number valid in `dtype` (never -inf: no NaN on empty rows)."""
   return -0.7 * float(jnp.finfo(dtype).max)
+
+
+# ----------------------------------------------------------------------------- preamble
+@dataclasses.dataclass(frozen=True, eq=False)
+class Prepared:
+  """What `prepare` hands a kernel: q, k, v checked against the table for its flags, and
+  what every kernel reads before its first dot (static data, plus the cache's scales)."""
+  B: int; T: int; S: int; N: int; K: int; G: int; H: int  # noqa: E702  (shapes above)
+  flags: AttentionFlags
+  stages: Dict[str, jnp.dtype]           # stage_dtypes(c, flags), c = q's dtype
+  rows: Optional[Dict[str, object]]      # cache_stage_dtypes (quantized cache), or None
+  einsum: PrecisionLike                  # `precision=` of both attention dots
+  scale: float                           # the query scale: H ** -0.5 unless given
+  kv_scales: Optional[KVScales] = None   # a quantized cache's scales, or None
+
+  def queries(self, q_BxTxNxH) -> jax.Array:
+    """q as the qk dot takes it, [B, T, K, G, H]: scaled in c where the table puts the
+    query scale on q (`scale_queries`), times a per-channel key scale if any
+    (`query_operand`)."""
+    q_BxTxKxGxH = scale_queries(q_BxTxNxH, self.scale, self.stages).reshape(
+        self.B, self.T, self.K, self.G, self.H)
+    return query_operand(q_BxTxKxGxH, self.rows, self.kv_scales)
+
+
+def prepare(q, k, v, flags: AttentionFlags, *, scale=None,
+            kv_cache: CacheStorage = COMPUTE_CACHE, kv_scales=None) -> Prepared:
+  """Every kernel's preamble: checks the heads (`check_heads`) and q, k, v (and a
+  quantized cache's codes and scales, `check_cache_operands`) against the table for
+  `flags`, and resolves the stage dtypes, the cache rows, the dots' precision and the
+  query scale. q [B, T, N, H], k / v [B, S, K, H]."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = check_heads(q, k, v)
+  stages = stage_dtypes(q.dtype, flags)
+  rows = check_cache_operands(q, k, v, kv_cache, kv_scales, flags)
+  return Prepared(B=B, T=T, S=S, N=N, K=K, G=G, H=H, flags=flags, stages=stages,
+                  rows=rows, einsum=flags.einsum,
+                  scale=H ** -0.5 if scale is None else scale, kv_scales=kv_scales)
 
 
 # ----------------------------------------------------------------------------- masks

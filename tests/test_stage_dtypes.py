@@ -10,6 +10,7 @@ from attnprec import contract
 from attnprec.kernels import dot_product
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+FLAGS = contract.AttentionFlags
 
 # The contract table (shared/design/precision-contract.md), written out independently.
 TABLE = {
@@ -24,12 +25,12 @@ TABLE = {
 @pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=2)))
 def test_stage_dtypes_table(flags):
   qk, lg = flags
-  got = contract.stage_dtypes(jnp.bfloat16, float32_qk_product=qk, float32_logits=lg)
+  got = contract.stage_dtypes(jnp.bfloat16, FLAGS(float32_qk_product=qk, float32_logits=lg))
   assert (got["logits"], got["softmax"], got["probs"]) == TABLE[flags]
   assert got["qkv"] == got["output"] == BF16
   assert got["scale"] == (F32 if qk else BF16)   # on the f32 logits, else on q in c
   # In float32 compute every stage is float32 whatever the flags.
-  f32 = contract.stage_dtypes(jnp.float32, float32_qk_product=qk, float32_logits=lg)
+  f32 = contract.stage_dtypes(jnp.float32, FLAGS(float32_qk_product=qk, float32_logits=lg))
   assert set(f32.values()) == {F32}
 
 
@@ -52,7 +53,8 @@ def test_observed_stage_dtypes(flags, monkeypatch):
   monkeypatch.setattr(dot_product.jnp, "einsum", spy_einsum)
   monkeypatch.setattr(dot_product.jax.nn, "softmax", spy_softmax)
   x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
-  out = dot_product.dot_product_attention(x, x, x, float32_qk_product=qk, float32_logits=lg)
+  out = dot_product.dot_product_attention(
+      x, x, x, flags=FLAGS(float32_qk_product=qk, float32_logits=lg))
   logits_dt, softmax_dt, probs_dt = TABLE[flags]
   (qk_spec, qk_in, qk_out), (wv_spec, wv_in, wv_out) = seen["einsum"]
   assert qk_in == [BF16, BF16]          # operands stay bf16; f32 comes from accumulation
@@ -69,11 +71,12 @@ def test_violation_trips_chex(monkeypatch):
                       lambda x, **kw: real_softmax(x, **kw).astype(jnp.bfloat16))
   x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
   with pytest.raises(AssertionError, match="bfloat16"):
-    dot_product.dot_product_attention(x, x, x, float32_qk_product=False, float32_logits=True)
+    dot_product.dot_product_attention(
+        x, x, x, flags=FLAGS(float32_qk_product=False, float32_logits=True))
   # ... and under jit too (chex checks run at trace time).
   with pytest.raises(AssertionError):
     jax.jit(lambda a: dot_product.dot_product_attention(
-        a, a, a, float32_qk_product=False, float32_logits=True))(x)
+        a, a, a, flags=FLAGS(float32_qk_product=False, float32_logits=True)))(x)
 
 
 def test_qk_product_not_upcast_is_caught(monkeypatch):
@@ -86,7 +89,8 @@ def test_qk_product_not_upcast_is_caught(monkeypatch):
   monkeypatch.setattr(dot_product.jnp, "einsum", lossy)
   x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
   with pytest.raises(AssertionError):
-    dot_product.dot_product_attention(x, x, x, float32_qk_product=True, float32_logits=True)
+    dot_product.dot_product_attention(
+        x, x, x, flags=FLAGS(float32_qk_product=True, float32_logits=True))
 
 
 def _scale_muls(fn, *args):
@@ -115,7 +119,7 @@ def test_query_scale_is_applied_where_the_table_says(flags):
   qk, lg = flags
   x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
   muls = _scale_muls(lambda a: dot_product.dot_product_attention(
-      a, a, a, float32_qk_product=qk, float32_logits=lg), x)
+      a, a, a, flags=FLAGS(float32_qk_product=qk, float32_logits=lg)), x)
   on_q = [m for m in muls if m == (BF16, (1, 4, 2, 8))]
   on_logits = [m for m in muls if m == (F32, (1, 2, 1, 4, 4))]   # [B, K, G, T, S]
   assert (len(on_q), len(on_logits)) == ((0, 1) if qk else (1, 0)), muls
