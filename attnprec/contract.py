@@ -139,7 +139,11 @@ class AttentionFlags:
     for flag in ("float32_qk_product", "float32_logits"):
       if not isinstance(getattr(self, flag), bool):
         raise choice_error(flag, getattr(self, flag), (True, False))
-    parse_precision(self.einsum_precision)
+    try:
+      parse_precision(self.einsum_precision)
+    except UserError:
+      raise choice_error("einsum_precision", self.einsum_precision,
+                         list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS)) from None
 
   @property
   def einsum(self) -> PrecisionLike:

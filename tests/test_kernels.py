@@ -6,8 +6,12 @@ Each test names what it compares against:
 Tolerances (fp32 inputs with O(1) values, outputs O(1)): ATOL = RTOL = 2e-5 for every
 kernel against both; measured differences are ~1e-6.
 """
+import ast
 import functools
+import inspect
 import re
+import sys
+from unittest import mock
 
 import chex
 import gin
@@ -341,6 +345,30 @@ class RegistryTest(parameterized.TestCase):
         self.assertIn(scope, dot_scopes)
     if spec.qk_scope is None:
       self.assertFalse({contract.QK_SCOPE, contract.WV_SCOPE} & dot_scopes, dot_scopes)
+
+
+  @parameterized.parameters(*kernels.NAMES)
+  def test_every_kernel_runs_the_one_preamble(self, kernel):
+    """Each kernel checks its inputs and reads the table through `contract.prepare`, once,
+    with the phase's knobs as one value, and repeats none of it itself."""
+    prec = Precision(dtype="bfloat16", kernel=kernel)
+    seen = []
+    real = contract.prepare
+
+    def spy(*args, **kwargs):
+      seen.append(args[3])   # the AttentionFlags
+      return real(*args, **kwargs)
+
+    q, k, v = _qkv(4, 4, 2, jnp.bfloat16)
+    with mock.patch.object(contract, "prepare", spy):
+      kernels.attend(prec, q, k, v)
+    self.assertEqual(seen, [prec.attention])
+    tree = ast.parse(inspect.getsource(sys.modules[kernels.get(kernel).attend.__module__]))
+    called = {getattr(n.func, "attr", getattr(n.func, "id", None))
+              for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    self.assertIn("prepare", called)
+    self.assertFalse(called & {"check_heads", "stage_dtypes", "check_cache_operands",
+                               "parse_precision", "scale_queries", "query_operand"})
 
 
 class AutoTest(parameterized.TestCase):

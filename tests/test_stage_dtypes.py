@@ -1,5 +1,6 @@
 """Each attention stage has the dtype the contract table says, and a deliberate violation
 trips the chex assertion."""
+import dataclasses
 import itertools
 
 import jax
@@ -7,7 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 from attnprec import contract
+from attnprec.errors import UserError
 from attnprec.kernels import dot_product
+from attnprec.precision import Precision
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 FLAGS = contract.AttentionFlags
@@ -123,3 +126,25 @@ def test_query_scale_is_applied_where_the_table_says(flags):
   on_q = [m for m in muls if m == (BF16, (1, 4, 2, 8))]
   on_logits = [m for m in muls if m == (F32, (1, 2, 1, 4, 4))]   # [B, K, G, T, S]
   assert (len(on_q), len(on_logits)) == ((0, 1) if qk else (1, 0)), muls
+
+
+def test_precision_hands_every_knob_over_as_one_value():
+  """Precision has a field for each knob of `AttentionFlags`, with its default, and
+  `Precision.attention` carries them all (hashable: it is a static jit argument)."""
+  defaults = {f.name: f.default for f in dataclasses.fields(Precision)}
+  for f in dataclasses.fields(FLAGS):
+    assert defaults[f.name] == f.default, f.name
+  prec = Precision(dtype="bfloat16", float32_qk_product=False, einsum_precision="highest")
+  want = FLAGS(float32_qk_product=False, float32_logits=True, einsum_precision="highest")
+  assert prec.attention == want and hash(prec.attention) == hash(want)
+  assert prec.attention != FLAGS()
+  for name, value in want.settings().items():
+    assert f" {name}={value} " in prec.describe()
+
+
+@pytest.mark.parametrize("knob,value,valid", [
+    ("float32_qk_product", 1, "True, False"), ("float32_logits", "yes", "True, False"),
+    ("einsum_precision", "ultra", "'default', 'high', 'highest'")])
+def test_attention_flags_refuse_bad_values(knob, value, valid):
+  with pytest.raises(UserError, match=f"Invalid {knob} .*valid values are: {valid}"):
+    FLAGS(**{knob: value})
