@@ -126,7 +126,7 @@ def blockwise_attention(q, k, v, *, mask=None,
     [B, T, N, H] in q's dtype (and the stats dict if `return_stats`).
   """
   prep = contract.prepare(q, k, v, flags, scale=scale, kv_cache=kv_cache,
-                       kv_scales=kv_scales)
+                          kv_scales=kv_scales)
   B, T, N, K, G, H, S = prep.B, prep.T, prep.N, prep.K, prep.G, prep.H, prep.S
   c, expected, rows = q.dtype, prep.stages, prep.rows
   sm = expected["softmax"]

@@ -49,7 +49,7 @@ def dot_product_attention(q, k, v, *, mask=None,
     [B, T, N, H] in q's dtype.
   """
   prep = contract.prepare(q, k, v, flags, scale=scale, kv_cache=kv_cache,
-                       kv_scales=kv_scales)
+                          kv_scales=kv_scales)
   B, T, N, K, G, H, S = prep.B, prep.T, prep.N, prep.K, prep.G, prep.H, prep.S
   expected, rows = prep.stages, prep.rows
 
