@@ -405,7 +405,8 @@ def mask_value(dtype) -> float:
 class Prepared:
   """What `prepare` hands a kernel: q, k, v checked against the table for its flags, and
   what every kernel reads before its first dot (static data, plus the cache's scales)."""
-  B: int; T: int; S: int; N: int; K: int; G: int; H: int  # noqa: E702  (shapes above)
+  # q [B, T, N, H], k / v [B, S, K, H], G = N // K query heads per kv head
+  B: int; T: int; S: int; N: int; K: int; G: int; H: int  # noqa: E702
   flags: AttentionFlags
   stages: Dict[str, jnp.dtype]           # stage_dtypes(c, flags), c = q's dtype
   rows: Optional[Dict[str, object]]      # cache_stage_dtypes (quantized cache), or None
