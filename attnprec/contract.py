@@ -53,7 +53,12 @@ read back as c and meets the first table unchanged. `check_cache_operands`,
 `query_operand`, `code_operand` and `scale_columns` are the kernels' shared
 implementation of these rows, each with its chex asserts.
 
-This module is the ground floor: the names of dtypes and dot precisions, the stage table,
+The knobs of both tables travel as one value, `AttentionFlags` (`Precision.attention`);
+`prepare` is every kernel's preamble (the checks, the table for its flags, the dots'
+precision, the query scale).
+
+This module is the ground floor: the names of dtypes and dot precisions, the knobs
+(`AttentionFlags`), the stage table, the kernels' preamble (`prepare`),
 the head and mask checks, the mask value, the masks (dense and `CausalMask`), the named
 scopes of the two attention dots, what a kernel declares (`KernelSpec`), and the float64
 reference every kernel is tested against. Kernels (`attnprec/kernels/`) import it; it
@@ -112,23 +117,106 @@ def precision_name(p: PrecisionLike) -> str:
   return p.name
 
 
+# ----------------------------------------------------------------------------- key offset
+# The key offset (`Precision.key_offset`, `attnprec.keyoffset`): a vector c per layer and kv
+# head subtracted from every rotated key in float32, before the keys' one rounding to c
+# (or to the cache's storage type). Exact: each query's logits shift by the constant q . c,
+# which the softmax removes, PROVIDED every key a query sees had the same c subtracted.
+#
+#   | row                         | 'none'            | 'zero' / 'bias' / 'prefill_mean'   |
+#   | keys before the rounding    | projection in c,  | projection accumulated in f32, bias|
+#   |                             | bias added in c,  | added in f32, RoPE in f32, then    |
+#   |                             | RoPE f32 -> c     | k - c in f32, rounded once to c    |
+#   | c                           | -                 | f32 [K, H] ('bias') or [B, K, H]   |
+#   | decode steps                | -                 | the c the prefill stored (cache)   |
+#   | refused                     | -                 | soft-capped logits, sinks with an  |
+#   |                             |                   | explicit logit; 'bias' without a   |
+#   |                             |                   | key bias or with a key norm;       |
+#   |                             |                   | 'prefill_mean' in the train phase  |
+#
+# The later rows of the table (qk dot, softmax, ...) are unchanged: the kernels receive
+# the residual keys in c like any other keys. The audit proves the order from the program
+# (`attnprec.inspect.offset_check`): the subtraction is float32 and no rounding to 16 bits
+# lies between the key projection and it.
+KEY_OFFSETS = ("none", "zero", "bias", "prefill_mean")
+KEY_OFFSET_SCOPE = "key_offset"   # the named scope of the subtraction
+
+
 # ----------------------------------------------------------------------------- stages
-STAGES = ("qkv", "scale", "logits", "softmax", "probs", "output")
+STAGES = ("keys", "qkv", "scale", "logits", "softmax", "probs", "output")
 # Named scopes around the two attention dots: the audit finds them in the lowered program.
 QK_SCOPE, WV_SCOPE = "attn_qk", "attn_wv"
 
 
-def stage_dtypes(compute_dtype, *, float32_qk_product: bool,
-                 float32_logits: bool) -> Dict[str, jnp.dtype]:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionFlags:
+  """The attention knobs of the table, as one value: static, hashable data (a jit key).
+
+  `Precision.attention` builds it from a phase's fields of the same names; every kernel,
+  `stage_dtypes`, the cache rows and `prepare` take it whole. A new knob is one field
+  here (with its default, the setting kernels had before it), its rows in the table, the
+  `Precision` field of the same name, and the kernels' use of it."""
+  float32_qk_product: bool = True    # the QK^T dot accumulates and returns float32
+  float32_logits: bool = True        # soft-cap, mask and softmax run in float32
+  einsum_precision: str = "default"  # precision of BOTH the qk and the wv einsum
+  # A vector subtracted from every rotated key in float32 before the keys' one rounding
+  # (KEY_OFFSETS, `attnprec.keyoffset`): applied by the layer before any kernel, so every
+  # kernel receives the residual keys and honours it.
+  key_offset: str = "none"
+
+  def __post_init__(self):
+    for flag in ("float32_qk_product", "float32_logits"):
+      if not isinstance(getattr(self, flag), bool):
+        raise choice_error(flag, getattr(self, flag), (True, False))
+    if self.key_offset not in KEY_OFFSETS:
+      raise choice_error("precision.key_offset", self.key_offset, KEY_OFFSETS)
+    try:
+      parse_precision(self.einsum_precision)
+    except UserError:
+      raise choice_error("einsum_precision", self.einsum_precision,
+                         list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS)) from None
+
+  @property
+  def einsum(self) -> PrecisionLike:
+    """The `precision=` of both attention dots."""
+    return parse_precision(self.einsum_precision)
+
+  def settings(self) -> Dict[str, object]:
+    """Knob name -> value, in field order."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+  def differing(self, other: "AttentionFlags") -> Optional[str]:
+    """The first knob whose setting differs from `other`'s (einsum precisions compared
+    as parsed: 'default' == 'DEFAULT'), or None."""
+    for name, value in self.settings().items():
+      want = getattr(other, name)
+      same = (parse_precision(value) == parse_precision(want)
+              if name == "einsum_precision" else value == want)
+      if not same:
+        return name
+    return None
+
+  def describe(self) -> str:
+    """The knobs as `name=value`; the key offset only when one is in force."""
+    return " ".join(f"{k}={v}" for k, v in self.settings().items()
+                    if not (k == "key_offset" and v == "none"))
+
+
+def stage_dtypes(compute_dtype, flags: AttentionFlags) -> Dict[str, jnp.dtype]:
   """The contract table as data: stage name -> dtype for one flag combination.
+
+  'keys' is the dtype the rotated keys are formed in before their rounding to c: c
+  without a key offset (projection rounded to c, bias added in c), float32 with one (the
+  offset subtracted in float32, then one rounding: the offset row).
 
   'scale' is the dtype the query scale is applied in: on q in c (before the qk dot)
   when the QK product is in c, on the float32 logits (after the dot) when it is f32."""
   c = jnp.dtype(compute_dtype)
   f32 = jnp.dtype(jnp.float32)
-  logits = f32 if float32_qk_product else c
-  softmax = f32 if (float32_logits or float32_qk_product) else c
-  return {"qkv": c, "scale": logits, "logits": logits, "softmax": softmax,
+  logits = f32 if flags.float32_qk_product else c
+  softmax = f32 if (flags.float32_logits or flags.float32_qk_product) else c
+  keys = c if flags.key_offset == "none" else f32
+  return {"keys": keys, "qkv": c, "scale": logits, "logits": logits, "softmax": softmax,
           "probs": softmax, "output": c}
 
 
@@ -153,29 +241,6 @@ def scale_logits(logits, scale, expected) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- cache
-# ----------------------------------------------------------------------------- key offset
-# The key offset (`Precision.key_offset`, `attnprec.keyoffset`): a vector c per layer and kv
-# head subtracted from every rotated key in float32, before the keys' one rounding to c
-# (or to the cache's storage type). Exact: each query's logits shift by the constant q . c,
-# which the softmax removes, PROVIDED every key a query sees had the same c subtracted.
-#
-#   | row                         | 'none'            | 'zero' / 'bias' / 'prefill_mean'   |
-#   | keys before the rounding    | projection in c,  | projection accumulated in f32, bias|
-#   |                             | bias added in c,  | added in f32, RoPE in f32, then    |
-#   |                             | RoPE f32 -> c     | k - c in f32, rounded once to c    |
-#   | c                           | -                 | f32 [K, H] ('bias') or [B, K, H]   |
-#   | decode steps                | -                 | the c the prefill stored (cache)   |
-#   | refused                     | -                 | soft-capped logits, sinks with an  |
-#   |                             |                   | explicit logit; 'bias' without a   |
-#   |                             |                   | key bias or with a key norm;       |
-#   |                             |                   | 'prefill_mean' in the train phase  |
-#
-# The later rows of the table (qk dot, softmax, ...) are unchanged: the kernels receive
-# the residual keys in c like any other keys. The audit proves the order from the program
-# (`attnprec.inspect.offset_check`): the subtraction is float32 and no rounding to 16 bits
-# lies between the key projection and it.
-KEY_OFFSETS = ("none", "zero", "bias", "prefill_mean")
-KEY_OFFSET_SCOPE = "key_offset"   # the named scope of the subtraction
 
 
 # The KV cache's storage: per keys and values, a storage dtype and, for the scaled types,
@@ -224,8 +289,7 @@ class CacheStorage:
 
   def describe(self) -> str:
     side = lambda d, g: d + (f"/{g}" if g else "")  # noqa: E731
-    return (f"kv_cache=k:{side(self.k_dtype, self.k_scale)},v:{side(self.v_dtype, self.v_scale)}"
-            + (f" key_offset={self.key_offset}" if self.key_offset != "none" else ""))
+    return f"kv_cache=k:{side(self.k_dtype, self.k_scale)},v:{side(self.v_dtype, self.v_scale)}"
 
 
 COMPUTE_CACHE = CacheStorage()
@@ -268,8 +332,8 @@ class KVScales:
   v_token_BxKxS: Optional[jax.Array] = None     # per (token, kv head): on the probs
 
 
-def cache_stage_dtypes(compute_dtype, storage: CacheStorage, *, float32_qk_product: bool,
-                       float32_logits: bool) -> Dict[str, object]:
+def cache_stage_dtypes(compute_dtype, storage: CacheStorage,
+                       flags: AttentionFlags) -> Dict[str, object]:
   """The cache rows of the contract table for one flag combination (with `stage_dtypes`).
 
   | row         | meaning                                                              |
@@ -287,12 +351,11 @@ def cache_stage_dtypes(compute_dtype, storage: CacheStorage, *, float32_qk_produ
   | v_into_wv   | the codes' dtype at the wv dot: the probs dtype                      |
   q and the probabilities are never quantized: 'q_into_qk' and 'probs' are never a code
   dtype (the audit checks the compiled program for that)."""
-  base = stage_dtypes(compute_dtype, float32_qk_product=float32_qk_product,
-                      float32_logits=float32_logits)
+  base = stage_dtypes(compute_dtype, flags)
   c, f32 = base["qkv"], jnp.dtype(jnp.float32)
   code = lambda d: SCALED_KV_DTYPES[d][0] if d in SCALED_KV_DTYPES else c  # noqa: E731
   channel = storage.k_scale == "channel"
-  q_in = f32 if (channel and float32_qk_product) else c
+  q_in = f32 if (channel and flags.float32_qk_product) else c
   return {"k_cache": code(storage.k_dtype), "v_cache": code(storage.v_dtype),
           "k_scale": storage.k_scale, "v_scale": storage.v_scale, "scale_dtype": f32,
           "k_scale_in": (None if storage.k_scale is None else
@@ -301,16 +364,15 @@ def cache_stage_dtypes(compute_dtype, storage: CacheStorage, *, float32_qk_produ
           "q_into_qk": q_in, "k_into_qk": q_in, "v_into_wv": base["probs"]}
 
 
-def check_cache_operands(q, k, v, storage: CacheStorage, kv_scales, *,
-                         float32_qk_product: bool, float32_logits: bool):
+def check_cache_operands(q, k, v, storage: CacheStorage, kv_scales,
+                         flags: AttentionFlags):
   """The kernels' check of their inputs against the table: with kv_scales None, q, k, v
   in c (returns None); with a `KVScales`, k / v in the cache rows' code dtypes and each
   scale float32 of its shape, present exactly where `storage` has one (returns the rows,
   `cache_stage_dtypes`). Trace-time chex asserts; a mismatch between the setting and
   the scales is a UserError."""
   c = q.dtype
-  expected = stage_dtypes(c, float32_qk_product=float32_qk_product,
-                          float32_logits=float32_logits)
+  expected = stage_dtypes(c, flags)
   if kv_scales is None:
     chex.assert_type([q, k, v], [expected["qkv"]] * 3)
     return None
@@ -318,8 +380,7 @@ def check_cache_operands(q, k, v, storage: CacheStorage, kv_scales, *,
     raise UserError(f"Cache scales were given but the cache storage is unscaled "
                     f"({storage.describe()}); scaled dtypes: "
                     f"{', '.join(repr(d) for d in SCALED_KV_DTYPES)}.")
-  rows = cache_stage_dtypes(c, storage, float32_qk_product=float32_qk_product,
-                            float32_logits=float32_logits)
+  rows = cache_stage_dtypes(c, storage, flags)
   chex.assert_type([q, k, v], [expected["qkv"], rows["k_cache"], rows["v_cache"]])
   B, S, K, H = k.shape
   want = {"k_token_BxKxS": (B, K, S) if rows["k_scale"] == "token" else None,
@@ -385,6 +446,45 @@ def check_heads(q, k, v) -> int:
 def mask_value(dtype) -> float:
   """A large finite negative number valid in `dtype` (never -inf: no NaN on empty rows)."""
   return -0.7 * float(jnp.finfo(dtype).max)
+
+
+# ----------------------------------------------------------------------------- preamble
+@dataclasses.dataclass(frozen=True, eq=False)
+class Prepared:
+  """What `prepare` hands a kernel: q, k, v checked against the table for its flags, and
+  what every kernel reads before its first dot (static data, plus the cache's scales)."""
+  # q [B, T, N, H], k / v [B, S, K, H], G = N // K query heads per kv head
+  B: int; T: int; S: int; N: int; K: int; G: int; H: int  # noqa: E702
+  flags: AttentionFlags
+  stages: Dict[str, jnp.dtype]           # stage_dtypes(c, flags), c = q's dtype
+  rows: Optional[Dict[str, object]]      # cache_stage_dtypes (quantized cache), or None
+  einsum: PrecisionLike                  # `precision=` of both attention dots
+  scale: float                           # the query scale: H ** -0.5 unless given
+  kv_scales: Optional[KVScales] = None   # a quantized cache's scales, or None
+
+  def queries(self, q_BxTxNxH) -> jax.Array:
+    """q as the qk dot takes it, [B, T, K, G, H]: scaled in c where the table puts the
+    query scale on q (`scale_queries`), times a per-channel key scale if any
+    (`query_operand`)."""
+    q_BxTxKxGxH = scale_queries(q_BxTxNxH, self.scale, self.stages).reshape(
+        self.B, self.T, self.K, self.G, self.H)
+    return query_operand(q_BxTxKxGxH, self.rows, self.kv_scales)
+
+
+def prepare(q, k, v, flags: AttentionFlags, *, scale=None,
+            kv_cache: CacheStorage = COMPUTE_CACHE, kv_scales=None) -> Prepared:
+  """Every kernel's preamble: checks the heads (`check_heads`) and q, k, v (and a
+  quantized cache's codes and scales, `check_cache_operands`) against the table for
+  `flags`, and resolves the stage dtypes, the cache rows, the dots' precision and the
+  query scale. q [B, T, N, H], k / v [B, S, K, H]."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = check_heads(q, k, v)
+  stages = stage_dtypes(q.dtype, flags)
+  rows = check_cache_operands(q, k, v, kv_cache, kv_scales, flags)
+  return Prepared(B=B, T=T, S=S, N=N, K=K, G=G, H=H, flags=flags, stages=stages,
+                  rows=rows, einsum=flags.einsum,
+                  scale=H ** -0.5 if scale is None else scale, kv_scales=kv_scales)
 
 
 # ----------------------------------------------------------------------------- masks

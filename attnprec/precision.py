@@ -2,9 +2,10 @@
 
 A `Precision` holds everything one phase (train, prefill/decode) needs to know about
 numerics: the compute dtype of activations, the precision of the dense projections, and
-the three attention knobs of the precision contract (`float32_qk_product`,
-`float32_logits`, `einsum_precision`). It is registered with gin as `precision`, so a
-phase scope chooses it: `decode/precision.float32_logits = True`.
+the attention knobs of the precision contract (`float32_qk_product`, `float32_logits`,
+`einsum_precision`: the fields of `contract.AttentionFlags`, which `Precision.attention`
+hands the kernels as one value). It is registered with gin as `precision`, so a phase
+scope chooses it: `decode/precision.float32_logits = True`.
 
 Strings are used for dtypes and precisions (simpler for users and gin files); they are
 validated here, once, with errors that name the valid values.
@@ -19,9 +20,10 @@ from attnprec import checks, kernels
 # The names of dtypes and dot precisions live on the ground floor (the kernels use them);
 # re-exported here, where users look for them.
 from attnprec.contract import (ALGORITHM_PRESETS, DTYPES, KEY_OFFSETS,  # noqa: F401
-                               KV_CACHE_DTYPES, LAX_PRECISIONS, SCALED_KV_DTYPES, CacheStorage,
-                               PrecisionLike, cache_storage_error, parse_dtype,
-                               parse_precision, precision_name)
+                               KV_CACHE_DTYPES, LAX_PRECISIONS, SCALED_KV_DTYPES,
+                               AttentionFlags, CacheStorage, PrecisionLike,
+                               cache_storage_error, parse_dtype, parse_precision,
+                               precision_name)
 from attnprec.errors import UserError, choice_error
 from attnprec.kernels.blockwise import BlockSizes, block_sizes
 
@@ -47,6 +49,8 @@ class Precision:
   """Numerics of one phase. Hashable, so it can be a static argument of jit."""
   dtype: str = "float32"               # compute dtype of activations (params stay float32)
   matmul_precision: str = "default"    # dense projections: q/k/v/o, MLP, unembedding
+  # The attention knobs: the fields of `contract.AttentionFlags` (same names, same
+  # defaults), handed to the kernels together as `self.attention`.
   float32_qk_product: bool = True      # QK^T dot accumulates and returns float32
   float32_logits: bool = True          # soft-cap, mask and softmax run in float32
   einsum_precision: str = "default"    # passed to BOTH the qk and the wv einsum
@@ -85,12 +89,9 @@ class Precision:
     # Validate eagerly so a bad gin value fails at configuration time, not mid-trace.
     parse_dtype(self.dtype)
     parse_precision(self.matmul_precision)
-    parse_precision(self.einsum_precision)
-    for flag in ("float32_qk_product", "float32_logits", "carrier_weights"):
-      if not isinstance(getattr(self, flag), bool):
-        raise choice_error(flag, getattr(self, flag), (True, False))
-    if self.key_offset not in KEY_OFFSETS:
-      raise choice_error("precision.key_offset", self.key_offset, KEY_OFFSETS)
+    self.attention   # the attention knobs validate themselves (`AttentionFlags`)
+    if not isinstance(self.carrier_weights, bool):
+      raise choice_error("carrier_weights", self.carrier_weights, (True, False))
     why = cache_storage_error(self.compute_dtype, k_dtype=self.kv_cache_k_dtype,
                               v_dtype=self.kv_cache_v_dtype, k_scale=self.kv_cache_k_scale,
                               v_scale=self.kv_cache_v_scale)
@@ -119,15 +120,14 @@ class Precision:
   def matmul(self) -> PrecisionLike:
     return parse_precision(self.matmul_precision)
 
-  def attention_kwargs(self) -> dict:
-    """The contract's keyword arguments of every kernel function (`attnprec.kernels`)."""
-    return dict(float32_qk_product=self.float32_qk_product,
-                float32_logits=self.float32_logits,
-                einsum_precision=self.einsum_precision)
+  @property
+  def attention(self) -> AttentionFlags:
+    """The attention knobs as one static value: what every kernel, the stage table
+    (`contract.stage_dtypes`) and the audit take."""
+    return AttentionFlags(**{name: getattr(self, name) for name in ATTENTION_FIELDS})
 
   def describe(self) -> str:
-    return (f"dtype={self.dtype} float32_qk_product={self.float32_qk_product} "
-            f"float32_logits={self.float32_logits} einsum_precision={self.einsum_precision} "
+    return (f"dtype={self.dtype} {self.attention.describe()} "
             f"matmul_precision={self.matmul_precision} kernel={self.kernel}"
             + self._blocks() + (" weights=float32-carried" if self.carrier_weights else "")
             + f" {self.cache_storage.describe()}")
@@ -136,6 +136,10 @@ class Precision:
     return f" blocks={self.block_sizes.describe()}" if kernels.runs_blockwise(self.kernel) \
         else ""
 
+
+# Precision's fields that make up its `attention` value (tests/test_stage_dtypes.py
+# checks that Precision has each, with AttentionFlags' default).
+ATTENTION_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionFlags))
 
 REFERENCE = Precision(dtype="float32", matmul_precision="highest", float32_qk_product=True,
                       float32_logits=True, einsum_precision="highest")

@@ -16,6 +16,10 @@ from attnprec.errors import UserError
 FLAGS = list(itertools.product([False, True], [False, True]))  # (qk, logits)
 
 
+def _flags(qk, lg):
+  return contract.AttentionFlags(float32_qk_product=qk, float32_logits=lg)
+
+
 def _inputs(key, B=2, T=8, S=8, N=4, K=2, H=16, sharp=1.0, dtype=jnp.float32):
   kq, kk, kv = jax.random.split(jax.random.PRNGKey(key), 3)
   q = jax.random.normal(kq, (B, T, N, H)) * sharp
@@ -47,7 +51,7 @@ class AttentionVsFloat64(parameterized.TestCase):
     if kind == "softcap":
       cap = 2.0   # binds: logits of N(0, 1) inputs reach well past 2
     fn = self.variant(lambda q, k, v: dot_product.dot_product_attention(
-        q, k, v, mask=mask, float32_qk_product=qk, float32_logits=lg, logits_soft_cap=cap))
+        q, k, v, mask=mask, flags=_flags(qk, lg), logits_soft_cap=cap))
     out = fn(q, k, v)
     chex.assert_shape(out, q.shape)
     chex.assert_type(out, jnp.float32)
@@ -63,7 +67,7 @@ class AttentionVsFloat64(parameterized.TestCase):
     pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
     mask = contract.causal_mask(pos, pos)
     out = self.variant(lambda q, k, v: dot_product.dot_product_attention(
-        q, k, v, mask=mask, float32_qk_product=qk, float32_logits=lg))(q, k, v)
+        q, k, v, mask=mask, flags=_flags(qk, lg)))(q, k, v)
     chex.assert_type(out, jnp.bfloat16)
     ref = _ref(q, k, v, mask=np.asarray(mask))
     # bf16 has 8 significant bits (eps 2^-7 = 0.0078): soft attention on |v| ~ 1 stays
@@ -76,8 +80,8 @@ class AttentionVsFloat64(parameterized.TestCase):
     for dtype in (jnp.float32, jnp.bfloat16):
       for qk, lg in FLAGS:
         out = dot_product.dot_product_attention(q.astype(dtype), k.astype(dtype),
-                                              v.astype(dtype), mask=mask,
-                                              float32_qk_product=qk, float32_logits=lg)
+                                                v.astype(dtype), mask=mask,
+                                                flags=_flags(qk, lg))
         chex.assert_tree_all_finite(out)
 
 
@@ -96,7 +100,7 @@ def _sharp_errors(S=256, seed=0):
   errs = {}
   for qk, lg in FLAGS:
     out = jax.jit(lambda q, k, v, qk=qk, lg=lg: dot_product.dot_product_attention(
-        q, k, v, mask=mask, float32_qk_product=qk, float32_logits=lg))(qb, kb, vb)
+        q, k, v, mask=mask, flags=_flags(qk, lg)))(qb, kb, vb)
     errs[(qk, lg)] = float(np.abs(np.asarray(out, np.float64) - ref).max())
   return errs
 
@@ -122,12 +126,14 @@ def test_heads_not_divisible_is_a_clear_error(n, k):
 def test_invalid_precision_name_lists_valid_ones():
   q = jnp.zeros((1, 2, 2, 8))
   with pytest.raises(UserError, match="valid values are: 'default', 'high', 'highest'"):
-    dot_product.dot_product_attention(q, q, q, einsum_precision="ultra")
+    dot_product.dot_product_attention(q, q, q, flags=contract.AttentionFlags(
+        einsum_precision="ultra"))
 
 
 @pytest.mark.parametrize("name", ["DEFAULT", "High", "highest", "BF16_BF16_F32",
                                   "F32_F32_F32"])
 def test_precision_names_accepted(name):
   q, k, v = _inputs(3)
-  out = dot_product.dot_product_attention(q, k, v, einsum_precision=name)
+  out = dot_product.dot_product_attention(
+      q, k, v, flags=contract.AttentionFlags(einsum_precision=name))
   np.testing.assert_allclose(out, _ref(q, k, v), atol=2e-5)

@@ -300,10 +300,11 @@ def test_attnprecs_kernels_agree_with_the_audit(kernel, flags):
 def test_attnprec_blockwise_kernel_alone_in_its_scan():
   """The blockwise kernel called directly (no model around it): the online softmax inside
   the nested scan / cond bodies is found, its statistics are f32."""
+  from attnprec.contract import AttentionFlags
   from attnprec.kernels.blockwise import blockwise_attention
   r = attention_report(lambda q, k, v: blockwise_attention(
-      q, k, v, causal=True, float32_qk_product=False, float32_logits=False, q_block=4,
-      kv_block=4), *_qkv())
+      q, k, v, causal=True, q_block=4, kv_block=4,
+      flags=AttentionFlags(float32_qk_product=False, float32_logits=False)), *_qkv())
   (a,) = r.attentions
   assert a.online and a.loop and a.qk.result == "bf16" and a.softmax["exp"] == "bf16"
   assert a.softmax["sum"] == "f32"

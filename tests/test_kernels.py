@@ -6,8 +6,12 @@ Each test names what it compares against:
 Tolerances (fp32 inputs with O(1) values, outputs O(1)): ATOL = RTOL = 2e-5 for every
 kernel against both; measured differences are ~1e-6.
 """
+import ast
 import functools
+import inspect
 import re
+import sys
+from unittest import mock
 
 import chex
 import gin
@@ -17,7 +21,7 @@ import numpy as np
 from absl.testing import parameterized
 
 from attnprec import contract, kernels
-from attnprec.contract import CausalMask
+from attnprec.contract import AttentionFlags, CausalMask
 from attnprec.errors import UserError
 from attnprec.kernels import blockwise, dot_product, jax_nn
 from attnprec.precision import Precision, parse_precision
@@ -29,8 +33,7 @@ FLAGS = [(qk, lg) for qk in (False, True) for lg in (False, True)]
 
 # The independent reference kernel, jitted (one compile instead of many eager op compiles).
 _dot_product = jax.jit(dot_product.dot_product_attention,
-                       static_argnames=("float32_qk_product", "float32_logits",
-                                        "einsum_precision", "logits_soft_cap", "scale"))
+                       static_argnames=("flags", "logits_soft_cap", "scale"))
 
 
 def _qkv(T, S, K, dtype=jnp.float32, seed=0, logit_scale=1.0):
@@ -222,11 +225,12 @@ class StageDtypesTest(parameterized.TestCase):
     """Prefill (T=12) and decode (T=1) paths."""
     qk, lg = flags
     c = jnp.dtype(dtype)
-    want = contract.stage_dtypes(c, float32_qk_product=qk, float32_logits=lg)
+    flags = AttentionFlags(float32_qk_product=qk, float32_logits=lg,
+                           einsum_precision=einsum_precision)
+    want = contract.stage_dtypes(c, flags)
     q, k, v = _qkv(T, 40, 2, c)  # Sk=8: qk dots contract H=16, wv dots Sk=8
     fn = functools.partial(blockwise.blockwise_attention, causal=True, q_block=4,
-                           kv_block=8, float32_qk_product=qk, float32_logits=lg,
-                           einsum_precision=einsum_precision)
+                           kv_block=8, flags=flags)
     # Tracing runs the kernel's own chex stage assertions; they must hold.
     dots, exps = _dots_and_exps(fn, q, k, v)
     qk_dots = [e for e in dots if _contracted(e) == H]
@@ -275,7 +279,7 @@ class StageDtypesTest(parameterized.TestCase):
     q, k, v = _qkv(256, 256, 2, jnp.bfloat16, seed=3, logit_scale=4.0)
     q_pos, k_pos = _positions(256, 256)
     cmask = CausalMask(q_pos, k_pos)
-    off = dict(float32_qk_product=False, float32_logits=False)
+    off = dict(flags=AttentionFlags(float32_qk_product=False, float32_logits=False))
     ref = contract.reference_attention_np(q, k, v, mask=cmask.dense())
     err = lambda out: float(np.abs(np.asarray(out, np.float64) - ref).max())
     err_bw = err(blockwise.blockwise_attention(q, k, v, **blockwise.mask_kwargs(cmask), **off))
@@ -286,10 +290,13 @@ class StageDtypesTest(parameterized.TestCase):
 class JaxNnRefusesTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
-      ("qk_off", dict(float32_qk_product=False), "float32_qk_product=False"),
-      ("logits_off", dict(float32_logits=False), "float32_logits=False"),
-      ("highest", dict(einsum_precision="highest"), "einsum_precision='highest'"),
-      ("preset", dict(einsum_precision="BF16_BF16_F32"), "einsum_precision='BF16_BF16_F32'"),
+      ("qk_off", dict(flags=AttentionFlags(float32_qk_product=False)),
+       "float32_qk_product=False"),
+      ("logits_off", dict(flags=AttentionFlags(float32_logits=False)), "float32_logits=False"),
+      ("highest", dict(flags=AttentionFlags(einsum_precision="highest")),
+       "einsum_precision='highest'"),
+      ("preset", dict(flags=AttentionFlags(einsum_precision="BF16_BF16_F32")),
+       "einsum_precision='BF16_BF16_F32'"),
       ("soft_cap", dict(logits_soft_cap=50.0), "logits_soft_cap=50.0"),
       ("cudnn_on_cpu", dict(implementation="cudnn"), "'cudnn' needs a GPU"),
   )
@@ -338,6 +345,30 @@ class RegistryTest(parameterized.TestCase):
         self.assertIn(scope, dot_scopes)
     if spec.qk_scope is None:
       self.assertFalse({contract.QK_SCOPE, contract.WV_SCOPE} & dot_scopes, dot_scopes)
+
+
+  @parameterized.parameters(*kernels.NAMES)
+  def test_every_kernel_runs_the_one_preamble(self, kernel):
+    """Each kernel checks its inputs and reads the table through `contract.prepare`, once,
+    with the phase's knobs as one value, and repeats none of it itself."""
+    prec = Precision(dtype="bfloat16", kernel=kernel)
+    seen = []
+    real = contract.prepare
+
+    def spy(*args, **kwargs):
+      seen.append(args[3])   # the AttentionFlags
+      return real(*args, **kwargs)
+
+    q, k, v = _qkv(4, 4, 2, jnp.bfloat16)
+    with mock.patch.object(contract, "prepare", spy):
+      kernels.attend(prec, q, k, v)
+    self.assertEqual(seen, [prec.attention])
+    tree = ast.parse(inspect.getsource(sys.modules[kernels.get(kernel).attend.__module__]))
+    called = {getattr(n.func, "attr", getattr(n.func, "id", None))
+              for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    self.assertIn("prepare", called)
+    self.assertFalse(called & {"check_heads", "stage_dtypes", "check_cache_operands",
+                               "parse_precision", "scale_queries", "query_operand"})
 
 
 class AutoTest(parameterized.TestCase):

@@ -277,6 +277,20 @@ def test_precision_line_names_the_offset():
   assert "key_offset" not in Precision().describe()
 
 
+def test_the_offset_travels_in_the_attention_flags_and_the_stage_table():
+  """One value carries it (`Precision.attention`), and the table's 'keys' row says where the
+  keys are formed before their one rounding: c without an offset, float32 with one."""
+  from attnprec import contract
+  prec = Precision(**BF16, key_offset="prefill_mean")
+  assert prec.attention.key_offset == "prefill_mean"
+  assert contract.stage_dtypes(jnp.bfloat16, prec.attention)["keys"] == jnp.float32
+  assert contract.stage_dtypes(jnp.bfloat16, Precision(**BF16).attention)["keys"] == \
+      jnp.bfloat16
+  # every kernel honours it: the offset is subtracted before any kernel runs
+  for kernel in ("dot_product", "blockwise", "jax_nn", "auto"):
+    Precision(kernel=kernel, key_offset="bias")
+
+
 # ----------------------------------------------------------------------------- the audit
 AUDIT_CONFIG = dataclasses.replace(CONFIG, vocab_size=13, d_model=16, head_dim=8, mlp_hidden=32)
 

@@ -234,15 +234,14 @@ def test_kernel_with_quantized_cache_matches_float64_on_dequantized_values(kerne
 def test_cache_rows_of_the_table():
   bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
   for qk, lg in FLAGS:
-    base = contract.stage_dtypes(bf16, float32_qk_product=qk, float32_logits=lg)
-    tok = contract.cache_stage_dtypes(bf16, STORAGES[0], float32_qk_product=qk,
-                                      float32_logits=lg)
+    flags = contract.AttentionFlags(float32_qk_product=qk, float32_logits=lg)
+    base = contract.stage_dtypes(bf16, flags)
+    tok = contract.cache_stage_dtypes(bf16, STORAGES[0], flags)
     assert (tok["k_cache"], tok["v_cache"]) == (jnp.dtype(jnp.int8),) * 2
     assert tok["scale_dtype"] == f32 and tok["k_scale"] == tok["v_scale"] == "token"
     assert tok["k_scale_in"] == base["logits"] and tok["v_scale_in"] == base["probs"]
     assert tok["q_into_qk"] == tok["k_into_qk"] == bf16 and tok["v_into_wv"] == base["probs"]
-    ch = contract.cache_stage_dtypes(bf16, STORAGES[1], float32_qk_product=qk,
-                                     float32_logits=lg)
+    ch = contract.cache_stage_dtypes(bf16, STORAGES[1], flags)
     assert ch["k_scale_in"] == ch["q_into_qk"] == ch["k_into_qk"] == (f32 if qk else bf16)
     # q and the probabilities are never quantized.
     for rows in (tok, ch):

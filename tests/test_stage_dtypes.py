@@ -1,5 +1,6 @@
 """Each attention stage has the dtype the contract table says, and a deliberate violation
 trips the chex assertion."""
+import dataclasses
 import itertools
 
 import jax
@@ -7,9 +8,12 @@ import jax.numpy as jnp
 import pytest
 
 from attnprec import contract
+from attnprec.errors import UserError
 from attnprec.kernels import dot_product
+from attnprec.precision import Precision
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+FLAGS = contract.AttentionFlags
 
 # The contract table (docs/contract.md), written out independently.
 TABLE = {
@@ -24,12 +28,12 @@ TABLE = {
 @pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=2)))
 def test_stage_dtypes_table(flags):
   qk, lg = flags
-  got = contract.stage_dtypes(jnp.bfloat16, float32_qk_product=qk, float32_logits=lg)
+  got = contract.stage_dtypes(jnp.bfloat16, FLAGS(float32_qk_product=qk, float32_logits=lg))
   assert (got["logits"], got["softmax"], got["probs"]) == TABLE[flags]
   assert got["qkv"] == got["output"] == BF16
   assert got["scale"] == (F32 if qk else BF16)   # on the f32 logits, else on q in c
   # In float32 compute every stage is float32 whatever the flags.
-  f32 = contract.stage_dtypes(jnp.float32, float32_qk_product=qk, float32_logits=lg)
+  f32 = contract.stage_dtypes(jnp.float32, FLAGS(float32_qk_product=qk, float32_logits=lg))
   assert set(f32.values()) == {F32}
 
 
@@ -52,7 +56,8 @@ def test_observed_stage_dtypes(flags, monkeypatch):
   monkeypatch.setattr(dot_product.jnp, "einsum", spy_einsum)
   monkeypatch.setattr(dot_product.jax.nn, "softmax", spy_softmax)
   x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
-  out = dot_product.dot_product_attention(x, x, x, float32_qk_product=qk, float32_logits=lg)
+  out = dot_product.dot_product_attention(
+      x, x, x, flags=FLAGS(float32_qk_product=qk, float32_logits=lg))
   logits_dt, softmax_dt, probs_dt = TABLE[flags]
   (qk_spec, qk_in, qk_out), (wv_spec, wv_in, wv_out) = seen["einsum"]
   assert qk_in == [BF16, BF16]          # operands stay bf16; f32 comes from accumulation
@@ -69,11 +74,12 @@ def test_violation_trips_chex(monkeypatch):
                       lambda x, **kw: real_softmax(x, **kw).astype(jnp.bfloat16))
   x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
   with pytest.raises(AssertionError, match="bfloat16"):
-    dot_product.dot_product_attention(x, x, x, float32_qk_product=False, float32_logits=True)
+    dot_product.dot_product_attention(
+        x, x, x, flags=FLAGS(float32_qk_product=False, float32_logits=True))
   # ... and under jit too (chex checks run at trace time).
   with pytest.raises(AssertionError):
     jax.jit(lambda a: dot_product.dot_product_attention(
-        a, a, a, float32_qk_product=False, float32_logits=True))(x)
+        a, a, a, flags=FLAGS(float32_qk_product=False, float32_logits=True)))(x)
 
 
 def test_qk_product_not_upcast_is_caught(monkeypatch):
@@ -86,7 +92,8 @@ def test_qk_product_not_upcast_is_caught(monkeypatch):
   monkeypatch.setattr(dot_product.jnp, "einsum", lossy)
   x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
   with pytest.raises(AssertionError):
-    dot_product.dot_product_attention(x, x, x, float32_qk_product=True, float32_logits=True)
+    dot_product.dot_product_attention(
+        x, x, x, flags=FLAGS(float32_qk_product=True, float32_logits=True))
 
 
 def _scale_muls(fn, *args):
@@ -115,7 +122,29 @@ def test_query_scale_is_applied_where_the_table_says(flags):
   qk, lg = flags
   x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
   muls = _scale_muls(lambda a: dot_product.dot_product_attention(
-      a, a, a, float32_qk_product=qk, float32_logits=lg), x)
+      a, a, a, flags=FLAGS(float32_qk_product=qk, float32_logits=lg)), x)
   on_q = [m for m in muls if m == (BF16, (1, 4, 2, 8))]
   on_logits = [m for m in muls if m == (F32, (1, 2, 1, 4, 4))]   # [B, K, G, T, S]
   assert (len(on_q), len(on_logits)) == ((0, 1) if qk else (1, 0)), muls
+
+
+def test_precision_hands_every_knob_over_as_one_value():
+  """Precision has a field for each knob of `AttentionFlags`, with its default, and
+  `Precision.attention` carries them all (hashable: it is a static jit argument)."""
+  defaults = {f.name: f.default for f in dataclasses.fields(Precision)}
+  for f in dataclasses.fields(FLAGS):
+    assert defaults[f.name] == f.default, f.name
+  prec = Precision(dtype="bfloat16", float32_qk_product=False, einsum_precision="highest")
+  want = FLAGS(float32_qk_product=False, float32_logits=True, einsum_precision="highest")
+  assert prec.attention == want and hash(prec.attention) == hash(want)
+  assert prec.attention != FLAGS()
+  for name, value in want.settings().items():
+    assert f" {name}={value} " in prec.describe()
+
+
+@pytest.mark.parametrize("knob,value,valid", [
+    ("float32_qk_product", 1, "True, False"), ("float32_logits", "yes", "True, False"),
+    ("einsum_precision", "ultra", "'default', 'high', 'highest'")])
+def test_attention_flags_refuse_bad_values(knob, value, valid):
+  with pytest.raises(UserError, match=f"Invalid {knob} .*valid values are: {valid}"):
+    FLAGS(**{knob: value})

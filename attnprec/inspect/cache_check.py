@@ -54,10 +54,8 @@ def expected_cache(precision: Precision, cache: bool = True) -> Dict[str, object
   """The cache rows a phase's program must show, in short type names: with `cache`
   False (a program that runs no KV cache, the train step) those of no cache at all."""
   storage = precision.cache_storage if cache else COMPUTE_CACHE
-  flags = dict(float32_qk_product=precision.float32_qk_product,
-               float32_logits=precision.float32_logits)
-  rows = cache_stage_dtypes(precision.compute_dtype, storage, **flags)
-  base = stage_dtypes(precision.compute_dtype, **flags)
+  rows = cache_stage_dtypes(precision.compute_dtype, storage, precision.attention)
+  base = stage_dtypes(precision.compute_dtype, precision.attention)
   names = lambda d: CODE_NAMES[d] if d in SCALED_KV_DTYPES else (None, None)  # noqa: E731
   (k, k_hlo), (v, v_hlo) = names(storage.k_dtype), names(storage.v_dtype)
   maybe = lambda d: None if d is None else short(d)  # noqa: E731

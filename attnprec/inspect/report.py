@@ -50,9 +50,7 @@ def short(dtype) -> str:
 # ----------------------------------------------------------------------------- contract
 def expected_stages(precision: Precision) -> Dict[str, str]:
   """The contract table's stage dtypes for this Precision, short names ('f32')."""
-  table = stage_dtypes(precision.compute_dtype,
-                       float32_qk_product=precision.float32_qk_product,
-                       float32_logits=precision.float32_logits)
+  table = stage_dtypes(precision.compute_dtype, precision.attention)
   return {k: short(v) for k, v in table.items()}
 
 

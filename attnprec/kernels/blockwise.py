@@ -97,8 +97,8 @@ class BlockSizes:
 block_sizes = gin.external_configurable(BlockSizes, "blockwise")
 
 
-def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
-                        float32_logits=True, einsum_precision="default",
+def blockwise_attention(q, k, v, *, mask=None,
+                        flags: contract.AttentionFlags = contract.AttentionFlags(),
                         logits_soft_cap=None, scale=None, causal: bool = False,
                         q_positions_BxT=None, k_positions_BxS=None,
                         sliding_window: Optional[int] = None,
@@ -125,18 +125,11 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
   Returns:
     [B, T, N, H] in q's dtype (and the stats dict if `return_stats`).
   """
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
-  c = q.dtype
-  G = contract.check_heads(q, k, v)
-  expected = contract.stage_dtypes(c, float32_qk_product=float32_qk_product,
-                                        float32_logits=float32_logits)
-  rows = contract.check_cache_operands(q, k, v, kv_cache, kv_scales,
-                                       float32_qk_product=float32_qk_product,
-                                       float32_logits=float32_logits)
+  prep = contract.prepare(q, k, v, flags, scale=scale, kv_cache=kv_cache,
+                          kv_scales=kv_scales)
+  B, T, N, K, G, H, S = prep.B, prep.T, prep.N, prep.K, prep.G, prep.H, prep.S
+  c, expected, rows = q.dtype, prep.stages, prep.rows
   sm = expected["softmax"]
-  precision = contract.parse_precision(einsum_precision)
-  scale = H ** -0.5 if scale is None else scale
   if sliding_window is not None and (not isinstance(sliding_window, int)
                                      or sliding_window <= 0):
     raise UserError(f"sliding_window must be a positive integer or None, "
@@ -164,8 +157,7 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
   need_NQxNK = _blocks_needed(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, causal=causal,
                               sliding_window=sliding_window)
 
-  q_BxTxKxGxH = contract.query_operand(
-      contract.scale_queries(q, scale, expected).reshape(B, T, K, G, H), rows, kv_scales)
+  q_BxTxKxGxH = prep.queries(q)
   q_BxKxGxTpxH = _pad(jnp.transpose(q_BxTxKxGxH, (0, 2, 3, 1, 4)), 3, Tp)
   # A quantized cache's per-token scales, [B, K, Sp] (padding scale 0), sliced per block.
   k_tok = v_tok = None
@@ -196,15 +188,15 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
         jax.lax.dynamic_slice_in_dim(v_src, j * Sk, Sk, axis=kv_axis), rows, "v_into_wv")
     with jax.named_scope(contract.QK_SCOPE):
       logits_BxKxGxTqxSk = jnp.einsum(
-          f"BKGTH,{kv_spec}->BKGTS", q_BxKxGxTqxH, k_blk, precision=precision,
-          preferred_element_type=F32 if float32_qk_product else c)
+          f"BKGTH,{kv_spec}->BKGTS", q_BxKxGxTqxH, k_blk, precision=prep.einsum,
+          preferred_element_type=expected["logits"])
     chex.assert_shape(logits_BxKxGxTqxSk, (B, K, G, Tq, Sk))
     chex.assert_type(logits_BxKxGxTqxSk, expected["logits"])
     if k_tok is not None:
       logits_BxKxGxTqxSk = contract.scale_columns(
           logits_BxKxGxTqxSk, jax.lax.dynamic_slice_in_dim(k_tok, j * Sk, Sk, axis=2),
           rows["k_scale_in"])
-    logits_BxKxGxTqxSk = contract.scale_logits(logits_BxKxGxTqxSk, scale, expected)
+    logits_BxKxGxTqxSk = contract.scale_logits(logits_BxKxGxTqxSk, prep.scale, expected)
     logits_BxKxGxTqxSk = logits_BxKxGxTqxSk.astype(sm)
     if logits_soft_cap is not None:
       cap = jnp.asarray(logits_soft_cap, sm)
@@ -243,7 +235,7 @@ def blockwise_attention(q, k, v, *, mask=None, float32_qk_product=True,
     with jax.named_scope(contract.WV_SCOPE):
       pv_BxKxGxTqxH = jnp.einsum(
           f"BKGTS,{kv_spec}->BKGTH", probs_BxKxGxTqxSk, v_blk.astype(expected["probs"]),
-          precision=precision, preferred_element_type=F32)
+          precision=prep.einsum, preferred_element_type=F32)
     acc_new = acc_BxKxGxTqxH * correction[..., None] + pv_BxKxGxTqxH
     return m_new, l_new, acc_new, count + 1
 
@@ -288,8 +280,8 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
   or a `CausalMask`; kv_scales: those of a quantized cache, or None."""
   return blockwise_attention(q, k, v, **mask_kwargs(mask), logits_soft_cap=logits_soft_cap,
                              scale=scale, block_sizes=precision.block_sizes,
-                             kv_cache=precision.cache_storage, kv_scales=kv_scales,
-                             **precision.attention_kwargs())
+                             flags=precision.attention, kv_cache=precision.cache_storage,
+                             kv_scales=kv_scales)
 
 
 KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=contract.honours_everything)

@@ -15,8 +15,8 @@ from attnprec import contract
 NAME = "dot_product"
 
 
-def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
-                          float32_logits=True, einsum_precision="default",
+def dot_product_attention(q, k, v, *, mask=None,
+                          flags: contract.AttentionFlags = contract.AttentionFlags(),
                           logits_soft_cap=None, scale=None,
                           kv_cache: contract.CacheStorage = contract.COMPUTE_CACHE,
                           kv_scales=None):
@@ -27,14 +27,14 @@ def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
     k: [B, S, K, H] keys, same dtype as q; N must be a multiple of K.
     v: [B, S, K, H] values, same dtype as q.
     mask: optional bool array broadcastable to [B, N, T, S]; True = attend.
-    float32_qk_product: the QK^T dot accumulates and returns float32.
-    float32_logits: soft-cap, mask and softmax run in float32.
-    einsum_precision: `jax.lax.Precision` name (default/high/highest, any case) or a
-      `jax.lax.DotAlgorithmPreset` name; passed to BOTH the qk and the wv einsum.
+    flags: the contract's knobs (`contract.AttentionFlags`, `Precision.attention`):
+      float32_qk_product (the QK^T dot accumulates and returns float32),
+      float32_logits (soft-cap, mask and softmax run in float32), einsum_precision
+      (passed to BOTH the qk and the wv einsum).
     logits_soft_cap: if set, logits -> cap * tanh(logits / cap) before masking.
     scale: query scale; defaults to H ** -0.5. Applied where the contract table says
-      (`contract.stage_dtypes(...)['scale']`): to q in c before the qk dot when the
-      QK product is in c, to the float32 logits after it with `float32_qk_product`.
+      (`contract.stage_dtypes(c, flags)['scale']`): to q in c before the qk dot when
+      the QK product is in c, to the float32 logits after it with float32_qk_product.
     kv_cache: the cache's storage (`Precision.cache_storage`); read with `kv_scales`.
     kv_scales: None (k, v in c), or the `contract.KVScales` of a quantized cache: k / v
       are then its codes (`contract.cache_stage_dtypes` rows 'k_cache' / 'v_cache'),
@@ -48,32 +48,23 @@ def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
   Returns:
     [B, T, N, H] in q's dtype.
   """
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
-  c = q.dtype
-  G = contract.check_heads(q, k, v)
-  expected = contract.stage_dtypes(c, float32_qk_product=float32_qk_product,
-                                   float32_logits=float32_logits)
-  rows = contract.check_cache_operands(q, k, v, kv_cache, kv_scales,
-                                       float32_qk_product=float32_qk_product,
-                                       float32_logits=float32_logits)
-  precision = contract.parse_precision(einsum_precision)
-  if scale is None:
-    scale = H ** -0.5
+  prep = contract.prepare(q, k, v, flags, scale=scale, kv_cache=kv_cache,
+                          kv_scales=kv_scales)
+  B, T, N, K, G, H, S = prep.B, prep.T, prep.N, prep.K, prep.G, prep.H, prep.S
+  expected, rows = prep.stages, prep.rows
 
-  q_BxTxKxGxH = contract.scale_queries(q, scale, expected).reshape(B, T, K, G, H)
-  q_BxTxKxGxH = contract.query_operand(q_BxTxKxGxH, rows, kv_scales)
+  q_BxTxKxGxH = prep.queries(q)
   k = contract.code_operand(k, rows, "k_into_qk")
   with jax.named_scope(contract.QK_SCOPE):
     logits_BxKxGxTxS = jnp.einsum(
-        "BTKGH,BSKH->BKGTS", q_BxTxKxGxH, k, precision=precision,
-        preferred_element_type=jnp.float32 if float32_qk_product else c)
+        "BTKGH,BSKH->BKGTS", q_BxTxKxGxH, k, precision=prep.einsum,
+        preferred_element_type=expected["logits"])
   chex.assert_shape(logits_BxKxGxTxS, (B, K, G, T, S))
   chex.assert_type(logits_BxKxGxTxS, expected["logits"])
   if rows and rows["k_scale"] == "token":
     logits_BxKxGxTxS = contract.scale_columns(logits_BxKxGxTxS, kv_scales.k_token_BxKxS,
                                               rows["k_scale_in"])
-  logits_BxKxGxTxS = contract.scale_logits(logits_BxKxGxTxS, scale, expected)
+  logits_BxKxGxTxS = contract.scale_logits(logits_BxKxGxTxS, prep.scale, expected)
 
   logits_BxKxGxTxS = logits_BxKxGxTxS.astype(expected["softmax"])
   if logits_soft_cap is not None:
@@ -94,8 +85,8 @@ def dot_product_attention(q, k, v, *, mask=None, float32_qk_product=True,
     out_BxTxKxGxH = jnp.einsum(
         "BKGTS,BSKH->BTKGH", probs_BxKxGxTxS,
         contract.code_operand(v, rows, "v_into_wv").astype(expected["probs"]),
-        precision=precision, preferred_element_type=expected["probs"])
-  out_BxTxNxH = out_BxTxKxGxH.reshape(B, T, N, H).astype(c)
+        precision=prep.einsum, preferred_element_type=expected["probs"])
+  out_BxTxNxH = out_BxTxKxGxH.reshape(B, T, N, H).astype(q.dtype)
   chex.assert_shape(out_BxTxNxH, (B, T, N, H))
   chex.assert_type(out_BxTxNxH, expected["output"])
   return out_BxTxNxH
@@ -107,8 +98,8 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
   or a `CausalMask`; kv_scales: those of a quantized cache, or None."""
   return dot_product_attention(q, k, v, mask=contract.dense_mask(mask),
                                logits_soft_cap=logits_soft_cap, scale=scale,
-                               kv_cache=precision.cache_storage, kv_scales=kv_scales,
-                               **precision.attention_kwargs())
+                               flags=precision.attention, kv_cache=precision.cache_storage,
+                               kv_scales=kv_scales)
 
 
 KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=contract.honours_everything)

@@ -30,6 +30,7 @@ the unsupported flags when it is constructed (the registry calls `refusal`), and
 quantized KV cache (int8 / float8 codes with scales: it has nowhere to apply the scales);
 an unscaled cache (float32 / bfloat16 storage) reaches it as values of c, as always.
 """
+import dataclasses
 from typing import Optional
 
 import chex
@@ -40,38 +41,37 @@ from attnprec import contract
 from attnprec.errors import UserError, choice_error
 
 NAME = "jax_nn"
-SUPPORTED = dict(float32_qk_product=(True,), float32_logits=(True,),
-                 einsum_precision=("default",))
+# The one setting of the knobs it honours; a knob added with its default is refused
+# here at any other value until this kernel learns it.
+SUPPORTED = contract.AttentionFlags(float32_qk_product=True, float32_logits=True,
+                                    einsum_precision="default")
 IMPLEMENTATIONS = ("xla", "cudnn")
 
 
-def refusal(precision=None, *, float32_qk_product=None, float32_logits=None,
-            einsum_precision=None, logits_soft_cap=None) -> Optional[str]:
-  """None if 'jax_nn' honours the settings (a `Precision`'s, or given one by one), else
-  the paragraph that names the bad value and the valid ones."""
-  if precision is not None:
-    float32_qk_product = precision.float32_qk_product
-    float32_logits = precision.float32_logits
-    einsum_precision = precision.einsum_precision
-    storage = precision.cache_storage
-    if storage.quantized:
-      return (f"The 'jax_nn' attention kernel cannot read a quantized KV cache "
-              f"(precision.kv_cache_k_dtype = {storage.k_dtype!r}, "
-              f"precision.kv_cache_v_dtype = {storage.v_dtype!r}): "
-              f"jax.nn.dot_product_attention takes k and v in one float dtype and has no "
-              f"place to apply the cache's scales to the logits and probabilities "
-              f"(dequantizing the cache first would add a rounding the contract "
-              f"forbids). Valid cache dtypes for 'jax_nn': 'compute', 'float32', "
-              f"'bfloat16'. Use kernel 'dot_product' or 'blockwise' for "
-              f"{', '.join(repr(d) for d in contract.SCALED_KV_DTYPES)}.")
-  if float32_qk_product is not True:
-    return _refuse("float32_qk_product", float32_qk_product, (True,))
-  if float32_logits is not True:
-    return _refuse("float32_logits", float32_logits, (True,))
-  name = einsum_precision if isinstance(einsum_precision, str) else getattr(
-      einsum_precision, "name", einsum_precision)
-  if not isinstance(name, str) or name.lower() != "default":
-    return _refuse("einsum_precision", einsum_precision, ("default",))
+def refusal(precision, *, logits_soft_cap=None) -> Optional[str]:
+  """None if 'jax_nn' honours a `Precision` (its knobs and cache storage) and the
+  soft-cap, else the paragraph that names the bad value and the valid ones."""
+  storage = precision.cache_storage
+  if storage.quantized:
+    return (f"The 'jax_nn' attention kernel cannot read a quantized KV cache "
+            f"(precision.kv_cache_k_dtype = {storage.k_dtype!r}, "
+            f"precision.kv_cache_v_dtype = {storage.v_dtype!r}): "
+            f"jax.nn.dot_product_attention takes k and v in one float dtype and has no "
+            f"place to apply the cache's scales to the logits and probabilities "
+            f"(dequantizing the cache first would add a rounding the contract "
+            f"forbids). Valid cache dtypes for 'jax_nn': 'compute', 'float32', "
+            f"'bfloat16'. Use kernel 'dot_product' or 'blockwise' for "
+            f"{', '.join(repr(d) for d in contract.SCALED_KV_DTYPES)}.")
+  return flags_refusal(precision.attention, logits_soft_cap=logits_soft_cap)
+
+
+def flags_refusal(flags: contract.AttentionFlags, *,
+                  logits_soft_cap=None) -> Optional[str]:
+  """None if 'jax_nn' honours `flags` and the soft-cap, else why not."""
+  # The key offset acts before any kernel (the layer subtracts it): honoured here too.
+  knob = flags.differing(dataclasses.replace(SUPPORTED, key_offset=flags.key_offset))
+  if knob is not None:
+    return _refuse(knob, getattr(flags, knob), (getattr(SUPPORTED, knob),))
   if logits_soft_cap is not None:
     return (f"The 'jax_nn' attention kernel cannot apply logits_soft_cap="
             f"{logits_soft_cap!r} (jax.nn.dot_product_attention has no soft-cap); "
@@ -79,11 +79,10 @@ def refusal(precision=None, *, float32_qk_product=None, float32_logits=None,
   return None
 
 
-def check_supported(*, float32_qk_product, float32_logits, einsum_precision,
-                    logits_soft_cap=None, implementation="xla"):
+def check_supported(flags: contract.AttentionFlags, *, logits_soft_cap=None,
+                    implementation="xla"):
   """Raises `UserError` naming the bad value and the valid ones."""
-  why = refusal(float32_qk_product=float32_qk_product, float32_logits=float32_logits,
-                einsum_precision=einsum_precision, logits_soft_cap=logits_soft_cap)
+  why = flags_refusal(flags, logits_soft_cap=logits_soft_cap)
   if why:
     raise UserError(why)
   if implementation not in IMPLEMENTATIONS:
@@ -93,27 +92,21 @@ def check_supported(*, float32_qk_product, float32_logits, einsum_precision,
                     f"{jax.default_backend()!r}. Valid here: 'xla'.")
 
 
-def jax_nn_attention(q, k, v, *, mask=None, float32_qk_product=True, float32_logits=True,
-                     einsum_precision="default", logits_soft_cap=None, scale=None,
-                     implementation: str = "xla"):
+def jax_nn_attention(q, k, v, *, mask=None, flags: contract.AttentionFlags = SUPPORTED,
+                     logits_soft_cap=None, scale=None, implementation: str = "xla"):
   """Same signature and contract as `dot_product_attention` for the one flag setting it
   supports (see module docstring); `implementation` is 'xla' (default) or 'cudnn'."""
-  check_supported(float32_qk_product=float32_qk_product, float32_logits=float32_logits,
-                  einsum_precision=einsum_precision, logits_soft_cap=logits_soft_cap,
-                  implementation=implementation)
-  B, T, N, H = q.shape
-  c = q.dtype
-  contract.check_heads(q, k, v)
-  expected = contract.stage_dtypes(c, float32_qk_product=True, float32_logits=True)
-  chex.assert_type([q, k, v], [expected["qkv"]] * 3)
-  scale = H ** -0.5 if scale is None else scale
+  check_supported(flags, logits_soft_cap=logits_soft_cap, implementation=implementation)
+  prep = contract.prepare(q, k, v, flags, scale=scale)
+  B, T, N, H = prep.B, prep.T, prep.N, prep.H
+  c, expected = q.dtype, prep.stages
   operand = jnp.float32 if implementation == "xla" else c
   if mask is not None:
     mask = contract.check_bool_mask(mask)
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
   out_BxTxNxH = jax.nn.dot_product_attention(
       q.astype(operand), k.astype(operand), v.astype(operand), mask=mask,
-      scale=scale, implementation=implementation).astype(c)
+      scale=prep.scale, implementation=implementation).astype(c)
   chex.assert_shape(out_BxTxNxH, (B, T, N, H))
   chex.assert_type(out_BxTxNxH, expected["output"])
   return out_BxTxNxH
@@ -122,8 +115,8 @@ def jax_nn_attention(q, k, v, *, mask=None, float32_qk_product=True, float32_log
 def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
   """The registry's entry: a phase's `Precision` flags, a dense mask or a `CausalMask`."""
   return jax_nn_attention(q, k, v, mask=contract.dense_mask(mask),
-                          logits_soft_cap=logits_soft_cap, scale=scale,
-                          **precision.attention_kwargs())
+                          flags=precision.attention, logits_soft_cap=logits_soft_cap,
+                          scale=scale)
 
 
 KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=refusal,
