@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from attnprec import kernels, keyoffset
 from attnprec.cache import LayerCache
 from attnprec.config import ModelConfig
-from attnprec.contract import KEY_OFFSET_SCOPE
+from attnprec.contract import KEY_OFFSET_SCOPE, stage_dtypes
 from attnprec.precision import Precision
 
 
@@ -231,7 +231,8 @@ class Attention(hk.Module):
     contract's offset row (`attnprec.keyoffset`)."""
     cfg, name = self.config, self.precision.key_offset
     B, T, K, H = k32_BxTxKxH.shape
-    chex.assert_type(k32_BxTxKxH, jnp.float32)
+    # the table's 'keys' row: formed in float32 until the offset is off
+    chex.assert_type(k32_BxTxKxH, stage_dtypes(c, self.precision.attention)["keys"])
     with jax.named_scope(KEY_OFFSET_SCOPE):
       if name == "zero":
         fresh_BxKxH = jnp.zeros((B, K, H), jnp.float32)
