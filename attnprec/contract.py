@@ -169,7 +169,7 @@ class AttentionFlags:
       if not isinstance(getattr(self, flag), bool):
         raise choice_error(flag, getattr(self, flag), (True, False))
     if self.key_offset not in KEY_OFFSETS:
-      raise choice_error("precision.key_offset", self.key_offset, KEY_OFFSETS)
+      raise choice_error("key_offset", self.key_offset, KEY_OFFSETS)
     try:
       parse_precision(self.einsum_precision)
     except UserError:
