@@ -239,7 +239,8 @@ def test_one_error_path_whether_the_logits_were_kept_or_not(models):
   """`serving.nonfinite_error` names the same step, kind and stage from the program's own
   logits (the decode job keeps them) as from a forward pass (the API and the evals keep
   none)."""
-  from attnprec import checkpoints, serving
+  from attnprec import checkpoints
+  from attnprec.checkpoints import serving
   from attnprec.errors import NonFiniteError
   from attnprec.precision import Precision
   big = checkpoints.load(models["big"])
