@@ -221,26 +221,6 @@ def _binding_name(scope: str, selector: str) -> str:
   return f"{scope}/{name}" if scope else name
 
 
-def _clean_gin_error(e: BaseException) -> str:
-  if isinstance(e, tokenize.TokenError):
-    return f"Invalid gin configuration: unterminated expression or string ({e.args[0]})."
-  text = " ".join(str(e).split())
-  # ast.literal_eval's message names an object address, not what was written.
-  text = re.sub(r"malformed node or string on line \d+: <ast\.\w+ object at 0x[0-9a-f]+>",
-                "not a literal value:", text)
-  if isinstance(e, KeyError):
-    text = text.strip("'\"")
-  m = re.search(r"No configurable matching '([^']+)'", text)
-  if m:
-    text += (f" Known configurables: {', '.join(sorted(_configurable_names()))}.")
-  m = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", text)
-  if m:
-    params = _parameter_names(m.group(1))
-    if params:
-      text += f" Valid parameters of {m.group(1)}: {', '.join(params)}."
-  return f"Invalid gin configuration: {text}"
-
-
 def preset_parameters() -> str:
   """'humaneval.presets, ..., retrieval.presets (and retrieval.kernel), study.presets /
   study.extra_presets': the parameters that name precision presets, read from every
