@@ -94,6 +94,10 @@ def test_a_large_key_bias_is_what_the_bf16_qk_product_rounds():
   assert err["fp32_qk"] < 0.2 * err["bf16"]
   assert err["fp32_logits"] > 0.5 * err["bf16"]     # the softmax upcast alone: no help
   assert centred < 0.2 * err["bf16"]                 # same function, small logits
+  # The key offset's fixed c (the bias in the slow RoPE pairs): the same effect as centring.
+  offset = sinks.local_error(CONFIG, layer0, sweep["bf16"],
+                             key_offset_KxH=sinks.bias_offsets(CONFIG, params)[0])
+  assert offset < 0.2 * err["bf16"]
   small = sinks.capture(CONFIG, tiny(), tokens)[0]   # without the bias: a small error
   assert sinks.local_error(CONFIG, small, sweep["bf16"]) < 0.2 * err["bf16"]
 
@@ -107,6 +111,10 @@ def test_analyze_and_plot(tmp_path):
   assert len(res["bias_norms"]) == 2 and res["bias_norms"][0]["max_abs_bk"] == 30.0
   for v in res["variants"].values():
     assert len(v["profile"]) == 2 and set(v["local"]) == {"bf16", "fp32_qk"}
+    assert len(v["local_bias_offset"]["bf16"]) == 2
+  assert "key-bias offset" in sinks.report(dict(res, model="tiny", windows=1, length=10))
+  no_bias = dataclasses.replace(CONFIG, qkv_bias=False)
+  assert sinks.bias_offsets(no_bias, params) is None
   paths = sinks.plot(res, str(tmp_path / "sinks"), "tiny")
   assert len(paths) == 3
   for p in paths:

@@ -18,6 +18,8 @@ attention kernel: q and k after RoPE, v, and the part of k that is the (rotated)
   * the same with the keys centred (k - mean_s k_s per sequence and kv head): every logit
     of a query moves by the same amount, so the attention function is unchanged in exact
     arithmetic; if the error disappears, it came from the shared offset's magnitude;
+  * the same with the key-bias offset subtracted (`precision.key_offset = 'bias'`'s fixed
+    c = E_p[R(p)] b_k, `keyoffset.bias_offset`): what that offset leaves of the error;
   * the same with the query scale folded into q before q is rounded (`prescale_query`):
     where the contract scales q in the compute dtype (QK product in c), the difference is
     what the scale's placement costs (nothing at head dim 64, whose 1/8 is exact);
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from attnprec import contract, kernels, plotting, runs
+from attnprec import contract, kernels, keyoffset, plotting, runs
 from attnprec.errors import NonFiniteError, UserError
 from attnprec.config import ModelConfig
 from attnprec.precision import Precision
@@ -219,7 +221,8 @@ def logit_profile(cfg: ModelConfig, layer: LayerInputs) -> Dict[str, float]:
 
 
 def local_error(cfg: ModelConfig, layer: LayerInputs, precision: Precision,
-                center_keys: bool = False, prescale_query: bool = False) -> float:
+                center_keys: bool = False, prescale_query: bool = False,
+                key_offset_KxH=None) -> float:
   """Relative L2 error of the kernel under `precision` on this layer's inputs (rounded to
   the compute dtype) against float64 attention of the same rounded inputs.
 
@@ -229,11 +232,17 @@ def local_error(cfg: ModelConfig, layer: LayerInputs, precision: Precision,
   product with the scale), so the difference from the contract's own error is what the
   query scale's placement costs. When the scale is a power of two (head dim 64: 1/8) the
   product is exact and the two errors are identical; at head dim 128 (1/sqrt(128)) it is
-  not."""
+  not.
+
+  key_offset_KxH: a fixed vector subtracted from every key in float32 before the keys are
+  rounded (`precision.key_offset = 'bias'`: `keyoffset.bias_offset` of the layer's key
+  bias); like centring, exact in exact arithmetic."""
   c = contract.parse_dtype(precision.dtype)
   k = np.asarray(layer.k_BxTxKxH, np.float32)
   if center_keys:
     k = k - k.mean(axis=1, keepdims=True)
+  if key_offset_KxH is not None:
+    k = k - np.asarray(key_offset_KxH, np.float32)[None, None]
   q = np.asarray(layer.q_BxTxNxH, np.float32)
   scale = cfg.query_scale
   if prescale_query:
@@ -266,6 +275,16 @@ def bias_norms(cfg: ModelConfig, params) -> List[Dict[str, float]]:
   return rows
 
 
+def bias_offsets(cfg: ModelConfig, params):
+  """Per layer `precision.key_offset = 'bias'`'s c (float32 [K, H]), or None for a model
+  without a key bias."""
+  if not cfg.qkv_bias:
+    return None
+  return [np.asarray(keyoffset.bias_offset(jnp.asarray(np.asarray(
+      params[f"decoder/layer_{i}/attn/k"]["b"], np.float32).reshape(
+          cfg.num_kv_heads, cfg.head_dim)), cfg, i)) for i in range(cfg.num_layers)]
+
+
 def analyze(cfg: ModelConfig, params, variants: Dict[str, np.ndarray],
             presets: Sequence, on_variant=None) -> dict:
   """{variant: {"profile": [per layer], "local": {preset: [per layer]}, "local_centered":
@@ -273,10 +292,11 @@ def analyze(cfg: ModelConfig, params, variants: Dict[str, np.ndarray],
   layer]} for each token array in `variants`
   (e.g. the windows with and without their first token). presets: [(name, Precision)]."""
   out = {"bias_norms": bias_norms(cfg, params), "variants": {}}
+  offsets = bias_offsets(cfg, params)
   for label, tokens in variants.items():
     layers = capture(cfg, params, tokens)
     res = {"tokens": list(np.asarray(tokens).shape), "profile": [], "local": {},
-           "local_centered": {}, "local_prescaled": {}}
+           "local_centered": {}, "local_prescaled": {}, "local_bias_offset": {}}
     for layer in layers:
       res["profile"].append(logit_profile(cfg, layer))
     for name, prec in presets:
@@ -285,6 +305,9 @@ def analyze(cfg: ModelConfig, params, variants: Dict[str, np.ndarray],
                                      for l in layers]
       res["local_prescaled"][name] = [local_error(cfg, l, prec, prescale_query=True)
                                       for l in layers]
+      if offsets is not None:
+        res["local_bias_offset"][name] = [local_error(cfg, l, prec, key_offset_KxH=c)
+                                          for l, c in zip(layers, offsets)]
     out["variants"][label] = res
     if on_variant is not None:
       on_variant()
@@ -325,6 +348,10 @@ def plot(result: dict, path_prefix: str, title: str = "") -> List[str]:
       if name == "bf16":
         ax.plot(np.arange(len(errs)), errs, ls, color="C7", marker="x",
                 label=f"{name}, keys centred, {label}")
+    for name, errs in res.get("local_bias_offset", {}).items():
+      if name == "bf16":
+        ax.plot(np.arange(len(errs)), errs, ls, color="C9", marker="s", markersize=3,
+                label=f"{name}, key-bias offset, {label}")
     for name, errs in res.get("local_prescaled", {}).items():
       if name == "bf16":
         ax.plot(np.arange(len(errs)), errs, ls, color="C8", marker="+",
@@ -393,17 +420,19 @@ def report(result: dict) -> str:
             "| layer | max abs bk | max abs logit | row max | sink logit | largest other | "
             "row mean | sink mass | q.b_k at sink | "
             + " | ".join(f"kernel err {p}" for p in presets)
-            + " | kernel err bf16, keys centred | kernel err bf16, q scaled before rounding |",
-            "|---:|" + "---:|" * (10 + len(presets))]
+            + " | kernel err bf16, keys centred | kernel err bf16, key-bias offset"
+            " | kernel err bf16, q scaled before rounding |",
+            "|---:|" + "---:|" * (11 + len(presets))]
     for i, prof in enumerate(res["profile"]):
       errs = " | ".join(f"{res['local'][p][i]:.2e}" for p in presets)
       cen = res["local_centered"].get("bf16", [float("nan")] * (i + 1))[i]
       pre = res.get("local_prescaled", {}).get("bf16", [float("nan")] * (i + 1))[i]
+      off = res.get("local_bias_offset", {}).get("bf16", [float("nan")] * (i + 1))[i]
       out.append(f"| {i} | {bn[i]['max_abs_bk']:.1f} | {prof['max_abs_logit']:.1f} | "
                  f"{prof['median_row_max']:.1f} | {prof['median_sink_logit']:.1f} | "
                  f"{prof['median_other_max']:.1f} | {prof['median_row_mean']:.1f} | "
                  f"{prof['median_sink_mass']:.3f} | {prof['median_sink_bias_logit']:.1f} | "
-                 f"{errs} | {cen:.2e} | {pre:.2e} |")
+                 f"{errs} | {cen:.2e} | {off:.2e} | {pre:.2e} |")
     out.append("")
   if result.get("injected"):
     layers = list(next(iter(next(iter(result["injected"].values())).values())))
