@@ -150,6 +150,24 @@ def test_offset_reduces_the_bf16_error_on_a_key_bias_model():
   assert bias < 0.7 * zero, (zero, bias)
 
 
+@pytest.mark.parametrize("qk_f32", [False, True])
+def test_three_bf16_passes_on_the_qk_product_are_no_alternative(qk_f32):
+  """BF16_BF16_F32_X3 (the 'cheap alternative' of three bf16 passes) on a bf16 model: its
+  operands are bf16 already, so the low parts of the split are zero and the product is the
+  one exact bf16 pass; what rounds is the keys (before the dot) and the logits (after it).
+  XLA:CPU keeps the algorithm in the compiled dot and computes it in float32 (a different
+  summation order from its bf16 dot, so not bitwise). Against the float32 reference the
+  model's logits error is the same with and without the preset, under either QK flag, and
+  the key-bias offset, not the passes, is what removes it."""
+  params, tokens = _params(), _tokens(T=32)
+  flags = dict(BF16, float32_qk_product=qk_f32)
+  plain = _error(params, tokens, Precision(**flags))
+  x3 = _error(params, tokens, Precision(**flags, einsum_precision="BF16_BF16_F32_X3"))
+  bias = _error(params, tokens, Precision(**flags, key_offset="bias"))
+  assert 0.8 * plain < x3 < 1.25 * plain, (plain, x3)
+  assert bias < 0.5 * x3, (x3, bias)
+
+
 def test_offset_lets_the_int8_per_token_key_cache_quantize_the_residual():
   """int8 keys with one scale per token: without the offset the scale is set by the bias
   (absmax ~200) and the key's own part gets a few codes; with it, the residual's absmax.
