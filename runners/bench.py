@@ -16,6 +16,13 @@ SmolLM2-shaped projections and the whole model's prefill (1000 tokens) and decod
 onednn,xnnpack` repeats it once per XLA:CPU setting, each in its own process (XLA_FLAGS
 is process-wide). Writes <out>/projections.json, projections.md.
 
+`profile`: where a prefill's time goes, per stage (projections, the attention kernel's
+QK dot, softmax and PV dot, RoPE, norms, MLP activation, copies and converts), from
+XLA:CPU's own per-thunk trace of the compiled prefill (`attnprec.bench.profile`);
+`--model=smollm2-135m,qwen2.5-coder-0.5b` (comma-separated), `--cases` (default 1x1000,
+1x4000), `--model_presets`, `--rounds` (traced calls, default 3). Writes
+<out>/profile.json, profile.md.
+
 An option the chosen suite does not read (`--cases` with `--suite=attention`, say) is
 refused, not ignored.
 
@@ -35,10 +42,11 @@ disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 from attnprec import cli, compilation, runs  # noqa: E402
 from attnprec.bench import attention as bench  # noqa: E402
 from attnprec.bench import model as model_bench  # noqa: E402
+from attnprec.bench import profile as profile_bench  # noqa: E402
 from attnprec.bench import projections as projection_bench  # noqa: E402
 from attnprec.errors import UserError  # noqa: E402
 
-SUITES = ("model", "attention", "projections", "all")
+SUITES = ("model", "attention", "projections", "profile", "all")
 # The options each suite reads (--suite and --out: every suite). One a suite does not
 # read is refused, never ignored.
 _MODEL_OPTIONS = ("quick", "model", "cases", "model_presets", "steps", "rounds", "no_torch",
@@ -47,6 +55,7 @@ _ATTENTION_OPTIONS = ("seq_lens", "memory_seq_lens", "decode_seq_lens", "kernels
                       "no_torch")
 READS = {"model": _MODEL_OPTIONS, "attention": _ATTENTION_OPTIONS,
          "projections": ("projection_parts", "xla_settings", "rounds"),
+         "profile": ("model", "cases", "model_presets", "rounds"),
          "all": tuple(dict.fromkeys(_MODEL_OPTIONS + _ATTENTION_OPTIONS))}
 
 
@@ -158,6 +167,20 @@ def run_projections(args):
   print(f"wrote {args.out}/projections.json, projections.md")
 
 
+def run_profile(args):
+  def write(result):
+    runs.write_json(args.out, "profile.json", result)
+    _write(args.out, "profile.md", profile_bench.to_markdown(result))
+
+  result = profile_bench.run_profile(
+      models=[m.strip() for m in args.model.split(",") if m.strip()],
+      cases=args.cases or ((1, 1000), (1, 4000)), presets=args.model_presets,
+      rounds=args.rounds or 3, on_row=write)
+  write(result)
+  print(profile_bench.to_markdown(result))
+  print(f"wrote {args.out}/profile.json, profile.md")
+
+
 def _parse(argv):
   parser = cli.ArgumentParser(prog="bench", doc=__doc__, examples=EXAMPLES)
   add = parser.add_argument
@@ -226,6 +249,8 @@ EXAMPLES = [
     "--kernels=dot_product,blockwise",
     "python runners/bench.py --suite=projections --xla_settings=default,onednn,xnnpack",
     "python runners/bench.py --torch_dtypes=float32,bfloat16 --cases=long",
+    "python runners/bench.py --suite=profile --model=smollm2-135m,qwen2.5-coder-0.5b "
+    "--model_presets=bf16_flags",
 ]
 
 
@@ -241,6 +266,8 @@ def main(argv) -> int:
       run_attention(args)
     if args.suite == "projections":
       run_projections(args)
+    if args.suite == "profile":
+      run_profile(args)
 
   # keep_partial: model.json is rewritten after every case, so an interrupted run keeps
   # the cases it measured

@@ -1,0 +1,85 @@
+"""The prefill profile (`attnprec.bench.profile`): the HLO reader and the stage attribution
+on a tiny model's compiled prefill, and one traced run (its times are not checked: speed
+is measured in `make bench`, never in a test)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from attnprec import decoding
+from attnprec import model as model_lib
+from attnprec.bench import profile
+from attnprec.config import ModelConfig
+from attnprec.precision import Precision
+
+CONFIG = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=16, mlp_hidden=64, max_seq_len=512, qkv_bias=True)
+
+
+def _compiled(kernel, T=64, key_offset="none"):
+  params = model_lib.init_params(CONFIG, jax.random.PRNGKey(0))
+  prec = Precision(dtype="bfloat16", kernel=kernel, key_offset=key_offset)
+  fn = jax.jit(functools.partial(decoding.prefill, config=CONFIG, precision=prec,
+                                 cache_length=T + 8))
+  tokens, lengths = jnp.zeros((1, T), jnp.int32), jnp.full((1,), T, jnp.int32)
+  return fn.lower(params, tokens, lengths).compile(), (params, tokens, lengths)
+
+
+def test_parse_hlo_reads_opcodes_names_calls_and_operands():
+  text = """HloModule m
+
+%fused (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = f32[4,4]{1,0} parameter(1)
+  ROOT %dot.1 = f32[4,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/x/attn/q/dot_general"}
+}
+
+ENTRY %main (a: f32[4,4]) -> (f32[4,4], s32[]) {
+  %a = f32[4,4]{1,0} parameter(0)
+  %f = f32[4,4]{1,0} fusion(%a, %a), kind=kCustom, calls=%fused
+  %c = s32[] constant(0)
+  ROOT %t = (f32[4,4]{1,0}, s32[]) tuple(%f, %c)
+}
+"""
+  instrs, comps = profile.parse_hlo(text)
+  assert set(comps) == {"fused", "main"}
+  assert instrs["f"].opcode == "fusion" and instrs["f"].calls == ("fused",)
+  assert instrs["f"].operands == ("a", "a")
+  assert instrs["t"].opcode == "tuple" and instrs["t"].operands == ("f", "c")
+  assert instrs["dot.1"].op_name == "jit(f)/x/attn/q/dot_general"
+  assert profile.stage_of("f", instrs, comps) == "projections q, k, v, o"
+  assert profile.stage_of("c", instrs, comps) == "copies / converts"
+
+
+def test_every_dot_of_a_dense_prefill_gets_its_stage():
+  """The dense kernel's QK and PV dots (which XLA:CPU may rewrite without metadata) are
+  found from the data flow; every dot of the model is in a named stage, none in 'other'
+  (with the key offset: its float32 key projection is still a projection)."""
+  compiled, _ = _compiled("dot_product", key_offset="bias")
+  instrs, comps = profile.parse_hlo(compiled.as_text())
+  users = profile.users_of(instrs)
+  fused = {c for i in instrs.values() if i.opcode == "fusion" for c in i.calls}
+  stages = {}   # what runs as a thunk: instructions outside fused computations
+  for comp, names in comps.items():
+    for name in names:
+      if comp not in fused and any(i.opcode in profile.DOTS
+                                   for i in profile._inner(name, instrs, comps)):
+        stages[name] = profile.stage_of(name, instrs, comps, users)
+  counts = {s: list(stages.values()).count(s) for s in set(stages.values())}
+  L = CONFIG.num_layers
+  assert counts.get("projections q, k, v, o") == 4 * L, counts
+  assert counts.get("MLP projections") == 3 * L, counts
+  assert counts.get("attention QK dot") == L and counts.get("attention PV dot") == L, counts
+  assert "other dots" not in counts, counts
+
+
+def test_profile_program_covers_the_prefill():
+  compiled, args = _compiled("blockwise", T=64)
+  row = profile.profile_program(compiled, lambda: compiled(*args), rounds=1)
+  assert set(row["stages"]) == set(profile.STAGES)
+  assert row["thunks_ms"] > 0 and row["wall_ms"] > 0 and not row["unattributed"]
+  assert row["stages"]["projections q, k, v, o"] > 0
+  result = dict(config=dict(cpu="x", cpu_count=2, jax="0", xla_flags="", rounds=1),
+                rows=[dict(row, model="tiny", batch=1, prompt=64, preset="bf16")])
+  text = profile.to_markdown(result)
+  assert "| attention QK dot |" in text and "tiny 1x64 bf16" in text
