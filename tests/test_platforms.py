@@ -234,3 +234,30 @@ def test_device_check_without_a_gpu_says_so_in_one_line(tmp_path, capsys):
   lines = capsys.readouterr().out.strip().splitlines()
   assert len(lines) == 1 and "no GPU" in lines[0], lines
   assert not out.exists()
+
+
+def test_inspect_reads_a_function_under_the_platform(capsys):
+  """MaxText's attention (attnprec.inspect.examples) drops its `precision`: lowered for
+  tpu, its wv dot multiplies the f32 probabilities in one bf16 pass where 'highest' was
+  asked; its qk dot (f32 operands upcast from bf16) loses nothing."""
+  from attnprec.inspect import examples, inspect_lowered, job
+  args, kwargs = examples.maxtext_inputs()
+  lowered = job.lower_for(examples.maxtext_attention, "tpu", args, kwargs)
+  asked = Precision(dtype="bfloat16", einsum_precision="highest")
+  problems = inspect_lowered(lowered, expect=asked, platform="tpu").problems()
+  on_tpu = [p for p in problems if "on tpu" in p]
+  assert len(on_tpu) == 1 and "multiplies in one bf16 pass" in on_tpu[0], problems
+  assert "6 bf16 passes" in on_tpu[0]
+
+
+def test_the_jax_nn_kernel_with_cudnn_is_refused_for_cuda_here():
+  import functools
+
+  from attnprec.inspect import job
+  from attnprec.kernels import jax_nn
+  fn = functools.partial(jax_nn.jax_nn_attention, implementation="cudnn")
+  x = jax.ShapeDtypeStruct((1, 16, 4, 32), jnp.bfloat16)
+  with pytest.raises(Exception) as raised:     # the kernel's own refusal, or jax's
+    job.lower_for(fn, "cuda", (x, x, x), {})
+  message = str(job.lowering_error("jax_nn_attention", "cuda", raised.value, "shapes"))
+  assert "for platform 'cuda' failed" in message and "cuDNN" in message
