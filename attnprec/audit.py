@@ -251,9 +251,11 @@ def _cache_row(phase: str, att, expected: dict) -> dict:
               problems=problems)
 
 
-def _on_platform(rows: List[dict], dots: list, platform: str, knobs: List[str]) -> None:
-  """Adds each row's products on `platform` and the platform's problems (in place)."""
-  for r, d, (knob, asked) in zip(rows, dots, knobs):
+def _on_platform(rows: List[dict], dots: List[DotSite], platform: str, knob: str,
+                 asked: str) -> None:
+  """Adds to each row (one per dot, in order) what the dot's products keep on `platform`
+  and the problems of reading it there against `knob` = `asked` (in place)."""
+  for r, d in zip(rows, dots, strict=True):
     r["on_platform"] = contract_check.products_text(d, platform)
     extra = contract_check.platform_problems(d, asked, platform, knob)
     r["problems"] = r["problems"] + extra
@@ -290,10 +292,9 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
                            "precision" if d.backward else "types+precision"))
   if platform != "cpu":
     att_dots = [x for a in report.attentions for x in [a.qk, a.wv] + list(a.backward)]
-    _on_platform(rows, att_dots, platform,
-                 [("einsum_precision", precision.einsum_precision)] * len(att_dots))
-    _on_platform(dense_rows, report.dense, platform,
-                 [("matmul_precision", precision.matmul_precision)] * len(report.dense))
+    _on_platform(rows, att_dots, platform, "einsum_precision", precision.einsum_precision)
+    _on_platform(dense_rows, report.dense, platform, "matmul_precision",
+                 precision.matmul_precision)
   layers = sorted(a.layer for a in report.attentions if a.layer is not None)
   attributed = len(layers) == len(report.attentions)
   if attributed:
@@ -396,7 +397,8 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
   problems = [p for ph in phases.values() for p in ph["problems"]]
   return {"model": model_source, "config": runs.config_dict(config),
           "sizes": {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens},
-          "platform": platform, "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "platform": platform, "backend": jax.default_backend(),
+          "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "xla": xla_env.describe(), "phases": phases, "problems": problems,
           "ok": not problems}
 

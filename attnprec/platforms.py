@@ -68,7 +68,6 @@ class Platform:
   bf16: str                        # what a bf16 x bf16 dot does
   presets: FrozenSet[str]          # DotAlgorithmPreset names the backend accepts
   presets_source: str
-  note: str
 
   def arithmetic(self, precision: str) -> str:
     """'tf32', 'bf16', ... for a lax Precision name on f32 operands."""
@@ -83,18 +82,14 @@ TABLE: Dict[str, Platform] = {
         presets=frozenset({"F16_F16_F16", "F32_F32_F32", "F64_F64_F64", "BF16_BF16_F32",
                            "BF16_BF16_F32_X3", "BF16_BF16_F32_X6"}),
         presets_source="jax/_src/lax/lax.py `_dot_general_lower`, which refuses the "
-                       "others when lowering",
-        note="`precision` changes no number: einsum_precision / matmul_precision have no "
-             "numeric effect (docs/precision.md); presets do (their converts)"),
+                       "others when lowering"),
     "tpu": Platform(
         name="tpu", backend="tpu", hardware="TPU, MXU",
         f32_products={"DEFAULT": "bf16", "HIGH": "bf16_3x", "HIGHEST": "bf16_6x"},
         bf16="exact products, f32 accumulation in the MXU",
         presets=frozenset({"BF16_BF16_F32", "BF16_BF16_F32_X3", "BF16_BF16_F32_X6"}),
         presets_source="jax/tests/lax_test.py `testDotAlgorithm` and "
-                       "`testDotAlgorithmCasting`; the TPU compiler refuses the others",
-        note="DEFAULT multiplies f32 operands in one bf16 pass: f32 probabilities "
-             "enter the wv dot as bf16 unless einsum_precision is 'highest'"),
+                       "`testDotAlgorithmCasting`; the TPU compiler refuses the others"),
     "cuda": Platform(
         name="cuda", backend="gpu", hardware="NVIDIA GPU, sm_80+ (Ampere)",
         f32_products={"DEFAULT": "tf32", "HIGH": "tf32", "HIGHEST": "f32"},
@@ -103,9 +98,7 @@ TABLE: Dict[str, Platform] = {
                            "BF16_BF16_F32_X6", "BF16_BF16_F32_X9", "TF32_TF32_F32",
                            "TF32_TF32_F32_X3", "F32_F32_F32", "F64_F64_F64"}),
         presets_source="XLA xla/service/algorithm_util.cc `IsSupportedDotAlgorithmOnGpu`; "
-                       "the GPU compiler refuses the others",
-        note="DEFAULT and HIGH run f32 dots in TF32 (10 explicit significand bits); "
-             "before Ampere all three are f32"),
+                       "the GPU compiler refuses the others"),
 }
 
 
@@ -141,9 +134,12 @@ def refusal(platform: str, precision_name: str, *, knob: str = "einsum_precision
   if preset in row.presets:
     return None
   accepted = sorted(row.presets)
-  why = ("it needs float8 operands and attnprec's attention and dense dots never take "
-         "them (a quantized KV cache's codes enter the dots converted to the compute "
-         "dtype)") if preset in _F8 else f"{row.hardware} does not accept it (source: {row.presets_source})"
+  if preset in _F8:
+    why = ("it needs float8 operands and attnprec's attention and dense dots never take "
+           "them (a quantized KV cache's codes enter the dots converted to the compute "
+           "dtype)")
+  else:
+    why = f"{row.hardware} does not accept it (source: {row.presets_source})"
   return (f"Platform {platform!r} cannot honour {knob}={name!r}: {why}. Valid on "
           f"{platform!r}: 'default', 'high', 'highest' or one of the dot-algorithm "
           f"presets {', '.join(repr(p) for p in accepted)}.")
