@@ -22,7 +22,7 @@ SIZES_GIN ?=
 RUN ?= runs/recall
 gin_files = $(foreach f,$(or $(GIN),$(1)),--gin_file=$(f))
 
-.PHONY: setup test train decode audit inspect study nextline sinks eval sizes bench plot clean
+.PHONY: setup test train decode audit inspect study nextline sinks eval sizes bench plot device-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,12 @@ sizes: setup
 
 bench: setup
 	$(PY) runners/bench.py --out=bench $(ARGS)
+
+# On a machine with an NVIDIA GPU: the cuda audit on the compiled program, the kernels'
+# speed and error (Pallas if registered, cuDNN), the flags' cost per phase. Elsewhere:
+# one line, exit 0.
+device-check: setup
+	$(PY) runners/device_check.py $(ARGS)
 
 plot: setup
 	$(PY) runners/plot.py --run_dir=$(RUN)

@@ -51,6 +51,17 @@ quantized probabilities (a convert to or from an 8-bit type on their way to the 
 a scale in the wrong dtype or place, a missing or extra scale, or codes entering a dot
 in another type: a FAIL.
 
+Platforms (`platform`: 'cpu', the default, 'tpu', 'cuda'; the table in
+`attnprec.platforms`): the three programs are lowered for that platform on this machine
+(`jit(f).trace(...).lower(lowering_platforms=...)`) and every check above runs on them;
+for 'tpu' and 'cuda' each attention and dense dot is also read under that platform's
+precision semantics (`report.platform_problems`: an f32 x f32 dot at DEFAULT where
+'highest' was asked multiplies in TF32 on cuda, in one bf16 pass on tpu: a FAIL naming
+the phase, layer and dot), and a precision the platform does not accept is refused
+before anything is lowered. What the backend compiles can only be read on that backend:
+for a platform other than the one this process runs on the compiled checks are skipped,
+and the report says so (`NOT_COMPILED`).
+
 Shapes: B batch, P prompt length, S cache length (P + new tokens).
 """
 import collections
@@ -64,7 +75,8 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import checks, decoding, kernels, keyoffset, layout, runs, train, xla_env
+from attnprec import (checks, decoding, kernels, keyoffset, layout, platforms, runs, train,
+                      xla_env)
 from attnprec.inspect import compiled as compiled_program
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
@@ -105,16 +117,43 @@ def check_dense_dot(dot: DotSite, precision: Precision) -> List[str]:
 
 
 # ----------------------------------------------------------------------------- lowering
+NOT_COMPILED = ("Not checked without the {platform} backend: the compiled, optimized "
+                "program (XLA's own rewrites on {platform}: fusions, the library call or "
+                "kernel each dot becomes, the passes or TF32 it picks) exists only where "
+                "that backend runs, so the compiled checks are skipped and only the "
+                "lowered StableHLO is checked, under {platform}'s precision semantics "
+                "(`make device-check` runs them on a GPU).")
+
+
+def local_platform() -> Optional[str]:
+  """The `platforms` name of the backend this process runs on."""
+  return platforms.local_platform(jax.default_backend(),
+                                  getattr(jax.devices()[0].client, "platform_version", ""))
+
+
+def _lower(jitted, platform: str, *args):
+  """`jitted.lower(*args)` for the local platform (as before), else lowered for
+  `platform` on this machine."""
+  if platform == local_platform():
+    return jitted.lower(*args)
+  return jitted.trace(*args).lower(lowering_platforms=(platform,))
+
+
 def lower_programs(config: ModelConfig, train_precision: Precision,
                    decode_precision: Precision, *, batch: int = 2, prompt_len: int = 8,
-                   new_tokens: int = 8) -> Dict[str, tuple]:
+                   new_tokens: int = 8, platform: str = platforms.DEFAULT_PLATFORM
+                   ) -> Dict[str, tuple]:
   """{phase: (precision, lowered)} for the train step, the prefill and one decode step.
 
   Parameters, optimizer state and cache are abstract (shapes only): the dots of a program
   depend on the architecture and the precision, not on the weights' values.
   `decoding.prefill` / `decoding.decode_step` are looked up at call time (so a test can
-  substitute a broken variant).
+  substitute a broken variant). `platform`: lowered for it (`attnprec.platforms`); a
+  precision it cannot honour is a UserError naming it, before anything is lowered.
   """
+  platforms.check(platform)
+  for p in (train_precision, decode_precision):
+    platforms.check_precision(platform, p)
   cache_length = prompt_len + new_tokens
   if batch < 1 or prompt_len < 1 or new_tokens < 1:
     raise UserError(f"audit sizes must be positive: batch={batch}, prompt_len={prompt_len},"
@@ -130,16 +169,20 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
   optimizer = train.make_optimizer(total_steps=10)
   state = jax.eval_shape(lambda: train.init_state(config, optimizer, 0))
   update = jax.jit(train.make_update(config, train_precision, optimizer))
-  out = {"train": (train_precision, update.lower(
-      state, tokens_BxP, jax.ShapeDtypeStruct((batch, prompt_len), jnp.float32)))}
+  out = {"train": (train_precision, _lower(
+      update, platform, state, tokens_BxP,
+      jax.ShapeDtypeStruct((batch, prompt_len), jnp.float32)))}
   # The decode programs as `generate` runs them (`decoding.for_serving`: on XLA:CPU with
   # bf16 compute the dense dots run on float32-carried weights). Under kernel 'auto' the
   # short prefill runs dot_product and the decode step is audited over a cache long
   # enough for its blockwise branch (when the model allows), so both kernels are seen.
-  decode_precision = decoding.serving_precision(decode_precision)
+  decode_precision = decoding.serving_precision(
+      decode_precision, None if platform == local_platform() else
+      platforms.TABLE[platform].backend)
   prefill = jax.jit(functools.partial(decoding.prefill, config=config,
                                       precision=decode_precision, cache_length=cache_length))
-  out["prefill"] = (decode_precision, prefill.lower(params, tokens_BxP, lengths_B))
+  out["prefill"] = (decode_precision, _lower(prefill, platform, params, tokens_BxP,
+                                             lengths_B))
   if (decode_precision.kernel == kernels.AUTO and
       kernels.AUTO_MIN_KEYS <= config.max_seq_len):
     cache_length = max(cache_length, kernels.AUTO_MIN_KEYS)
@@ -151,7 +194,7 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
                                                             jnp.float32), lengths_B)
   step = jax.jit(functools.partial(decoding.decode_step, config=config,
                                    precision=decode_precision))
-  out["decode"] = (decode_precision, step.lower(params, dstate, lengths_B))
+  out["decode"] = (decode_precision, _lower(step, platform, params, dstate, lengths_B))
   return out
 
 
@@ -208,9 +251,23 @@ def _cache_row(phase: str, att, expected: dict) -> dict:
               problems=problems)
 
 
+def _on_platform(rows: List[dict], dots: List[DotSite], platform: str, knob: str,
+                 asked: str) -> None:
+  """Adds to each row (one per dot, in order) what the dot's products keep on `platform`
+  and the problems of reading it there against `knob` = `asked` (in place)."""
+  for r, d in zip(rows, dots, strict=True):
+    r["on_platform"] = contract_check.products_text(d, platform)
+    extra = contract_check.platform_problems(d, asked, platform, knob)
+    r["problems"] = r["problems"] + extra
+    r["ok"] = not r["problems"]
+
+
 def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig, *,
-                  compile: bool = True, key_lengths: tuple = ()) -> dict:
-  """Checks one lowered program; returns a JSON-able dict with rows, problems, compiled."""
+                  compile: bool = True, key_lengths: tuple = (),
+                  platform: str = platforms.DEFAULT_PLATFORM) -> dict:
+  """Checks one lowered program; returns a JSON-able dict with rows, problems, compiled.
+  For a platform other than 'cpu' every dot is also read under its semantics; the
+  compiled checks run only where `platform` is the backend this process runs on."""
   report = inspect_lowered(lowered, expect=precision, function=phase)
   rows, problems = [], []
   cache = cache_check.expected_cache(precision, cache=phase != "train")
@@ -233,6 +290,11 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
         contract_check.precision_problems(d, precision.matmul_precision)
     dense_rows.append(_row(phase, "dense", None, d, p,
                            "precision" if d.backward else "types+precision"))
+  if platform != "cpu":
+    att_dots = [x for a in report.attentions for x in [a.qk, a.wv] + list(a.backward)]
+    _on_platform(rows, att_dots, platform, "einsum_precision", precision.einsum_precision)
+    _on_platform(dense_rows, report.dense, platform, "matmul_precision",
+                 precision.matmul_precision)
   layers = sorted(a.layer for a in report.attentions if a.layer is not None)
   attributed = len(layers) == len(report.attentions)
   if attributed:
@@ -255,7 +317,9 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
          "layers_attributed": attributed, "attention": rows, "dense": dense_rows,
          "cache_expected": cache, "cache": cache_rows, "problems": problems,
          "ok": not problems}
-  if compile:
+  if compile and platform != local_platform():
+    out["compiled_skipped"] = NOT_COMPILED.format(platform=platform)
+  elif compile:
     # Forward programs: attention dots whose op_name XLA dropped are told apart by
     # structure (the head dim vs the key lengths they contract). The train step holds
     # gradient dots of the same shapes, so there they are only checked for accumulation.
@@ -310,13 +374,16 @@ def summarize_compiled(text: str, precision: Optional[Precision] = None, *,
 
 def run_audit(config: ModelConfig, train_precision: Precision, decode_precision: Precision,
               *, batch: int = 2, prompt_len: int = 8, new_tokens: int = 8,
-              compile: bool = True, model_source: str = "model.* (gin)") -> dict:
+              compile: bool = True, model_source: str = "model.* (gin)",
+              platform: str = platforms.DEFAULT_PLATFORM) -> dict:
   """Lowers (and compiles) the three programs and checks each (`audit_program`): a
   JSON-able dict whose 'ok' is the verdict. The train step runs no KV cache, so the
   train precision's cache setting applies to no program (`train` refuses one); the
-  prefill and decode step are held to the decode precision's cache rows."""
+  prefill and decode step are held to the decode precision's cache rows. `platform`:
+  lowered for it and read under its semantics (module docstring)."""
   programs = lower_programs(config, train_precision, decode_precision, batch=batch,
-                            prompt_len=prompt_len, new_tokens=new_tokens)
+                            prompt_len=prompt_len, new_tokens=new_tokens,
+                            platform=platform)
   # Every key length an attention dot of the programs can contract over: the prompt, the
   # cache (and the longer one the decode step gets under kernel 'auto'), the blockwise
   # kernel's key blocks (shorter where the cache is).
@@ -325,12 +392,13 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
   lengths = {prompt_len, cache_length, max(cache_length, kernels.AUTO_MIN_KEYS)}
   lengths |= {min(b, n) for b in (blocks.kv_block, blocks.decode_kv_block) for n in lengths}
   phases = {ph: audit_program(ph, lowered, prec, config, compile=compile,
-                              key_lengths=tuple(sorted(lengths)))
+                              key_lengths=tuple(sorted(lengths)), platform=platform)
             for ph, (prec, lowered) in programs.items()}
   problems = [p for ph in phases.values() for p in ph["problems"]]
   return {"model": model_source, "config": runs.config_dict(config),
           "sizes": {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens},
-          "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "platform": platform, "backend": jax.default_backend(),
+          "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "xla": xla_env.describe(), "phases": phases, "problems": problems,
           "ok": not problems}
 
@@ -395,6 +463,30 @@ def dense_table(result: dict) -> str:
   return "\n".join(lines)
 
 
+def platform_table(result: dict) -> str:
+  """Markdown, for a platform other than 'cpu': every attention and dense dot as lowered
+  for it, what its products keep there (`attnprec.platforms`) and the verdict."""
+  plat = result["platform"]
+  lines = [f"| phase | dot | layers / modules | lhs x rhs | precision | products on {plat} "
+           f"| verdict |", "|---|---|---|---|---|---|---|"]
+  for ph in PHASES:
+    a = result["phases"][ph]
+    for (site, bwd, lhs, rhs, prec, on, ok), rows in _grouped(
+        a["attention"] + a["dense"], ("site", "backward", "lhs", "rhs", "precision",
+                                      "on_platform", "ok")).items():
+      where = _layers(r["layer"] for r in rows) if site != "dense" else \
+          ", ".join(sorted({r["module"] or "?" for r in rows}))
+      lines.append(f"| {ph} | {site}{' (grad)' if bwd else ''} | {where} | {lhs} x {rhs} "
+                   f"| {_short_precision(prec)} | {on} | {'ok' if ok else 'MISMATCH'} |")
+  return "\n".join(lines)
+
+
+def not_compiled(result: dict) -> Optional[str]:
+  """The sentence saying the compiled checks were skipped (another platform), or None."""
+  return next((result["phases"][ph]["compiled_skipped"] for ph in PHASES
+               if "compiled_skipped" in result["phases"][ph]), None)
+
+
 def cache_table(result: dict) -> str:
   """Markdown: the KV cache's rows per (phase, what the program shows, verdict), layers
   grouped: the codes the keys / values are stored as and enter their dot from, each
@@ -440,8 +532,11 @@ def verdict(result: dict) -> str:
                    for r in result["phases"][ph].get("compiled", {}).get("rows", []))
     cache = (f", and their {quantized_cache_text(result)} cache's codes and scales "
              f"match its rows" if quantized_cache(result) else "")
+    plat = result.get("platform", "cpu")
+    on = f" on {plat} (lowered for it, read under its precision semantics)" \
+        if plat != "cpu" else ""
     return (f"PASS: all {n} attention dots of the train step, prefill and decode step match "
-            f"the contract for their phase's flags{cache}"
+            f"the contract for their phase's flags{on}{cache}"
             + (f"; so do the {compiled} dots this backend compiled them into."
                if compiled else "."))
   shown = "; ".join(result["problems"][:6])
@@ -481,6 +576,17 @@ def to_markdown(result: dict) -> str:
              if ph["train"]["precision"]["kv_cache_k_dtype"] != "compute"
              or ph["train"]["precision"]["kv_cache_v_dtype"] != "compute" else "."), "",
           cache_table(result), ""]
+  if result.get("platform", "cpu") != "cpu":
+    head += [f"## On {result['platform']} (`attnprec.platforms`)", "",
+             f"The programs were lowered for {result['platform']} on this machine. What "
+             f"each dot's products keep there: `exact`: the arithmetic holds both "
+             f"operands' values (f32 operands upcast from bf16 fit one bf16 pass and "
+             f"TF32); otherwise the arithmetic the dot's precision selects on "
+             f"{result['platform']}. Fewer bits than the phase's einsum_precision / "
+             f"matmul_precision promises there: MISMATCH.", "", platform_table(result), ""]
+  skipped = not_compiled(result)
+  if skipped:
+    head += ["## The compiled program", "", skipped, ""]
   if any("compiled" in ph[p] for p in PHASES):
     head += ["## What this backend compiled (`lowered.compile().as_text()`), checked", "",
              "Every dot of the optimized HLO, as the backend made it (an XLA dot, a dot "
@@ -521,19 +627,24 @@ def model_config_for(model: Optional[str]) -> tuple:
   return m.config, m.description
 
 
-@gin.configurable("audit", denylist=["train_precision", "decode_precision", "run_dir"])
+@gin.configurable("audit", denylist=["train_precision", "decode_precision", "run_dir",
+                                     "platform"])
 @checks.validated("audit", model=checks.optional(checks.string), batch=checks.at_least(1),
                   prompt_len=checks.at_least(1), new_tokens=checks.at_least(1))
 def audit_job(*, train_precision: Precision, decode_precision: Precision, run_dir: str,
               model: Optional[str] = None, batch: int = 2, prompt_len: int = 8,
-              new_tokens: int = 8, compile: bool = True) -> dict:
+              new_tokens: int = 8, compile: bool = True,
+              platform: str = platforms.DEFAULT_PLATFORM) -> dict:
   """`make audit`: writes audit.json and audit.md into run_dir; returns the result
-  (result['ok'] is the verdict)."""
+  (result['ok'] is the verdict). `platform` (the runner's --platform): lowered for it."""
+  platforms.check(platform)
+  for p in (train_precision, decode_precision):
+    platforms.check_precision(platform, p)
   runs.ensure_dir(run_dir)
   config, source = model_config_for(model)
   result = run_audit(config, train_precision, decode_precision, batch=batch,
                      prompt_len=prompt_len, new_tokens=new_tokens, compile=compile,
-                     model_source=source)
+                     model_source=source, platform=platform)
   markdown = to_markdown(result)
   runs.atomic_write(os.path.join(run_dir, "audit.json"),
                     json.dumps(result, indent=1, default=str) + "\n")
@@ -545,7 +656,12 @@ def audit_job(*, train_precision: Precision, decode_precision: Precision, run_di
   print(attention_table(result))
   if quantized_cache(result):
     print(cache_table(result))
-  if compile:
+  if platform != "cpu":
+    print(f"On {platform}:")
+    print(platform_table(result))
+  if not_compiled(result):
+    print(not_compiled(result))
+  elif compile:
     print(compiled_table(result))
   print(verdict(result))
   print(f"wrote {os.path.join(run_dir, 'audit.json')} and audit.md")

@@ -153,7 +153,8 @@ gin options (repeatable; later ones override earlier ones):
 
 def main(argv: Sequence[str], *, prog: str, doc: str, examples: Sequence[str],
          default_files: Sequence[str], default_run_dir: str, body: Callable[[str], object],
-         reads: Optional[Sequence[str]] = None, keep_partial: bool = False) -> int:
+         reads: Optional[Sequence[str]] = None, keep_partial: bool = False,
+         options: Optional[Callable[[ArgumentParser], None]] = None) -> int:
   """Parses `--gin_file/--gin_bindings/--gin.X=V` and `--run_dir`, checks the whole
   configuration and the run directory, then runs body(run_dir) (see `run`).
 
@@ -165,6 +166,8 @@ def main(argv: Sequence[str], *, prog: str, doc: str, examples: Sequence[str],
   them (`ginutils.check_config`, `ginutils.check_command_line`), and --help lists what
   they reach with their values. None: only the config is checked.
   keep_partial: keep what the run wrote when it is interrupted (training).
+  options: adds the runner's own flags to the parser (`parser.add_argument(...)`); their
+  values reach body as keyword arguments: body(run_dir, **values).
   """
   def parser(sections=()):
     p = ArgumentParser(prog=prog, doc=doc, examples=examples, sections=sections,
@@ -172,6 +175,8 @@ def main(argv: Sequence[str], *, prog: str, doc: str, examples: Sequence[str],
                              f"[--gin_bindings='NAME = VALUE' ...] [--run_dir=DIR]")
     p.add_argument("--run_dir", default=default_run_dir, metavar="DIR",
                    help="where outputs are written")
+    if options is not None:
+      options(p)
     return p
 
   def parse_then_body():
@@ -180,13 +185,16 @@ def main(argv: Sequence[str], *, prog: str, doc: str, examples: Sequence[str],
       parser(_gin_help(default_files, files, bindings, reads, prog)).print_help()
       return
     args, unknown = parser().parse_known_args(rest)
+    own = [a.option_strings[0] for a in parser()._actions  # noqa: SLF001
+           if a.option_strings and a.dest not in ("help", "run_dir")]
     if unknown:
       raise UserError(f"Unknown argument(s) {unknown}; valid: --gin_file=PATH, "
                       f"--gin_bindings='NAME=VALUE', --gin.NAME=VALUE, --run_dir=DIR, "
-                      f"--help.")
+                      + "".join(f"{o}=..., " for o in own) + "--help.")
     ginutils.parse(list(default_files) + files, bindings, reads=reads, prog=prog)
     runs.check_output_dir(args.run_dir, flag="--run_dir")
-    body(args.run_dir)
+    values = {k: v for k, v in vars(args).items() if k != "run_dir"}
+    body(args.run_dir, **values)
 
   run_dir = _run_dir_flag(argv, default_run_dir)
   if any(a in ("-h", "--help") for a in argv):

@@ -5,7 +5,8 @@ structure and reports the precision each really runs in; with a Precision stated
 gin/precision/ file), checks it against the contract. Exit code 0: nothing flagged, 3: a
 mismatch or a down-cast before a softmax (as the audit), 2: bad input, 1: a crash
 (attnprec.cli). Writes inspect.json and
-inspect.md into --run_dir.
+inspect.md into --run_dir. --platform=tpu / cuda: lowered for that backend on this machine,
+its dots read under that platform's precision semantics (attnprec/platforms.py).
 """
 import sys
 
@@ -24,18 +25,26 @@ EXAMPLES = [
     "--gin.inspect.inputs=attnprec.inspect.examples:maxtext_inputs",
     "python runners/inspect_model.py --gin.inspect.fn=mypkg.model:attention "
     "--gin.inspect.shapes='bf16[2,8,64]' --gin_file=gin/precision/bf16.gin",
+    "python runners/inspect_model.py --gin.inspect.fn=attnprec.inspect.examples:maxtext_attention "
+    "--gin.inspect.inputs=attnprec.inspect.examples:maxtext_inputs --platform=tpu",
 ]
+
+
+def add_options(parser):
+  parser.add_argument("--platform", default="cpu", metavar="NAME",
+                      help="lower for this platform: cpu, tpu or cuda (attnprec/platforms.py)")
 
 
 def main(argv) -> int:
   outcome = {}
 
-  def run(run_dir: str):
-    outcome["ok"] = ginutils.call(inspect_job, run_dir=run_dir).ok
+  def run(run_dir: str, platform: str):
+    outcome["ok"] = ginutils.call(inspect_job, run_dir=run_dir, platform=platform).ok
 
   rc = cli.main(argv, prog="inspect", doc=__doc__, examples=EXAMPLES,
                 default_files=["runs/inspect.gin"], default_run_dir="runs/inspect", body=run,
-                reads=("inspect", "decode/precision", "train/precision"))
+                reads=("inspect", "decode/precision", "train/precision"),
+                options=add_options)
   # no outcome: --help, or a failure (rc != 0)
   return cli.EXIT_MISMATCH if rc == 0 and not outcome.get("ok", True) else rc
 

@@ -275,6 +275,15 @@ def test_good_input_reaches_the_work(tmp_path, runner):
      ["key_offset = 'bias'", "has none", "'prefill_mean'"]),
     ("train", ["--gin.precision.key_offset='prefill_mean'"],
      ["'prefill_mean'", "train phase", "decode/precision.key_offset"]),
+    # The platform (attnprec/platforms.py): not a name; a preset the platform refuses; a
+    # lowering this machine cannot make (cuDNN's fused attention, lowered for cuda).
+    ("audit", ["--platform=gpu"], ["Invalid platform 'gpu'", "'cpu', 'tpu', 'cuda'"]),
+    ("inspect", ["--platform=gpu"], ["Invalid platform 'gpu'", "'cpu', 'tpu', 'cuda'"]),
+    ("audit", ["--platform=tpu", "--gin.decode/precision.einsum_precision='F32_F32_F32'"],
+     ["Platform 'tpu' cannot honour einsum_precision='F32_F32_F32'", "'BF16_BF16_F32_X6'"]),
+    ("inspect", ["--platform=cuda", "--gin.inspect.fn=attnprec.inspect.examples:cudnn_attention",
+                 "--gin.inspect.inputs=attnprec.inspect.examples:cudnn_inputs"],
+     ["for platform 'cuda' failed", "cuDNN", "implementation='xla'"]),
 ])
 def test_issue_examples_are_refused(tmp_path, runner, args, needles):
   run_dir = str(tmp_path / "run")

@@ -40,13 +40,16 @@ def lowered_graph(lowered) -> Graph:
   return Graph(lowered.compiler_ir("stablehlo"))
 
 
-def inspect_lowered(lowered, *, expect=None, function: str = "") -> Report:
-  """The report for an already lowered program."""
+def inspect_lowered(lowered, *, expect=None, function: str = "",
+                    platform: str = "cpu") -> Report:
+  """The report for an already lowered program (lowered for `platform`: its dots are
+  also read under that platform's precision semantics, `attnprec.platforms`)."""
   from attnprec.precision import Precision
   if expect is not None and not isinstance(expect, Precision):
     raise UserError(f"Invalid argument expect={shorten(expect)} of inspect_lowered: must be "
                     f"an attnprec.precision.Precision or None (report only).")
-  return Report(function=function, findings=find(lowered_graph(lowered)), expect=expect)
+  return Report(function=function, findings=find(lowered_graph(lowered)), expect=expect,
+                platform=platform)
 
 
 def attention_report(fn, *args, expect=None, **kwargs) -> Report:

@@ -70,3 +70,17 @@ def haiku_mha_inputs(dtype=jnp.bfloat16):
                                                     jnp.zeros(x.shape, x.dtype)))
   params = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype), params)
   return (params, x), {}
+
+
+def cudnn_attention(query_BxTxNxH, key_BxSxKxH, value_BxSxKxH):
+  """`jax.nn.dot_product_attention(implementation='cudnn')`: cuDNN's fused attention, a
+  custom call whose dots are invisible to the inspector; it lowers only where cuDNN is
+  installed (`make inspect ... --platform=cuda` elsewhere is refused, saying so)."""
+  return jax.nn.dot_product_attention(query_BxTxNxH, key_BxSxKxH, value_BxSxKxH,
+                                      is_causal=True, implementation="cudnn")
+
+
+def cudnn_inputs():
+  """(args, kwargs) for `cudnn_attention`: bf16 q, k, v of B=1 T=S=16 N=K=4 H=32."""
+  x = jax.ShapeDtypeStruct((1, 16, 4, 32), jnp.bfloat16)
+  return (x, x, x), {}

@@ -13,6 +13,12 @@ Inputs, one of:
 The Precision to check against (`inspect.expect`): 'auto' (default) uses the
 `precision.*` bindings if there are any (a gin/precision/ file) and only reports
 otherwise; 'train' / 'decode' the Precision of that phase's scope; 'none' only reports.
+
+The platform (`platform`, the runner's --platform: 'cpu', 'tpu', 'cuda'): the function is
+lowered for it on this machine and, with a Precision stated, its dots are also read under
+that platform's precision semantics (`attnprec.platforms`); a precision the platform does
+not accept is refused first. A function that cannot be lowered for it here (cuDNN's fused
+attention needs cuDNN on the machine) is a UserError saying so.
 """
 import importlib
 import os
@@ -25,7 +31,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import runs
+from attnprec import platforms, runs
 from attnprec.errors import UserError, choice_error
 from attnprec.inspect import inspect_lowered
 from attnprec.inspect.report import Report
@@ -129,10 +135,38 @@ def expected_precision(expect: str):
     return phase_precision()
 
 
-@gin.configurable("inspect", denylist=["run_dir"])
+def lower_for(function, platform: str, args, kwargs):
+  """`jax.jit(function)` lowered for `platform`: as before on the platform this process
+  runs on, else with `lowering_platforms` (nothing is compiled)."""
+  jitted = jax.jit(function)
+  here = platforms.local_platform(jax.default_backend(),
+                                  getattr(jax.devices()[0].client, "platform_version", ""))
+  if platform == here:
+    return jitted.lower(*args, **kwargs)
+  return jitted.trace(*args, **kwargs).lower(lowering_platforms=(platform,))
+
+
+def lowering_error(fn: str, platform: str, e: Exception, inputs: str) -> UserError:
+  """The paragraph for a function that could not be lowered (for `platform`)."""
+  first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+  if "cudnn" in str(e).lower():
+    return UserError(f"Lowering {fn} for platform {platform!r} failed: it calls cuDNN "
+                     f"(e.g. jax.nn.dot_product_attention(implementation='cudnn')), and "
+                     f"jax builds a cuDNN call only where it finds cuDNN, which this "
+                     f"machine has not ({type(e).__name__}: {first}). Lower it with "
+                     f"implementation='xla' here, or run it on a GPU machine (make "
+                     f"device-check).")
+  where = "" if platform == "cpu" else f" for platform {platform!r}"
+  return UserError(f"Lowering {fn}{where} on the given inputs failed: {type(e).__name__}: "
+                   f"{first} (inputs: {inputs}).")
+
+
+@gin.configurable("inspect", denylist=["run_dir", "platform"])
 def inspect_job(*, run_dir: str, fn: Optional[str] = None, inputs: Optional[str] = None,
-                shapes: Optional[str] = None, expect: str = "auto") -> Report:
+                shapes: Optional[str] = None, expect: str = "auto",
+                platform: str = platforms.DEFAULT_PLATFORM) -> Report:
   """Writes inspect.json and inspect.md into run_dir; returns the Report."""
+  platforms.check(platform)
   if fn is None:
     raise UserError("No function to inspect: set inspect.fn, e.g. make inspect "
                     "FN=attnprec.inspect.examples:maxtext_attention "
@@ -140,16 +174,16 @@ def inspect_job(*, run_dir: str, fn: Optional[str] = None, inputs: Optional[str]
   runs.check_writable(run_dir)
   function = load_callable(fn, "inspect.fn")
   precision = expected_precision(expect)
+  if precision is not None:
+    platforms.check_precision(platform, precision)
   args, kwargs = build_inputs(inputs, shapes)
   try:
-    lowered = jax.jit(function).lower(*args, **kwargs)
+    lowered = lower_for(function, platform, args, kwargs)
   except Exception as e:  # noqa: BLE001 -- the user's function on the user's inputs
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    raise UserError(f"Lowering {fn} on the given inputs failed: {type(e).__name__}: "
-                    f"{first} (inputs: {inputs or shapes or 'none'}).") from None
-  report = inspect_lowered(lowered, expect=precision, function=fn)
+    raise lowering_error(fn, platform, e, inputs or shapes or "none") from None
+  report = inspect_lowered(lowered, expect=precision, function=fn, platform=platform)
   paths = report.write(run_dir)
-  print(f"function: {fn}")
+  print(f"function: {fn}" + ("" if platform == "cpu" else f" (lowered for {platform})"))
   print(f"expected: {precision.describe() if precision else '(no Precision stated)'}")
   print(report.attention_table())
   print()

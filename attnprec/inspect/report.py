@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 import jax
 import jax.numpy as jnp
 
-from attnprec import runs
+from attnprec import platforms, runs
 from attnprec.contract import stage_dtypes
 from attnprec.errors import UserError
 from attnprec.inspect.finder import DOT, Attention, DotSite, Findings, is_code, unwrap
@@ -59,7 +59,13 @@ def algorithm_text(preset_name: str) -> str:
   """The dot algorithm a preset lowers to (read from a plain f32 dot lowered with it)."""
   preset = ALGORITHM_PRESETS[preset_name]
   x = jax.ShapeDtypeStruct((2, 2), jnp.float32)
-  lowered = jax.jit(lambda a, b: jnp.dot(a, b, precision=preset)).lower(x, x)
+  dot = jax.jit(lambda a, b: jnp.dot(a, b, precision=preset))
+  try:
+    lowered = dot.lower(x, x)
+  except ValueError:
+    # XLA:CPU's lowering refuses presets other platforms accept (`platforms`); the
+    # attribute a preset lowers to is the same for every platform (test_platforms.py).
+    lowered = dot.trace(x, x).lower(lowering_platforms=("cuda",))
   g = Graph(lowered.compiler_ir("stablehlo"))
   found = [dot_info(n)["algorithm"] for n in g.ops(DOT)]
   if not found or found[0] is None:
@@ -89,6 +95,61 @@ def precision_problems(dot: DotSite, name: str) -> List[str]:
   if dot.algorithm != want:
     return [f"algorithm <{dot.algorithm}>, expected <{want}> ({p.name})"]
   return []
+
+
+# ----------------------------------------------------------------------------- platforms
+def _values(operand: str, source: Optional[str]) -> str:
+  return upcast_from(operand, source) or operand
+
+
+def _fields(algorithm: str) -> Dict[str, str]:
+  return dict(f.split(" = ") for f in algorithm.split(", ") if " = " in f)
+
+
+def dot_arithmetic(dot: DotSite, platform: str, precision: Optional[str] = None) -> str:
+  """How `dot` multiplies on `platform` ('tf32', 'bf16', 'bf16_6x', 'f32', ...; the
+  `platforms` table): as lowered (precision None) or had it been lowered with the
+  precision name given (a lax Precision or a preset)."""
+  row = platforms.check(platform)
+  if precision is None:
+    if dot.algorithm:
+      return platforms.algorithm_arithmetic(_fields(dot.algorithm))
+    names = [n.strip() for n in dot.precision.split(",")]
+  else:
+    p = parse_precision(precision)
+    if not isinstance(p, jax.lax.Precision):
+      return platforms.preset_arithmetic(p.name)
+    names = [p.name]
+  types = (dot.lhs, dot.rhs)
+  if "f64" in types:
+    return "f64"
+  if "f32" not in types:
+    return dot.lhs if dot.lhs in platforms.ARITHMETIC_BITS else "f32"   # 16-bit operands
+  return min((row.arithmetic(n) for n in names), key=platforms.ARITHMETIC_BITS.get)
+
+
+def products_text(dot: DotSite, platform: str) -> str:
+  """What the dot's products keep on `platform`, as lowered: 'TF32', 'exact (bf16 x bf16
+  values)', 'one bf16 pass', ..."""
+  return platforms.describe_products(dot_arithmetic(dot, platform),
+                                     _values(dot.lhs, dot.lhs_source),
+                                     _values(dot.rhs, dot.rhs_source))
+
+
+def platform_problems(dot: DotSite, asked: str, platform: str,
+                      knob: str = "einsum_precision") -> List[str]:
+  """The dot read under `platform`'s semantics: a FAIL where its products, as lowered,
+  keep fewer bits than the precision asked for promises there (an f32 x f32 dot at
+  DEFAULT where 'highest' was asked: TF32 on cuda, one bf16 pass on tpu). Operands that
+  hold 16-bit values lose nothing to either."""
+  lhs, rhs = _values(dot.lhs, dot.lhs_source), _values(dot.rhs, dot.rhs_source)
+  got, want = dot_arithmetic(dot, platform), dot_arithmetic(dot, platform, asked)
+  if platforms.product_bits(got, lhs, rhs) >= platforms.product_bits(want, lhs, rhs):
+    return []
+  return [f"on {platform} this {dot.lhs} x {dot.rhs} dot "
+          f"({short_precision(dot.precision_text)}) multiplies in "
+          f"{platforms.describe_products(got, lhs, rhs)}, but {knob}={asked!r} promises "
+          f"{platforms.describe_products(want, lhs, rhs)} there"]
 
 
 def upcast_from(operand: str, source: Optional[str]) -> Optional[str]:
@@ -196,6 +257,9 @@ class Report:
   expect: Optional[Precision] = None
   # `with_compiled(lowered)`: what the backend compiled, checked (`check_compiled`)
   compiled: Optional[dict] = None
+  # the platform the program was lowered for (`attnprec.platforms`): other than 'cpu',
+  # every dot is also read under its precision semantics (`platform_problems`)
+  platform: str = platforms.DEFAULT_PLATFORM
 
   def with_compiled(self, lowered_or_text) -> "Report":
     """Also reads what the backend compiled (`lowered.compile().as_text()`, or that text)
@@ -233,6 +297,13 @@ class Report:
     for d in self.dense:
       out += [f"dense {_dense_name(d)}: {p}"
               for p in check_dense(d, self.expect, types=not d.backward)]
+    if self.platform != "cpu":
+      e, m = self.expect.einsum_precision, self.expect.matmul_precision
+      for a in self.attentions:
+        out += [f"attention {_where(a)} {d.role}: {p}" for d in [a.qk, a.wv, *a.backward]
+                for p in platform_problems(d, e, self.platform)]
+      out += [f"dense {_dense_name(d)}: {p}" for d in self.dense
+              for p in platform_problems(d, m, self.platform, "matmul_precision")]
     if self.compiled is not None:
       out += self.compiled["problems"]
     return out
@@ -255,6 +326,7 @@ class Report:
         d["problems"] = check_dense(x, self.expect, types=not x.backward)
       dense.append(d)
     return {"function": self.function, "backend": jax.default_backend(),
+            "platform": self.platform,
             "expect": None if self.expect is None else dataclasses.asdict(self.expect),
             "expected_stages": None if self.expect is None else
             expected_stages(self.expect),
@@ -323,8 +395,9 @@ class Report:
     return "\n".join(lines)
 
   def to_markdown(self) -> str:
+    lowered = "" if self.platform == "cpu" else f"Lowered for {self.platform}. "
     head = [f"# Attention precision: `{self.function}`", "",
-            f"Backend: {jax.default_backend()}. Expected: "
+            f"Backend: {jax.default_backend()}. {lowered}Expected: "
             f"{self.expect.describe() if self.expect else '(no Precision stated)'}.", ""]
     if self.expect is not None:
       e = expected_stages(self.expect)

@@ -1,0 +1,202 @@
+"""The precision contract per platform: what each knob means on XLA:CPU, TPU and NVIDIA GPUs.
+
+The contract's types (`contract.stage_dtypes`: operand and result dtypes of the two
+attention dots, the softmax dtype) mean the same everywhere. Its `precision` knobs
+(`einsum_precision`, `matmul_precision`: a `jax.lax.Precision` or a
+`jax.lax.DotAlgorithmPreset`) do not: they say how the matmul unit multiplies float32
+operands, and that is the backend's business:
+
+  | platform | f32 x f32 at DEFAULT | HIGH          | HIGHEST        | bf16 x bf16 (any) |
+  | cpu      | f32                  | f32           | f32            | exact products    |
+  | tpu      | 1 bf16 pass          | 3 bf16 passes | 6 bf16 passes  | exact products    |
+  | cuda     | TF32 (Ampere+)       | TF32          | f32            | exact products    |
+
+(`TABLE`, rendered by `markdown_table` into docs/contract.md). A float32 operand that
+only holds values of a 16-bit type (q and k upcast from bf16 for the float32 QK product)
+loses nothing to any of these: its values already fit a bf16 pass or TF32.
+
+Which dot-algorithm presets each backend accepts (`Platform.presets`); jax lowers most
+presets for any platform and the backend's compiler refuses the rest, after the program
+was built (XLA:CPU's are refused by jax's lowering itself). Sources:
+  cpu   jax/_src/lax/lax.py `_dot_general_lower` (jax 0.10.2): "is not supported by
+        dot_general on CPU" for every preset outside its set;
+  tpu   jax/tests/lax_test.py `testDotAlgorithm` (the TPU set) and
+        `testDotAlgorithmCasting` ("F32_F32_F32 is not supported on TPU"); the TPU compiler
+        itself is not public;
+  cuda  XLA xla/service/algorithm_util.cc `IsSupportedDotAlgorithmOnGpu` (compute
+        capability 8.0+, Ampere; the float8 presets need 8.9+ and float8 operands).
+A preset the target platform does not accept is refused before anything is lowered
+(`refusal`, `check_precision`), naming the platform; the float8 presets are refused
+everywhere: attnprec's dots never take float8 operands (a quantized cache's codes enter
+its dots converted to c).
+
+This module is the ground floor: plain data and string checks, no jax.
+"""
+import dataclasses
+from typing import Dict, FrozenSet, Optional
+
+from attnprec.errors import UserError
+
+PLATFORMS = ("cpu", "tpu", "cuda")     # jax's lowering platform names
+DEFAULT_PLATFORM = "cpu"
+LAX_PRECISIONS = ("DEFAULT", "HIGH", "HIGHEST")
+
+# How a dot multiplies: the significand bits each operand keeps (implicit bit counted).
+# A multi-pass emulation keeps about as many bits as its passes add up to.
+ARITHMETIC_BITS = {"bf16": 8, "f16": 11, "tf32": 11, "bf16_3x": 16, "tf32_3x": 22,
+                   "bf16_6x": 24, "bf16_9x": 24, "f32": 24, "f64": 53}
+ARITHMETIC_TEXT = {"bf16": "one bf16 pass", "f16": "f16", "tf32": "TF32",
+                   "bf16_3x": "3 bf16 passes", "tf32_3x": "3 TF32 passes",
+                   "bf16_6x": "6 bf16 passes (~f32)", "bf16_9x": "9 bf16 passes (~f32)",
+                   "f32": "f32", "f64": "f64"}
+# The significand bits an operand's values have, by the type they were made in (an f32
+# operand upcast from bf16 holds bf16 values); 8-bit codes are exact in bf16.
+VALUE_BITS = {"bf16": 8, "f16": 11, "f32": 24, "f64": 53, "i8": 8, "f8E4M3FN": 4,
+              "f8E5M2": 3}
+
+_F8 = ("ANY_F8_ANY_F8_F32", "ANY_F8_ANY_F8_F32_FAST_ACCUM", "ANY_F8_ANY_F8_ANY",
+       "ANY_F8_ANY_F8_ANY_FAST_ACCUM")
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+  """One row of the table: what the precision knobs mean on a backend."""
+  name: str                        # lowering platform ('cpu', 'tpu', 'cuda')
+  backend: str                     # jax.default_backend() on such a machine
+  hardware: str
+  f32_products: Dict[str, str]     # lax Precision -> how f32 x f32 dots multiply
+  bf16: str                        # what a bf16 x bf16 dot does
+  presets: FrozenSet[str]          # DotAlgorithmPreset names the backend accepts
+  presets_source: str
+
+  def arithmetic(self, precision: str) -> str:
+    """'tf32', 'bf16', ... for a lax Precision name on f32 operands."""
+    return self.f32_products[precision.upper()]
+
+
+TABLE: Dict[str, Platform] = {
+    "cpu": Platform(
+        name="cpu", backend="cpu", hardware="XLA:CPU",
+        f32_products={"DEFAULT": "f32", "HIGH": "f32", "HIGHEST": "f32"},
+        bf16="exact products, f32 accumulation (a bf16 result rounded once)",
+        presets=frozenset({"F16_F16_F16", "F32_F32_F32", "F64_F64_F64", "BF16_BF16_F32",
+                           "BF16_BF16_F32_X3", "BF16_BF16_F32_X6"}),
+        presets_source="jax/_src/lax/lax.py `_dot_general_lower`, which refuses the "
+                       "others when lowering"),
+    "tpu": Platform(
+        name="tpu", backend="tpu", hardware="TPU, MXU",
+        f32_products={"DEFAULT": "bf16", "HIGH": "bf16_3x", "HIGHEST": "bf16_6x"},
+        bf16="exact products, f32 accumulation in the MXU",
+        presets=frozenset({"BF16_BF16_F32", "BF16_BF16_F32_X3", "BF16_BF16_F32_X6"}),
+        presets_source="jax/tests/lax_test.py `testDotAlgorithm` and "
+                       "`testDotAlgorithmCasting`; the TPU compiler refuses the others"),
+    "cuda": Platform(
+        name="cuda", backend="gpu", hardware="NVIDIA GPU, sm_80+ (Ampere)",
+        f32_products={"DEFAULT": "tf32", "HIGH": "tf32", "HIGHEST": "f32"},
+        bf16="exact products, f32 accumulation (cuBLAS / Triton)",
+        presets=frozenset({"F16_F16_F32", "BF16_BF16_F32", "BF16_BF16_F32_X3",
+                           "BF16_BF16_F32_X6", "BF16_BF16_F32_X9", "TF32_TF32_F32",
+                           "TF32_TF32_F32_X3", "F32_F32_F32", "F64_F64_F64"}),
+        presets_source="XLA xla/service/algorithm_util.cc `IsSupportedDotAlgorithmOnGpu`; "
+                       "the GPU compiler refuses the others"),
+}
+
+
+def check(platform) -> Platform:
+  """The table's row for a platform name; anything else is a UserError listing them."""
+  if platform not in TABLE:
+    raise UserError(
+        f"Invalid platform {platform!r}: the precision contract is defined for "
+        f"{', '.join(repr(p) for p in PLATFORMS)} (jax's lowering platform names; an "
+        f"NVIDIA GPU is 'cuda', not 'gpu'). 'cpu' checks what runs here; 'tpu' and "
+        f"'cuda' lower the programs for that backend on this machine and read them "
+        f"under its precision semantics.")
+  return TABLE[platform]
+
+
+def local_platform(backend: str, platform_version: str = "") -> Optional[str]:
+  """The table's name for the backend this process runs on (jax.default_backend() and
+  the device client's platform_version), None where the table has no row (ROCm)."""
+  if backend == "gpu":
+    return None if "rocm" in platform_version.lower() else "cuda"
+  return backend if backend in TABLE else None
+
+
+def refusal(platform: str, precision_name: str, *, knob: str = "einsum_precision"
+            ) -> Optional[str]:
+  """None if `platform` honours the precision name (a lax Precision or a preset), else
+  the paragraph that names the platform, the value and the ones it accepts."""
+  row = check(platform)
+  name = str(precision_name)
+  if name.upper() in LAX_PRECISIONS:
+    return None
+  preset = name.upper()
+  if preset in row.presets:
+    return None
+  accepted = sorted(row.presets)
+  if preset in _F8:
+    why = ("it needs float8 operands and attnprec's attention and dense dots never take "
+           "them (a quantized KV cache's codes enter the dots converted to the compute "
+           "dtype)")
+  else:
+    why = f"{row.hardware} does not accept it (source: {row.presets_source})"
+  return (f"Platform {platform!r} cannot honour {knob}={name!r}: {why}. Valid on "
+          f"{platform!r}: 'default', 'high', 'highest' or one of the dot-algorithm "
+          f"presets {', '.join(repr(p) for p in accepted)}.")
+
+
+def check_precision(platform: str, precision) -> None:
+  """Raises a UserError if `platform` cannot honour a Precision's einsum_precision or
+  matmul_precision (before anything is lowered)."""
+  for knob in ("einsum_precision", "matmul_precision"):
+    why = refusal(platform, getattr(precision, knob), knob=knob)
+    if why:
+      raise UserError(why)
+
+
+# ----------------------------------------------------------------------------- semantics
+def algorithm_arithmetic(fields: Dict[str, str]) -> str:
+  """How a dot with this algorithm multiplies ('bf16_3x', 'tf32', 'f32', ...), from the
+  lowered attribute's fields (lhs_precision_type, num_primitive_operations)."""
+  kind = fields.get("lhs_precision_type", "f32")
+  passes = int(fields.get("num_primitive_operations", "1") or 1)
+  label = kind if passes == 1 else f"{kind}_{passes}x"
+  return label if label in ARITHMETIC_BITS else kind
+
+
+def preset_arithmetic(preset: str) -> str:
+  """'BF16_BF16_F32_X3' -> 'bf16_3x', 'TF32_TF32_F32' -> 'tf32', 'F32_F32_F32' -> 'f32'."""
+  parts = preset.upper().split("_")
+  passes = parts[-1][1:] if parts[-1].startswith("X") else "1"
+  return algorithm_arithmetic({"lhs_precision_type": parts[0].lower(),
+                               "num_primitive_operations": passes})
+
+
+def product_bits(arithmetic: str, lhs_values: str, rhs_values: str) -> float:
+  """The significand bits a dot's products keep: inf where each pass takes both
+  operands' values unrounded (bf16 values in a bf16 pass or TF32, f32 values in f32),
+  else the arithmetic's bits."""
+  one_pass = ARITHMETIC_BITS.get(arithmetic.split("_")[0], 24)
+  values = [VALUE_BITS.get(t, 24) for t in (lhs_values, rhs_values)]
+  return float("inf") if max(values) <= one_pass else \
+      float(ARITHMETIC_BITS.get(arithmetic, 24))
+
+
+def describe_products(arithmetic: str, lhs_values: str, rhs_values: str) -> str:
+  """'TF32', 'one bf16 pass', 'f32', 'exact (bf16 x bf16 values)' (operands holding
+  16-bit values that the arithmetic takes unrounded): what the products keep."""
+  exact = product_bits(arithmetic, lhs_values, rhs_values) == float("inf")
+  if exact and max(VALUE_BITS.get(t, 24) for t in (lhs_values, rhs_values)) <= 11:
+    return f"exact ({lhs_values} x {rhs_values} values)"   # 16-bit values, unrounded
+  return ARITHMETIC_TEXT.get(arithmetic, arithmetic)
+
+
+def markdown_table() -> str:
+  """The per-platform table of docs/contract.md, from `TABLE` (a test compares them)."""
+  lines = ["| platform | f32 x f32 at DEFAULT | HIGH | HIGHEST | bf16 x bf16 | presets "
+           "accepted | source |", "|---|---|---|---|---|---|---|"]
+  for p in TABLE.values():
+    f = [ARITHMETIC_TEXT[p.arithmetic(x)] for x in LAX_PRECISIONS]
+    lines.append(f"| {p.name}: {p.hardware} | {f[0]} | {f[1]} | {f[2]} | {p.bf16} | "
+                 f"{', '.join(sorted(p.presets))} | {p.presets_source} |")
+  return "\n".join(lines)
