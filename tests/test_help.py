@@ -18,7 +18,8 @@ GIN_RUNNERS = {"train": "train.steps = 1500", "decode": "decode.job = (required)
                "sinks": "sinks.length = 256", "sizes": "sizes.humaneval_items = 164",
                "eval": "eval.job = @humaneval"}
 PLAIN_RUNNERS = {"bench": "--out DIR             where results are written (default: bench)",
-                 "plot": "--run_dir DIR  the train run directory to plot (default: runs/recall)"}
+                 "plot": "--run_dir DIR  the train run directory to plot (default: runs/recall)",
+                 "device_check": "--out DIR"}
 
 
 def _load(name):
