@@ -70,6 +70,8 @@ from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.inspect import DotSite, cache_check, inspect_lowered, offset_check
+from attnprec.inspect import pallas_check
+from attnprec.kernels import pallas as pallas_kernel
 from attnprec.inspect import report as contract_check
 from attnprec.model import init_params
 from attnprec.precision import Precision
@@ -108,7 +110,19 @@ def check_dense_dot(dot: DotSite, precision: Precision) -> List[str]:
 def lower_programs(config: ModelConfig, train_precision: Precision,
                    decode_precision: Precision, *, batch: int = 2, prompt_len: int = 8,
                    new_tokens: int = 8) -> Dict[str, tuple]:
-  """{phase: (precision, lowered)} for the train step, the prefill and one decode step.
+  """{phase: (precision, lowered)} for the train step, the prefill and one decode step
+  (`trace_programs`, lowered)."""
+  return {ph: (prec, traced.lower()) for ph, (prec, traced) in trace_programs(
+      config, train_precision, decode_precision, batch=batch, prompt_len=prompt_len,
+      new_tokens=new_tokens).items()}
+
+
+def trace_programs(config: ModelConfig, train_precision: Precision,
+                   decode_precision: Precision, *, batch: int = 2, prompt_len: int = 8,
+                   new_tokens: int = 8) -> Dict[str, tuple]:
+  """{phase: (precision, traced)} for the train step, the prefill and one decode step
+  (`jax.jit(f).trace(...)`: its `.jaxpr` holds Pallas kernel bodies, `.lower()` the
+  program).
 
   Parameters, optimizer state and cache are abstract (shapes only): the dots of a program
   depend on the architecture and the precision, not on the weights' values.
@@ -130,7 +144,7 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
   optimizer = train.make_optimizer(total_steps=10)
   state = jax.eval_shape(lambda: train.init_state(config, optimizer, 0))
   update = jax.jit(train.make_update(config, train_precision, optimizer))
-  out = {"train": (train_precision, update.lower(
+  out = {"train": (train_precision, update.trace(
       state, tokens_BxP, jax.ShapeDtypeStruct((batch, prompt_len), jnp.float32)))}
   # The decode programs as `generate` runs them (`decoding.for_serving`: on XLA:CPU with
   # bf16 compute the dense dots run on float32-carried weights). Under kernel 'auto' the
@@ -139,7 +153,7 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
   decode_precision = decoding.serving_precision(decode_precision)
   prefill = jax.jit(functools.partial(decoding.prefill, config=config,
                                       precision=decode_precision, cache_length=cache_length))
-  out["prefill"] = (decode_precision, prefill.lower(params, tokens_BxP, lengths_B))
+  out["prefill"] = (decode_precision, prefill.trace(params, tokens_BxP, lengths_B))
   if (decode_precision.kernel == kernels.AUTO and
       kernels.AUTO_MIN_KEYS <= config.max_seq_len):
     cache_length = max(cache_length, kernels.AUTO_MIN_KEYS)
@@ -151,7 +165,7 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
                                                             jnp.float32), lengths_B)
   step = jax.jit(functools.partial(decoding.decode_step, config=config,
                                    precision=decode_precision))
-  out["decode"] = (decode_precision, step.lower(params, dstate, lengths_B))
+  out["decode"] = (decode_precision, step.trace(params, dstate, lengths_B))
   return out
 
 
@@ -315,8 +329,9 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
   JSON-able dict whose 'ok' is the verdict. The train step runs no KV cache, so the
   train precision's cache setting applies to no program (`train` refuses one); the
   prefill and decode step are held to the decode precision's cache rows."""
-  programs = lower_programs(config, train_precision, decode_precision, batch=batch,
-                            prompt_len=prompt_len, new_tokens=new_tokens)
+  traced = trace_programs(config, train_precision, decode_precision, batch=batch,
+                          prompt_len=prompt_len, new_tokens=new_tokens)
+  programs = {ph: (prec, t.lower()) for ph, (prec, t) in traced.items()}
   # Every key length an attention dot of the programs can contract over: the prompt, the
   # cache (and the longer one the decode step gets under kernel 'auto'), the blockwise
   # kernel's key blocks (shorter where the cache is).
@@ -327,12 +342,26 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
   phases = {ph: audit_program(ph, lowered, prec, config, compile=compile,
                               key_lengths=tuple(sorted(lengths)))
             for ph, (prec, lowered) in programs.items()}
+  for ph, (prec, t) in traced.items():
+    if prec.kernel == pallas_kernel.NAME:
+      _check_pallas_bodies(phases[ph], t.jaxpr, prec)
   problems = [p for ph in phases.values() for p in ph["problems"]]
   return {"model": model_source, "config": runs.config_dict(config),
           "sizes": {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens},
           "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "xla": xla_env.describe(), "phases": phases, "problems": problems,
           "ok": not problems}
+
+
+def _check_pallas_bodies(phase: dict, jaxpr, precision: Precision):
+  """A 'pallas' phase: its kernel bodies, read from the jaxpr (the lowered program holds
+  them as custom calls the dot search cannot open on TPU / GPU), checked against the
+  table (`attnprec.inspect.pallas_check`); their problems join the phase's."""
+  checked = pallas_check.check_program(jaxpr, precision.compute_dtype, precision.attention)
+  phase["pallas"] = checked
+  phase["problems"] = phase["problems"] + [f"{phase['phase']} {p}"
+                                           for p in checked["problems"]]
+  phase["ok"] = not phase["problems"]
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -411,6 +440,22 @@ def cache_table(result: dict) -> str:
   return "\n".join(lines)
 
 
+def pallas_table(result: dict) -> str:
+  """Markdown: one line per (phase, Pallas kernel body): its dots and softmax dtypes."""
+  lines = ["| phase | qk dot | wv dot | exp / max | stats exp / sum | verdict |",
+           "|---|---|---|---|---|---|"]
+  for ph in PHASES:
+    for b in result["phases"][ph].get("pallas", {}).get("bodies", []):
+      dots = {d["scope"]: f"{d['lhs']} x {d['rhs']} -> {d['result']}, {d['precision']}"
+              for d in b["dots"]}
+      sm = b["softmax"]
+      lines.append(f"| {ph} | {dots.get('qk', '-')} | {dots.get('wv', '-')} | "
+                   f"{'/'.join(sm['exp'])} / {'/'.join(sm['max'])} | "
+                   f"{'/'.join(sm['stats exp'])} / {'/'.join(sm['sum'])} | "
+                   f"{'ok' if b['ok'] else 'MISMATCH'} |")
+  return "\n".join(lines)
+
+
 def quantized_cache(result: dict) -> bool:
   """Whether the prefill and decode step were audited over a quantized KV cache."""
   return result["phases"]["decode"].get("cache_expected", {}).get("quantized", False)
@@ -481,6 +526,11 @@ def to_markdown(result: dict) -> str:
              if ph["train"]["precision"]["kv_cache_k_dtype"] != "compute"
              or ph["train"]["precision"]["kv_cache_v_dtype"] != "compute" else "."), "",
           cache_table(result), ""]
+  if any("pallas" in ph[p] for p in PHASES):
+    head += ["## Pallas kernel bodies (jaxpr, checked against the contract table)", "",
+             "Lowered for TPU or GPU a Pallas kernel is one custom call; its body is read "
+             "from the program's jaxpr (`attnprec.inspect.pallas_check`). What Mosaic or "
+             "Triton compiles it into is not visible here.", "", pallas_table(result), ""]
   if any("compiled" in ph[p] for p in PHASES):
     head += ["## What this backend compiled (`lowered.compile().as_text()`), checked", "",
              "Every dot of the optimized HLO, as the backend made it (an XLA dot, a dot "

@@ -326,7 +326,7 @@ class JaxNnRefusesTest(parameterized.TestCase):
 class RegistryTest(parameterized.TestCase):
 
   def test_names(self):
-    self.assertEqual(kernels.NAMES, ("dot_product", "blockwise", "jax_nn"))
+    self.assertEqual(kernels.NAMES, ("dot_product", "blockwise", "jax_nn", "pallas"))
     for name, spec in kernels.REGISTRY.items():
       self.assertEqual(spec.name, name)
 
