@@ -381,7 +381,7 @@ class AutoTest(parameterized.TestCase):
     self.assertEqual(kernels.resolve("auto", m, m), "blockwise")       # long prefill
     self.assertEqual(kernels.resolve("auto", 1, n), "blockwise")       # long cache
     self.assertEqual(kernels.resolve("jax_nn", 10 * m, 10 * n), "jax_nn")
-    with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'auto'"):
+    with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'pallas', 'auto'"):
       kernels.resolve("autox", 1)
     with self.assertRaisesRegex(UserError, "'autox'.*'auto'"):
       Precision(kernel="autox")
