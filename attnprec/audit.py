@@ -442,18 +442,22 @@ def cache_table(result: dict) -> str:
 
 def pallas_table(result: dict) -> str:
   """Markdown: one line per (phase, Pallas kernel body): its dots and softmax dtypes."""
-  lines = ["| phase | qk dot | wv dot | exp / max | stats exp / sum | verdict |",
-           "|---|---|---|---|---|---|"]
+  rows = collections.Counter()
   for ph in PHASES:
     for b in result["phases"][ph].get("pallas", {}).get("bodies", []):
-      dots = {d["scope"]: f"{d['lhs']} x {d['rhs']} -> {d['result']}, {d['precision']}"
+      dots = {d["scope"]: f"{d['lhs']} x {d['rhs']} -> {d['result']}"
+              + (f"->{d['rounded_to']}" if d["rounded_to"] else "") + f", {d['precision']}"
               for d in b["dots"]}
       sm = b["softmax"]
-      lines.append(f"| {ph} | {dots.get('qk', '-')} | {dots.get('wv', '-')} | "
-                   f"{'/'.join(sm['exp'])} / {'/'.join(sm['max'])} | "
-                   f"{'/'.join(sm['stats exp'])} / {'/'.join(sm['sum'])} | "
-                   f"{'ok' if b['ok'] else 'MISMATCH'} |")
-  return "\n".join(lines)
+      rows[(ph, dots.get("qk", "-"), dots.get("wv", "-"),
+            f"{'/'.join(sm['exp'])} / {'/'.join(sm['max'])}",
+            f"{'/'.join(sm['stats exp'])} / {'/'.join(sm['sum'])}",
+            "ok" if b["ok"] else "MISMATCH")] += 1
+  # One body per layer and per platform branch (interpreted, Mosaic, Triton).
+  return "\n".join(["| phase | bodies | qk dot | wv dot | exp / max | stats exp / sum | "
+                    "verdict |", "|---|---:|---|---|---|---|---|"] +
+                   [f"| {r[0]} | {n} | " + " | ".join(r[1:]) + " |"
+                    for r, n in rows.items()])
 
 
 def quantized_cache(result: dict) -> bool:
@@ -485,6 +489,10 @@ def verdict(result: dict) -> str:
                    for r in result["phases"][ph].get("compiled", {}).get("rows", []))
     cache = (f", and their {quantized_cache_text(result)} cache's codes and scales "
              f"match its rows" if quantized_cache(result) else "")
+    bodies = sum(len(result["phases"][ph].get("pallas", {}).get("bodies", []))
+                 for ph in PHASES)
+    if bodies:
+      cache += f", and so do the {bodies} Pallas kernel bodies read from the jaxpr"
     return (f"PASS: all {n} attention dots of the train step, prefill and decode step match "
             f"the contract for their phase's flags{cache}"
             + (f"; so do the {compiled} dots this backend compiled them into."
@@ -595,6 +603,8 @@ def audit_job(*, train_precision: Precision, decode_precision: Precision, run_di
   print(attention_table(result))
   if quantized_cache(result):
     print(cache_table(result))
+  if any("pallas" in result["phases"][ph] for ph in PHASES):
+    print(pallas_table(result))
   if compile:
     print(compiled_table(result))
   print(verdict(result))

@@ -22,7 +22,9 @@ dots, not the reads. A query that sees no key returns 0, as blockwise.
 Precision (`contract.stage_dtypes`, chex-asserted in the kernel body at trace time): the
 qk dot takes q and k in c (the query scale on q in c, or on the float32 logits, as the
 table says: `Prepared.queries` / `contract.scale_logits`) with
-`preferred_element_type` = the logits dtype; soft-cap, mask, max and exp in the softmax
+`preferred_element_type` = the logits dtype (the TPU body: float32, rounded once to c right
+after the dot where the logits are c: Mosaic's matmul accumulates in 32 bits only, so a
+c-result dot is that on TPU anyway); soft-cap, mask, max and exp in the softmax
 dtype; the wv dot takes the probabilities and v in the probs dtype and returns float32.
 The two dots sit in the contract's named scopes. `attnprec.inspect.pallas_check` reads
 the kernel body back from the jaxpr and checks every dot, exp, max and sum against the
@@ -129,10 +131,14 @@ def geometry(B, K, T, G, S, H) -> Geometry:
 
 
 def make_body(geo: Geometry, stages, *, einsum, scale, logits_soft_cap=None,
-              causal=False, sliding_window=None, dense_mask=False):
+              causal=False, sliding_window=None, dense_mask=False, accumulate32=False):
   """The kernel body for one geometry and one row of the contract table (`stages`):
   body(q_ref [Tq, Hp], k_ref [Sp, Hp], v_ref [Sp, Hp], qpos_ref [Tq, 1],
-       kpos_ref [1, Sp], (mask_ref [Tq, Sp] int32,) o_ref [Tq, Hp])."""
+       kpos_ref [1, Sp], (mask_ref [Tq, Sp] int32,) o_ref [Tq, Hp]).
+
+  accumulate32 (the TPU body): the qk dot returns float32 and c logits are that result
+  rounded once to c (Mosaic's matmul accumulates in 32 bits only; a c-result dot is the
+  same thing on TPU). Elsewhere the dot's result type is the logits dtype itself."""
   Tq, Sk, S = geo.Tq, geo.Sk, geo.S
   nk = geo.Sp // Sk
   sm, c = stages["softmax"], stages["output"]
@@ -151,10 +157,10 @@ def make_body(geo: Geometry, stages, *, einsum, scale, logits_soft_cap=None,
       keys = pl.ds(start, Sk)
       k_SkxHp, v_SkxHp = k_ref[keys, :], v_ref[keys, :]
       with jax.named_scope(contract.QK_SCOPE):
-        # Mosaic's matmul accumulates in 32 bits only: c logits are that accumulation
-        # rounded once to c (what a c-result dot is on TPU and GPU, and on XLA:CPU).
-        logits_TqxSk = jnp.einsum("TH,SH->TS", q_TqxHp, k_SkxHp, precision=einsum,
-                                  preferred_element_type=F32).astype(stages["logits"])
+        logits_TqxSk = jnp.einsum(
+            "TH,SH->TS", q_TqxHp, k_SkxHp, precision=einsum,
+            preferred_element_type=F32 if accumulate32 else stages["logits"])
+        logits_TqxSk = logits_TqxSk.astype(stages["logits"])
       chex.assert_shape(logits_TqxSk, (Tq, Sk))
       chex.assert_type(logits_TqxSk, stages["logits"])
       logits_TqxSk = contract.scale_logits(logits_TqxSk, scale, stages).astype(sm)
@@ -204,7 +210,7 @@ def make_body(geo: Geometry, stages, *, einsum, scale, logits_soft_cap=None,
   return body
 
 
-def call(geo: Geometry, body, dense_mask: bool, platform: str):
+def call(geo: Geometry, make, dense_mask: bool, platform: str):
   """The `pallas_call` of `body` for 'interpret' (CPU), 'tpu' (Mosaic) or 'gpu' (Triton):
   f(q [B, K, Rp, Hp], k, v [B, K, Sp, Hp], qpos [B, Rp, 1], kpos [B, 1, Sp],
     (mask [B, K, Rp, Sp] int32)) -> [B, K, Rp, Hp]."""
@@ -222,7 +228,7 @@ def call(geo: Geometry, body, dense_mask: bool, platform: str):
             "gpu": pltriton.CompilerParams(num_warps=4, num_stages=2)}[platform]
   def run(q, *rest):
     return pl.pallas_call(
-        body, grid=geo.grid, in_specs=in_specs,
+        make(accumulate32=platform == "tpu"), grid=geo.grid, in_specs=in_specs,
         out_specs=pl.BlockSpec((sq, sq, Tq, Hp), lambda b, h, i: (b, h, i, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=platform == "interpret", compiler_params=params, name="attn_pallas",
@@ -257,10 +263,24 @@ def pallas_attention(q, k, v, *, mask=None,
     raise UserError(f"sliding_window must be a positive integer or None, "
                     f"got {sliding_window!r}.")
   stages = prep.stages if stages is None else stages
-  geo = geometry(B, K, T, G, S, H)
-  R, Rp, Sp, Hp = geo.R, geo.Rp, geo.Sp, geo.Hp
+  # One jitted program (eager calls compile it once per setting, not op by op); the body
+  # builder is part of its key, so a test's variant of `make_body` is a new program.
+  return _attention(prep.queries(q), k, v, q_positions_BxT, k_positions_BxS, mask,
+                    geo=geometry(B, K, T, G, S, H), stages=tuple(stages.items()),
+                    einsum=prep.einsum, scale=prep.scale, logits_soft_cap=logits_soft_cap,
+                    causal=causal, sliding_window=sliding_window, make_body=make_body)
 
-  q_BxKxRxH = jnp.transpose(prep.queries(q), (0, 2, 1, 3, 4)).reshape(B, K, R, H)
+
+@functools.partial(jax.jit, static_argnames=(
+    "geo", "stages", "einsum", "scale", "logits_soft_cap", "causal", "sliding_window",
+    "make_body"))
+def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, *, geo, stages,
+               einsum, scale, logits_soft_cap, causal, sliding_window, make_body):
+  """`pallas_attention` after its checks: layout, padding, the platform's pallas_call."""
+  B, K, T, G, S, H = geo.B, geo.K, geo.T, geo.G, geo.S, geo.H
+  N, R, Rp, Sp, Hp = K * G, geo.R, geo.Rp, geo.Sp, geo.Hp
+  stages = dict(stages)
+  q_BxKxRxH = jnp.transpose(q_BxTxKxGxH, (0, 2, 1, 3, 4)).reshape(B, K, R, H)
   q_BxKxRpxHp = _pad(q_BxKxRxH, ((0, Rp - R), (0, Hp - H)))
   k_BxKxSpxHp, v_BxKxSpxHp = (_pad(jnp.transpose(x, (0, 2, 1, 3)), ((0, Sp - S), (0, Hp - H)))
                               for x in (k, v))
@@ -281,10 +301,10 @@ def pallas_attention(q, k, v, *, mask=None,
     mask_BxKxRxS = jnp.transpose(grouped, (0, 1, 3, 2, 4)).reshape(B, K, R, S)
     operands.append(_pad(mask_BxKxRxS.astype(jnp.int32), ((0, Rp - R), (0, Sp - S))))
 
-  body = make_body(geo, stages, einsum=prep.einsum, scale=prep.scale,
-                   logits_soft_cap=logits_soft_cap, causal=causal,
-                   sliding_window=sliding_window, dense_mask=mask is not None)
-  branch = lambda platform: call(geo, body, mask is not None, platform)  # noqa: E731
+  make = functools.partial(make_body, geo, stages, einsum=einsum, scale=scale,
+                           logits_soft_cap=logits_soft_cap, causal=causal,
+                           sliding_window=sliding_window, dense_mask=mask is not None)
+  branch = lambda platform: call(geo, make, mask is not None, platform)  # noqa: E731
   out_BxKxRpxHp = _no_gradient(lambda *xs: jax.lax.platform_dependent(
       *xs, cpu=branch("interpret"), tpu=branch("tpu"), default=branch("gpu")))(*operands)
   out_BxTxNxH = jnp.transpose(out_BxKxRpxHp[:, :, :R, :H].reshape(B, K, T, G, H),
