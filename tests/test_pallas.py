@@ -52,13 +52,13 @@ _dot_product = jax.jit(dot_product.dot_product_attention,
 @pytest.mark.parametrize("case,T,S,K,window,cap", [
     ("prefill_causal_gqa_cap", 37, 37, 2, None, 5.0),     # padded rows, keys, head dim
     ("prefill_window_mqa_lengths", 37, 37, 1, 6, None),   # + a padding mask (lengths)
-    ("decode_over_cache_gqa_cap", 1, 40, 2, None, 5.0),   # one query at 20 / 33
+    ("decode_over_cache_gqa_cap", 1, 200, 2, None, 5.0),  # at 20 / 190: 2 key blocks
 ])
 def test_matches_float64_and_dot_product(case, T, S, K, window, cap):
   """fp32, interpreted: == float64 and == dot_product within blockwise's bound."""
   q, k, v = _qkv(T, S, K)
   k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-  q_pos = jnp.asarray([[20], [33]], jnp.int32) if T == 1 else k_pos[:, S - T:]
+  q_pos = jnp.asarray([[20], [190]], jnp.int32) if T == 1 else k_pos[:, S - T:]
   dense = None
   want_mask = contract.causal_mask(q_pos, k_pos, sliding_window=window)
   if "lengths" in case:   # the second sequence has 33 real tokens: keys past it hidden
@@ -113,12 +113,14 @@ def test_gradient_is_a_user_error():
                                            ("cuda", "__gpu$xla.gpu.triton")])
 def test_lowers_to_the_backends_custom_call(platform, call):
   """Lowered (not run) for TPU: Mosaic in a tpu_custom_call; for CUDA: a Triton call.
-  bf16 with both flags off: the narrowest body (bf16 exp and probabilities)."""
-  q, k, v = _qkv(37, 37, 2, BF16)
+  bf16 with both flags off (the narrowest body: bf16 logits, soft-cap, exp), two key
+  blocks (the loop and the block skip), a sliding window."""
+  q, k, v = _qkv(37, 200, 2, BF16)
   prec = Precision(dtype="bfloat16", kernel="pallas", float32_qk_product=False,
                    float32_logits=False)
-  pos = jnp.broadcast_to(jnp.arange(37, dtype=jnp.int32), (B, 37))
-  f = lambda *x: kernels.attend(prec, *x, mask=CausalMask(pos, pos, sliding_window=8))  # noqa
+  k_pos = jnp.broadcast_to(jnp.arange(200, dtype=jnp.int32), (B, 200))
+  mask = CausalMask(k_pos[:, -37:], k_pos, sliding_window=8)
+  f = lambda *x: kernels.attend(prec, *x, mask=mask, logits_soft_cap=30.0)  # noqa: E731
   text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=(platform,)).as_text()
   assert set(re.findall(r"custom_call @(\S+)\(", text)) == {call}
   assert "stablehlo.dot_general" not in text      # the attention is inside the kernel

@@ -7,8 +7,8 @@ so one key block serves all of them and a decode step has G rows, not 1), Tq row
 grid step, Sk keys per step of the in-kernel loop; Rp, Sp, Hp the padded R, S, H.
 
 One `pallas_call` with grid (B, K, Rp / Tq): each program holds q [Tq, Hp] and its kv
-head's whole k, v [Sp, Hp] and loops (`fori_loop`) over key blocks of Sk with an online
-softmax, exactly blockwise's (`attnprec.kernels.blockwise`): the running max m in the
+head's whole k, v [Sp, Hp] and loops (`fori_loop`; straight-line for one block) over key
+blocks of Sk with an online softmax, exactly blockwise's (`attnprec.kernels.blockwise`): the running max m in the
 softmax dtype, the running sum l, the corrections and the output accumulator in float32
 whatever the flags, exp(logits - m) and the probabilities into the wv dot in the table's
 dtype, normalisation by l once, in float32, on the accumulated output. Masks: causal and
@@ -131,14 +131,20 @@ def geometry(B, K, T, G, S, H) -> Geometry:
 
 
 def make_body(geo: Geometry, stages, *, einsum, scale, logits_soft_cap=None,
-              causal=False, sliding_window=None, dense_mask=False, accumulate32=False):
+              causal=False, sliding_window=None, dense_mask=False,
+              platform: str = "interpret"):
   """The kernel body for one geometry and one row of the contract table (`stages`):
   body(q_ref [Tq, Hp], k_ref [Sp, Hp], v_ref [Sp, Hp], qpos_ref [Tq, 1],
        kpos_ref [1, Sp], (mask_ref [Tq, Sp] int32,) o_ref [Tq, Hp]).
 
-  accumulate32 (the TPU body): the qk dot returns float32 and c logits are that result
-  rounded once to c (Mosaic's matmul accumulates in 32 bits only; a c-result dot is the
-  same thing on TPU). Elsewhere the dot's result type is the logits dtype itself."""
+  platform: 'interpret' (CPU), 'tpu' or 'gpu'. The TPU body's qk dot returns float32
+  and c logits are that result rounded once to c (Mosaic's matmul accumulates in 32 bits
+  only; a c-result dot is the same thing on TPU); elsewhere the dot's result type is the
+  logits dtype itself. The GPU body divides 16-bit logits by the soft-cap in float32 and
+  rounds the quotient to their dtype (Triton's lowering has no 16-bit division; the
+  result is the 16-bit quotient exactly: float32 has more than 2 * 8 + 2 bits)."""
+  accumulate32 = platform == "tpu"
+  divide32 = platform == "gpu"
   Tq, Sk, S = geo.Tq, geo.Sk, geo.S
   nk = geo.Sp // Sk
   sm, c = stages["softmax"], stages["output"]
@@ -166,7 +172,11 @@ def make_body(geo: Geometry, stages, *, einsum, scale, logits_soft_cap=None,
       logits_TqxSk = contract.scale_logits(logits_TqxSk, scale, stages).astype(sm)
       if logits_soft_cap is not None:
         cap = jnp.asarray(logits_soft_cap, sm)
-        logits_TqxSk = cap * jnp.tanh(logits_TqxSk / cap)
+        if divide32 and jnp.dtype(sm).itemsize < 4:
+          scaled_TqxSk = (logits_TqxSk.astype(F32) / jnp.asarray(cap, F32)).astype(sm)
+        else:
+          scaled_TqxSk = logits_TqxSk / cap
+        logits_TqxSk = cap * jnp.tanh(scaled_TqxSk)
       allowed = start + jax.lax.broadcasted_iota(jnp.int32, (Tq, Sk), 1) < S
       if structured:
         allowed &= contract.visible(qpos_Tqx1, kpos_ref[:, keys], causal=causal,
@@ -203,7 +213,10 @@ def make_body(geo: Geometry, stages, *, einsum, scale, logits_soft_cap=None,
 
     init = (jnp.full((Tq, 1), mask_value, sm), jnp.zeros((Tq, 1), F32),
             jnp.zeros((Tq, geo.Hp), F32))
-    _, l_Tqx1, acc_TqxHp = jax.lax.fori_loop(0, nk, maybe_step, init)
+    if nk == 1:     # one key block: no loop, no skip (a smaller program to compile)
+      _, l_Tqx1, acc_TqxHp = kv_step(0, init)
+    else:
+      _, l_Tqx1, acc_TqxHp = jax.lax.fori_loop(0, nk, maybe_step, init)
     l_safe = jnp.where(l_Tqx1 > 0, l_Tqx1, 1.0)          # a row that saw no key -> 0
     o_ref[...] = (acc_TqxHp / l_safe).astype(c)
 
@@ -228,7 +241,7 @@ def call(geo: Geometry, make, dense_mask: bool, platform: str):
             "gpu": pltriton.CompilerParams(num_warps=4, num_stages=2)}[platform]
   def run(q, *rest):
     return pl.pallas_call(
-        make(accumulate32=platform == "tpu"), grid=geo.grid, in_specs=in_specs,
+        make(platform=platform), grid=geo.grid, in_specs=in_specs,
         out_specs=pl.BlockSpec((sq, sq, Tq, Hp), lambda b, h, i: (b, h, i, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=platform == "interpret", compiler_params=params, name="attn_pallas",
