@@ -82,6 +82,8 @@ from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.inspect import DotSite, cache_check, inspect_lowered, offset_check
+from attnprec.inspect import pallas_check
+from attnprec.kernels import pallas as pallas_kernel
 from attnprec.inspect import report as contract_check
 from attnprec.model import init_params
 from attnprec.precision import Precision
@@ -131,19 +133,32 @@ def local_platform() -> Optional[str]:
                                   getattr(jax.devices()[0].client, "platform_version", ""))
 
 
-def _lower(jitted, platform: str, *args):
-  """`jitted.lower(*args)` for the local platform (as before), else lowered for
-  `platform` on this machine."""
+def _lower(traced, platform: str):
+  """`traced.lower()` for the local platform (as before), else lowered for `platform` on
+  this machine."""
   if platform == local_platform():
-    return jitted.lower(*args)
-  return jitted.trace(*args).lower(lowering_platforms=(platform,))
+    return traced.lower()
+  return traced.lower(lowering_platforms=(platform,))
 
 
 def lower_programs(config: ModelConfig, train_precision: Precision,
                    decode_precision: Precision, *, batch: int = 2, prompt_len: int = 8,
                    new_tokens: int = 8, platform: str = platforms.DEFAULT_PLATFORM
                    ) -> Dict[str, tuple]:
-  """{phase: (precision, lowered)} for the train step, the prefill and one decode step.
+  """{phase: (precision, lowered)} for the train step, the prefill and one decode step
+  (`trace_programs`, lowered for `platform`)."""
+  return {ph: (prec, _lower(traced, platform)) for ph, (prec, traced) in trace_programs(
+      config, train_precision, decode_precision, batch=batch, prompt_len=prompt_len,
+      new_tokens=new_tokens, platform=platform).items()}
+
+
+def trace_programs(config: ModelConfig, train_precision: Precision,
+                   decode_precision: Precision, *, batch: int = 2, prompt_len: int = 8,
+                   new_tokens: int = 8, platform: str = platforms.DEFAULT_PLATFORM
+                   ) -> Dict[str, tuple]:
+  """{phase: (precision, traced)} for the train step, the prefill and one decode step
+  (`jax.jit(f).trace(...)`: its `.jaxpr` holds Pallas kernel bodies; `_lower` lowers it
+  for `platform`).
 
   Parameters, optimizer state and cache are abstract (shapes only): the dots of a program
   depend on the architecture and the precision, not on the weights' values.
@@ -169,9 +184,8 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
   optimizer = train.make_optimizer(total_steps=10)
   state = jax.eval_shape(lambda: train.init_state(config, optimizer, 0))
   update = jax.jit(train.make_update(config, train_precision, optimizer))
-  out = {"train": (train_precision, _lower(
-      update, platform, state, tokens_BxP,
-      jax.ShapeDtypeStruct((batch, prompt_len), jnp.float32)))}
+  out = {"train": (train_precision, update.trace(
+      state, tokens_BxP, jax.ShapeDtypeStruct((batch, prompt_len), jnp.float32)))}
   # The decode programs as `generate` runs them (`decoding.for_serving`: on XLA:CPU with
   # bf16 compute the dense dots run on float32-carried weights). Under kernel 'auto' the
   # short prefill runs dot_product and the decode step is audited over a cache long
@@ -181,8 +195,7 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
       platforms.TABLE[platform].backend)
   prefill = jax.jit(functools.partial(decoding.prefill, config=config,
                                       precision=decode_precision, cache_length=cache_length))
-  out["prefill"] = (decode_precision, _lower(prefill, platform, params, tokens_BxP,
-                                             lengths_B))
+  out["prefill"] = (decode_precision, prefill.trace(params, tokens_BxP, lengths_B))
   if (decode_precision.kernel == kernels.AUTO and
       kernels.AUTO_MIN_KEYS <= config.max_seq_len):
     cache_length = max(cache_length, kernels.AUTO_MIN_KEYS)
@@ -194,7 +207,7 @@ def lower_programs(config: ModelConfig, train_precision: Precision,
                                                             jnp.float32), lengths_B)
   step = jax.jit(functools.partial(decoding.decode_step, config=config,
                                    precision=decode_precision))
-  out["decode"] = (decode_precision, _lower(step, platform, params, dstate, lengths_B))
+  out["decode"] = (decode_precision, step.trace(params, dstate, lengths_B))
   return out
 
 
@@ -381,9 +394,9 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
   train precision's cache setting applies to no program (`train` refuses one); the
   prefill and decode step are held to the decode precision's cache rows. `platform`:
   lowered for it and read under its semantics (module docstring)."""
-  programs = lower_programs(config, train_precision, decode_precision, batch=batch,
-                            prompt_len=prompt_len, new_tokens=new_tokens,
-                            platform=platform)
+  traced = trace_programs(config, train_precision, decode_precision, batch=batch,
+                          prompt_len=prompt_len, new_tokens=new_tokens, platform=platform)
+  programs = {ph: (prec, _lower(t, platform)) for ph, (prec, t) in traced.items()}
   # Every key length an attention dot of the programs can contract over: the prompt, the
   # cache (and the longer one the decode step gets under kernel 'auto'), the blockwise
   # kernel's key blocks (shorter where the cache is).
@@ -394,6 +407,9 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
   phases = {ph: audit_program(ph, lowered, prec, config, compile=compile,
                               key_lengths=tuple(sorted(lengths)), platform=platform)
             for ph, (prec, lowered) in programs.items()}
+  for ph, (prec, t) in traced.items():
+    if prec.kernel == pallas_kernel.NAME:
+      _check_pallas_bodies(phases[ph], t.jaxpr, prec)
   problems = [p for ph in phases.values() for p in ph["problems"]]
   return {"model": model_source, "config": runs.config_dict(config),
           "sizes": {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens},
@@ -401,6 +417,17 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "xla": xla_env.describe(), "phases": phases, "problems": problems,
           "ok": not problems}
+
+
+def _check_pallas_bodies(phase: dict, jaxpr, precision: Precision):
+  """A 'pallas' phase: its kernel bodies, read from the jaxpr (the lowered program holds
+  them as custom calls the dot search cannot open on TPU / GPU), checked against the
+  table (`attnprec.inspect.pallas_check`); their problems join the phase's."""
+  checked = pallas_check.check_program(jaxpr, precision.compute_dtype, precision.attention)
+  phase["pallas"] = checked
+  phase["problems"] = phase["problems"] + [f"{phase['phase']} {p}"
+                                           for p in checked["problems"]]
+  phase["ok"] = not phase["problems"]
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -503,6 +530,26 @@ def cache_table(result: dict) -> str:
   return "\n".join(lines)
 
 
+def pallas_table(result: dict) -> str:
+  """Markdown: one line per (phase, Pallas kernel body): its dots and softmax dtypes."""
+  rows = collections.Counter()
+  for ph in PHASES:
+    for b in result["phases"][ph].get("pallas", {}).get("bodies", []):
+      dots = {d["scope"]: f"{d['lhs']} x {d['rhs']} -> {d['result']}"
+              + (f"->{d['rounded_to']}" if d["rounded_to"] else "") + f", {d['precision']}"
+              for d in b["dots"]}
+      sm = b["softmax"]
+      rows[(ph, dots.get("qk", "-"), dots.get("wv", "-"),
+            f"{'/'.join(sm['exp'])} / {'/'.join(sm['max'])}",
+            f"{'/'.join(sm['stats exp'])} / {'/'.join(sm['sum'])}",
+            "ok" if b["ok"] else "MISMATCH")] += 1
+  # One body per layer and per platform branch (interpreted, Mosaic, Triton).
+  return "\n".join(["| phase | bodies | qk dot | wv dot | exp / max | stats exp / sum | "
+                    "verdict |", "|---|---:|---|---|---|---|---|"] +
+                   [f"| {r[0]} | {n} | " + " | ".join(r[1:]) + " |"
+                    for r, n in rows.items()])
+
+
 def quantized_cache(result: dict) -> bool:
   """Whether the prefill and decode step were audited over a quantized KV cache."""
   return result["phases"]["decode"].get("cache_expected", {}).get("quantized", False)
@@ -535,6 +582,10 @@ def verdict(result: dict) -> str:
     plat = result.get("platform", "cpu")
     on = f" on {plat} (lowered for it, read under its precision semantics)" \
         if plat != "cpu" else ""
+    bodies = sum(len(result["phases"][ph].get("pallas", {}).get("bodies", []))
+                 for ph in PHASES)
+    if bodies:
+      cache += f", and so do the {bodies} Pallas kernel bodies read from the jaxpr"
     return (f"PASS: all {n} attention dots of the train step, prefill and decode step match "
             f"the contract for their phase's flags{on}{cache}"
             + (f"; so do the {compiled} dots this backend compiled them into."
@@ -587,6 +638,11 @@ def to_markdown(result: dict) -> str:
   skipped = not_compiled(result)
   if skipped:
     head += ["## The compiled program", "", skipped, ""]
+  if any("pallas" in ph[p] for p in PHASES):
+    head += ["## Pallas kernel bodies (jaxpr, checked against the contract table)", "",
+             "Lowered for TPU or GPU a Pallas kernel is one custom call; its body is read "
+             "from the program's jaxpr (`attnprec.inspect.pallas_check`). What Mosaic or "
+             "Triton compiles it into is not visible here.", "", pallas_table(result), ""]
   if any("compiled" in ph[p] for p in PHASES):
     head += ["## What this backend compiled (`lowered.compile().as_text()`), checked", "",
              "Every dot of the optimized HLO, as the backend made it (an XLA dot, a dot "
@@ -659,6 +715,8 @@ def audit_job(*, train_precision: Precision, decode_precision: Precision, run_di
   if platform != "cpu":
     print(f"On {platform}:")
     print(platform_table(result))
+  if any("pallas" in result["phases"][ph] for ph in PHASES):
+    print(pallas_table(result))
   if not_compiled(result):
     print(not_compiled(result))
   elif compile:

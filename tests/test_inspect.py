@@ -263,7 +263,8 @@ KERNEL_CASES = [("dot_product", (True, True)), ("dot_product", (False, False)),
 
 
 def test_kernel_cases_cover_the_registry():
-  assert {k for k, _ in KERNEL_CASES} == set(kernels.NAMES)
+  # 'pallas' has no gradient, so no train step to lower: tests/test_pallas.py audits it.
+  assert {k for k, _ in KERNEL_CASES} == set(kernels.NAMES) - {"pallas"}
 
 
 @pytest.mark.parametrize("kernel,flags", KERNEL_CASES)

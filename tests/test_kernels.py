@@ -326,7 +326,7 @@ class JaxNnRefusesTest(parameterized.TestCase):
 class RegistryTest(parameterized.TestCase):
 
   def test_names(self):
-    self.assertEqual(kernels.NAMES, ("dot_product", "blockwise", "jax_nn"))
+    self.assertEqual(kernels.NAMES, ("dot_product", "blockwise", "jax_nn", "pallas"))
     for name, spec in kernels.REGISTRY.items():
       self.assertEqual(spec.name, name)
 
@@ -381,7 +381,7 @@ class AutoTest(parameterized.TestCase):
     self.assertEqual(kernels.resolve("auto", m, m), "blockwise")       # long prefill
     self.assertEqual(kernels.resolve("auto", 1, n), "blockwise")       # long cache
     self.assertEqual(kernels.resolve("jax_nn", 10 * m, 10 * n), "jax_nn")
-    with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'auto'"):
+    with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'pallas', 'auto'"):
       kernels.resolve("autox", 1)
     with self.assertRaisesRegex(UserError, "'autox'.*'auto'"):
       Precision(kernel="autox")

@@ -19,11 +19,11 @@ from typing import Dict, Optional, Tuple
 
 from attnprec import contract
 from attnprec.errors import UserError, choice_error
-from attnprec.kernels import blockwise, dot_product, jax_nn
+from attnprec.kernels import blockwise, dot_product, jax_nn, pallas
 
-_MODULES = (dot_product, blockwise, jax_nn)
+_MODULES = (dot_product, blockwise, jax_nn, pallas)
 REGISTRY: Dict[str, contract.KernelSpec] = {m.KERNEL.name: m.KERNEL for m in _MODULES}
-NAMES: Tuple[str, ...] = tuple(REGISTRY)      # ('dot_product', 'blockwise', 'jax_nn')
+NAMES: Tuple[str, ...] = tuple(REGISTRY)  # ('dot_product', 'blockwise', 'jax_nn', 'pallas')
 AUTO = "auto"
 CHOICES: Tuple[str, ...] = NAMES + (AUTO,)    # what `precision.kernel` accepts
 # 'auto' runs blockwise from this many queries, or keys, up. On SmolLM2-135M (XLA:CPU,
