@@ -40,6 +40,7 @@ from attnprec.xla_env import disable_excess_precision
 disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 
 from attnprec import cli, compilation, runs  # noqa: E402
+from attnprec import kernels as kernel_names  # noqa: E402
 from attnprec.bench import attention as bench  # noqa: E402
 from attnprec.bench import model as model_bench  # noqa: E402
 from attnprec.bench import profile as profile_bench  # noqa: E402
@@ -216,7 +217,7 @@ def _parse(argv):
   args = parser.parse_args(argv)
   args.model_presets = _names("--model_presets", args.model_presets,
                               list(model_bench.PRESETS))
-  args.kernels = _names("--kernels", args.kernels, bench.KERNELS)
+  args.kernels = _names("--kernels", args.kernels, list(kernel_names.NAMES))
   args.torch_dtypes = _names("--torch_dtypes", args.torch_dtypes,
                              list(model_bench.TORCH_DTYPES))
   args.presets = _names("--presets", args.presets, list(bench.PRESETS))
