@@ -164,6 +164,24 @@ def _named_near(name: str, instrs, comps, users, forward: bool, depth: int = 4) 
   return found
 
 
+def _exp_upstream(name: str, instrs, comps, depth: int = 4) -> bool:
+  """Whether an exp (the softmax's) computes one of `name`'s operands, looking back
+  through up to `depth` instructions (converts, copies, fusions)."""
+  frontier = list(instrs[name].operands)
+  for _ in range(depth):
+    nxt = []
+    for n in frontier:
+      if n not in instrs:
+        continue
+      inner = _inner(n, instrs, comps)
+      if any(i.opcode in ("exponential", "exp") for i in inner):
+        return True
+      if instrs[n].opcode not in DOTS:
+        nxt.extend(instrs[n].operands)
+    frontier = nxt
+  return False
+
+
 def stage_of(name: str, instrs, comps, users=None) -> str:
   """The stage (`STAGES`) an executed instruction's time belongs to. A dot without an op
   name (XLA:CPU drops the metadata of some rewritten attention dots) is the kernel's PV
@@ -177,10 +195,11 @@ def stage_of(name: str, instrs, comps, users=None) -> str:
       return _dot_stage(named[0])
     if users is not None:
       kernel = lambda names: any("/kernel/" in n for n in names)   # noqa: E731
-      if kernel(_named_near(name, instrs, comps, users, forward=False)):
-        return "attention PV dot"
-      if kernel(_named_near(name, instrs, comps, users, forward=True)):
-        return "attention QK dot"
+      back = _named_near(name, instrs, comps, users, forward=False)
+      if kernel(back) or kernel(_named_near(name, instrs, comps, users, forward=True)):
+        # the PV dot's operand is the probabilities: an exp upstream, in the kernel
+        return "attention PV dot" if _exp_upstream(name, instrs, comps) else \
+            "attention QK dot"
     return "other dots"
   return _elementwise_stage(ops)
 
