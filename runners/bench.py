@@ -1,4 +1,4 @@
-"""Benchmarks: `python runners/bench.py [--suite=model|attention|all] [--quick] [--out=bench]`.
+"""Benchmarks: `python runners/bench.py [--suite=model|attention|projections|compile|all] [--quick] [--out=bench]`.
 
 `model` (the default, `make bench`; `--cases=1x32,8x1000`, `--model_presets=fp32,bf16_flags`,
 `--steps`, `--rounds`, `--no_torch`, `--no_flag_phases`, `--torch_dtypes`): decode
@@ -15,6 +15,11 @@ SmolLM2-shaped projections and the whole model's prefill (1000 tokens) and decod
 (batch 1 and 8) per form; `--projection_parts=micro,model`; `--xla_settings=default,
 onednn,xnnpack` repeats it once per XLA:CPU setting, each in its own process (XLA_FLAGS
 is process-wide). Writes <out>/projections.json, projections.md.
+
+`compile`: compile time and program size against depth, unrolled vs scanned layers
+(`model.scan_layers`; `attnprec.bench.compile_time`): the prefill, a decode step and the
+train step of a small model at `--depths=2,8,32,80` (`--quick`: 2,8), each compiled
+`--rounds` times (default 1), layouts interleaved. Writes <out>/compile.json, compile.md.
 
 An option the chosen suite does not read (`--cases` with `--suite=attention`, say) is
 refused, not ignored.
@@ -34,11 +39,12 @@ disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 
 from attnprec import cli, compilation, runs  # noqa: E402
 from attnprec.bench import attention as bench  # noqa: E402
+from attnprec.bench import compile_time as compile_bench  # noqa: E402
 from attnprec.bench import model as model_bench  # noqa: E402
 from attnprec.bench import projections as projection_bench  # noqa: E402
 from attnprec.errors import UserError  # noqa: E402
 
-SUITES = ("model", "attention", "projections", "all")
+SUITES = ("model", "attention", "projections", "compile", "all")
 # The options each suite reads (--suite and --out: every suite). One a suite does not
 # read is refused, never ignored.
 _MODEL_OPTIONS = ("quick", "model", "cases", "model_presets", "steps", "rounds", "no_torch",
@@ -47,6 +53,7 @@ _ATTENTION_OPTIONS = ("seq_lens", "memory_seq_lens", "decode_seq_lens", "kernels
                       "no_torch")
 READS = {"model": _MODEL_OPTIONS, "attention": _ATTENTION_OPTIONS,
          "projections": ("projection_parts", "xla_settings", "rounds"),
+         "compile": ("quick", "depths", "rounds"),
          "all": tuple(dict.fromkeys(_MODEL_OPTIONS + _ATTENTION_OPTIONS))}
 
 
@@ -158,6 +165,20 @@ def run_projections(args):
   print(f"wrote {args.out}/projections.json, projections.md")
 
 
+def run_compile(args):
+  depths = args.depths or (compile_bench.QUICK_DEPTHS if args.quick else compile_bench.DEPTHS)
+  print(f"compile suite: depths {','.join(map(str, depths))}, programs "
+        f"{','.join(compile_bench.PROGRAMS)}, {args.rounds or 1} round(s)", flush=True)
+  result = compile_bench.run(
+      depths=depths, rounds=args.rounds or 1, log=lambda m: print(m, flush=True),
+      on_row=lambda partial: runs.write_json(args.out, "compile.json", partial))
+  runs.write_json(args.out, "compile.json", result)
+  table = compile_bench.to_markdown(result)
+  _write(args.out, "compile.md", table)
+  print(table)
+  print(f"wall time {result['wall_s']:.0f} s; wrote {args.out}/compile.json, compile.md")
+
+
 def _parse(argv):
   parser = cli.ArgumentParser(prog="bench", doc=__doc__, examples=EXAMPLES)
   add = parser.add_argument
@@ -189,6 +210,8 @@ def _parse(argv):
   add("--xla_settings", default="",
       help=f"projections suite: one process per XLA:CPU setting, from "
       f"{','.join(xla_env.SETTINGS)} ('': this process's setting only)")
+  add("--depths", type=_ints, default=None,
+      help="compile suite: layer counts (None: 2,8,32,80; quick 2,8)")
   add("--out", default="bench", metavar="DIR", help="where results are written")
   args = parser.parse_args(argv)
   args.model_presets = _names("--model_presets", args.model_presets,
@@ -226,6 +249,7 @@ EXAMPLES = [
     "--kernels=dot_product,blockwise",
     "python runners/bench.py --suite=projections --xla_settings=default,onednn,xnnpack",
     "python runners/bench.py --torch_dtypes=float32,bfloat16 --cases=long",
+    "python runners/bench.py --suite=compile --depths=2,8,32,80",
 ]
 
 
@@ -241,6 +265,8 @@ def main(argv) -> int:
       run_attention(args)
     if args.suite == "projections":
       run_projections(args)
+    if args.suite == "compile":
+      run_compile(args)
 
   # keep_partial: model.json is rewritten after every case, so an interrupted run keeps
   # the cases it measured
