@@ -151,3 +151,20 @@ def test_the_loader_gives_a_checkpoint_the_bound_layout():
   assert (jax.tree_util.tree_map(np.shape, scanned.params) ==
           jax.tree_util.tree_map(lambda s: s.shape, model_lib.param_shapes(scanned.config)))
   _equal(layout.unstack(scanned.params), plain.params)
+
+
+def test_the_audit_finds_one_scanned_attention_per_program():
+  """The lowered programs of a scanned model: one attention in the scan's body, attributed
+  to every layer, its dots checked against the contract (bf16 compute, both flags)."""
+  from attnprec import audit
+  bf16 = Precision(dtype="bfloat16")
+  result = audit.run_audit(SCANNED, bf16, bf16, batch=1, prompt_len=4, new_tokens=2,
+                           compile=False)
+  assert result["ok"], result["problems"]
+  for phase, sites in (("train", ["qk", "wv", "dp", "dv", "dk", "dq"]),
+                       ("prefill", ["qk", "wv"]), ("decode", ["qk", "wv"])):
+    rows = result["phases"][phase]["attention"]
+    assert [r["site"] for r in rows] == sites
+    assert {r["layer"] for r in rows} == {"0-1 (scanned)"}
+    # the dense projections inside the scan are found and checked too (7 per block)
+    assert len(result["phases"][phase]["dense"]) >= 8
