@@ -30,7 +30,8 @@ slice in as a scan input and the updated one out made the compiled step copy the
 stack several times: a SmolLM2-shaped decode step ran 3-4x slower than unrolled.)
 `stack_cache` / `unstack_cache` convert between the two forms exactly.
 Under `jax.jit` with the cache donated (or carried by a loop), every write is in place:
-tests/test_cache.py checks the compiled decode step for cache-sized copies.
+tests/test_cache.py checks the compiled decode step for cache-sized copies (the scanned
+one: tests/test_scan_layers.py).
 """
 import math
 from typing import Optional, Tuple

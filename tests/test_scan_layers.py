@@ -6,6 +6,7 @@ for bit (`np.testing.assert_array_equal`), prefill, decode steps through the cac
 train step's loss and gradients.
 """
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -168,3 +169,36 @@ def test_the_audit_finds_one_scanned_attention_per_program():
     assert {r["layer"] for r in rows} == {"0-1 (scanned)"}
     # the dense projections inside the scan are found and checked too (7 per block)
     assert len(result["phases"][phase]["dense"]) >= 8
+
+
+def test_the_scanned_decode_step_writes_the_stacked_cache_in_place(params):
+  """The compiled (donated) decode step: the only instructions the size of the whole
+  stacked cache are the scatters of the new rows (no copy, no fresh stack: passing each
+  layer's cache in and out of the scan instead made XLA copy the stack several times)."""
+  _, stacked = params
+  bf16 = Precision(dtype="bfloat16")
+  B, S = 2, 64
+  state = decoding.DecodeState(init_cache(SCANNED, B, S, bf16.compute_dtype),
+                               jnp.zeros((B, SCANNED.vocab_size)),
+                               jnp.array([3, 7], jnp.int32))
+  step = decoding.step_fn(SCANNED, bf16)
+  text = step.lower(stacked, state, jnp.zeros((B,), jnp.int32)).compile().as_text()
+  dims = f"{SCANNED.num_layers},{B},{SCANNED.num_kv_heads},{S},{SCANNED.head_dim}"
+  found = re.findall(rf"^\s*(?:ROOT )?%([\w.\-]+) = \w+\[{dims}\]\S* ([\w\-]+)\(", text, re.M)
+  ops = [(name, op) for name, op in found
+         if op not in ("parameter", "get-tuple-element", "tuple", "bitcast")]
+  assert ops and all(op == "scatter" or "scatter" in name for name, op in ops), ops
+
+
+def test_the_compile_bench_measures_both_layouts():
+  """`make bench ARGS=--suite=compile` on the smallest depths: one row per (depth,
+  program, layout); the scanned program's size does not grow with depth."""
+  from attnprec.bench import compile_time
+  result = compile_time.run(depths=(1, 3), programs=("decode",), log=lambda m: None)
+  rows = {(r["depth"], r["layout"]): r for r in result["rows"]}
+  assert sorted(rows) == [(1, "scanned"), (1, "unrolled"), (3, "scanned"), (3, "unrolled")]
+  assert rows[(3, "unrolled")]["stablehlo_ops"] > rows[(1, "unrolled")]["stablehlo_ops"]
+  assert rows[(3, "scanned")]["stablehlo_ops"] == rows[(1, "scanned")]["stablehlo_ops"]
+  assert all(r["compile_s"] > 0 and r["hlo_instructions"] > 0 for r in rows.values())
+  assert "| decode | 3 | scanned |" in compile_time.to_markdown(result)
+  assert set(compile_time.ratios(result)["decode"]) == {"unrolled", "scanned"}
