@@ -18,7 +18,8 @@ attention is checked against the contract table (`attnprec.contract.stage_dtypes
            or the dot algorithm a preset lowers to (read from a plain dot lowered with it);
   layers   every layer has one attention (layer numbers from the Haiku module names in
            the program's locations; the blockwise kernel's loop bodies are attributed
-           through the calls and loops they are inlined from).
+           through the calls and loops they are inlined from); with model.scan_layers
+           exactly one, in the scan's body, shown as layers '0-L-1 (scanned)'.
 
 Dense dots (q/k/v/o, MLP, unembedding) are checked the same way against the phase's
 compute dtype and `matmul_precision` (the unembedding returns f32). A dot-algorithm preset
@@ -284,8 +285,12 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
   report = inspect_lowered(lowered, expect=precision, function=phase)
   rows, problems = [], []
   cache = cache_check.expected_cache(precision, cache=phase != "train")
-  cache_rows = [_cache_row(phase, a, cache) for a in report.attentions]
-  for a in report.attentions:
+  attentions = report.attentions
+  if config.scan_layers:   # one block body in a lax.scan is every layer's attention
+    scanned = f"0-{config.num_layers - 1} (scanned)"
+    attentions = [dataclasses.replace(a, layer=scanned) for a in attentions]
+  cache_rows = [_cache_row(phase, a, cache) for a in attentions]
+  for a in attentions:
     checks = contract_check.check_attention(a, precision)
     # The key offset's row: subtracted in f32 before the keys' one rounding.
     offset = [f"key offset: {p}" for p in
@@ -308,9 +313,14 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
     _on_platform(rows, att_dots, platform, "einsum_precision", precision.einsum_precision)
     _on_platform(dense_rows, report.dense, platform, "matmul_precision",
                  precision.matmul_precision)
-  layers = sorted(a.layer for a in report.attentions if a.layer is not None)
-  attributed = len(layers) == len(report.attentions)
-  if attributed:
+  layers = sorted(a.layer for a in attentions if isinstance(a.layer, int))
+  attributed = len(layers) == len(attentions)
+  if config.scan_layers:
+    attributed = len(attentions) == 1
+    if not attributed:
+      problems.append(f"{phase}: {len(attentions)} attentions found, expected 1 "
+                      f"(model.scan_layers: one scanned body for layers {scanned})")
+  elif attributed:
     for i in range(config.num_layers):
       if layers.count(i) != 1:
         problems.append(f"{phase}: layer {i} has {layers.count(i)} attentions, expected 1")
@@ -432,9 +442,12 @@ def _check_pallas_bodies(phase: dict, jaxpr, precision: Precision):
 
 # ----------------------------------------------------------------------------- rendering
 def _layers(layers) -> str:
-  known = sorted({x for x in layers if x is not None})
+  known = sorted({x for x in layers if x is not None}, key=str)
   if not known:
     return "?"
+  if any(isinstance(x, str) for x in known):        # '0-L-1 (scanned)'
+    return ",".join(map(str, known))
+  known = sorted(known)
   if known == list(range(known[0], known[-1] + 1)) and len(known) > 2:
     return f"{known[0]}-{known[-1]}"
   return ",".join(map(str, known))

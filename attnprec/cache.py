@@ -22,8 +22,16 @@ at the write (`attnprec.kvquant`) and read as codes plus `contract.KVScales` for
 kernels, which apply the scales without dequantizing (the contract's cache rows).
 float8 codes are stored as their bits (uint8), like the 16-bit floats. Scales lie
 [B, K, S] (per token) or [B, K, H] (per channel, keys only).
+With `model.scan_layers` the cache is a `StackedKVCache`: one `LayerCache` whose leaves
+carry a leading L axis ([L, B, K, S, H], the key offset's [L, B, K, H]), carried through
+the scan whole; the body sees layer i through a view (`LayerCache.layer` = i) that writes
+its new rows into the stack in place and reads layer i's slice. (Passing each layer's
+slice in as a scan input and the updated one out made the compiled step copy the whole
+stack several times: a SmolLM2-shaped decode step ran 3-4x slower than unrolled.)
+`stack_cache` / `unstack_cache` convert between the two forms exactly.
 Under `jax.jit` with the cache donated (or carried by a loop), every write is in place:
-tests/test_cache.py checks the compiled decode step for cache-sized copies.
+tests/test_cache.py checks the compiled decode step for cache-sized copies (the scanned
+one: tests/test_scan_layers.py).
 """
 import math
 from typing import Optional, Tuple
@@ -56,10 +64,23 @@ class LayerCache:
   # `CacheStorage.key_offset` other than 'none' (the name is pytree structure, so a step
   # that would subtract another offset is refused while tracing: `offset_for`), else None.
   key_offset: Optional[dict] = None
+  # A scanned model's view of one layer (`StackedKVCache`): every leaf above carries a
+  # leading L axis and this int32 scalar (the scan's layer index) picks the layer that
+  # `read`, `scales`, `write` and the offset calls see; writes scatter the new rows into
+  # the stack in place. None: the leaves are this layer's alone.
+  layer: Optional[chex.Array] = None
 
   @property
   def length(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[-2]
+
+  def _at(self, x):
+    """This layer's part of a leaf (the leaf itself unless a view of a stack)."""
+    return x if x is None or self.layer is None else x[self.layer]
+
+  def _set(self, stored, x):
+    """`stored` (a leaf) with this layer's part replaced by `x`."""
+    return x if self.layer is None else stored.at[self.layer].set(x)
 
   def read(self, dtype, storage: CacheStorage = COMPUTE_CACHE
            ) -> Tuple[jax.Array, jax.Array]:
@@ -69,17 +90,19 @@ class LayerCache:
     rounding); 'float32' / 'bfloat16': the stored values cast to `dtype` (exact, see
     `contract.cache_storage_error`); a scaled dtype: the codes in their code dtype
     (float8 bits reinterpreted), to be read with `scales`."""
-    return _read(self.k, storage.k_dtype, dtype), _read(self.v, storage.v_dtype, dtype)
+    return (_read(self._at(self.k), storage.k_dtype, dtype),
+            _read(self._at(self.v), storage.v_dtype, dtype))
 
   def scales(self, storage: CacheStorage = COMPUTE_CACHE) -> Optional[KVScales]:
     """None when neither side is scaled, else the `KVScales` the kernels apply to the
     codes `read` returns (`contract.cache_stage_dtypes`)."""
     if not storage.quantized:
       return None
+    k_scale, v_scale = self._at(self.k_scale), self._at(self.v_scale)
     return KVScales(
-        k_token_BxKxS=self.k_scale if storage.k_scale == "token" else None,
-        k_channel_BxKxH=self.k_scale if storage.k_scale == "channel" else None,
-        v_token_BxKxS=self.v_scale if storage.v_scale == "token" else None)
+        k_token_BxKxS=k_scale if storage.k_scale == "token" else None,
+        k_channel_BxKxH=k_scale if storage.k_scale == "channel" else None,
+        v_token_BxKxS=v_scale if storage.v_scale == "token" else None)
 
   def write(self, k_BxTxKxH, v_BxTxKxH, positions_BxT,
             storage: CacheStorage = COMPUTE_CACHE) -> "LayerCache":
@@ -92,11 +115,12 @@ class LayerCache:
     price of a fixed scale; a NaN scale, a non-finite key, stays NaN)."""
     B = positions_BxT.shape[0]
     b_Bx1 = jnp.arange(B)[:, None]
+    at = () if self.layer is None else (self.layer,)   # a stack's layer, in place
 
     def put(cache_BxKxS_, x_BxTxK_):
       # Indices (b, pos) on axes 0 and 2 with the K slice between them: the update rows
       # are [B, T, K(, H)], the new keys (or their scales) as they come.
-      return cache_BxKxS_.at[b_Bx1, :, positions_BxT].set(
+      return cache_BxKxS_.at[at + (b_Bx1, slice(None), positions_BxT)].set(
           _bits(x_BxTxK_, cache_BxKxS_.dtype), mode="drop")
 
     k, k_scale = self.k, self.k_scale
@@ -104,11 +128,12 @@ class LayerCache:
       codes, scale_BxTxK = kvquant.quantize_token(k_BxTxKxH, storage.k_dtype)
       k, k_scale = put(k, codes), put(k_scale, scale_BxTxK)
     elif storage.k_scale == "channel":
-      kept_BxKxH = jnp.isnan(k_scale) | (k_scale > 0)
+      held_BxKxH = self._at(k_scale)
+      kept_BxKxH = jnp.isnan(held_BxKxH) | (held_BxKxH > 0)
       fresh_BxKxH = kvquant.channel_scale(k_BxTxKxH, storage.k_dtype)
-      codes, k_scale = kvquant.quantize_channel(
-          k_BxTxKxH, jnp.where(kept_BxKxH, k_scale, fresh_BxKxH), storage.k_dtype)
-      k = put(k, codes)
+      codes, scale_BxKxH = kvquant.quantize_channel(
+          k_BxTxKxH, jnp.where(kept_BxKxH, held_BxKxH, fresh_BxKxH), storage.k_dtype)
+      k, k_scale = put(k, codes), self._set(k_scale, scale_BxKxH)
     else:
       k = put(k, _stored_values(k_BxTxKxH, storage.k_dtype))
     v, v_scale = self.v, self.v_scale
@@ -118,7 +143,7 @@ class LayerCache:
     else:
       v = put(v, _stored_values(v_BxTxKxH, storage.v_dtype))
     return LayerCache(k=k, v=v, k_scale=k_scale, v_scale=v_scale,
-                      key_offset=self.key_offset)
+                      key_offset=self.key_offset, layer=self.layer)
 
   def offset_for(self, name: str, fresh_BxKxH, positions_BxT) -> Tuple[jax.Array, "LayerCache"]:
     """(c [B, K, H] float32, the cache holding it) for a call writing `positions_BxT`
@@ -127,10 +152,11 @@ class LayerCache:
     one, so all keys of a sequence carry the same c. A cache filled under another offset
     is refused (`UserError`, while tracing): its keys carry another c."""
     _refuse_mixed(self, name)
-    stored_BxKxH = self.key_offset[name]
+    stored_BxKxH = self._at(self.key_offset[name])
     first_B = positions_BxT[:, 0] == 0
     c_BxKxH = jnp.where(first_B[:, None, None], fresh_BxKxH.astype(jnp.float32), stored_BxKxH)
-    return c_BxKxH, self.replace(key_offset={name: c_BxKxH})
+    return c_BxKxH, self.replace(key_offset={name: self._set(self.key_offset[name],
+                                                             c_BxKxH)})
 
   def check_offset(self, name: str) -> None:
     """Refuses (`UserError`, while tracing) a step under key offset `name` over a cache
@@ -163,10 +189,39 @@ class KVCache:
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
 
 
+@chex.dataclass(frozen=True)
+class StackedKVCache:
+  """The cache of a scanned model (`model.scan_layers`): every layer's `LayerCache` as
+  one, each leaf with a leading L axis (k, v [L, B, K, S, H])."""
+  stack: LayerCache
+
+  @property
+  def length(self) -> int:
+    return self.stack.k.shape[3]
+
+  @property
+  def nbytes(self) -> int:
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
+
+
+def stack_cache(cache: KVCache) -> StackedKVCache:
+  """A per-layer cache as the scanned model's (the same values, stacked on axis 0)."""
+  return StackedKVCache(stack=jax.tree_util.tree_map(lambda *xs: jnp.stack(xs),
+                                                     *cache.layers))
+
+
+def unstack_cache(cache: StackedKVCache) -> KVCache:
+  """A stacked cache as the unrolled model's: one `LayerCache` per layer."""
+  L = cache.stack.k.shape[0]
+  return KVCache(layers=tuple(jax.tree_util.tree_map(lambda x: x[i], cache.stack)
+                              for i in range(L)))
+
+
 def init_cache(config: ModelConfig, batch: int, length: int, dtype,
-               storage: CacheStorage = COMPUTE_CACHE) -> KVCache:
+               storage: CacheStorage = COMPUTE_CACHE):
   """An empty cache of `length` positions for values of the compute dtype `dtype`, stored
-  as `storage` says (default: the compute dtype, as `storage_dtype`)."""
+  as `storage` says (default: the compute dtype, as `storage_dtype`): a `KVCache`, or a
+  `StackedKVCache` for `config.scan_layers`."""
   B, K, S, H = batch, config.num_kv_heads, length, config.head_dim
   scale_shape = {"token": (B, K, S), "channel": (B, K, H), None: None}
 
@@ -180,11 +235,15 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype,
                       v_scale=None if vs is None else jnp.zeros(vs, jnp.float32),
                       key_offset=offset)
 
+  if config.scan_layers:
+    L = config.num_layers
+    return StackedKVCache(stack=jax.tree_util.tree_map(
+        lambda x: jnp.zeros((L,) + x.shape, x.dtype), one()))
   return KVCache(layers=tuple(one() for _ in range(config.num_layers)))
 
 
 def forward_cache(config: ModelConfig, batch: int, length: int,
-                  precision) -> Optional[KVCache]:
+                  precision):
   """The cache a full forward of `length` tokens under `precision` must run through:
   None when the precision stores its KV cache in the compute dtype (the plain forward,
   the same numbers), else a fresh cache of `length` positions stored as it says, so the

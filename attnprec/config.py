@@ -51,6 +51,10 @@ class ModelConfig:
   sliding_window: Optional[int] = None  # window of "local" layers
   layer_pattern: Tuple[str, ...] = ("global",)  # repeated cyclically over the layers
   max_seq_len: int = 8192               # longest context the model is meant for
+  # Not architecture but the program's form: run the blocks as one `lax.scan` over
+  # stacked parameters (`attnprec.model`, `layout.stack`) instead of unrolled; the same
+  # numbers, a program (and compile time) that does not grow with L.
+  scan_layers: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -69,6 +73,13 @@ class ModelConfig:
     for kind in self.layer_pattern:
       if kind not in LAYER_KINDS:
         raise choice_error("model.layer_pattern entry", kind, LAYER_KINDS)
+    if self.scan_layers and len({self.layer_kind(i) for i in range(self.num_layers)}) > 1:
+      raise UserError(
+          f"model.scan_layers = True runs one block body for every layer, but "
+          f"model.layer_pattern = {self.layer_pattern} mixes layer kinds (their windows "
+          f"and RoPE bases differ, and each needs its own attention mask); set "
+          f"model.scan_layers = False for this model (valid with scan_layers: a pattern "
+          f"of one kind, {LAYER_KINDS[0]!r} or {LAYER_KINDS[1]!r}).")
     if "local" in self.layer_pattern and not self.sliding_window:
       raise UserError("model.layer_pattern has 'local' layers but model.sliding_window is "
                       "not set; set it to a positive window length.")
@@ -116,3 +127,19 @@ class ModelConfig:
 # The gin root for the architecture (`gin/models/*.gin` bind `model.*`). gin wraps a copy
 # of the class, so constructing `ModelConfig` directly in code never reads gin bindings.
 model_config = gin.external_configurable(ModelConfig, "model")
+
+
+def bound_scan_layers() -> Optional[bool]:
+  """The gin binding `model.scan_layers` (None when none is bound): the program form the
+  loader gives a checkpoint, whose architecture comes from its own files
+  (`attnprec.checkpoints.load`)."""
+  # Named here so that a runner which loads checkpoints reads model.* (`ginutils.calls`
+  # follows the loads) and `--gin.model.scan_layers` passes its command-line check.
+  configurable = model_config  # noqa: F841
+  try:
+    value = gin.query_parameter("model.scan_layers")
+  except ValueError:
+    return None
+  if not isinstance(value, bool):
+    raise UserError(f"model.scan_layers must be True or False, got {value!r}.")
+  return value

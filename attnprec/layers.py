@@ -157,6 +157,7 @@ class Attention(hk.Module):
   config: ModelConfig       # architecture
   precision: Precision      # this phase's numerics (attention flags included)
   layer: int                # index: picks the window and RoPE base of this layer
+  scanned: bool = False     # the body of a scan over all layers (model.scan_layers)
   name: Optional[str] = None
 
   def __call__(self, x_BxTxD, positions_BxT, mask, cache: Optional[LayerCache] = None,
@@ -217,7 +218,7 @@ class Attention(hk.Module):
     else:
       k_BxSxKxH, v_BxSxKxH = k_BxTxKxH, v_BxTxKxH
 
-    kernel = AttentionKernel(cfg, prec, self.layer, name="kernel")
+    kernel = AttentionKernel(cfg, prec, self.layer, self.scanned, name="kernel")
     out_BxTxNxH = (kernel(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask) if scales is None else
                    kernel(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, kv_scales=scales))
     chex.assert_shape(out_BxTxNxH, (B, T, N, H))
@@ -264,6 +265,10 @@ class AttentionKernel(hk.Module):
   config: ModelConfig       # architecture (soft-cap, query scale)
   precision: Precision      # this phase's numerics (kernel and attention flags)
   layer: int                # the layer it belongs to
+  # In the body of a scan over all layers (model.scan_layers): ONE call stands for every
+  # layer, `layer` is only a representative, and what it sees are values of the scan's
+  # body, not of any one layer (the probes refuse it: `attnprec.study.probes`).
+  scanned: bool = False
   name: Optional[str] = None
 
   def __call__(self, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, kv_scales=None):

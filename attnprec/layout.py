@@ -19,9 +19,21 @@ head (`lm_head.weight`, beside the prefix); `transpose` = the file stores [out, 
 `python -m attnprec.layout` prints the table.
 """
 import dataclasses
+import re
 from typing import Callable, Dict, Iterator, Optional, Tuple, Union
 
+import jax.numpy as jnp
+import numpy as np
+
 from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+
+# The scanned model's (`model.scan_layers`) per-layer params: one module per row, under
+# `STACKED` (the `hk.layer_stack` named STACKED_SCAN, its one Block STACKED_BLOCK), with a
+# leading L axis: 'decoder/layers/layer/attn/q' {'w': [L, D, N*H]}.
+STACKED_SCAN = "layers"
+STACKED_BLOCK = "layer"
+STACKED = f"decoder/{STACKED_SCAN}/{STACKED_BLOCK}"
 
 ShapeRule = Callable[[ModelConfig], Tuple[int, ...]]
 NameRule = Union[None, str, Callable[[ModelConfig], str]]
@@ -165,11 +177,79 @@ def entries(config: ModelConfig) -> Iterator[Tuple[Param, Optional[int]]]:
 
 
 def shapes(config: ModelConfig) -> Dict[str, Dict[str, Tuple[int, ...]]]:
-  """{module: {name: shape}} by the table's shape rules (== `model.param_shapes`)."""
+  """{module: {name: shape}} by the table's shape rules (== `model.param_shapes`), in
+  the layout `config.scan_layers` says."""
   out: Dict[str, Dict[str, Tuple[int, ...]]] = {}
   for p, i in entries(config):
     out.setdefault(p.module(i), {})[p.name] = tuple(p.shape(config))
+  return stack(out, config.num_layers, shapes=True) if config.scan_layers else out
+
+
+# ----------------------------------------------------------------------------- stacking
+_LAYER = re.compile(r"^decoder/layer_(\d+)/(.+)$")
+
+
+def is_stacked(params) -> bool:
+  """Whether a params tree is in the scanned model's layout (modules under `STACKED`)."""
+  return any(m.startswith(STACKED + "/") for m in params)
+
+
+def stack(params, num_layers: int, *, shapes: bool = False):
+  """Unrolled params ('decoder/layer_{i}/attn/q' {'w': [D, N*H]}) -> the scanned model's
+  ('decoder/layers/layer/attn/q' {'w': [L, D, N*H]}): each per-layer parameter's L
+  arrays stacked on a new axis 0 (exact: the same values; numpy arrays stay numpy). Any
+  module under decoder/layer_{i}/ is stacked (the table's and any other, e.g. one a probe
+  injects), and must then be there for every layer with the same shape.
+  shapes=True: `params` holds shape tuples, stacked as (L,) + shape."""
+  per_layer: Dict[Tuple[str, str], Dict[int, object]] = {}
+  out = {}
+  for module, group in params.items():
+    m = _LAYER.match(module)
+    if m is None:
+      if module.startswith(STACKED + "/"):
+        raise UserError(f"Parameter {module} is already stacked; params mix the unrolled "
+                        f"and the scanned layout.")
+      out[module] = dict(group)
+      continue
+    for name, x in group.items():
+      per_layer.setdefault((m.group(2), name), {})[int(m.group(1))] = x
+  for (suffix, name), by_layer in sorted(per_layer.items()):
+    if sorted(by_layer) != list(range(num_layers)):
+      raise UserError(f"Cannot stack {suffix}/{name} over {num_layers} layers: the params "
+                      f"hold it for layer(s) {sorted(by_layer)}, need 0..{num_layers - 1}.")
+    xs = [by_layer[i] for i in range(num_layers)]
+    if shapes:
+      value = (num_layers,) + tuple(xs[0])
+    else:
+      if len({tuple(np.shape(x)) for x in xs}) != 1:
+        raise UserError(f"Cannot stack {suffix}/{name}: its shape differs between layers "
+                        f"({sorted({tuple(np.shape(x)) for x in xs})}).")
+      value = (np.stack(xs) if all(isinstance(x, np.ndarray) for x in xs)
+               else jnp.stack(xs))
+    out.setdefault(f"{STACKED}/{suffix}", {})[name] = value
   return out
+
+
+def unstack(params):
+  """The scanned model's params -> the unrolled model's: each stacked parameter's slice
+  i as layer i's (exact). Params already unrolled are returned as they are."""
+  out = {}
+  for module, group in params.items():
+    if not module.startswith(STACKED + "/"):
+      out[module] = dict(group)
+      continue
+    suffix = module[len(STACKED) + 1:]
+    for name, x in group.items():
+      for i in range(np.shape(x)[0]):
+        out.setdefault(f"decoder/layer_{i}/{suffix}", {})[name] = x[i]
+  return out
+
+
+def as_layout(params, config: ModelConfig):
+  """`params` (in either layout) in the one `config.scan_layers` says."""
+  if config.scan_layers:
+    return params if is_stacked(params) else stack(params, config.num_layers)
+  return unstack(params) if is_stacked(params) else params
 
 
 def tensor_map(config: ModelConfig, fmt: str) -> Dict[str, Tuple[Param, Optional[int]]]:
@@ -184,6 +264,8 @@ def tensor_map(config: ModelConfig, fmt: str) -> Dict[str, Tuple[Param, Optional
 
 def lookup(module: str, name: str) -> Optional[Param]:
   """The table's row of Haiku parameter `module/name` (None if it has none)."""
+  if module.startswith(STACKED + "/"):
+    return BY_KEY.get(f"{module[len(STACKED) + 1:]}/{name}")
   parts = module.split("/")
   suffix = "/".join(parts[2:] if len(parts) > 2 and parts[1].startswith("layer_")
                     else parts[1:])

@@ -9,6 +9,17 @@ shape rule, when the architecture has it, sharding role, HF and GGUF names); pri
 tests check that it equals the table's `layout.shapes(config)`.
 Norm scales hold exactly the parameter the formula uses: y * w, or y * (1 + w) when
 `norm_plus_one` (Gemma's convention, as in HF checkpoints).
+
+Two program forms, the same numbers (tests/test_scan_layers.py checks them bit for bit):
+unrolled (the default: one `Block` per layer, params `decoder/layer_{i}/...`), or, with
+`model.scan_layers`, one `Block` body run by `hk.layer_stack` as a `lax.scan` over the
+layers (params stacked on a leading L axis under `layout.STACKED`; the KV cache a
+`cache.StackedKVCache`, carried through the scan). `layout.stack` / `layout.unstack` convert the
+params between the two; the loader does (`attnprec.checkpoints.load`).
+Why `hk.layer_stack`: it creates the stacked params at init and hands each layer its slice
+inside the scan, with `Block` unchanged, and carries the stacked cache. Its
+`transparent` mode would keep the unrolled params but stack them inside every call (a copy
+of every weight per decode step); `hk.scan` over hand-stacked params would redo what it does.
 """
 import dataclasses
 import functools
@@ -19,23 +30,27 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from attnprec.cache import KVCache, LayerCache
+from attnprec import layout
+from attnprec.cache import KVCache, LayerCache, StackedKVCache
 from attnprec.config import ModelConfig
 from attnprec.contract import CausalMask
+from attnprec.errors import UserError
 from attnprec.layers import MLP, Attention, RMSNorm, project
 from attnprec.precision import Precision
 
 
 class Output(NamedTuple):
   logits: jax.Array                 # [B, T, V] float32
-  cache: Optional[KVCache]          # updated cache (None without one)
+  cache: Optional[KVCache]          # updated cache (None without one); a StackedKVCache
+                                    # with model.scan_layers
 
 
 @dataclasses.dataclass
 class Block(hk.Module):
   config: ModelConfig
   precision: Precision
-  layer: int
+  layer: int               # the layer (scanned: any layer of the one kind, e.g. 0)
+  scanned: bool = False     # the body of a scan over all layers
   name: Optional[str] = None
 
   def __call__(self, x_BxTxD, positions_BxT, mask, cache: Optional[LayerCache] = None,
@@ -44,7 +59,7 @@ class Block(hk.Module):
     cfg = self.config
     norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.norm_plus_one)
     h_BxTxD = norm(name="pre_attn_norm")(x_BxTxD)
-    h_BxTxD, cache = Attention(cfg, self.precision, self.layer, name="attn")(
+    h_BxTxD, cache = Attention(cfg, self.precision, self.layer, self.scanned, name="attn")(
         h_BxTxD, positions_BxT, mask, cache, lengths_B)
     if cfg.post_attn_norm:
       h_BxTxD = norm(name="post_attn_norm")(h_BxTxD)
@@ -92,13 +107,22 @@ class Decoder(hk.Module):
     masks = {w: CausalMask(positions_BxT, k_positions_BxS, sliding_window=w)
              for w in {cfg.window(i) for i in range(cfg.num_layers)}}
 
-    new_layers = []
-    for i in range(cfg.num_layers):
-      x_BxTxD, layer_cache = Block(cfg, prec, i, name=f"layer_{i}")(
-          x_BxTxD, positions_BxT, masks[cfg.window(i)],
-          cache.layers[i] if cache is not None else None, lengths_B)
-      chex.assert_type(x_BxTxD, c)
-      new_layers.append(layer_cache)
+    if cfg.scan_layers:
+      x_BxTxD, new_cache = self._scanned(x_BxTxD, positions_BxT, masks[cfg.window(0)],
+                                         cache, lengths_B)
+    else:
+      if isinstance(cache, StackedKVCache):
+        raise UserError("A stacked KV cache (cache.StackedKVCache, made by init_cache for "
+                        "model.scan_layers = True) was passed to the unrolled model; make "
+                        "the cache with the config that runs it.")
+      new_layers = []
+      for i in range(cfg.num_layers):
+        x_BxTxD, layer_cache = Block(cfg, prec, i, name=f"layer_{i}")(
+            x_BxTxD, positions_BxT, masks[cfg.window(i)],
+            cache.layers[i] if cache is not None else None, lengths_B)
+        chex.assert_type(x_BxTxD, c)
+        new_layers.append(layer_cache)
+      new_cache = KVCache(layers=tuple(new_layers)) if cache is not None else None
 
     if logits_at_B is not None:
       x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_at_B[:, None, None], axis=1)  # [B, 1, D]
@@ -117,8 +141,37 @@ class Decoder(hk.Module):
       logits_BxTxV = cap * jnp.tanh(logits_BxTxV / cap)
     chex.assert_shape(logits_BxTxV, (B, T, cfg.vocab_size))
     chex.assert_type(logits_BxTxV, jnp.float32)
-    new_cache = KVCache(layers=tuple(new_layers)) if cache is not None else None
     return Output(logits_BxTxV, new_cache)
+
+  @hk.transparent
+  def _scanned(self, x_BxTxD, positions_BxT, mask, cache, lengths_B):
+    """The L blocks as one `lax.scan` (`hk.layer_stack`): params [L, ...] under
+    `layout.STACKED`, the stacked cache carried, each layer's rows written in place.
+    Every layer has the same kind (`ModelConfig` refuses a mixed pattern), so one mask,
+    window and RoPE base serve all; the body is layer 0's."""
+    cfg, prec = self.config, self.precision
+    if cache is not None and not isinstance(cache, StackedKVCache):
+      raise UserError("model.scan_layers = True needs a stacked KV cache "
+                      "(cache.StackedKVCache: init_cache with this config, or "
+                      "cache.stack_cache of a per-layer one), got a per-layer KVCache.")
+    c = x_BxTxD.dtype
+
+    def block(carry, layer):
+      # The whole stacked cache rides in the carry; the block sees layer `layer` of it
+      # through a view that writes its new rows in place (`cache.LayerCache.layer`).
+      x_BxTxD, stack = carry
+      view = None if stack is None else stack.replace(layer=layer)
+      x_BxTxD, view = Block(cfg, prec, 0, scanned=True, name=layout.STACKED_BLOCK)(
+          x_BxTxD, positions_BxT, mask, view, lengths_B)
+      chex.assert_type(x_BxTxD, c)
+      return (x_BxTxD, None if view is None else view.replace(layer=None)), None
+
+    scan = hk.layer_stack(cfg.num_layers, with_per_layer_inputs=True,
+                          name=layout.STACKED_SCAN)
+    (x_BxTxD, stack), _ = scan(block)(
+        (x_BxTxD, None if cache is None else cache.stack),
+        jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    return x_BxTxD, (None if cache is None else StackedKVCache(stack=stack))
 
 
 def transformed(config: ModelConfig) -> hk.Transformed:
@@ -147,7 +200,6 @@ def param_shapes(config: ModelConfig) -> dict:
 
 def check_params(config: ModelConfig, params, source: str) -> None:
   """Raises UserError naming each missing/unexpected/mis-shaped tensor of `params`."""
-  from attnprec.errors import UserError  # local: keep the module's import list short
   expected = param_shapes(config)
   problems = []
   for module in sorted(set(expected) | set(params)):

@@ -116,10 +116,12 @@ def param_spec(module: str, name: str, config: ModelConfig, mesh: Mesh) -> P:
   role = layout.role(module, name)
   if role == "kv_columns":
     role = "columns" if kv_split(config, mesh) else "replicated"
+  # The scanned model's stacked params ([L, ...]) keep their layer axis whole.
+  layer = (None,) if module.startswith(layout.STACKED + "/") else ()
   if role == "columns":
-    return P(None, "model") if name == "w" else P("model")
+    return P(*layer, None, "model") if name == "w" else P(*layer, "model")
   if role == "rows":
-    return P("model", None)
+    return P(*layer, "model", None)
   return P()
 
 

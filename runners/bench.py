@@ -1,4 +1,5 @@
-"""Benchmarks: `python runners/bench.py [--suite=model|attention|all] [--quick] [--out=bench]`.
+"""Benchmarks: `python runners/bench.py [--suite=model|attention|projections|compile|all]
+[--quick] [--out=bench]`.
 
 `model` (the default, `make bench`; `--cases=1x32,8x1000`, `--model_presets=fp32,bf16_flags`,
 `--steps`, `--rounds`, `--no_torch`, `--no_flag_phases`, `--torch_dtypes`): decode
@@ -23,6 +24,11 @@ XLA:CPU's own per-thunk trace of the compiled prefill (`attnprec.bench.profile`)
 1x4000), `--model_presets`, `--rounds` (traced calls, default 3). Writes
 <out>/profile.json, profile.md.
 
+`compile`: compile time and program size against depth, unrolled vs scanned layers
+(`model.scan_layers`; `attnprec.bench.compile_time`): the prefill, a decode step and the
+train step of a small model at `--depths=2,8,32,80` (`--quick`: 2,8), each compiled
+`--rounds` times (default 1), layouts interleaved. Writes <out>/compile.json, compile.md.
+
 An option the chosen suite does not read (`--cases` with `--suite=attention`, say) is
 refused, not ignored.
 
@@ -42,12 +48,13 @@ disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 from attnprec import cli, compilation, runs  # noqa: E402
 from attnprec import kernels as kernel_names  # noqa: E402
 from attnprec.bench import attention as bench  # noqa: E402
+from attnprec.bench import compile_time as compile_bench  # noqa: E402
 from attnprec.bench import model as model_bench  # noqa: E402
 from attnprec.bench import profile as profile_bench  # noqa: E402
 from attnprec.bench import projections as projection_bench  # noqa: E402
 from attnprec.errors import UserError  # noqa: E402
 
-SUITES = ("model", "attention", "projections", "profile", "all")
+SUITES = ("model", "attention", "projections", "profile", "compile", "all")
 # The options each suite reads (--suite and --out: every suite). One a suite does not
 # read is refused, never ignored.
 _MODEL_OPTIONS = ("quick", "model", "cases", "model_presets", "steps", "rounds", "no_torch",
@@ -57,6 +64,7 @@ _ATTENTION_OPTIONS = ("seq_lens", "memory_seq_lens", "decode_seq_lens", "kernels
 READS = {"model": _MODEL_OPTIONS, "attention": _ATTENTION_OPTIONS,
          "projections": ("projection_parts", "xla_settings", "rounds"),
          "profile": ("model", "cases", "model_presets", "rounds"),
+         "compile": ("quick", "depths", "rounds"),
          "all": tuple(dict.fromkeys(_MODEL_OPTIONS + _ATTENTION_OPTIONS))}
 
 
@@ -182,6 +190,20 @@ def run_profile(args):
   print(f"wrote {args.out}/profile.json, profile.md")
 
 
+def run_compile(args):
+  depths = args.depths or (compile_bench.QUICK_DEPTHS if args.quick else compile_bench.DEPTHS)
+  print(f"compile suite: depths {','.join(map(str, depths))}, programs "
+        f"{','.join(compile_bench.PROGRAMS)}, {args.rounds or 1} round(s)", flush=True)
+  result = compile_bench.run(
+      depths=depths, rounds=args.rounds or 1, log=lambda m: print(m, flush=True),
+      on_row=lambda partial: runs.write_json(args.out, "compile.json", partial))
+  runs.write_json(args.out, "compile.json", result)
+  table = compile_bench.to_markdown(result)
+  _write(args.out, "compile.md", table)
+  print(table)
+  print(f"wall time {result['wall_s']:.0f} s; wrote {args.out}/compile.json, compile.md")
+
+
 def _parse(argv):
   parser = cli.ArgumentParser(prog="bench", doc=__doc__, examples=EXAMPLES)
   add = parser.add_argument
@@ -213,6 +235,8 @@ def _parse(argv):
   add("--xla_settings", default="",
       help=f"projections suite: one process per XLA:CPU setting, from "
       f"{','.join(xla_env.SETTINGS)} ('': this process's setting only)")
+  add("--depths", type=_ints, default=None,
+      help="compile suite: layer counts (None: 2,8,32,80; quick 2,8)")
   add("--out", default="bench", metavar="DIR", help="where results are written")
   args = parser.parse_args(argv)
   args.model_presets = _names("--model_presets", args.model_presets,
@@ -252,6 +276,7 @@ EXAMPLES = [
     "python runners/bench.py --torch_dtypes=float32,bfloat16 --cases=long",
     "python runners/bench.py --suite=profile --model=smollm2-135m,qwen2.5-coder-0.5b "
     "--model_presets=bf16_flags",
+    "python runners/bench.py --suite=compile --depths=2,8,32,80",
 ]
 
 
@@ -269,6 +294,8 @@ def main(argv) -> int:
       run_projections(args)
     if args.suite == "profile":
       run_profile(args)
+    if args.suite == "compile":
+      run_compile(args)
 
   # keep_partial: model.json is rewritten after every case, so an interrupted run keeps
   # the cases it measured

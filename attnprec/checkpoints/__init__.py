@@ -22,6 +22,9 @@ Public API (stable):
   * a `.gguf` file (`attnprec.checkpoints.gguf`): same architectures.
   `param_dtype` is the dtype the params are stored in ("float32", "bfloat16",
   "float16"); the compute dtype is the phase's `Precision.dtype`, chosen per call.
+  The params come in the layout of `ckpt.config.scan_layers`: the gin binding
+  `model.scan_layers` when one is bound, else the checkpoint's own (a train run's
+  model.json; False for HF and GGUF files), converted exactly (`layout.as_layout`).
 
 `logits(checkpoint_or_config_params, tokens_BxT, *, precision, check_finite=True)`:
 full-sequence logits [B, T, V] float32 under the given attention/matmul precision; the
@@ -52,6 +55,7 @@ the config) raises `attnprec.errors.UserError` with one paragraph naming the arg
 file and tensor), the bad value (shortened to ~200 characters) and what is valid, before
 anything is compiled.
 """
+import dataclasses
 import os
 import pathlib
 from typing import Union
@@ -59,7 +63,7 @@ from typing import Union
 import jax
 import jax.numpy as jnp
 
-from attnprec import checks
+from attnprec import checks, layout
 from attnprec.checkpoints import finite, trained
 from attnprec.checkpoints.forward import _forward  # noqa: F401  (one program per config)
 from attnprec.checkpoints.forward import Checkpoint, logits
@@ -70,6 +74,7 @@ from attnprec.checkpoints.params import PARAM_DTYPES
 from attnprec.checkpoints.params import param_dtype as param_dtype_of
 from attnprec.checkpoints.shipped import SHIPPED, shipped_path
 from attnprec.checkpoints.tokenizer import Tokenizer
+from attnprec.config import bound_scan_layers
 from attnprec.errors import NonFiniteError, UserError, shorten
 
 __all__ = ["Checkpoint", "Generation", "NonFiniteError", "Tokenizer", "SHIPPED", "generate",
@@ -128,5 +133,11 @@ def load(path_or_name: Union[str, os.PathLike], *, param_dtype: str = "float32"
                       f"directory ('make train' writes runs/recall), an HF checkpoint "
                       f"directory or a .gguf file.")
   finite.check_params(params, source)   # every loader: GGUF, HF, train runs
+  # The program form: the gin binding model.scan_layers if any, else the checkpoint's
+  # own; the params converted to its layout (exact: `layout.stack` / `layout.unstack`).
+  scan = bound_scan_layers()
+  if scan is not None and scan != config.scan_layers:
+    config = dataclasses.replace(config, scan_layers=scan)
+  params = layout.as_layout(params, config)
   params = jax.tree_util.tree_map(jnp.asarray, params)
   return Checkpoint(config, params, tok, source, task)

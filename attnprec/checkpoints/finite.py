@@ -104,10 +104,16 @@ def first_nonfinite_stage(config, params, tokens_BxT, precision) -> Optional[str
   import jax
   import jax.numpy as jnp
 
-  from attnprec import decoding
+  import dataclasses
+
+  from attnprec import decoding, layout
   from attnprec import model as model_lib
   from attnprec.cache import forward_cache
 
+  if config.scan_layers:   # per-layer stages need per-layer modules: the unrolled model,
+    # the same numbers (tests/test_scan_layers.py), on the same params unstacked
+    config = dataclasses.replace(config, scan_layers=False)
+    params = layout.unstack(params)
   serving, prec = decoding.for_serving(params, precision)
   names: List[str] = []
   apply = model_lib.transformed(config).apply

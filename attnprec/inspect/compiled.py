@@ -31,7 +31,9 @@ _LAYER = re.compile(r"layer_(\d+)")
 # carries, in the project's axis letters (T queries, S keys, H head dim): QK^T contracts H
 # and yields T and S ('BTKGH,BSKH->BKGTS'); the wv dot contracts S and yields T and H.
 _EQUATION = re.compile(r"(?:^|/|\()([A-Z]+),([A-Z]+)->([A-Z]+)[)/]")
-_DENSE = re.compile(r"(?:^|/|\()decoder\)*/(?:layer_\d+/(?:attn/[qkvo]|mlp/\w+)/|BTD,DV->BTV/)")
+# (a scanned model's blocks, model.scan_layers: decoder/while/body/closed_call/layer/...)
+_DENSE = re.compile(r"(?:^|/|\()decoder\)*/(?:(?:layer_\d+|while/body/(?:\w+/)*layer)/"
+                    r"(?:attn/[qkvo]|mlp/\w+)/|BTD,DV->BTV/)")
 
 
 def equation_site(name: str) -> Optional[str]:

@@ -30,6 +30,13 @@ def load_model(name: str, *, params: bool = True) -> LoadedModel:
                     f"{', '.join(repr(s) for s in checkpoints.SHIPPED)}, an HF directory "
                     f"or a .gguf file.")
   ckpt = checkpoints.load(name)
+  if params and ckpt.config.scan_layers:
+    raise UserError(
+        f"The study reads {name!r} layer by layer (its probes record each layer's "
+        f"attention, the float64 pass and the sink analysis read each layer's params), "
+        f"and model.scan_layers = True runs all layers as one scanned body over stacked "
+        f"params. Run the study with model.scan_layers = False (the default; the scanned "
+        f"model computes the same numbers).")
   if ckpt.task is not None:
     return LoadedModel(ckpt.config, ckpt.params if params else None, "recall", ckpt.source,
                        task=ckpt.task)

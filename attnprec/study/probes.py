@@ -26,6 +26,7 @@ from typing import List
 import haiku as hk
 import jax.numpy as jnp
 
+from attnprec.errors import UserError
 from attnprec.layers import AttentionKernel
 
 OFFSET = "k_offset"   # the injected parameter, in each layer's kernel module
@@ -57,6 +58,13 @@ def attached(params, *, record: bool = True):
   def interceptor(next_f, args, kwargs, context):
     if not (isinstance(context.module, AttentionKernel) and context.method_name == "__call__"):
       return next_f(*args, **kwargs)
+    if context.module.scanned:
+      raise UserError(
+          "The study's probes record each layer's attention and add each layer's key "
+          "bias, but with model.scan_layers = True one kernel call inside a lax.scan "
+          "stands for every layer (no layer of its own to record or bias). Run the "
+          "study with model.scan_layers = False (the default; the scanned model computes "
+          "the same numbers).")
     q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask = args
     if key_offset:
       # Runs inside the kernel module: this reads decoder/layer_{i}/attn/kernel/k_offset.

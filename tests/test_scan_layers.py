@@ -1,0 +1,204 @@
+"""model.scan_layers: the blocks as one lax.scan over stacked params, the same numbers.
+
+The reference is an independent program: the unrolled model (one Block per layer, its own
+params), on the same weights converted with `layout.unstack`; float32 on CPU, compared bit
+for bit (`np.testing.assert_array_equal`), prefill, decode steps through the cache, and a
+train step's loss and gradients.
+"""
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gin
+from jax.sharding import PartitionSpec as P
+
+from attnprec import checkpoints, decoding, layout, sharding, train
+from attnprec import model as model_lib
+from attnprec.cache import (KVCache, StackedKVCache, init_cache, stack_cache,
+                            unstack_cache)
+from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+from attnprec.precision import Precision
+
+# qkv_bias: the 'bias' key offset reads each layer's own key bias inside the scan.
+UNROLLED = ModelConfig(vocab_size=32, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=4, mlp_hidden=32, qkv_bias=True, max_seq_len=64)
+SCANNED = dataclasses.replace(UNROLLED, scan_layers=True)
+F32 = Precision(dtype="float32", matmul_precision="highest", einsum_precision="highest")
+BIAS_INT8 = dataclasses.replace(F32, key_offset="bias", kv_cache_k_dtype="int8",
+                                kv_cache_v_dtype="int8", kv_cache_k_scale="channel",
+                                kv_cache_v_scale="token")
+
+
+@pytest.fixture(scope="module")
+def params():
+  """Unrolled params (random normal values, distinct per tensor and layer: a non-zero
+  key bias in every layer), and the same values stacked."""
+  rng = np.random.default_rng(0)
+  p = {m: {n: jnp.asarray(rng.normal(0, 0.3, s.shape), jnp.float32) for n, s in g.items()}
+       for m, g in model_lib.param_shapes(UNROLLED).items()}
+  return p, layout.stack(p, UNROLLED.num_layers)
+
+
+def _equal(a, b):
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+
+
+def test_params_convert_both_ways_exactly(params):
+  unrolled, stacked = params
+  assert layout.is_stacked(stacked) and not layout.is_stacked(unrolled)
+  assert (jax.tree_util.tree_map(np.shape, stacked) ==
+          jax.tree_util.tree_map(lambda s: s.shape, model_lib.param_shapes(SCANNED)))
+  assert layout.shapes(SCANNED) == jax.tree_util.tree_map(np.shape, stacked)
+  _equal(layout.unstack(stacked), unrolled)
+  _equal(layout.as_layout(unrolled, SCANNED), stacked)
+  _equal(layout.as_layout(stacked, UNROLLED), unrolled)
+  host = jax.tree_util.tree_map(np.asarray, unrolled)       # numpy in, numpy out
+  assert all(isinstance(x, np.ndarray)
+             for x in jax.tree_util.tree_leaves(layout.stack(host, 2)))
+  # the sharding role and the 'matrix' reading see through the stack
+  assert layout.role(f"{layout.STACKED}/attn/q", "w") == "columns"
+  assert layout.read_as_matrix(f"{layout.STACKED}/mlp/down", "w")
+  mesh = jax.make_mesh((1, 1), sharding.AXES)   # the layer axis stays whole
+  assert sharding.param_spec(f"{layout.STACKED}/attn/q", "w", SCANNED, mesh) == \
+      P(None, None, "model")
+  assert sharding.param_spec(f"{layout.STACKED}/mlp/down", "w", SCANNED, mesh) == \
+      P(None, "model", None)
+  missing = {m: g for m, g in unrolled.items() if not m.startswith("decoder/layer_1/")}
+  with pytest.raises(UserError, match="layer"):
+    layout.stack(missing, 2)
+
+
+def test_prefill_and_decode_steps_equal_the_unrolled_model(params):
+  """Under the 'bias' key offset each layer's offset comes from its own key bias, a slice
+  of the stacked params inside the scan, and is stored in the cache; the cache holds int8
+  codes with per-channel key scales (fixed by the prefill) and per-token value scales:
+  every leaf of the stacked cache is written through the scan's per-layer view."""
+  unrolled, stacked = params
+  precision = BIAS_INT8
+  prompt_BxP = jnp.array([[3, 5, 7, 9, 2], [4, 4, 1, 0, 0]], jnp.int32)
+  lengths_B = jnp.array([5, 3], jnp.int32)
+  run = {}
+  for config, p in ((UNROLLED, unrolled), (SCANNED, stacked)):
+    prefill = jax.jit(lambda p, t, n, c=config: decoding.prefill(
+        p, t, n, config=c, precision=precision, cache_length=8))
+    step = jax.jit(lambda p, s, t, c=config: decoding.decode_step(
+        p, s, t, config=c, precision=precision))
+    state = prefill(p, prompt_BxP, lengths_B)
+    logits = [state.last_BxV]
+    for t in range(3):
+      state = step(p, state, jnp.argmax(state.last_BxV, -1).astype(jnp.int32))
+      logits.append(state.last_BxV)
+    run[config.scan_layers] = (np.stack(logits), state.cache)
+  assert isinstance(run[True][1], StackedKVCache) and isinstance(run[False][1], KVCache)
+  np.testing.assert_array_equal(run[True][0], run[False][0])
+  _equal(unstack_cache(run[True][1]), run[False][1])      # the key offset's entries too
+  c_LxBxKxH = run[True][1].stack.key_offset["bias"]
+  assert not np.array_equal(c_LxBxKxH[0], c_LxBxKxH[1])  # per-layer vectors
+  _equal(stack_cache(run[False][1]), run[True][1])
+
+
+def test_a_train_step_equals_the_unrolled_model(params):
+  """The full forward (no cache, key offset 'none'): the loss and every gradient."""
+  unrolled, stacked = params
+  tokens_BxT = jax.random.randint(jax.random.PRNGKey(2), (2, 6), 0, 32)
+  mask_BxT = jnp.ones((2, 6), jnp.float32)
+  out = {}
+  for config, p in ((UNROLLED, unrolled), (SCANNED, stacked)):
+    grads, metrics = jax.jit(jax.grad(lambda p, c=config: train.loss_fn(
+        p, tokens_BxT, mask_BxT, config=c, precision=F32), has_aux=True))(p)
+    out[config.scan_layers] = (metrics["loss"], grads)
+  np.testing.assert_array_equal(out[True][0], out[False][0])
+  _equal(layout.unstack(out[True][1]), out[False][1])
+
+
+def test_scan_layers_refuses_what_it_cannot_do(params):
+  with pytest.raises(UserError, match="layer_pattern"):
+    ModelConfig(vocab_size=32, d_model=16, num_layers=4, num_heads=2, num_kv_heads=1,
+                head_dim=8, mlp_hidden=32, layer_pattern=("local", "global"),
+                sliding_window=4, scan_layers=True)
+  # one kind only (all local) is fine: one mask serves every layer
+  ModelConfig(vocab_size=32, d_model=16, num_layers=4, num_heads=2, num_kv_heads=1,
+              head_dim=8, mlp_hidden=32, layer_pattern=("local",), sliding_window=4,
+              scan_layers=True)
+  # the study's probes need one kernel call per layer
+  from attnprec.study import probes
+  unrolled, stacked = params
+  tokens_BxT = jnp.zeros((1, 4), jnp.int32)
+  with pytest.raises(UserError, match="scan_layers"):
+    with probes.attached(stacked):
+      model_lib.transformed(SCANNED).apply(stacked, tokens_BxT, precision=F32)
+  # a cache of the other form
+  with pytest.raises(UserError, match="stacked KV cache"):
+    model_lib.transformed(SCANNED).apply(stacked, tokens_BxT, None,
+                                         init_cache(UNROLLED, 1, 8, jnp.float32),
+                                         precision=F32)
+
+
+def test_the_loader_gives_a_checkpoint_the_bound_layout():
+  """--gin.model.scan_layers=True with a checkpoint written unrolled (the shipped recall
+  model): the config says so and the params come stacked, the same values."""
+  plain = checkpoints.load("recall-tiny")
+  gin.parse_config("model.scan_layers = True")
+  scanned = checkpoints.load("recall-tiny")
+  assert scanned.config == dataclasses.replace(plain.config, scan_layers=True)
+  assert layout.is_stacked(scanned.params) and not layout.is_stacked(plain.params)
+  assert (jax.tree_util.tree_map(np.shape, scanned.params) ==
+          jax.tree_util.tree_map(lambda s: s.shape, model_lib.param_shapes(scanned.config)))
+  _equal(layout.unstack(scanned.params), plain.params)
+
+
+def test_the_audit_finds_one_scanned_attention_per_program():
+  """The lowered programs of a scanned model: one attention in the scan's body, attributed
+  to every layer, its dots checked against the contract (bf16 compute, both flags)."""
+  from attnprec import audit
+  bf16 = Precision(dtype="bfloat16")
+  result = audit.run_audit(SCANNED, bf16, bf16, batch=1, prompt_len=4, new_tokens=2,
+                           compile=False)
+  assert result["ok"], result["problems"]
+  for phase, sites in (("train", ["qk", "wv", "dp", "dv", "dk", "dq"]),
+                       ("prefill", ["qk", "wv"]), ("decode", ["qk", "wv"])):
+    rows = result["phases"][phase]["attention"]
+    assert [r["site"] for r in rows] == sites
+    assert {r["layer"] for r in rows} == {"0-1 (scanned)"}
+    # the dense projections inside the scan are found and checked too (7 per block)
+    assert len(result["phases"][phase]["dense"]) >= 8
+
+
+def test_the_scanned_decode_step_writes_the_stacked_cache_in_place(params):
+  """The compiled (donated) decode step: the only instructions the size of the whole
+  stacked cache are the scatters of the new rows (no copy, no fresh stack: passing each
+  layer's cache in and out of the scan instead made XLA copy the stack several times)."""
+  _, stacked = params
+  bf16 = Precision(dtype="bfloat16")
+  B, S = 2, 64
+  state = decoding.DecodeState(init_cache(SCANNED, B, S, bf16.compute_dtype),
+                               jnp.zeros((B, SCANNED.vocab_size)),
+                               jnp.array([3, 7], jnp.int32))
+  step = decoding.step_fn(SCANNED, bf16)
+  text = step.lower(stacked, state, jnp.zeros((B,), jnp.int32)).compile().as_text()
+  dims = f"{SCANNED.num_layers},{B},{SCANNED.num_kv_heads},{S},{SCANNED.head_dim}"
+  found = re.findall(rf"^\s*(?:ROOT )?%([\w.\-]+) = \w+\[{dims}\]\S* ([\w\-]+)\(", text, re.M)
+  ops = [(name, op) for name, op in found
+         if op not in ("parameter", "get-tuple-element", "tuple", "bitcast")]
+  assert ops and all(op == "scatter" or "scatter" in name for name, op in ops), ops
+
+
+def test_the_compile_bench_measures_both_layouts():
+  """`make bench ARGS=--suite=compile` on the smallest depths: one row per (depth,
+  program, layout); the scanned program's size does not grow with depth."""
+  from attnprec.bench import compile_time
+  result = compile_time.run(depths=(1, 3), programs=("decode",), log=lambda m: None)
+  rows = {(r["depth"], r["layout"]): r for r in result["rows"]}
+  assert sorted(rows) == [(1, "scanned"), (1, "unrolled"), (3, "scanned"), (3, "unrolled")]
+  assert rows[(3, "unrolled")]["stablehlo_ops"] > rows[(1, "unrolled")]["stablehlo_ops"]
+  assert rows[(3, "scanned")]["stablehlo_ops"] == rows[(1, "scanned")]["stablehlo_ops"]
+  assert all(r["compile_s"] > 0 and r["hlo_instructions"] > 0 for r in rows.values())
+  assert "| decode | 3 | scanned |" in compile_time.to_markdown(result)
+  assert set(compile_time.ratios(result)["decode"]) == {"unrolled", "scanned"}
