@@ -133,9 +133,6 @@ def bound_scan_layers() -> Optional[bool]:
   """The gin binding `model.scan_layers` (None when none is bound): the program form the
   loader gives a checkpoint, whose architecture comes from its own files
   (`attnprec.checkpoints.load`)."""
-  # Named here so that a runner which loads checkpoints reads model.* (`ginutils.calls`
-  # follows the loads) and `--gin.model.scan_layers` passes its command-line check.
-  configurable = model_config  # noqa: F841
   try:
     value = gin.query_parameter("model.scan_layers")
   except ValueError:
@@ -143,3 +140,10 @@ def bound_scan_layers() -> Optional[bool]:
   if not isinstance(value, bool):
     raise UserError(f"model.scan_layers must be True or False, got {value!r}.")
   return value
+
+
+# The one `model.*` parameter a runner that loads a checkpoint reads (its architecture
+# comes from the checkpoint's files): `ginutils.calls` follows the loader to this function
+# and lets `--gin.model.scan_layers` through, while `--gin.model.num_layers=3` given to
+# such a runner stays refused (it would be ignored).
+bound_scan_layers.gin_reads = ("model.scan_layers",)

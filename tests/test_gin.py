@@ -236,3 +236,25 @@ def test_reached_follows_references_in_bindings():
     assert "recall_eval" not in calls.reached(["decode"])
   finally:
     gin.clear_config()
+
+
+def test_a_loader_runner_reads_model_scan_layers_and_no_other_model_binding():
+  """A runner that loads a checkpoint takes its architecture from the checkpoint's files:
+  it reads `model.scan_layers` (the program's form, `config.bound_scan_layers`) and
+  nothing else of `model.*`, so `--gin.model.num_layers=3` is refused there (it would be
+  ignored) while `audit`, which builds the model from `model.*`, reads all of it."""
+  from attnprec.ginutils import calls, config_checks
+  ginutils._import_configurables()  # noqa: SLF001
+  gin.clear_config()
+  try:
+    gin.parse_config("decode.job = @generate_text")
+    reached = calls.reached(["decode/precision", "decode"])
+    assert "model.scan_layers" in reached and "model" not in reached
+    config_checks.check_command_line(["model.scan_layers = True"],
+                                     ["decode/precision", "decode"], "decode")
+    with pytest.raises(UserError, match="model.num_layers is set on the command line"):
+      config_checks.check_command_line(["model.num_layers = 3"],
+                                       ["decode/precision", "decode"], "decode")
+    assert "model" in calls.reached(["audit"])
+  finally:
+    gin.clear_config()

@@ -12,7 +12,9 @@ Nothing here is written by hand: what a configurable calls itself is read from i
 
 With the references written in the bindings (`eval.job = @retrieval`), that is what
 `reached(reads)` follows: the configurables whose bindings a runner can read, for
-`check_command_line` and `--help`.
+`check_command_line` and `--help`. A plain function that reads single bindings names them
+in its `gin_reads` attribute (`config.bound_scan_layers`: 'model.scan_layers'); those
+come back as 'configurable.parameter' entries, not the whole configurable.
 """
 import dis
 import inspect
@@ -98,6 +100,10 @@ def _called(fn, seen: set, home: str = "") -> set:
   for obj in _loaded(fn):
     if id(obj) in names:
       out.add(names[id(obj)])
+    elif isinstance(getattr(obj, "gin_reads", None), tuple):
+      # a plain function that reads single bindings (`config.bound_scan_layers`):
+      # 'configurable.parameter' entries, not the whole configurable
+      out |= set(obj.gin_reads)
     elif isinstance(obj, types.FunctionType) and \
         getattr(obj, "__module__", "").split(".")[0] in ("attnprec", home):
       out |= _called(obj, seen, home)
@@ -156,5 +162,6 @@ def reached(reads: Sequence[str]) -> set:
     for nxt in set(calls(name)) | refs.get(name, set()):
       if nxt not in names:
         names.add(nxt)
-        todo.append(nxt)
+        if "." not in nxt:     # 'model.scan_layers': one parameter, nothing to follow
+          todo.append(nxt)
   return names

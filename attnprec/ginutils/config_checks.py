@@ -131,7 +131,7 @@ def check_command_line(bindings: Sequence[str], reads: Sequence[str], prog: str)
       name = configurable.name
       key = (f"{statement.scope}/" if statement.scope else "") + \
           f"{name}.{statement.arg_name}"
-      if name not in names:
+      if name not in names and f"{name}.{statement.arg_name}" not in names:
         raise UserError(
             f"{key} is set on the command line but {prog} does not read {name}.*, so it "
             f"would be ignored; {prog} reads {', '.join(sorted(names))}. Is it meant for "

@@ -21,6 +21,14 @@ def configurable_values(reads: Sequence[str]) -> List[Tuple[str, str]]:
   phases = sorted({r.split("/")[0] for r in reads if "/" in r})
   out = []
   for name in sorted(reached(reads)):
+    if "." in name:        # one parameter of a configurable ('model.scan_layers')
+      conf, param = name.rsplit(".", 1)
+      configurable = _gin.lookup(conf)
+      if configurable is not None and conf not in reached_whole(reads):
+        default = dict(parameters(configurable)).get(param, gin.REQUIRED)
+        bound = gin.get_bindings(configurable.selector, resolve_references=False)
+        out.append((name, _show(bound.get(param, default))))
+      continue
     configurable = _gin.lookup(name)
     if configurable is None or name in HIDDEN_IN_HELP:
       continue
@@ -69,3 +77,8 @@ def _show(value, limit: int = 100) -> str:
     return f"{value.__module__}.{value.__qualname__}"
   text = repr(value)
   return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def reached_whole(reads: Sequence[str]) -> set:
+  """The configurables a runner reaches whole (not one parameter of)."""
+  return {n for n in reached(reads) if "." not in n}
