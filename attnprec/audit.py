@@ -179,6 +179,7 @@ def trace_programs(config: ModelConfig, train_precision: Precision,
                     f"{new_tokens} = {cache_length}) exceeds the model's max_seq_len "
                     f"{config.max_seq_len}; lower audit.prompt_len / audit.new_tokens.")
   keyoffset.check(config, train_precision.key_offset, phase="train")
+  train.check_kernel(train_precision)
   tokens_BxP = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
   lengths_B = jax.ShapeDtypeStruct((batch,), jnp.int32)
   params = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))

@@ -560,12 +560,15 @@ class KernelSpec:
     valid ones). `Precision` calls it when it is constructed, the kernel again at trace.
   qk_scope / wv_scope: the named scopes its two dots sit in (None: the dots sit inside a
     library the kernel calls and cannot be scoped one by one).
+  trains: whether it has a gradient (the train phase refuses a kernel without one before
+    anything runs).
   """
   name: str
   attend: Callable
   refusal: Callable[..., Optional[str]]
   qk_scope: Optional[str] = QK_SCOPE
   wv_scope: Optional[str] = WV_SCOPE
+  trains: bool = True
 
 
 def honours_everything(precision, *, logits_soft_cap=None) -> Optional[str]:

@@ -29,7 +29,8 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from attnprec import checkpointing, checks, keyoffset, plotting, runs, sharding, signals
+from attnprec import checkpointing, checks, kernels, keyoffset, plotting, runs, sharding
+from attnprec import signals
 from attnprec import model as model_lib
 from attnprec.config import ModelConfig
 from attnprec.contract import COMPUTE_CACHE
@@ -157,12 +158,25 @@ def describe_task(task) -> dict:
   return json.loads(json.dumps(desc))
 
 
-@gin.configurable("train", denylist=["config", "precision", "task", "run_dir", "files"])
+def check_kernel(precision: Precision) -> None:
+  """The train phase needs a gradient through its attention kernel: a kernel without one
+  (`KernelSpec.trains`, e.g. 'pallas') is refused before anything runs."""
+  no_grad = [n for n in kernels.NAMES if not kernels.get(n).trains]
+  if precision.kernel in no_grad:
+    trains = [n for n in kernels.CHOICES if n not in no_grad]
+    raise UserError(
+        f"train/precision.kernel = {precision.kernel!r} has no gradient, so the train step "
+        f"cannot run it; valid kernels for the train phase: "
+        f"{', '.join(repr(n) for n in trains)} (set the kernel per phase: "
+        f"decode/precision.kernel = {precision.kernel!r}).")
+
+
 @checks.validated("train", steps=checks.at_least(1), batch_size=checks.at_least(1),
                   seed=checks.integer(min=0), log_every=checks.at_least(1),
                   eval_every=checks.at_least(1), eval_batch=checks.at_least(1),
                   target_accuracy=checks.optional(checks.number(ge=0, le=1)),
                   checkpoint_every=checks.at_least(1), keep_checkpoints=checks.at_least(1))
+@gin.configurable("train", denylist=["config", "precision", "task", "run_dir", "files"])
 def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
           files: Optional[dict] = None, steps: int = 600, batch_size: int = 64, seed: int = 0,
           log_every: int = 25, eval_every: int = 200, eval_batch: int = 256,
@@ -183,6 +197,7 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   """
   faults = fault_injection()   # test-only; nothing bound in shipped gin files
   keyoffset.check(config, precision.key_offset, phase="train")
+  check_kernel(precision)
   if precision.cache_storage.without_offset() != COMPUTE_CACHE:
     # Training runs no KV cache: a cache setting would be silently ignored.
     raise UserError(

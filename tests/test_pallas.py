@@ -204,3 +204,12 @@ def test_model_prefill_and_decode_match_dot_product():
 
   chex.assert_trees_all_close(run("pallas", params, tokens),
                               run("dot_product", params, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_the_train_phase_refuses_pallas_before_anything_runs():
+  """'pallas' has no gradient (`KernelSpec.trains`): the train phase (and the audit's
+  train step) refuses it by name, listing the kernels that train."""
+  from attnprec import train
+  with pytest.raises(UserError, match=r"'pallas' has no gradient.*'dot_product'"):
+    train.check_kernel(Precision(kernel="pallas"))
+  train.check_kernel(Precision(kernel="blockwise"))   # a kernel with a gradient passes

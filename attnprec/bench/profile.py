@@ -116,8 +116,8 @@ def _dot_stage(op_name: str) -> str:
     return "projections q, k, v, o"
   if re.search(r"/mlp/(gate|up|down)/", op_name):
     return "MLP projections"
-  if "->BTV" in op_name or "/logits" in op_name or "/embed" in op_name:
-    return "logits head"
+  if "/decoder/" in op_name and "/layer_" not in op_name and "/layers/" not in op_name:
+    return "logits head"       # the one dot outside the blocks: the unembedding
   return "other dots"
 
 

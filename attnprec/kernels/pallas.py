@@ -345,7 +345,7 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
                           kv_cache=precision.cache_storage, kv_scales=kv_scales)
 
 
-KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=refusal)
+KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=refusal, trains=False)
 
 
 def _no_gradient(f):
