@@ -22,7 +22,7 @@ QK dot, softmax and PV dot, RoPE, norms, MLP activation, copies and converts), f
 XLA:CPU's own per-thunk trace of the compiled prefill (`attnprec.bench.profile`);
 `--model=smollm2-135m,qwen2.5-coder-0.5b` (comma-separated), `--cases` (default 1x1000,
 1x4000), `--model_presets`, `--rounds` (traced calls, default 3). Writes
-<out>/profile.json, profile.md.
+<out>/profile.json, profile.md, profile.png.
 
 `compile`: compile time and program size against depth, unrolled vs scanned layers
 (`model.scan_layers`; `attnprec.bench.compile_time`): the prefill, a decode step and the
@@ -186,8 +186,9 @@ def run_profile(args):
       cases=args.cases or ((1, 1000), (1, 4000)), presets=args.model_presets,
       rounds=args.rounds or 3, on_row=write)
   write(result)
+  profile_bench.plot(result, os.path.join(args.out, "profile.png"))
   print(profile_bench.to_markdown(result))
-  print(f"wrote {args.out}/profile.json, profile.md")
+  print(f"wrote {args.out}/profile.json, profile.md, profile.png")
 
 
 def run_compile(args):

@@ -73,7 +73,7 @@ def test_every_dot_of_a_dense_prefill_gets_its_stage():
   assert "other dots" not in counts, counts
 
 
-def test_profile_program_covers_the_prefill():
+def test_profile_program_covers_the_prefill(tmp_path):
   compiled, args = _compiled("blockwise", T=64)
   row = profile.profile_program(compiled, lambda: compiled(*args), rounds=1)
   assert set(row["stages"]) == set(profile.STAGES)
@@ -83,3 +83,5 @@ def test_profile_program_covers_the_prefill():
                 rows=[dict(row, model="tiny", batch=1, prompt=64, preset="bf16")])
   text = profile.to_markdown(result)
   assert "| attention QK dot |" in text and "tiny 1x64 bf16" in text
+  png = profile.plot(result, str(tmp_path / "profile.png"))
+  assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -349,3 +349,32 @@ def to_markdown(result: dict) -> str:
       f"{100 * sum(r['stages'][s] for s in dense) / (r['thunks_ms'] or 1):.0f}%"
       for r in rows) + " |")
   return "\n".join(out)
+
+
+def plot(result: dict, path: str) -> str:
+  """One horizontal bar per row, split into each stage's share of the thunk time; the
+  row's thunk and wall time per call at its end. Returns the path."""
+  from attnprec import plotting
+  plt = plotting.pyplot()
+  rows = result["rows"]
+  labels = [f"{r['model']} {r['batch']}x{r['prompt']} {r['preset']}" for r in rows]
+  fig, ax = plt.subplots(figsize=(10, 0.55 * len(rows) + 2.6))
+  left = np.zeros(len(rows))
+  cmap = plt.get_cmap("tab20")
+  total = np.array([r["thunks_ms"] or 1.0 for r in rows])
+  for k, stage in enumerate(STAGES):
+    share = 100 * np.array([r["stages"][stage] for r in rows]) / total
+    if not share.any():
+      continue
+    ax.barh(labels, share, left=left, color=cmap(k % 20), label=stage)
+    left += share
+  for y, r in enumerate(rows):
+    ax.text(101, y, f"{r['thunks_ms'] / 1e3:.1f} s thunks, {r['wall_ms'] / 1e3:.1f} s wall",
+            va="center", fontsize=7)
+  ax.set_xlim(0, 130)
+  ax.set_xlabel("share of the prefill's thunk time, %")
+  ax.set_title("Where the prefill's time goes (XLA:CPU per-thunk trace)")
+  ax.invert_yaxis()
+  ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+  fig.tight_layout()
+  return plotting.save_figure(fig, path)
