@@ -548,6 +548,28 @@ def dense_mask(mask):
   return mask.dense() if isinstance(mask, CausalMask) else mask
 
 
+def default_positions(q_positions_BxT, k_positions_BxS, B: int, T: int, S: int):
+  """The positions a kernel assumes when given none: keys 0 .. S-1, the T queries the last
+  T of them (a prefill or a decode step at the cache's end); both checked [B, T] / [B, S]."""
+  if k_positions_BxS is None:
+    k_positions_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  if q_positions_BxT is None:
+    q_positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T))
+  chex.assert_shape(q_positions_BxT, (B, T))
+  chex.assert_shape(k_positions_BxS, (B, S))
+  return q_positions_BxT, k_positions_BxS
+
+
+def structural_mask_kwargs(mask) -> dict:
+  """None, a dense bool mask or a `CausalMask` -> the masking keyword arguments of a
+  kernel that uses a CausalMask structurally (blockwise, pallas: to skip hidden blocks):
+  causal, q_positions_BxT, k_positions_BxS, sliding_window; else mask."""
+  if isinstance(mask, CausalMask):
+    return dict(causal=True, q_positions_BxT=mask.q_positions_BxT,
+                k_positions_BxS=mask.k_positions_BxS, sliding_window=mask.sliding_window)
+  return dict(mask=mask)
+
+
 # ----------------------------------------------------------------------------- kernels
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:

@@ -9,7 +9,6 @@ machine): it passes the safe presets and fails, naming phase, layer and dot, on
 bf16-everywhere declared safe, on a kernel narrowing the QK accumulation and on a float32
 dot at DEFAULT where 'highest' was asked (TF32 on cuda, one bf16 pass on tpu).
 """
-import dataclasses
 import os
 
 import jax
@@ -23,6 +22,7 @@ from attnprec.errors import UserError
 from attnprec.inspect import report
 from attnprec.inspect.finder import DotSite
 from attnprec.precision import ALGORITHM_PRESETS, Precision
+from test_audit import _narrow_qk_kernel, _train_only_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = ModelConfig(vocab_size=13, d_model=16, num_layers=1, num_heads=4, num_kv_heads=2,
@@ -131,20 +131,8 @@ def test_the_local_platform():
 
 
 # ----------------------------------------------------------------------------- the audit
-def _drop_in_decoding(monkeypatch, **overrides):
-  """Prefill and decode step that ignore the decode precision's `overrides` fields."""
-  real_prefill, real_step = decoding.prefill, decoding.decode_step
-
-  def prefill(params, *args, precision, **kwargs):
-    return real_prefill(params, *args, precision=dataclasses.replace(precision, **overrides),
-                        **kwargs)
-
-  def decode_step(params, *args, precision, **kwargs):
-    return real_step(params, *args, precision=dataclasses.replace(precision, **overrides),
-                     **kwargs)
-
-  monkeypatch.setattr(decoding, "prefill", prefill)
-  monkeypatch.setattr(decoding, "decode_step", decode_step)
+# Prefill and decode step that ignore the decode precision's `overrides` fields.
+_drop_in_decoding = _train_only_flags
 
 
 @pytest.mark.parametrize("platform,precision,wv", [
@@ -176,22 +164,7 @@ def test_bf16_everywhere_declared_safe_fails_naming_the_stage(monkeypatch):
 def test_a_kernel_narrowing_the_qk_accumulation_fails(monkeypatch):
   """float32_qk_product=True, but the kernel forms the product with a bf16 result and
   casts it to f32 after (as tests/test_audit.py's variant): every phase FAILs."""
-  from attnprec.kernels import dot_product
-
-  class NarrowQK:
-    def __getattr__(self, name):
-      return getattr(jnp, name)
-
-    @staticmethod
-    def einsum(spec, *operands, preferred_element_type=None, **kwargs):
-      if spec == "BTKGH,BSKH->BKGTS":
-        narrow = jnp.einsum(spec, *operands, preferred_element_type=operands[0].dtype,
-                            **kwargs)
-        return narrow.astype(preferred_element_type or narrow.dtype)
-      return jnp.einsum(spec, *operands, preferred_element_type=preferred_element_type,
-                        **kwargs)
-
-  monkeypatch.setattr(dot_product, "jnp", NarrowQK())
+  _narrow_qk_kernel(monkeypatch)
   result = audit.run_audit(CONFIG, SAFE, SAFE, platform="cuda")
   for phase in audit.PHASES:
     assert any(p.startswith(f"{phase} layer 0 qk: QK^T logits are bf16, expected f32")

@@ -144,12 +144,8 @@ def blockwise_attention(q, k, v, *, mask=None,
   nq, nk = math.ceil(T / Tq), math.ceil(S / Sk)
   Tp, Sp = nq * Tq, nk * Sk
 
-  if k_positions_BxS is None:
-    k_positions_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-  if q_positions_BxT is None:
-    q_positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T))
-  chex.assert_shape(q_positions_BxT, (B, T))
-  chex.assert_shape(k_positions_BxS, (B, S))
+  q_positions_BxT, k_positions_BxS = contract.default_positions(
+      q_positions_BxT, k_positions_BxS, B, T, S)
   q_pos_BxTp = _pad(q_positions_BxT.astype(jnp.int32), 1, Tp)
   k_pos_BxSp = _pad(k_positions_BxS.astype(jnp.int32), 1, Sp)
   k_valid_Sp = jnp.arange(Sp) < S
@@ -265,13 +261,8 @@ def blockwise_attention(q, k, v, *, mask=None,
   return out_BxTxNxH
 
 
-def mask_kwargs(mask) -> dict:
-  """None, a dense bool mask or a `contract.CausalMask` -> the masking keyword arguments
-  of `blockwise_attention` (a CausalMask is used structurally, to skip hidden blocks)."""
-  if isinstance(mask, contract.CausalMask):
-    return dict(causal=True, q_positions_BxT=mask.q_positions_BxT,
-                k_positions_BxS=mask.k_positions_BxS, sliding_window=mask.sliding_window)
-  return dict(mask=mask)
+# None, a dense bool mask or a CausalMask -> the masking keyword arguments of `blockwise_attention`
+mask_kwargs = contract.structural_mask_kwargs
 
 
 def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,

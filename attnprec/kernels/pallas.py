@@ -297,12 +297,8 @@ def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, *, geo
   q_BxKxRpxHp = _pad(q_BxKxRxH, ((0, Rp - R), (0, Hp - H)))
   k_BxKxSpxHp, v_BxKxSpxHp = (_pad(jnp.transpose(x, (0, 2, 1, 3)), ((0, Sp - S), (0, Hp - H)))
                               for x in (k, v))
-  if k_positions_BxS is None:
-    k_positions_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-  if q_positions_BxT is None:
-    q_positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T))
-  chex.assert_shape(q_positions_BxT, (B, T))
-  chex.assert_shape(k_positions_BxS, (B, S))
+  q_positions_BxT, k_positions_BxS = contract.default_positions(
+      q_positions_BxT, k_positions_BxS, B, T, S)
   # Row positions (query t of each of the G heads); padding repeats the last position.
   qpos_BxR = jnp.repeat(q_positions_BxT.astype(jnp.int32), G, axis=1)
   qpos_BxRpx1 = jnp.pad(qpos_BxR, ((0, 0), (0, Rp - R)), mode="edge")[:, :, None]
@@ -327,13 +323,8 @@ def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, *, geo
   return out_BxTxNxH
 
 
-def mask_kwargs(mask) -> dict:
-  """None, a dense bool mask or a `contract.CausalMask` -> the masking keyword arguments
-  of `pallas_attention` (a CausalMask is used structurally, as blockwise does)."""
-  if isinstance(mask, contract.CausalMask):
-    return dict(causal=True, q_positions_BxT=mask.q_positions_BxT,
-                k_positions_BxS=mask.k_positions_BxS, sliding_window=mask.sliding_window)
-  return dict(mask=mask)
+# None, a dense bool mask or a CausalMask -> the masking keyword arguments of `pallas_attention`
+mask_kwargs = contract.structural_mask_kwargs
 
 
 def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
