@@ -316,7 +316,14 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
                  precision.matmul_precision)
   layers = sorted(a.layer for a in attentions if isinstance(a.layer, int))
   attributed = len(layers) == len(attentions)
-  if config.scan_layers:
+  # Lowered for TPU / GPU, the 'pallas' kernel is one custom call per layer whose body
+  # the dot search cannot open: its attentions are checked from the jaxpr instead
+  # (`_check_pallas_bodies`, which also counts them).
+  opaque = (precision.kernel == "pallas" and platform != local_platform()
+            and not attentions)
+  if opaque:
+    attributed = False
+  elif config.scan_layers:
     attributed = len(attentions) == 1
     if not attributed:
       problems.append(f"{phase}: {len(attentions)} attentions found, expected 1 "
@@ -325,7 +332,7 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
     for i in range(config.num_layers):
       if layers.count(i) != 1:
         problems.append(f"{phase}: layer {i} has {layers.count(i)} attentions, expected 1")
-  elif len(report.attentions) != config.num_layers:
+  elif not opaque and len(report.attentions) != config.num_layers:
     problems.append(f"{phase}: {len(report.attentions)} attentions found, expected "
                     f"{config.num_layers} (one per layer)")
   problems += [f"{phase} layer {r['layer']} {r['site']}: {q}" for r in rows
@@ -420,7 +427,8 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
             for ph, (prec, lowered) in programs.items()}
   for ph, (prec, t) in traced.items():
     if prec.kernel == pallas_kernel.NAME:
-      _check_pallas_bodies(phases[ph], t.jaxpr, prec)
+      _check_pallas_bodies(phases[ph], t.jaxpr, prec,
+                           calls=1 if config.scan_layers else config.num_layers)
   problems = [p for ph in phases.values() for p in ph["problems"]]
   return {"model": model_source, "config": runs.config_dict(config),
           "sizes": {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens},
@@ -430,11 +438,17 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
           "ok": not problems}
 
 
-def _check_pallas_bodies(phase: dict, jaxpr, precision: Precision):
+def _check_pallas_bodies(phase: dict, jaxpr, precision: Precision, calls: int):
   """A 'pallas' phase: its kernel bodies, read from the jaxpr (the lowered program holds
   them as custom calls the dot search cannot open on TPU / GPU), checked against the
-  table (`attnprec.inspect.pallas_check`); their problems join the phase's."""
+  table (`attnprec.inspect.pallas_check`); their problems join the phase's. `calls`: the
+  kernel calls the program must make (one per layer, or one scanned); each call holds a
+  body per platform branch."""
   checked = pallas_check.check_program(jaxpr, precision.compute_dtype, precision.attention)
+  if checked["bodies"] and len(checked["bodies"]) < calls:
+    checked["problems"] = checked["problems"] + [
+        f"{len(checked['bodies'])} Pallas kernel bodies, expected at least {calls} (one "
+        f"call per layer)"]
   phase["pallas"] = checked
   phase["problems"] = phase["problems"] + [f"{phase['phase']} {p}"
                                            for p in checked["problems"]]

@@ -183,6 +183,23 @@ def test_audit_checks_the_kernel_body():
              for p in bad["problems"]), bad["problems"]
 
 
+def test_audit_for_tpu_reads_the_custom_calls_from_the_jaxpr():
+  """Lowered for TPU the kernel is one `tpu_custom_call` per layer, which the dot search
+  cannot open: the audit for --platform=tpu checks its bodies from the jaxpr instead (no
+  'layer has 0 attentions' problem), and a narrowed body still fails."""
+  train, decode = Precision(dtype="bfloat16"), Precision(dtype="bfloat16", kernel="pallas")
+  result = audit.run_audit(CONFIG, train, decode, compile=False, prompt_len=2, new_tokens=1,
+                           platform="tpu")
+  assert result["ok"], result["problems"]
+  assert all(b["ok"] for ph in ("prefill", "decode")
+             for b in result["phases"][ph]["pallas"]["bodies"])
+  with mock.patch.object(pallas, "make_body", _narrowed(pallas.make_body)):
+    bad = audit.run_audit(CONFIG, train, decode, compile=False, prompt_len=2, new_tokens=1,
+                          platform="tpu")
+  assert any("pallas body: qk accumulation (stage 'logits')" in p
+             for p in bad["problems"]), bad["problems"]
+
+
 def test_model_prefill_and_decode_match_dot_product():
   """Decoder logits, pallas vs dot_product: a prefill into a cache, then one cached
   decode step (a sliding-window layer, GQA, soft-cap), fp32."""
