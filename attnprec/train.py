@@ -171,12 +171,12 @@ def check_kernel(precision: Precision) -> None:
         f"decode/precision.kernel = {precision.kernel!r}).")
 
 
+@gin.configurable("train", denylist=["config", "precision", "task", "run_dir", "files"])
 @checks.validated("train", steps=checks.at_least(1), batch_size=checks.at_least(1),
                   seed=checks.integer(min=0), log_every=checks.at_least(1),
                   eval_every=checks.at_least(1), eval_batch=checks.at_least(1),
                   target_accuracy=checks.optional(checks.number(ge=0, le=1)),
                   checkpoint_every=checks.at_least(1), keep_checkpoints=checks.at_least(1))
-@gin.configurable("train", denylist=["config", "precision", "task", "run_dir", "files"])
 def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
           files: Optional[dict] = None, steps: int = 600, batch_size: int = 64, seed: int = 0,
           log_every: int = 25, eval_every: int = 200, eval_batch: int = 256,
