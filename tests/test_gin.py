@@ -258,3 +258,23 @@ def test_a_loader_runner_reads_model_scan_layers_and_no_other_model_binding():
     assert "model" in calls.reached(["audit"])
   finally:
     gin.clear_config()
+
+
+def test_every_configurable_is_the_outermost_decorator():
+  # A decorator above @gin.configurable hides the configurable from `ginutils.calls`
+  # (runners then refuse its bindings) and runs before gin injects them (bound values
+  # skip the checks): the module attribute must be gin's own wrapper.
+  import importlib
+  from attnprec.ginutils import _gin as gin_registry
+  ginutils._import_configurables()  # noqa: SLF001
+  wrong = []
+  for selector, c in gin_registry.registered():
+    wrapped = c.wrapped
+    module = getattr(wrapped, "__module__", "") or ""
+    if selector.startswith("gin.") or not module.startswith("attnprec") or \
+        isinstance(wrapped, type):     # classes are registered through factories
+      continue
+    attr = getattr(importlib.import_module(module), wrapped.__name__, None)
+    if attr is not None and attr is not c.wrapper:
+      wrong.append(f"{module}.{wrapped.__name__}")
+  assert not wrong, wrong
