@@ -229,6 +229,8 @@ def test_runner_bad_input_exits_2_and_writes_nothing(tmp_path):
       "too_long": ["--gin.study.presets=('bf16',)", "--gin.study.pair_counts=(8,)"],
       "bad_model": ["--gin.study.model='no-such-model'"],
       "negative_offset": ["--gin.study.logit_offset=-5.0"],
+      "unknown_text": ["--gin.study.text='wikipedia'"],
+      "text_for_recall": ["--gin.study.text='project_docs'"],   # recall reads no text
   }
   for name, flags in cases.items():
     run_dir = tmp_path / name
@@ -289,3 +291,24 @@ def test_the_configurations_table_names_the_kv_cache():
   assert rows[0].endswith("| kernel | KV cache |")
   assert rows[2].endswith("| kv_cache=k:compute,v:compute |")
   assert rows[3].endswith("| kv_cache=k:int8/channel,v:int8/token |")
+
+
+def test_the_held_out_text_is_the_projects_own_docs(tmp_path):
+  """'project_docs' is README.md then docs/*.md by name; a checkout without them, or an
+  unknown text, is refused by name."""
+  from attnprec.study import inputs
+  text = inputs.load_text("project_docs")
+  files = inputs.project_docs_files()
+  assert os.path.basename(files[0]) == "README.md" and len(files) > 2
+  assert [os.path.basename(f) for f in files[1:]] == sorted(os.path.basename(f) for f in files[1:])
+  with open(files[0], encoding="utf-8") as f:
+    assert text.startswith(f.read().strip())
+  info = inputs.describe_text(text, "project_docs")
+  assert info["text"] == "project_docs" and "held-out" in info["source"]
+  assert info["chars"] == len(text)
+  assert inputs.describe_text("abc")["sha256"] != inputs.describe_text("abd")["sha256"]
+  (tmp_path / "README.md").write_text("x")
+  with pytest.raises(UserError, match="docs"):
+    inputs.project_docs_files(str(tmp_path))
+  with pytest.raises(UserError, match="'stdlib', 'project_docs'"):
+    inputs.load_text("wikipedia")

@@ -1,14 +1,22 @@
 """Inputs of the study: a real text that ships on every machine, passkey prompts for the
 real models, recall prompts for the recall model.
 
-The text is the Python standard library's own documentation: the module docstrings
-(`inspect.getdoc`) of a fixed list of stdlib modules, then the docstrings of their public
-functions and classes, in a fixed order. Its exact content depends on the Python version,
-so results record the version, the character count and a SHA-256 of the text.
+Two texts (`study.text`):
+  'stdlib'        the Python standard library's own documentation: the module docstrings
+                  (`inspect.getdoc`) of a fixed list of stdlib modules, then the docstrings
+                  of their public functions and classes, in a fixed order. Its exact content
+                  depends on the Python version. Public since long before any shipped model
+                  was trained: a model may have seen it.
+  'project_docs'  held-out text: this project's own README.md and docs/*.md (sorted by
+                  name), prose and tables written in 2026, after every shipped model was
+                  released, so no model can have trained on it. It changes with the project,
+                  so results record the commit's files as a SHA-256.
+Results record the source, the character count and a SHA-256 of the text.
 """
 import hashlib
 import importlib
 import inspect
+import os
 import sys
 from typing import List, Tuple
 
@@ -43,8 +51,48 @@ def stdlib_text(min_chars: int = 200_000) -> str:
   return "\n\n".join(p for p in parts if p)
 
 
-def describe_text(text: str) -> dict:
-  return {"source": "Python stdlib docstrings (attnprec.study.inputs.DOC_MODULES)",
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def project_docs_files(root: str = PROJECT_ROOT) -> List[str]:
+  """README.md, then docs/*.md sorted by name (paths)."""
+  docs = os.path.join(root, "docs")
+  files = [os.path.join(root, "README.md")]
+  if os.path.isdir(docs):
+    files += [os.path.join(docs, n) for n in sorted(os.listdir(docs)) if n.endswith(".md")]
+  missing = [f for f in files if not os.path.isfile(f)]
+  if missing or len(files) < 2:
+    raise UserError(f"study.text='project_docs' reads README.md and docs/*.md from the "
+                    f"project's checkout ({root}); not found there: "
+                    f"{', '.join(missing) or 'docs/*.md'}. Run from a clone of the project, "
+                    f"or use study.text='stdlib'.")
+  return files
+
+
+def project_docs_text(root: str = PROJECT_ROOT) -> str:
+  parts = []
+  for path in project_docs_files(root):
+    with open(path, encoding="utf-8") as f:
+      parts.append(f.read().strip())
+  return "\n\n".join(parts)
+
+
+TEXTS = {"stdlib": stdlib_text, "project_docs": project_docs_text}
+SOURCES = {"stdlib": "Python stdlib docstrings (attnprec.study.inputs.DOC_MODULES)",
+           "project_docs": "held-out text: the project's own README.md and docs/*.md, "
+                           "written after the model's release"}
+
+
+def load_text(name: str) -> str:
+  if name not in TEXTS:
+    raise UserError(f"study.text={name!r} is not a text the study knows; valid: "
+                    f"{', '.join(repr(n) for n in TEXTS)} ('stdlib': Python's docstrings, "
+                    f"'project_docs': held-out text the models cannot have seen).")
+  return TEXTS[name]()
+
+
+def describe_text(text: str, name: str = "stdlib") -> dict:
+  return {"source": SOURCES[name], "text": name,
           "python": sys.version.split()[0], "chars": len(text),
           "sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
 
@@ -54,7 +102,7 @@ def text_windows(tokens: List[int], length: int, count: int, bos: List[int]) -> 
   spaced offsets of the tokenized text."""
   body = length - len(bos)
   if len(tokens) < body:
-    raise UserError(f"The stdlib text has {len(tokens)} tokens; a context of {length} "
+    raise UserError(f"The study's text has {len(tokens)} tokens; a context of {length} "
                     f"needs {body}. Lower the context lengths (study.context_lengths).")
   starts = np.linspace(0, len(tokens) - body, count).astype(int)
   return np.asarray([bos + tokens[s:s + body] for s in starts], np.int32)

@@ -154,12 +154,15 @@ def identical_groups(res: dict):
 def to_markdown(res: dict) -> str:
   s, t = res["settings"], res["timing"]
   cfg = res["config"]
+  text = res.get("text")
+  held_out = bool(text) and text.get("text") == "project_docs"
   task = ("recall prompts (key-value pairs, then a queried key; an answer counts when every "
           "value token is decoded exactly)" if res["kind"] == "recall" else
-          "passkey retrieval (a 5-digit key stated once at a random depth of stdlib text, "
-          "asked for at the end; correct when the greedy continuation contains it)")
-  text = res.get("text")
-  text_line = (f"NLL and logits are measured on the {text['source']}, Python {text['python']}, "
+          f"passkey retrieval (a 5-digit key stated once at a random depth of "
+          f"{'the held-out' if held_out else 'stdlib'} text, asked for at the end; correct "
+          f"when the greedy continuation contains it)")
+  version = "" if held_out or not text else f", Python {text['python']}"
+  text_line = (f"NLL and logits are measured on the {text['source']}{version}, "
                f"{text['chars']} characters, sha256 {text['sha256']}…; windows at evenly "
                f"spaced offsets." if text else
                "NLL is over the answer tokens of the recall sequences (prompt + true answer).")

@@ -69,8 +69,8 @@ def _recall_cases(task, pair_counts, batch, decode_steps, num_queries, seed):
   return cases
 
 
-def _real_cases(tokenizer, lengths, batch, decode_steps, seed):
-  text = inputs.stdlib_text()
+def _real_cases(tokenizer, lengths, batch, decode_steps, seed, text_name="stdlib"):
+  text = inputs.load_text(text_name)
   ids = tokenizer.encode(text, add_bos=False)
   bos = tokenizer.encode("", add_bos=True)
   cases = []
@@ -79,7 +79,7 @@ def _real_cases(tokenizer, lengths, batch, decode_steps, seed):
     prompts, keys = inputs.passkey_prompts(tokenizer, ids, L, batch, seed + L)
     cases.append(Case(f"{L} tokens", L, windows, np.ones((batch, L - 1), np.float32),
                       prompts, keys, min(decode_steps, L - 1)))
-  return cases, inputs.describe_text(text)
+  return cases, inputs.describe_text(text, text_name)
 
 
 def _generate(model, config, precision, case, greedy_steps):
@@ -182,14 +182,14 @@ def _check_environment():
     logit_positions=checks.at_least(1), float64_max_tokens=checks.integer(min=0),
     float64_batch=checks.at_least(1), timing_rounds=checks.at_least(1),
     query_scale_multiplier=checks.number(gt=0), logit_offset=checks.number(ge=0),
-    seed=checks.integer(min=0))
+    seed=checks.integer(min=0), text=checks.one_of(*inputs.TEXTS))
 def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequence[str]] = None,
           extra_presets: Sequence[str] = (), pair_counts: Sequence[int] = (8, 16, 24, 32),
           context_lengths: Sequence[int] = (256, 512), batch: int = 32,
           decode_steps: int = 8, greedy_steps: int = 16, num_queries: int = 16, logit_positions: int = 64,
           float64_max_tokens: int = 1024, float64_batch: int = 2, timing_rounds: int = 3,
           query_scale_multiplier: float = 1.0, logit_offset: float = 0.0, seed: int = 0,
-          progress: bool = True) -> dict:
+          text: str = "stdlib", progress: bool = True) -> dict:
   """Runs the sweep and writes results.json, report.md and PNG plots into run_dir.
 
   model: 'recall-tiny', a recall train run directory, or a real model ('smollm2-135m',
@@ -202,6 +202,8 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
   logit_offset: if > 0, adds a key bias after RoPE that shifts every query's logits by
     this much on average: the same function in exact arithmetic, large logits in bf16
     (`attnprec.study.offsets`); calibrated on the first context length's inputs.
+  text: real models' text for NLL, logits and the passkey filler: 'stdlib' (Python's
+    docstrings) or 'project_docs' (held-out: text written after the models' release).
   """
   _check_environment()
   sweep = preset_lib.load_sweep(presets, extra_presets)
@@ -224,10 +226,14 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
   if not lengths:
     raise UserError(f"No context lengths: set study.{'pair_counts' if m.kind == 'recall' else 'context_lengths'}.")
   text_info = None
+  if m.kind == "recall" and text != "stdlib":
+    raise UserError(f"study.text={text!r} sets the text of a real model's study; the "
+                    f"recall model {model!r} reads no text (its inputs are recall "
+                    f"episodes). Remove the binding, or study a real model.")
   if m.kind == "recall":
     cases = _recall_cases(m.task, lengths, batch, decode_steps, num_queries, seed)
   else:
-    cases, text_info = _real_cases(m.tokenizer, lengths, batch, decode_steps, seed)
+    cases, text_info = _real_cases(m.tokenizer, lengths, batch, decode_steps, seed, text)
   offset_stats = None
   if logit_offset:
     params, offset_stats = offsets.add_key_offsets(config, m.params, cases[0].tokens_BxL,
