@@ -64,7 +64,8 @@ def rope(x_BxTxNxH, positions_BxT, *, base: float, scale: float = 1.0):
 MIN_ROWS_C_DOT = 128
 
 
-def project(x, w, spec: str, *, precision, carrier: bool = False, out_dtype=None):
+def project(x, w, spec: str, *, precision, carrier: bool = False, out_dtype=None,
+            form: str = "by_rows"):
   """einsum(spec, x, w) for x in the compute dtype c and a weight w (float32, or already
   in c: `decoding.compute_params`); the result in `out_dtype` (default c).
 
@@ -80,6 +81,11 @@ def project(x, w, spec: str, *, precision, carrier: bool = False, out_dtype=None
   still compiles a bf16 x bf16 -> f32 dot on them (the same compiled dot forms as
   bf16-stored weights).
 
+  form (`Precision.projection()`, resolved for the platform and CPU): 'by_rows' as
+  above; 'compute_dtype_dot' the c x c dot for every row count; 'float32_dot' the float32
+  dot on the values of c for every row count (a CPU without a bf16 dot instruction). The
+  forms differ only in float32 summation order: at most 1 ulp of c after the rounding.
+
   A dot-algorithm preset as `precision` names its own operand and accumulation types,
   so it gets a plain c x c dot (f32 result only for an f32 out)."""
   c = x.dtype
@@ -92,7 +98,10 @@ def project(x, w, spec: str, *, precision, carrier: bool = False, out_dtype=None
     return jnp.einsum(spec, x, w.astype(c), precision=precision,
                       preferred_element_type=preferred)
   rows = x.size // x.shape[-1]
-  if w.dtype == jnp.float32 and rows < MIN_ROWS_C_DOT:
+  if form not in ("by_rows", "compute_dtype_dot", "float32_dot"):
+    raise ValueError(f"project: unknown form {form!r}")
+  if w.dtype == jnp.float32 and (form == "float32_dot" or
+                                 (form == "by_rows" and rows < MIN_ROWS_C_DOT)):
     w32 = w if carrier else w.astype(c).astype(jnp.float32)
     y = jnp.einsum(spec, x.astype(jnp.float32), w32, precision=precision,
                    preferred_element_type=jnp.float32)
@@ -102,16 +111,22 @@ def project(x, w, spec: str, *, precision, carrier: bool = False, out_dtype=None
   return y.astype(out_dtype)
 
 
+def projection_form(prec: Precision) -> str:
+  """The form `project` takes: `Precision.projection()` ('float32' / 'preset' need none)."""
+  form = prec.projection()
+  return "by_rows" if form in ("float32", "preset") else form
+
+
 class Dense(hk.Module):
   """y = x @ w (+ b); w [in, out] float32 (or in x's dtype), the dot in the form `project`
   picks; matmul precision explicit. carrier: w already holds values of x's dtype
   (`Precision.carrier_weights`)."""
 
   def __init__(self, out: int, *, precision, with_bias: bool = False, carrier: bool = False,
-               out_dtype=None, name: Optional[str] = None):
+               out_dtype=None, form: str = "by_rows", name: Optional[str] = None):
     super().__init__(name=name)
     self.out, self.precision, self.with_bias = out, precision, with_bias
-    self.carrier, self.out_dtype = carrier, out_dtype
+    self.carrier, self.out_dtype, self.form = carrier, out_dtype, form
 
   def __call__(self, x):
     """y in x's dtype (the default) or in `out_dtype` (float32: the projection's float32
@@ -120,7 +135,7 @@ class Dense(hk.Module):
     w = hk.get_parameter("w", (d_in, self.out), jnp.float32,
                          init=hk.initializers.VarianceScaling(1.0, "fan_in", "normal"))
     y = project(x, w, "...i,io->...o", precision=self.precision, carrier=self.carrier,
-                out_dtype=self.out_dtype)
+                out_dtype=self.out_dtype, form=self.form)
     if self.with_bias:
       y = y + self.bias().astype(y.dtype)
     return y
@@ -139,16 +154,18 @@ class MLP(hk.Module):
 
   def __call__(self, x_BxTxD):
     cfg, p = self.config, self.precision.matmul
-    cw = self.precision.carrier_weights
-    gate_BxTxF = Dense(cfg.mlp_hidden, precision=p, carrier=cw, name="gate")(x_BxTxD)
-    up_BxTxF = Dense(cfg.mlp_hidden, precision=p, carrier=cw, name="up")(x_BxTxD)
+    cw, form = self.precision.carrier_weights, projection_form(self.precision)
+    gate_BxTxF = Dense(cfg.mlp_hidden, precision=p, carrier=cw, form=form,
+                       name="gate")(x_BxTxD)
+    up_BxTxF = Dense(cfg.mlp_hidden, precision=p, carrier=cw, form=form, name="up")(x_BxTxD)
     if cfg.activation == "silu":
       act = jax.nn.silu(gate_BxTxF)
     elif cfg.activation == "gelu_tanh":
       act = jax.nn.gelu(gate_BxTxF, approximate=True)
     else:
       act = jax.nn.gelu(gate_BxTxF, approximate=False)
-    return Dense(cfg.d_model, precision=p, carrier=cw, name="down")(act * up_BxTxF)
+    return Dense(cfg.d_model, precision=p, carrier=cw, form=form,
+                 name="down")(act * up_BxTxF)
 
 
 @dataclasses.dataclass
@@ -173,18 +190,18 @@ class Attention(hk.Module):
     cfg, prec = self.config, self.precision
     B, T, _ = x_BxTxD.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    mp, cw = prec.matmul, prec.carrier_weights
+    mp, cw, form = prec.matmul, prec.carrier_weights, projection_form(prec)
     offset = prec.key_offset
     keyoffset.check(cfg, offset)
     q_BxTxNxH = Dense(N * H, precision=mp, with_bias=cfg.qkv_bias, carrier=cw,
-                      name="q")(x_BxTxD)
+                      form=form, name="q")(x_BxTxD)
     # With a key offset the keys stay float32 (the projection's accumulation, the bias,
     # RoPE) until the offset is subtracted: one rounding, of the residual (contract row).
-    k_proj = Dense(K * H, precision=mp, with_bias=cfg.qkv_bias, carrier=cw,
+    k_proj = Dense(K * H, precision=mp, with_bias=cfg.qkv_bias, carrier=cw, form=form,
                    out_dtype=None if offset == "none" else jnp.float32, name="k")
     k_BxTxKxH = k_proj(x_BxTxD)
     v_BxTxKxH = Dense(K * H, precision=mp, with_bias=cfg.qkv_bias, carrier=cw,
-                      name="v")(x_BxTxD)
+                      form=form, name="v")(x_BxTxD)
     q_BxTxNxH = q_BxTxNxH.reshape(B, T, N, H)
     k_BxTxKxH = k_BxTxKxH.reshape(B, T, K, H)
     v_BxTxKxH = v_BxTxKxH.reshape(B, T, K, H)
@@ -222,7 +239,7 @@ class Attention(hk.Module):
     out_BxTxNxH = (kernel(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask) if scales is None else
                    kernel(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, kv_scales=scales))
     chex.assert_shape(out_BxTxNxH, (B, T, N, H))
-    out_BxTxD = Dense(cfg.d_model, precision=mp, carrier=cw, name="o")(
+    out_BxTxD = Dense(cfg.d_model, precision=mp, carrier=cw, form=form, name="o")(
         out_BxTxNxH.reshape(B, T, N * H))
     return out_BxTxD, cache
 

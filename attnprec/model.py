@@ -35,7 +35,7 @@ from attnprec.cache import KVCache, LayerCache, StackedKVCache
 from attnprec.config import ModelConfig
 from attnprec.contract import CausalMask
 from attnprec.errors import UserError
-from attnprec.layers import MLP, Attention, RMSNorm, project
+from attnprec.layers import MLP, Attention, RMSNorm, project, projection_form
 from attnprec.precision import Precision
 
 
@@ -135,7 +135,8 @@ class Decoder(hk.Module):
         w_DxV = hk.get_parameter("w", (cfg.d_model, cfg.vocab_size), jnp.float32,
                                  init=hk.initializers.VarianceScaling(1.0, "fan_in", "normal"))
     logits_BxTxV = project(x_BxTxD, w_DxV, "BTD,DV->BTV", precision=prec.matmul,
-                           carrier=prec.carrier_weights, out_dtype=jnp.float32)
+                           carrier=prec.carrier_weights, out_dtype=jnp.float32,
+                           form=projection_form(prec))
     if cfg.final_logit_soft_cap is not None:
       cap = cfg.final_logit_soft_cap
       logits_BxTxV = cap * jnp.tanh(logits_BxTxV / cap)

@@ -14,9 +14,10 @@ import dataclasses
 from typing import Optional
 
 import gin
+import jax
 import jax.numpy as jnp
 
-from attnprec import checks, kernels
+from attnprec import checks, cpu_features, kernels
 # The names of dtypes and dot precisions live on the ground floor (the kernels use them);
 # re-exported here, where users look for them.
 from attnprec.contract import (ALGORITHM_PRESETS, DTYPES, KEY_OFFSETS,  # noqa: F401
@@ -29,6 +30,15 @@ from attnprec.kernels.blockwise import BlockSizes, block_sizes
 
 
 _PRECISION_NAMES = list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS)
+# How a 16-bit projection's dot runs (`layers.project`); the products and the float32
+# accumulation are the same in both forms, only the summation order may differ (the
+# results differ by at most 1 ulp of the compute dtype after its one rounding):
+#   'compute_dtype_dot'  c x c dot with a float32 result (the hardware's bf16 dot);
+#   'float32_dot'        a float32 dot on the operands' values of c;
+#   'auto'               chosen by the platform: on XLA:CPU by the CPU's features
+#                        (`attnprec.cpu_features`), the c dot where it has a bf16 dot
+#                        instruction, for projections of >= layers.MIN_ROWS_C_DOT rows.
+PROJECTION_FORMS = ("auto", "compute_dtype_dot", "float32_dot")
 
 
 @checks.validated(
@@ -43,7 +53,8 @@ _PRECISION_NAMES = list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS)
     kv_cache_v_dtype=checks.one_of(*KV_CACHE_DTYPES),
     kv_cache_k_scale=checks.optional(checks.one_of("token", "channel")),
     kv_cache_v_scale=checks.optional(checks.one_of("token", "channel")),
-    key_offset=checks.one_of(*KEY_OFFSETS))
+    key_offset=checks.one_of(*KEY_OFFSETS),
+    projection_form=checks.one_of(*PROJECTION_FORMS))
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Precision:
   """Numerics of one phase. Hashable, so it can be a static argument of jit."""
@@ -84,6 +95,9 @@ class Precision:
   # 'zero' (the float32 key path, c = 0: a control), 'bias' (from the model's key bias),
   # 'prefill_mean' (the prompt's mean key, frozen into the cache).
   key_offset: str = "none"
+  # The form of a 16-bit projection's dot (PROJECTION_FORMS above); float32 compute and
+  # a dot-algorithm matmul_precision have one form only, so they take 'auto' alone.
+  projection_form: str = "auto"
 
   def __post_init__(self):
     # Validate eagerly so a bad gin value fails at configuration time, not mid-trace.
@@ -92,6 +106,18 @@ class Precision:
     self.attention   # the attention knobs validate themselves (`AttentionFlags`)
     if not isinstance(self.carrier_weights, bool):
       raise choice_error("carrier_weights", self.carrier_weights, (True, False))
+    if self.projection_form not in PROJECTION_FORMS:
+      raise choice_error("projection_form", self.projection_form, PROJECTION_FORMS)
+    if self.projection_form != "auto" and (
+        self.compute_dtype == jnp.float32 or
+        self.matmul_precision.upper() in ALGORITHM_PRESETS):
+      why = ("dtype='float32' runs every projection as a float32 dot"
+             if self.compute_dtype == jnp.float32 else
+             f"matmul_precision={self.matmul_precision!r} names its own operand types")
+      raise UserError(f"precision.projection_form={self.projection_form!r} chooses the "
+                      f"form of a 16-bit projection's dot, but {why}: the setting would "
+                      f"not be used. Remove it (or keep 'auto'), or use a 16-bit dtype "
+                      f"with a plain matmul_precision.")
     why = cache_storage_error(self.compute_dtype, k_dtype=self.kv_cache_k_dtype,
                               v_dtype=self.kv_cache_v_dtype, k_scale=self.kv_cache_k_scale,
                               v_scale=self.kv_cache_v_scale)
@@ -126,10 +152,38 @@ class Precision:
     (`contract.stage_dtypes`) and the audit take."""
     return AttentionFlags(**{name: getattr(self, name) for name in ATTENTION_FIELDS})
 
+  def projection(self, backend: Optional[str] = None) -> str:
+    """The projection form in force on `backend` (default: JAX's): 'float32' (float32
+    compute, or a dot-algorithm preset's own dot), 'compute_dtype_dot', 'float32_dot', or
+    'by_rows' (the c dot for >= layers.MIN_ROWS_C_DOT rows, a float32 dot on the
+    operands' values of c below: decode steps, where XLA:CPU's bf16 matrix-vector path
+    is slow)."""
+    if self.compute_dtype == jnp.float32 or self.matmul_precision.upper() in ALGORITHM_PRESETS:
+      return "float32" if self.compute_dtype == jnp.float32 else "preset"
+    if self.projection_form != "auto":
+      return self.projection_form
+    backend = backend or jax.default_backend()
+    if backend == "cpu" and cpu_features.bf16_features() == ():
+      return "float32_dot"
+    return "by_rows"
+
+  def describe_projection(self, backend: Optional[str] = None) -> str:
+    """'' for float32 compute, else ' projections=FORM' (with why, for 'auto')."""
+    form = self.projection(backend)
+    if form in ("float32", "preset"):
+      return ""
+    if self.projection_form != "auto":
+      return f" projections={form}"
+    backend = backend or jax.default_backend()
+    why = (cpu_features.describe(cpu_features.bf16_features()) if backend == "cpu"
+           else backend)
+    return f" projections=auto:{form}({why})"
+
   def describe(self) -> str:
     return (f"dtype={self.dtype} {self.attention.describe()} "
             f"matmul_precision={self.matmul_precision} kernel={self.kernel}"
-            + self._blocks() + (" weights=float32-carried" if self.carrier_weights else "")
+            + self._blocks() + self.describe_projection()
+            + (" weights=float32-carried" if self.carrier_weights else "")
             + f" {self.cache_storage.describe()}")
 
   def _blocks(self) -> str:

@@ -7,13 +7,15 @@ bf16 values (the float32-carried form of `decoding.for_serving`). Both form exac
 products of bf16 values and accumulate them in float32.
 """
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attnprec import decoding, layers
+from attnprec import cpu_features, decoding, layers
+from attnprec.errors import UserError
 from attnprec.inspect import compiled
 from attnprec import model as model_lib
 from attnprec.bench import projections as forms
@@ -114,7 +116,16 @@ def _dense_dots(compiled_text):
   return [d for d in compiled.compiled_summary(compiled_text)["dots"] if d.site == "dense"]
 
 
-def test_compiled_dense_dots_are_bf16_x_bf16_to_f32():
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+  """'auto' as on a CPU with avx512_bf16, whatever this machine has."""
+  monkeypatch.setattr(cpu_features, "bf16_features", lambda *a: ("avx512_bf16",))
+  jax.clear_caches()
+  yield
+  jax.clear_caches()
+
+
+def test_compiled_dense_dots_are_bf16_x_bf16_to_f32(bf16_cpu):
   """What XLA:CPU compiled for a bf16 prefill (2 x 64 = 128 rows): every dense dot of
   the q/k/v/o projections and the MLP takes bf16 x bf16 operands and returns f32 (the fast
   path); a decode step (1 row) on the float32-carried weights runs f32 x f32."""
@@ -138,3 +149,124 @@ def test_compiled_dense_dots_are_bf16_x_bf16_to_f32():
       (1,), jnp.int32)).compile().as_text())
   assert step_dots and {d.types for d in step_dots} == {"f32xf32->f32"}, \
       {d.types for d in step_dots}
+
+
+# ----------------------------------------------------------------------------- per CPU
+X86_WITH = "processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile\n"
+X86_WITHOUT = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"
+ARM_WITH = "processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n"
+
+
+def test_cpu_features_are_read_from_cpuinfo(tmp_path):
+  """x86 'flags' and Arm 'Features' lines; a text with neither is unknown (None), which
+  'auto' treats as before the choice existed (the bf16 dot)."""
+  assert cpu_features.parse_bf16_features(X86_WITH) == ("avx512_bf16",)
+  assert cpu_features.parse_bf16_features(X86_WITHOUT) == ()
+  assert cpu_features.parse_bf16_features(ARM_WITH) == ("bf16",)
+  assert cpu_features.parse_bf16_features("flags: bf16\n") == ()   # Arm's name, x86 line
+  assert cpu_features.parse_bf16_features("model name: x\n") is None
+  path = tmp_path / "cpuinfo"
+  path.write_text(X86_WITHOUT * 2)
+  assert cpu_features.bf16_features(str(path)) == ()
+  assert cpu_features.bf16_features(str(tmp_path / "none")) is None
+
+
+@pytest.mark.parametrize("features,backend,want", [
+    (("avx512_bf16",), "cpu", "by_rows"), ((), "cpu", "float32_dot"),
+    (None, "cpu", "by_rows"), ((), "tpu", "by_rows"), ((), "cuda", "by_rows")])
+def test_auto_form_follows_the_cpu_and_the_precision_line_names_it(monkeypatch, features,
+                                                                    backend, want):
+  monkeypatch.setattr(cpu_features, "bf16_features", lambda *a: features)
+  prec = Precision(dtype="bfloat16")
+  assert prec.projection(backend) == want
+  line = prec.describe_projection(backend)
+  assert line.startswith(f" projections=auto:{want}(")
+  assert (cpu_features.describe(features) if backend == "cpu" else backend) in line
+  for form in ("compute_dtype_dot", "float32_dot"):     # a chosen form is in force anywhere
+    forced = Precision(dtype="bfloat16", projection_form=form)
+    assert forced.projection(backend) == form
+    assert f" projections={form} " in forced.describe() + " "
+  assert Precision().projection(backend) == "float32"
+  assert "projections" not in Precision().describe()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(projection_form="float32_dot"), "dtype='float32'"),
+    (dict(dtype="bfloat16", projection_form="compute_dtype_dot",
+          matmul_precision="BF16_BF16_F32"), "names its own operand types"),
+    (dict(dtype="bfloat16", projection_form="fast"), "'auto', 'compute_dtype_dot'")])
+def test_a_form_that_would_not_be_used_is_refused(kwargs, match):
+  with pytest.raises(UserError, match=match):
+    Precision(**kwargs)
+
+
+@pytest.mark.parametrize("M", [4, 200])
+def test_the_two_forms_differ_by_at_most_one_bf16_ulp(M):
+  """'compute_dtype_dot' and 'float32_dot' at a decode step's rows (4) and a prefill's
+  (200): each is within float32 accumulation error (2^-22 x sum|x||w|) of the float64
+  product of the same bf16 values, rounded once (so within 1 bf16 ulp of it), and they
+  differ from each other by at most 1 bf16 ulp, plus the float32 accumulation error where
+  the sum cancels (the contract's statement). Reference: float64 NumPy."""
+  rng = np.random.default_rng(M)
+  x = jnp.asarray(rng.standard_normal((M, 576)), jnp.float32).astype(jnp.bfloat16)
+  w = _bf16_values(rng.standard_normal((576, 384)) / 24)
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  out = {}
+  for form in ("compute_dtype_dot", "float32_dot"):
+    y32 = np.asarray(layers.project(x, w, "mk,kn->mn", precision=None, carrier=True,
+                                    out_dtype=jnp.float32, form=form))
+    err = np.abs(y32 - x64 @ w64) / (np.abs(x64) @ np.abs(w64))
+    assert err.max() <= 2.0 ** -22, (form, err.max())
+    out[form] = layers.project(x, w, "mk,kn->mn", precision=None, carrier=True, form=form)
+    assert out[form].dtype == jnp.bfloat16
+    y64, bound = x64 @ w64, 2.0 ** -22 * (np.abs(x64) @ np.abs(w64))
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(y64), 1e-30))) - 7)   # bf16 spacing
+    assert (np.abs(np.asarray(out[form], np.float64) - y64) <= ulp + bound).all(), form
+  a, b = (np.asarray(out[f], np.float64) for f in ("compute_dtype_dot", "float32_dot"))
+  spacing = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(a), np.abs(b)))) - 7)
+  # where the sum cancels to below float32 accumulation error (1 output in 6400 here,
+  # |y| ~ 1e-6), that error is what the two orders differ by
+  assert (np.abs(a - b) <= spacing + 2 * bound).all()
+  assert np.mean(np.abs(a - b) <= spacing) >= 0.999
+
+
+def _bf16_dots_of_a_decode_step(form):
+  """bf16 x bf16 dots of a decode step as lowered (XLA:CPU itself runs a one-row bf16
+  dot as a float32 one and drops its name, so the compiled program cannot tell)."""
+  params = jax.eval_shape(lambda: init_params(CONFIG, jax.random.PRNGKey(0)))
+  prec = decoding.serving_precision(
+      Precision(dtype="bfloat16", projection_form=form), backend="cpu")
+  state = decoding.DecodeState(init_cache(CONFIG, 1, 16, prec.compute_dtype),
+                               jax.ShapeDtypeStruct((1, CONFIG.vocab_size), jnp.float32),
+                               jax.ShapeDtypeStruct((1,), jnp.int32))
+  step = jax.jit(functools.partial(decoding.decode_step, config=CONFIG, precision=prec))
+  lowered = step.lower(params, state, jax.ShapeDtypeStruct((1,), jnp.int32)).as_text()
+  operands = re.findall(r"stablehlo\.dot_general.*: \(tensor<[^>]*x(\w+)>, "
+                        r"tensor<[^>]*x(\w+)>\)", lowered)
+  return sum(o == ("bf16", "bf16") for o in operands)
+
+
+@pytest.mark.parametrize("form,types", [("compute_dtype_dot", {"bf16xbf16->f32"}),
+                                        ("float32_dot", {"f32xf32->f32"})])
+def test_a_forced_form_is_what_xla_compiles_in_prefill(form, types):
+  """The chosen form holds at a prefill's row count: every dense dot XLA:CPU compiled is
+  of its types."""
+  params = jax.eval_shape(lambda: init_params(CONFIG, jax.random.PRNGKey(0)))
+  prec = decoding.serving_precision(
+      Precision(dtype="bfloat16", projection_form=form), backend="cpu")
+  prefill = jax.jit(functools.partial(decoding.prefill, config=CONFIG, precision=prec,
+                                      cache_length=64))
+  text = prefill.lower(params, jax.ShapeDtypeStruct((2, 64), jnp.int32),
+                       jax.ShapeDtypeStruct((2,), jnp.int32)).compile().as_text()
+  layer_dots = [d for d in _dense_dots(text) if d.layer is not None]
+  assert len(layer_dots) >= 7 * CONFIG.num_layers
+  assert {d.types for d in layer_dots} == types
+
+
+def test_a_forced_form_holds_in_a_decode_step():
+  """At one row: 'compute_dtype_dot' emits a bf16 dot for each of the 7 projections per
+  layer and the unembedding, where 'float32_dot' emits float32 ones (the attention's own
+  dots are the same in both)."""
+  extra = _bf16_dots_of_a_decode_step("compute_dtype_dot") - \
+      _bf16_dots_of_a_decode_step("float32_dot")
+  assert extra == 7 * CONFIG.num_layers + 1

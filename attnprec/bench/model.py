@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnprec import compilation, decoding, plotting, train
+from attnprec import compilation, cpu_features, decoding, plotting, train
 from attnprec.cache import cache_bytes
 from attnprec.errors import UserError
 from attnprec.precision import Precision
@@ -97,6 +97,15 @@ PRESETS: Dict[str, Precision] = {
                                   float32_logits=False, kernel="auto",
                                   key_offset="prefill_mean"),
     "bf16_flags_offset": Precision(kernel="auto", key_offset="bias", **_FLAGS),
+    # the projection form forced (`precision.projection_form`; 'auto' picks by the CPU):
+    # float32 dots on bf16 values, what 'auto' runs on a CPU without a bf16 dot
+    # instruction; and bf16 dots at every row count
+    "bf16_flags_f32dot": Precision(kernel="auto", projection_form="float32_dot", **_FLAGS),
+    "bf16_f32dot": Precision(dtype="bfloat16", float32_qk_product=False,
+                             float32_logits=False, kernel="auto",
+                             projection_form="float32_dot"),
+    "bf16_flags_c_dot": Precision(kernel="auto", projection_form="compute_dtype_dot",
+                                  **_FLAGS),
 }
 BF16_WEIGHTS = ("bf16_flags_bf16w",)
 CAST_AT_USE = ("bf16_flags_cast",) + BF16_WEIGHTS
@@ -342,6 +351,8 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
   result = dict(config=dict(model=model, cases=[list(c) for c in cases], presets={
       p: dataclasses.asdict(PRESETS[p]) for p in presets}, steps=steps, rounds=rounds,
       jax=jax.__version__, devices=str(jax.devices()), cpu_count=os.cpu_count(),
+      cpu=cpu_features.describe(cpu_features.bf16_features()),
+      projection_forms={p: PRESETS[p].describe_projection().strip() for p in presets},
       xla_flags=os.environ.get("XLA_FLAGS", "")), rows=[], flags=None)
   if torch_model is not None:
     import torch
@@ -477,7 +488,8 @@ def to_markdown(result: dict) -> str:
   peak_note = (f"; matmul peak at {'x'.join(map(str, PEAK_SHAPE))}: f32 "
                f"{peak['f32'] / 1e9:.0f}, bf16 x bf16 -> f32 {peak['bf16'] / 1e9:.0f} GFLOP/s"
                if peak else "")
-  lines = [f"Model {cfg['model']}; {cfg['steps']} greedy decode steps timed per round, "
+  cpu = f"CPU bf16 features: {cfg['cpu']}; " if "cpu" in cfg else ""
+  lines = [f"{cpu}Model {cfg['model']}; {cfg['steps']} greedy decode steps timed per round, "
            f"{cfg['rounds']} interleaved rounds, medians; {torch_note}; read bandwidth "
            f"(matrix-vector) {result['read_bandwidth'] / 1e9:.1f} GB/s (end of run "
            f"{result.get('read_bandwidth_end', float('nan')) / 1e9:.1f}){peak_note}.", "",

@@ -36,7 +36,7 @@ from typing import Dict, List, Sequence, Tuple
 import jax
 import numpy as np
 
-from attnprec import contract
+from attnprec import contract, cpu_features
 
 STAGES = ("projections q, k, v, o", "MLP projections", "logits head", "attention QK dot",
           "attention PV dot", "attention softmax and mask", "attention loop (blockwise)", "RoPE and biases", "key offset",
@@ -313,14 +313,9 @@ def run_profile(*, models: Sequence[str] = ("smollm2-135m",),
 
 
 def cpu_flags() -> str:
-  """'avx512_bf16' / 'amx_bf16' / 'no bf16 units' from /proc/cpuinfo (Linux)."""
-  try:
-    text = open("/proc/cpuinfo").read()
-  except OSError:
-    return "unknown"
-  flags = set(re.search(r"^flags\s*:\s*(.*)$", text, re.M).group(1).split())
-  have = [f for f in ("amx_bf16", "avx512_bf16", "avx512f") if f in flags]
-  return ", ".join(have) if have else "no avx512"
+  """The CPU's bf16 matrix features (`attnprec.cpu_features`): what the projection form
+  'auto' is chosen by."""
+  return cpu_features.describe(cpu_features.bf16_features())
 
 
 def to_markdown(result: dict) -> str:

@@ -116,8 +116,8 @@ def micro(*, rows=(1000, 8, 1), shapes=SHAPES, forms=MICRO_FORMS, layers_per_cal
 def _fixed_project(form: str):
   """`layers.project` fixed to one form for every call (the forms before issue 22:
   'carried', 'c_result'; 'c_f32' for every row count), for the comparison."""
-  def project(x, w, spec, *, precision, carrier=False, out_dtype=None):
-    c = x.dtype
+  def project(x, w, spec, *, precision, carrier=False, out_dtype=None, **_):
+    c = x.dtype   # the model's own form (a `form=` keyword) is replaced by the fixed one
     out_dtype = c if out_dtype is None else out_dtype
     if form == "carried" and c != F32:
       y = jnp.einsum(spec, x.astype(F32), w, precision=precision,
