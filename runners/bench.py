@@ -24,6 +24,12 @@ XLA:CPU's own per-thunk trace of the compiled prefill (`attnprec.bench.profile`)
 1x4000), `--model_presets`, `--rounds` (traced calls, default 3). Writes
 <out>/profile.json, profile.md, profile.png.
 
+`attention_forms`: the blockwise kernel's block sizes side by side at the shipped models'
+attention shapes (`--model=smollm2-135m,qwen2.5-coder-0.5b`), bf16 with both flags,
+against torch SDPA bf16 in the same rounds (`attnprec.bench.attention_forms`);
+`--seq_lens` (default 4096), `--blocks=512/256,512/512` (Q/KV; the first is the baseline),
+`--rounds` (default 5), `--no_torch`. Writes <out>/attention_forms.json, attention_forms.md.
+
 `compile`: compile time and program size against depth, unrolled vs scanned layers
 (`model.scan_layers`; `attnprec.bench.compile_time`): the prefill, a decode step and the
 train step of a small model at `--depths=2,8,32,80` (`--quick`: 2,8), each compiled
@@ -48,13 +54,14 @@ disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 from attnprec import cli, compilation, runs  # noqa: E402
 from attnprec import kernels as kernel_names  # noqa: E402
 from attnprec.bench import attention as bench  # noqa: E402
+from attnprec.bench import attention_forms as forms_bench  # noqa: E402
 from attnprec.bench import compile_time as compile_bench  # noqa: E402
 from attnprec.bench import model as model_bench  # noqa: E402
 from attnprec.bench import profile as profile_bench  # noqa: E402
 from attnprec.bench import projections as projection_bench  # noqa: E402
 from attnprec.errors import UserError  # noqa: E402
 
-SUITES = ("model", "attention", "projections", "profile", "compile", "all")
+SUITES = ("model", "attention", "attention_forms", "projections", "profile", "compile", "all")
 # The options each suite reads (--suite and --out: every suite). One a suite does not
 # read is refused, never ignored.
 _MODEL_OPTIONS = ("quick", "model", "cases", "model_presets", "steps", "rounds", "no_torch",
@@ -64,6 +71,7 @@ _ATTENTION_OPTIONS = ("seq_lens", "memory_seq_lens", "decode_seq_lens", "kernels
 READS = {"model": _MODEL_OPTIONS, "attention": _ATTENTION_OPTIONS,
          "projections": ("projection_parts", "xla_settings", "rounds"),
          "profile": ("model", "cases", "model_presets", "rounds"),
+         "attention_forms": ("model", "seq_lens", "blocks", "rounds", "no_torch"),
          "compile": ("quick", "depths", "rounds"),
          "all": tuple(dict.fromkeys(_MODEL_OPTIONS + _ATTENTION_OPTIONS))}
 
@@ -95,6 +103,20 @@ def _cases(text):
       raise argparse.ArgumentTypeError(
           f"bad case {part!r}: batch and prompt length must be >= 1, e.g. 1x32")
   return tuple(out)
+
+
+def _blocks(text):
+  """'512/256,512/512' -> ((512, 256), (512, 512))."""
+  try:
+    pairs = tuple(tuple(int(x) for x in item.split("/")) for item in text.split(",")
+                  if item.strip())
+  except ValueError:
+    pairs = ()
+  if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a list of Q/KV block pairs of positive integers, e.g. "
+        f"512/256,512/512")
+  return pairs
 
 
 def _count(text):
@@ -130,7 +152,7 @@ def run_model(args):
   quick = args.quick
   result = model_bench.run_model_bench(
       on_case=lambda partial: _write_model(args.out, partial),
-      model=args.model,
+      model=args.model or "smollm2-135m",
       cases=args.cases or (model_bench.QUICK_CASES if quick else model_bench.DEFAULT_CASES),
       presets=args.model_presets,
       steps=args.steps or (8 if quick else 32), rounds=args.rounds or (2 if quick else 3),
@@ -146,7 +168,8 @@ def run_model(args):
 
 def run_attention(args):
   result = bench.run_attention_bench(
-      seq_lens=args.seq_lens, memory_seq_lens=args.memory_seq_lens,
+      seq_lens=args.seq_lens or bench.DEFAULT_SEQ_LENS,
+      memory_seq_lens=args.memory_seq_lens,
       decode_seq_lens=args.decode_seq_lens,
       kernels=args.kernels, presets=args.presets,
       include_torch=not args.no_torch)
@@ -182,13 +205,31 @@ def run_profile(args):
     _write(args.out, "profile.md", profile_bench.to_markdown(result))
 
   result = profile_bench.run_profile(
-      models=[m.strip() for m in args.model.split(",") if m.strip()],
+      models=[m.strip() for m in (args.model or "smollm2-135m").split(",") if m.strip()],
       cases=args.cases or ((1, 1000), (1, 4000)), presets=args.model_presets,
       rounds=args.rounds or 3, on_row=write)
   write(result)
   profile_bench.plot(result, os.path.join(args.out, "profile.png"))
   print(profile_bench.to_markdown(result))
   print(f"wrote {args.out}/profile.json, profile.md, profile.png")
+
+
+def run_attention_forms(args):
+  def write(result):
+    runs.write_json(args.out, "attention_forms.json", result)
+    _write(args.out, "attention_forms.md", forms_bench.to_markdown(result))
+
+  shapes = ([m.strip() for m in args.model.split(",") if m.strip()] if args.model
+            else list(forms_bench.SHAPES))
+  result = forms_bench.run(seq_lens=args.seq_lens or forms_bench.DEFAULT_SEQ_LENS,
+                           shapes=shapes,
+                           blocks=args.blocks or forms_bench.DEFAULT_BLOCKS,
+                           rounds=args.rounds or 5, include_torch=not args.no_torch,
+                           log=lambda m: print(m, flush=True), on_row=write)
+  write(result)
+  print(forms_bench.to_markdown(result))
+  print(f"wall time {result['wall_s']:.0f} s; wrote {args.out}/attention_forms.json, "
+        f"attention_forms.md")
 
 
 def run_compile(args):
@@ -210,15 +251,19 @@ def _parse(argv):
   add = parser.add_argument
   add("--suite", choices=SUITES, default="model", help="what to benchmark")
   add("--quick", action="store_true", help="a short run (see above)")
-  add("--model", default="smollm2-135m", help="model suite: the model to decode")
+  add("--model", default=None, help="model suite: the model to decode (default "
+      "smollm2-135m); profile: comma-separated; attention_forms: whose attention shapes "
+      "(default both shipped: smollm2-135m,qwen2.5-coder-0.5b)")
   add("--cases", type=_cases, default=None,
       help="model suite: BATCHxPROMPT cases, e.g. 1x32,8x1000 (None: the suite's own)")
   add("--model_presets", default="fp32,bf16_flags",
       help=f"model suite: comma-separated, from {','.join(model_bench.PRESETS)}")
   add("--steps", type=_count, default=0, help="model suite: decode steps (0: 32, quick 8)")
   add("--rounds", type=_count, default=0, help="model suite: timing rounds (0: 3, quick 2)")
-  add("--seq_lens", type=_ints, default=bench.DEFAULT_SEQ_LENS,
-      help="attention suite: sequence lengths")
+  add("--seq_lens", type=_ints, default=None,
+      help=f"attention suite: sequence lengths (default "
+      f"{','.join(map(str, bench.DEFAULT_SEQ_LENS))}); attention_forms: default "
+      f"{','.join(map(str, forms_bench.DEFAULT_SEQ_LENS))}")
   add("--memory_seq_lens", type=_ints, default=bench.DEFAULT_MEMORY_SEQ_LENS,
       help="attention suite: lengths whose peak memory is measured")
   add("--decode_seq_lens", type=_ints, default=bench.DEFAULT_DECODE_SEQ_LENS,
@@ -236,6 +281,9 @@ def _parse(argv):
   add("--xla_settings", default="",
       help=f"projections suite: one process per XLA:CPU setting, from "
       f"{','.join(xla_env.SETTINGS)} ('': this process's setting only)")
+  add("--blocks", type=_blocks, default=None,
+      help="attention_forms suite: Q/KV block pairs, e.g. 512/256,512/512 (the first is "
+      "the baseline)")
   add("--depths", type=_ints, default=None,
       help="compile suite: layer counts (None: 2,8,32,80; quick 2,8)")
   add("--out", default="bench", metavar="DIR", help="where results are written")
@@ -263,7 +311,13 @@ def _parse(argv):
         f"--suite={args.suite} does not read {', '.join('--' + k for k in unread)}; "
         f"the options it reads: {', '.join('--' + k for k in READS[args.suite])} "
         f"(and --suite, --out). Drop them, or choose the suite that reads them.")
-  if not args.seq_lens:
+  if args.suite == "attention_forms" and args.model:
+    unknown = [m for m in args.model.split(",") if m.strip() not in forms_bench.SHAPES]
+    if unknown:
+      raise UserError(f"--model={args.model!r}: the attention_forms suite knows the "
+                      f"attention shapes of {', '.join(forms_bench.SHAPES)}, not "
+                      f"{', '.join(map(repr, unknown))}.")
+  if args.seq_lens is not None and not args.seq_lens:
     raise UserError("--seq_lens is empty; give at least one length, e.g. 1024,4096.")
   runs.check_output_dir(args.out, flag="--out")   # before minutes of benchmarking
   return args
@@ -278,6 +332,8 @@ EXAMPLES = [
     "python runners/bench.py --suite=profile --model=smollm2-135m,qwen2.5-coder-0.5b "
     "--model_presets=bf16_flags",
     "python runners/bench.py --suite=compile --depths=2,8,32,80",
+    "python runners/bench.py --suite=attention_forms --seq_lens=4096,16384 "
+    "--blocks=512/256,512/512",
 ]
 
 
@@ -297,6 +353,8 @@ def main(argv) -> int:
       run_profile(args)
     if args.suite == "compile":
       run_compile(args)
+    if args.suite == "attention_forms":
+      run_attention_forms(args)
 
   # keep_partial: model.json is rewritten after every case, so an interrupted run keeps
   # the cases it measured

@@ -212,3 +212,44 @@ def test_presets_and_cases_share_one_copy_of_the_carried_weights():
   expect, _ = decoding.for_serving(params, model_bench.PRESETS["bf16_flags"])
   for a, b in zip(jax.tree_util.tree_leaves(expect), jax.tree_util.tree_leaves(flags.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _bench_runner():
+  import importlib.util
+  import os
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location(
+      "runner_bench_forms", os.path.join(root, "runners", "bench.py"))
+  runner = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(runner)
+  return runner
+
+
+def test_attention_forms_tiny(tmp_path):
+  """Every block size at one small shape, interleaved, without torch: one row per form,
+  the baseline's ratio 1, and every form's output the baseline's up to float32 summation
+  order in the online softmax (bf16 outputs of magnitude <= ~3: within a few bf16 ulps,
+  asserted <= 0.05)."""
+  import json
+  from attnprec.bench import attention_forms as forms
+  result = forms.run(seq_lens=(96,), shapes=("smollm2-135m",),
+                     blocks=((32, 32), (64, 32), (96, 96)), rounds=1, include_torch=False,
+                     log=lambda m: None)
+  rows = result["rows"]
+  assert [r["form"] for r in rows] == ["q32/kv32", "q64/kv32", "q96/kv96"]
+  assert rows[0]["vs_default"] == 1.0 and rows[0]["max_abs_vs_default"] == 0.0
+  assert all(r["max_abs_vs_default"] <= 0.05 for r in rows)
+  assert all(r["median_s"] > 0 and r["vs_torch"] is None for r in rows)
+  json.dumps(result)
+  assert "| smollm2-135m (9 / 3) | 96 | q64/kv32 |" in forms.to_markdown(result)
+
+
+def test_attention_forms_bad_input_exits_2_and_writes_nothing(tmp_path):
+  runner = _bench_runner()
+  for i, argv in enumerate((["--suite=attention_forms", "--model=gpt2"],
+                            ["--suite=attention_forms", "--blocks=512/0"],
+                            ["--suite=attention_forms", "--blocks=512"],
+                            ["--suite=model", "--blocks=512/256"])):
+    out = tmp_path / f"out{i}"
+    assert runner.main(argv + [f"--out={out}"]) == 2, argv
+    assert not out.exists() or not list(out.iterdir()), argv

@@ -1,0 +1,135 @@
+"""`--suite=attention_forms`: the blockwise kernel's block sizes side by side, at the
+attention shapes of the shipped models, against torch SDPA bf16 in the same rounds.
+
+Shapes: B = 1, causal prefill of S tokens (T = S), H = 64, N query heads over K kv heads
+as the models have them (SmolLM2-135M 9 / 3, Qwen2.5-Coder-0.5B 14 / 2). Inputs bf16,
+both attention flags on (`fp32_attention`: the float32 QK product and float32 softmax,
+the contract's safe setting); the block sizes change no stage of the contract (only
+which keys each online-softmax step sees), so every form here honours it, and each
+form's output is checked against the default blocks' (max abs difference, reported).
+
+Method: each form is one jitted `blockwise_attention` call, compiled first; rounds are
+interleaved, every form and torch once per round, each timed call preceded by one
+untimed call (the ordering bias measured in docs/performance.md); medians.
+`vs_default` = time / the default blocks' time; `vs_torch` = time / torch SDPA bf16's
+(`enable_gqa`, float32 softmax statistics in its CPU flash kernel).
+"""
+import os
+import statistics
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnprec import contract, cpu_features
+from attnprec.errors import UserError
+from attnprec.kernels.blockwise import BlockSizes, blockwise_attention
+
+SHAPES: Dict[str, Tuple[int, int]] = {"smollm2-135m": (9, 3), "qwen2.5-coder-0.5b": (14, 2)}
+HEAD_DIM = 64
+DEFAULT_SEQ_LENS = (4096,)
+# (q_block, kv_block): the default first, then larger and smaller tiles
+DEFAULT_BLOCKS = ((BlockSizes().q_block, BlockSizes().kv_block), (512, 512), (256, 256),
+                  (256, 512), (1024, 512), (128, 1024), (1024, 1024))
+FLAGS = contract.AttentionFlags(float32_qk_product=True, float32_logits=True)
+
+
+def _inputs(S: int, N: int, K: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.standard_normal((1, S, n, HEAD_DIM)), jnp.bfloat16)
+               for n in (N, K, K))
+
+
+def _torch_call(q, k, v):
+  import torch  # lazy: bench-only dependency
+  tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16)
+                .transpose(1, 2).contiguous() for x in (q, k, v))
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+
+  def call():
+    with torch.no_grad():
+      return sdpa(tq, tk, tv, is_causal=True, enable_gqa=tk.shape[1] != tq.shape[1])
+  return call
+
+
+def run(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, shapes: Sequence[str] = tuple(SHAPES),
+        blocks: Sequence[Tuple[int, int]] = DEFAULT_BLOCKS, rounds: int = 5,
+        include_torch: bool = True, log=print, on_row=None) -> dict:
+  """Times every block size per (shape, S); returns plain dicts (rows, config)."""
+  for name in shapes:
+    if name not in SHAPES:
+      raise UserError(f"Unknown attention shape {name!r}; valid: {list(SHAPES)}.")
+  blocks = [tuple(b) for b in blocks]
+  if not blocks or any(len(b) != 2 or min(b) < 1 for b in blocks):
+    raise UserError(f"Block sizes must be Q/KV pairs of positive integers, got {blocks}.")
+  torch_version = None
+  if include_torch:
+    try:
+      import torch
+      torch_version = torch.__version__
+    except ImportError:
+      torch_version = None
+  result = dict(config=dict(seq_lens=list(seq_lens), shapes={s: SHAPES[s] for s in shapes},
+                            head_dim=HEAD_DIM, blocks=[list(b) for b in blocks],
+                            rounds=rounds, flags=FLAGS.describe(),
+                            cpu=cpu_features.describe(cpu_features.bf16_features()),
+                            cpu_count=os.cpu_count(), jax=jax.__version__,
+                            torch=torch_version or "not run",
+                            xla_flags=os.environ.get("XLA_FLAGS", "")), rows=[])
+  t_start = time.perf_counter()
+  for shape in shapes:
+    N, K = SHAPES[shape]
+    for S in seq_lens:
+      q, k, v = _inputs(S, N, K)
+      calls: Dict[str, object] = {}
+      outs = {}
+      for qb, kb in blocks:
+        fn = jax.jit(lambda q, k, v, qb=qb, kb=kb: blockwise_attention(
+            q, k, v, causal=True, flags=FLAGS, q_block=qb, kv_block=kb))
+        compiled = fn.lower(q, k, v).compile()
+        label = f"q{qb}/kv{kb}"
+        outs[label] = np.asarray(compiled(q, k, v), np.float32)
+        calls[label] = lambda c=compiled: c(q, k, v).block_until_ready()
+      if torch_version:
+        calls["torch_sdpa_bf16"] = _torch_call(q, k, v)
+      log(f"{shape} S={S}: {len(calls)} forms compiled; {rounds} interleaved rounds")
+      times: Dict[str, List[float]] = {n: [] for n in calls}
+      for _ in range(rounds):
+        for name, call in calls.items():
+          call()                                   # untimed: the ordering bias
+          t0 = time.perf_counter()
+          call()
+          times[name].append(time.perf_counter() - t0)
+      default = f"q{blocks[0][0]}/kv{blocks[0][1]}"
+      med = {n: statistics.median(ts) for n, ts in times.items()}
+      ref = outs[default]
+      for name, ts in times.items():
+        row = dict(shape=shape, N=N, K=K, S=S, form=name, median_s=med[name],
+                   min_s=min(ts), samples_s=ts, vs_default=med[name] / med[default],
+                   vs_torch=(med[name] / med["torch_sdpa_bf16"]
+                             if "torch_sdpa_bf16" in med else None))
+        if name in outs:
+          row["max_abs_vs_default"] = float(np.max(np.abs(outs[name] - ref)))
+        result["rows"].append(row)
+      if on_row:
+        on_row(result)
+  result["wall_s"] = time.perf_counter() - t_start
+  return result
+
+
+def to_markdown(result: dict) -> str:
+  cfg = result["config"]
+  lines = [f"CPU bf16 features: {cfg['cpu']}, {cfg['cpu_count']} cores; jax {cfg['jax']}, "
+           f"torch {cfg['torch']}; blockwise, bf16 inputs, {cfg['flags']}; causal, B = 1, "
+           f"H = {cfg['head_dim']}; {cfg['rounds']} interleaved rounds, medians.", "",
+           "| shape (N / K) | S | form | ms | vs default blocks | vs torch SDPA bf16 | "
+           "max abs vs default |", "|---|---:|---|---:|---:|---:|---:|"]
+  for r in result["rows"]:
+    torch_ratio = f"{r['vs_torch']:.2f}" if r["vs_torch"] is not None else "-"
+    diff = f"{r['max_abs_vs_default']:.1e}" if "max_abs_vs_default" in r else "-"
+    lines.append(f"| {r['shape']} ({r['N']} / {r['K']}) | {r['S']} | {r['form']} | "
+                 f"{1000 * r['median_s']:.1f} | {r['vs_default']:.2f} | {torch_ratio} | "
+                 f"{diff} |")
+  return "\n".join(lines) + "\n"
