@@ -98,8 +98,9 @@ expected_attention = contract_check.expected_stages
 
 # ----------------------------------------------------------------------------- contract
 def check_dense_dot(dot: DotSite, precision: Precision) -> List[str]:
-  """The dense check of `attnprec.inspect`, plus: the unembedding returns f32 logits,
-  every other projection the compute dtype (an f32 result rounded to it right after the
+  """The dense check of `attnprec.inspect`, plus: the unembedding returns f32 logits (and
+  so do the key projection under a key offset and the MLP's gate and up projections under
+  mlp_activation='float32'), every other projection the compute dtype (an f32 result rounded to it right after the
   dot counts: one rounding of a float32 accumulation)."""
   problems = contract_check.check_dense(dot, precision)
   c = short(precision.compute_dtype)
@@ -109,13 +110,22 @@ def check_dense_dot(dot: DotSite, precision: Precision) -> List[str]:
   unembed = module == "unembed"
   # With a key offset the key projection's f32 accumulation stays f32 until the offset
   # is subtracted (the offset row; `offset_check` proves the one rounding after it).
-  want = "f32" if unembed or (module == "attn/k" and precision.key_offset != "none") else c
+  # With mlp_activation='float32' the gate and up projections' f32 accumulations feed the
+  # float32 activation (one rounding, of the product, into the down projection).
+  wide = (unembed or (module == "attn/k" and precision.key_offset != "none")
+          or (module in ("mlp/gate", "mlp/up") and precision.mlp_activation == "float32"))
+  want = "f32" if wide else c
   # The f32 accumulator rounded once to c right after the dot: `layers.project`'s
   # c x c -> f32 form, and the float32 dot on float32-carried weights.
   rounded_once = dot.result == "f32" and dot.converted_to == want
   if (result != want and dot.result != want and not rounded_once
       and not any("result" in p for p in problems)):
     problems.append(f"{'logits' if unembed else 'dense'} result {result}, expected {want}")
+  elif want == "f32" and dot.converted_to not in (None, "f32") and \
+      not any("result" in p for p in problems):
+    # an f32 result that must stay f32, rounded right after the dot
+    problems.append(f"{'logits' if unembed else 'dense'} result rounded to "
+                    f"{dot.converted_to} after the dot, expected {want}")
   return problems
 
 

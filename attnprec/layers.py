@@ -155,17 +155,28 @@ class MLP(hk.Module):
   def __call__(self, x_BxTxD):
     cfg, p = self.config, self.precision.matmul
     cw, form = self.precision.carrier_weights, projection_form(self.precision)
-    gate_BxTxF = Dense(cfg.mlp_hidden, precision=p, carrier=cw, form=form,
+    # 'float32' (`Precision.mlp_activation`): the gate and up projections' float32
+    # accumulations unrounded, the activation and the product in float32, one rounding
+    # to the compute dtype into the down projection.
+    wide = self.precision.mlp_activation == "float32"
+    hidden = jnp.float32 if wide else None
+    gate_BxTxF = Dense(cfg.mlp_hidden, precision=p, carrier=cw, form=form, out_dtype=hidden,
                        name="gate")(x_BxTxD)
-    up_BxTxF = Dense(cfg.mlp_hidden, precision=p, carrier=cw, form=form, name="up")(x_BxTxD)
+    up_BxTxF = Dense(cfg.mlp_hidden, precision=p, carrier=cw, form=form, out_dtype=hidden,
+                     name="up")(x_BxTxD)
+    if wide:
+      chex.assert_type([gate_BxTxF, up_BxTxF], jnp.float32)
     if cfg.activation == "silu":
       act = jax.nn.silu(gate_BxTxF)
     elif cfg.activation == "gelu_tanh":
       act = jax.nn.gelu(gate_BxTxF, approximate=True)
     else:
       act = jax.nn.gelu(gate_BxTxF, approximate=False)
+    hidden_BxTxF = act * up_BxTxF
+    if wide:
+      hidden_BxTxF = hidden_BxTxF.astype(x_BxTxD.dtype)   # the one rounding to c
     return Dense(cfg.d_model, precision=p, carrier=cw, form=form,
-                 name="down")(act * up_BxTxF)
+                 name="down")(hidden_BxTxF)
 
 
 @dataclasses.dataclass

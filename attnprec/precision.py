@@ -39,6 +39,13 @@ _PRECISION_NAMES = list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS)
 #                        (`attnprec.cpu_features`), the c dot where it has a bf16 dot
 #                        instruction, for projections of >= layers.MIN_ROWS_C_DOT rows.
 PROJECTION_FORMS = ("auto", "compute_dtype_dot", "float32_dot")
+# Where a 16-bit gated MLP rounds (`layers.MLP`):
+#   'compute'  the gate and up projections rounded to c, the activation and the gating
+#              product in c (each op rounds to c): the compute dtype throughout;
+#   'float32'  the gate and up projections' float32 accumulations kept, the activation
+#              and the product in float32, one rounding to c into the down projection
+#              (fewer roundings, and faster on XLA:CPU: docs/performance.md).
+MLP_ACTIVATIONS = ("compute", "float32")
 
 
 @checks.validated(
@@ -54,7 +61,8 @@ PROJECTION_FORMS = ("auto", "compute_dtype_dot", "float32_dot")
     kv_cache_k_scale=checks.optional(checks.one_of("token", "channel")),
     kv_cache_v_scale=checks.optional(checks.one_of("token", "channel")),
     key_offset=checks.one_of(*KEY_OFFSETS),
-    projection_form=checks.one_of(*PROJECTION_FORMS))
+    projection_form=checks.one_of(*PROJECTION_FORMS),
+    mlp_activation=checks.one_of(*MLP_ACTIVATIONS))
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Precision:
   """Numerics of one phase. Hashable, so it can be a static argument of jit."""
@@ -98,6 +106,9 @@ class Precision:
   # The form of a 16-bit projection's dot (PROJECTION_FORMS above); float32 compute and
   # a dot-algorithm matmul_precision have one form only, so they take 'auto' alone.
   projection_form: str = "auto"
+  # Where a 16-bit MLP's activation runs (MLP_ACTIVATIONS above); float32 compute has one
+  # way only, so it takes 'compute' alone.
+  mlp_activation: str = "compute"
 
   def __post_init__(self):
     # Validate eagerly so a bad gin value fails at configuration time, not mid-trace.
@@ -108,6 +119,14 @@ class Precision:
       raise choice_error("carrier_weights", self.carrier_weights, (True, False))
     if self.projection_form not in PROJECTION_FORMS:
       raise choice_error("projection_form", self.projection_form, PROJECTION_FORMS)
+    if self.mlp_activation not in MLP_ACTIVATIONS:
+      raise choice_error("mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
+    if self.mlp_activation != "compute" and self.compute_dtype == jnp.float32:
+      raise UserError(f"precision.mlp_activation={self.mlp_activation!r} keeps a 16-bit "
+                      f"MLP's activation in float32, but dtype='float32' computes every "
+                      f"activation in float32 already: the setting would not be used. "
+                      f"Remove it, or use a 16-bit dtype (valid values: "
+                      f"{', '.join(repr(m) for m in MLP_ACTIVATIONS)}).")
     if self.projection_form != "auto" and (
         self.compute_dtype == jnp.float32 or
         self.matmul_precision.upper() in ALGORITHM_PRESETS):
@@ -183,6 +202,8 @@ class Precision:
     return (f"dtype={self.dtype} {self.attention.describe()} "
             f"matmul_precision={self.matmul_precision} kernel={self.kernel}"
             + self._blocks() + self.describe_projection()
+            + (f" mlp_activation={self.mlp_activation}"
+               if self.mlp_activation != "compute" else "")
             + (" weights=float32-carried" if self.carrier_weights else "")
             + f" {self.cache_storage.describe()}")
 

@@ -617,3 +617,21 @@ def test_the_runner_passes_a_kv_preset_and_exits_3_on_a_quantized_query(tmp_path
   bad = tmp_path / "bad"
   assert runner.main(["--gin_file=precision/kv_int8.gin", f"--run_dir={bad}"] + small) == 3
   assert "q is quantized" in (bad / "audit.md").read_text()
+
+
+def test_the_mlp_activation_in_float32_is_audited_both_ways(monkeypatch):
+  """mlp_activation='float32': the gate and up projections return their f32 sums, and the
+  audit passes; a program whose MLP still rounds them to bf16 (the model run as
+  'compute'), checked against 'float32', fails on exactly those projections."""
+  bf16 = Precision(dtype="bfloat16")
+  wide = dataclasses.replace(bf16, mlp_activation="float32")
+  result = audit.run_audit(CONFIG, wide, wide, compile=False)
+  assert result["ok"], result["problems"]
+  real_prefill = decoding.prefill
+  monkeypatch.setattr(decoding, "prefill", lambda *a, precision, **k: real_prefill(
+      *a, precision=dataclasses.replace(precision, mlp_activation="compute"), **k))
+  result = audit.run_audit(CONFIG, wide, wide, compile=False)
+  assert not result["ok"]
+  bad = [p for p in result["problems"] if "expected f32" in p]
+  assert bad and all("mlp/gate" in p or "mlp/up" in p for p in bad), result["problems"]
+  assert all(p.startswith("prefill") for p in bad), bad

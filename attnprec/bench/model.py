@@ -106,6 +106,15 @@ PRESETS: Dict[str, Precision] = {
                              projection_form="float32_dot"),
     "bf16_flags_c_dot": Precision(kernel="auto", projection_form="compute_dtype_dot",
                                   **_FLAGS),
+    # the MLP's activation in float32 (`precision.mlp_activation`), with each form
+    "bf16_flags_f32act": Precision(kernel="auto", mlp_activation="float32", **_FLAGS),
+    "bf16_f32act": Precision(dtype="bfloat16", float32_qk_product=False,
+                             float32_logits=False, kernel="auto", mlp_activation="float32"),
+    "bf16_flags_f32dot_f32act": Precision(kernel="auto", projection_form="float32_dot",
+                                          mlp_activation="float32", **_FLAGS),
+    "bf16_f32dot_f32act": Precision(dtype="bfloat16", float32_qk_product=False,
+                                    float32_logits=False, kernel="auto",
+                                    projection_form="float32_dot", mlp_activation="float32"),
 }
 BF16_WEIGHTS = ("bf16_flags_bf16w",)
 CAST_AT_USE = ("bf16_flags_cast",) + BF16_WEIGHTS
