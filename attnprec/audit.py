@@ -87,7 +87,7 @@ from attnprec.inspect import pallas_check
 from attnprec.kernels import pallas as pallas_kernel
 from attnprec.inspect import report as contract_check
 from attnprec.model import init_params
-from attnprec.precision import Precision
+from attnprec.precision import Precision, target_backend
 
 PHASES = ("train", "prefill", "decode")
 short = contract_check.short
@@ -100,8 +100,8 @@ expected_attention = contract_check.expected_stages
 def check_dense_dot(dot: DotSite, precision: Precision) -> List[str]:
   """The dense check of `attnprec.inspect`, plus: the unembedding returns f32 logits (and
   so do the key projection under a key offset and the MLP's gate and up projections under
-  mlp_activation='float32'), every other projection the compute dtype (an f32 result rounded to it right after the
-  dot counts: one rounding of a float32 accumulation)."""
+  mlp_activation='float32'), every other projection the compute dtype (an f32 result
+  rounded to it right after the dot counts: one rounding of a float32 accumulation)."""
   problems = contract_check.check_dense(dot, precision)
   c = short(precision.compute_dtype)
   _, _, result = contract_check.effective(
@@ -190,36 +190,38 @@ def trace_programs(config: ModelConfig, train_precision: Precision,
                     f"{config.max_seq_len}; lower audit.prompt_len / audit.new_tokens.")
   keyoffset.check(config, train_precision.key_offset, phase="train")
   train.check_kernel(train_precision)
-  tokens_BxP = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
-  lengths_B = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  params = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
-  optimizer = train.make_optimizer(total_steps=10)
-  state = jax.eval_shape(lambda: train.init_state(config, optimizer, 0))
-  update = jax.jit(train.make_update(config, train_precision, optimizer))
-  out = {"train": (train_precision, update.trace(
-      state, tokens_BxP, jax.ShapeDtypeStruct((batch, prompt_len), jnp.float32)))}
-  # The decode programs as `generate` runs them (`decoding.for_serving`: on XLA:CPU with
-  # bf16 compute the dense dots run on float32-carried weights). Under kernel 'auto' the
-  # short prefill runs dot_product and the decode step is audited over a cache long
-  # enough for its blockwise branch (when the model allows), so both kernels are seen.
-  decode_precision = decoding.serving_precision(
-      decode_precision, None if platform == local_platform() else
-      platforms.TABLE[platform].backend)
-  prefill = jax.jit(functools.partial(decoding.prefill, config=config,
-                                      precision=decode_precision, cache_length=cache_length))
-  out["prefill"] = (decode_precision, prefill.trace(params, tokens_BxP, lengths_B))
-  if (decode_precision.kernel == kernels.AUTO and
-      kernels.AUTO_MIN_KEYS <= config.max_seq_len):
-    cache_length = max(cache_length, kernels.AUTO_MIN_KEYS)
-  # stored as the decode phase's cache setting says, as `decoding.prefill` stores it
-  cache = jax.eval_shape(lambda: init_cache(config, batch, cache_length,
-                                            decode_precision.compute_dtype,
-                                            decode_precision.cache_storage))
-  dstate = decoding.DecodeState(cache, jax.ShapeDtypeStruct((batch, config.vocab_size),
-                                                            jnp.float32), lengths_B)
-  step = jax.jit(functools.partial(decoding.decode_step, config=config,
-                                   precision=decode_precision))
-  out["decode"] = (decode_precision, step.trace(params, dstate, lengths_B))
+  # traced for the target's backend: 'auto' settings resolve for it, not this machine
+  target = None if platform == local_platform() else platforms.TABLE[platform].backend
+  with target_backend(target):
+    tokens_BxP = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
+    lengths_B = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    params = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
+    optimizer = train.make_optimizer(total_steps=10)
+    state = jax.eval_shape(lambda: train.init_state(config, optimizer, 0))
+    update = jax.jit(train.make_update(config, train_precision, optimizer))
+    out = {"train": (train_precision, update.trace(
+        state, tokens_BxP, jax.ShapeDtypeStruct((batch, prompt_len), jnp.float32)))}
+    # The decode programs as `generate` runs them (`decoding.for_serving`: on XLA:CPU with
+    # bf16 compute the dense dots run on float32-carried weights). Under kernel 'auto' the
+    # short prefill runs dot_product and the decode step is audited over a cache long
+    # enough for its blockwise branch (when the model allows), so both kernels are seen.
+    decode_precision = decoding.serving_precision(decode_precision, target)
+    prefill = jax.jit(functools.partial(decoding.prefill, config=config,
+                                        precision=decode_precision,
+                                        cache_length=cache_length))
+    out["prefill"] = (decode_precision, prefill.trace(params, tokens_BxP, lengths_B))
+    if (decode_precision.kernel == kernels.AUTO and
+        kernels.AUTO_MIN_KEYS <= config.max_seq_len):
+      cache_length = max(cache_length, kernels.AUTO_MIN_KEYS)
+    # stored as the decode phase's cache setting says, as `decoding.prefill` stores it
+    cache = jax.eval_shape(lambda: init_cache(config, batch, cache_length,
+                                              decode_precision.compute_dtype,
+                                              decode_precision.cache_storage))
+    dstate = decoding.DecodeState(cache, jax.ShapeDtypeStruct((batch, config.vocab_size),
+                                                              jnp.float32), lengths_B)
+    step = jax.jit(functools.partial(decoding.decode_step, config=config,
+                                     precision=decode_precision))
+    out["decode"] = (decode_precision, step.trace(params, dstate, lengths_B))
   return out
 
 

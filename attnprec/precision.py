@@ -10,6 +10,8 @@ scope chooses it: `decode/precision.float32_logits = True`.
 Strings are used for dtypes and precisions (simpler for users and gin files); they are
 validated here, once, with errors that name the valid values.
 """
+import contextlib
+import contextvars
 import dataclasses
 from typing import Optional
 
@@ -181,7 +183,7 @@ class Precision:
       return "float32" if self.compute_dtype == jnp.float32 else "preset"
     if self.projection_form != "auto":
       return self.projection_form
-    backend = backend or jax.default_backend()
+    backend = backend or _target_backend()
     if backend == "cpu" and cpu_features.bf16_features() == ():
       return "float32_dot"
     return "by_rows"
@@ -193,7 +195,7 @@ class Precision:
       return ""
     if self.projection_form != "auto":
       return f" projections={form}"
-    backend = backend or jax.default_backend()
+    backend = backend or _target_backend()
     why = (cpu_features.describe(cpu_features.bf16_features()) if backend == "cpu"
            else backend)
     return f" projections=auto:{form}({why})"
@@ -210,6 +212,26 @@ class Precision:
   def _blocks(self) -> str:
     return f" blocks={self.block_sizes.describe()}" if kernels.runs_blockwise(self.kernel) \
         else ""
+
+
+# The backend a program is traced for, when not the one this process runs on (the audit
+# and inspect lowering for tpu / cuda from a CPU machine): 'auto' forms resolve for it.
+_TARGET = contextvars.ContextVar("attnprec_target_backend", default=None)
+
+
+def _target_backend() -> str:
+  return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def target_backend(backend: Optional[str]):
+  """While tracing inside this block, `Precision.projection()` resolves 'auto' for
+  `backend` (a JAX backend name: 'cpu', 'tpu', 'gpu'; None: the local one)."""
+  token = _TARGET.set(backend)
+  try:
+    yield
+  finally:
+    _TARGET.reset(token)
 
 
 # Precision's fields that make up its `attention` value (tests/test_stage_dtypes.py

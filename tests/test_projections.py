@@ -270,3 +270,18 @@ def test_a_forced_form_holds_in_a_decode_step():
   extra = _bf16_dots_of_a_decode_step("compute_dtype_dot") - \
       _bf16_dots_of_a_decode_step("float32_dot")
   assert extra == 7 * CONFIG.num_layers + 1
+
+
+def test_a_program_traced_for_another_platform_resolves_auto_for_it(monkeypatch):
+  """On a CPU without bf16 dots, 'auto' is the float32 form here, but a program traced for
+  tpu (the audit's --platform=tpu from this machine) gets the tpu's form."""
+  from attnprec.precision import target_backend
+  monkeypatch.setattr(cpu_features, "bf16_features", lambda *a: ())
+  prec = Precision(dtype="bfloat16")
+  assert prec.projection("cpu") == "float32_dot"
+  with target_backend("tpu"):
+    assert prec.projection() == "by_rows"
+    assert "auto:by_rows(tpu)" in prec.describe()
+  with target_backend(None):
+    assert prec.projection() == ("float32_dot" if jax.default_backend() == "cpu"
+                                 else "by_rows")

@@ -35,7 +35,7 @@ from attnprec import platforms, runs
 from attnprec.errors import UserError, choice_error
 from attnprec.inspect import inspect_lowered
 from attnprec.inspect.report import Report
-from attnprec.precision import phase_precision
+from attnprec.precision import phase_precision, target_backend
 
 EXPECT = ("auto", "none", "train", "decode")
 SHAPE_DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32,
@@ -143,7 +143,10 @@ def lower_for(function, platform: str, args, kwargs):
                                   getattr(jax.devices()[0].client, "platform_version", ""))
   if platform == here:
     return jitted.lower(*args, **kwargs)
-  return jitted.trace(*args, **kwargs).lower(lowering_platforms=(platform,))
+  # traced for the target's backend: 'auto' settings resolve for it, not this machine
+  with target_backend(platforms.TABLE[platform].backend):
+    traced = jitted.trace(*args, **kwargs)
+  return traced.lower(lowering_platforms=(platform,))
 
 
 def lowering_error(fn: str, platform: str, e: Exception, inputs: str) -> UserError:
