@@ -1,5 +1,5 @@
-"""Benchmarks: `python runners/bench.py [--suite=model|attention|projections|compile|all]
-[--quick] [--out=bench]`.
+"""Benchmarks: `python runners/bench.py [--suite=model|attention|attention_forms|projections|
+profile|compile|all] [--quick] [--out=bench]`.
 
 `model` (the default, `make bench`; `--cases=1x32,8x1000`, `--model_presets=fp32,bf16_flags`,
 `--steps`, `--rounds`, `--no_torch`, `--no_flag_phases`, `--torch_dtypes`): decode
