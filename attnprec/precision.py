@@ -119,10 +119,6 @@ class Precision:
     self.attention   # the attention knobs validate themselves (`AttentionFlags`)
     if not isinstance(self.carrier_weights, bool):
       raise choice_error("carrier_weights", self.carrier_weights, (True, False))
-    if self.projection_form not in PROJECTION_FORMS:
-      raise choice_error("projection_form", self.projection_form, PROJECTION_FORMS)
-    if self.mlp_activation not in MLP_ACTIVATIONS:
-      raise choice_error("mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
     if self.mlp_activation != "compute" and self.compute_dtype == jnp.float32:
       raise UserError(f"precision.mlp_activation={self.mlp_activation!r} keeps a 16-bit "
                       f"MLP's activation in float32, but dtype='float32' computes every "
@@ -196,7 +192,7 @@ class Precision:
     if self.projection_form != "auto":
       return f" projections={form}"
     backend = backend or _target_backend()
-    why = (cpu_features.describe(cpu_features.bf16_features()) if backend == "cpu"
+    why = (cpu_features.describe() if backend == "cpu"
            else backend)
     return f" projections=auto:{form}({why})"
 
