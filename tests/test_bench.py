@@ -1,6 +1,8 @@
 """Smoke test of the attention benchmark on a tiny shape (its numbers are not checked)."""
 import json
 
+import pytest
+
 from attnprec.bench import attention as bench
 
 
@@ -253,3 +255,32 @@ def test_attention_forms_bad_input_exits_2_and_writes_nothing(tmp_path):
     out = tmp_path / f"out{i}"
     assert runner.main(argv + [f"--out={out}"]) == 2, argv
     assert not out.exists() or not list(out.iterdir()), argv
+
+
+def test_attention_forms_marks_a_non_finite_form_and_checks_its_sizes(monkeypatch):
+  """A form whose output holds NaN is marked in the table, never given a difference
+  computed from it; zero rounds or an empty length list are refused by name."""
+  import jax.numpy as jnp
+  from attnprec.bench import attention_forms as forms
+  from attnprec.errors import UserError
+  real = forms.blockwise_attention
+
+  def broken(q, k, v, **kw):
+    out = real(q, k, v, **kw)
+    return out.at[0, 0, 0, 0].set(jnp.nan) if kw["q_block"] == 64 else out
+
+  monkeypatch.setattr(forms, "blockwise_attention", broken)
+  result = forms.run(seq_lens=(64,), shapes=("smollm2-135m",), blocks=((32, 32), (64, 32)),
+                     rounds=1, include_torch=False, log=lambda m: None)
+  good, bad = result["rows"]
+  assert good["finite"] and "max_abs_vs_default" in good
+  assert bad["finite"] is False and "max_abs_vs_default" not in bad
+  assert "| q64/kv32 |" in forms.to_markdown(result)
+  assert "non-finite output" in forms.to_markdown(result)
+  assert "PARTIAL" not in forms.to_markdown(result)
+  del result["wall_s"]                      # as an interrupted run leaves its last write
+  assert "PARTIAL" in forms.to_markdown(result)
+  for kwargs, match in ((dict(rounds=0), "rounds"), (dict(seq_lens=()), "lengths")):
+    with pytest.raises(UserError, match=match):
+      forms.run(**{**dict(seq_lens=(64,), shapes=("smollm2-135m",), rounds=1,
+                          include_torch=False, log=lambda m: None), **kwargs})

@@ -61,6 +61,10 @@ def run(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, shapes: Sequence[str] = t
   for name in shapes:
     if name not in SHAPES:
       raise UserError(f"Unknown attention shape {name!r}; valid: {list(SHAPES)}.")
+  if not isinstance(rounds, int) or rounds < 1:
+    raise UserError(f"rounds must be an integer >= 1, got {rounds!r}.")
+  if not seq_lens or any(not isinstance(S, int) or S < 1 for S in seq_lens):
+    raise UserError(f"Sequence lengths must be integers >= 1, got {list(seq_lens)}.")
   blocks = [tuple(b) for b in blocks]
   if not blocks or any(len(b) != 2 or min(b) < 1 for b in blocks):
     raise UserError(f"Block sizes must be Q/KV pairs of positive integers, got {blocks}.")
@@ -74,7 +78,7 @@ def run(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, shapes: Sequence[str] = t
   result = dict(config=dict(seq_lens=list(seq_lens), shapes={s: SHAPES[s] for s in shapes},
                             head_dim=HEAD_DIM, blocks=[list(b) for b in blocks],
                             rounds=rounds, flags=FLAGS.describe(),
-                            cpu=cpu_features.describe(cpu_features.bf16_features()),
+                            cpu=cpu_features.describe(),
                             cpu_count=os.cpu_count(), jax=jax.__version__,
                             torch=torch_version or "not run",
                             xla_flags=os.environ.get("XLA_FLAGS", "")), rows=[])
@@ -111,7 +115,11 @@ def run(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, shapes: Sequence[str] = t
                    vs_torch=(med[name] / med["torch_sdpa_bf16"]
                              if "torch_sdpa_bf16" in med else None))
         if name in outs:
-          row["max_abs_vs_default"] = float(np.max(np.abs(outs[name] - ref)))
+          # a form whose output is not finite has no time worth comparing: marked, and
+          # its difference from the default is not computed from NaN / Inf
+          row["finite"] = bool(np.isfinite(outs[name]).all())
+          if row["finite"] and np.isfinite(ref).all():
+            row["max_abs_vs_default"] = float(np.max(np.abs(outs[name] - ref)))
         result["rows"].append(row)
       if on_row:
         on_row(result)
@@ -123,12 +131,16 @@ def to_markdown(result: dict) -> str:
   cfg = result["config"]
   lines = [f"CPU bf16 features: {cfg['cpu']}, {cfg['cpu_count']} cores; jax {cfg['jax']}, "
            f"torch {cfg['torch']}; blockwise, bf16 inputs, {cfg['flags']}; causal, B = 1, "
-           f"H = {cfg['head_dim']}; {cfg['rounds']} interleaved rounds, medians.", "",
+           f"H = {cfg['head_dim']}; {cfg['rounds']} interleaved rounds, medians."
+           + ("" if "wall_s" in result else " PARTIAL: the run stopped before its last "
+              "(shape, length); the rows below are the ones it finished."), "",
            "| shape (N / K) | S | form | ms | vs default blocks | vs torch SDPA bf16 | "
            "max abs vs default |", "|---|---:|---|---:|---:|---:|---:|"]
   for r in result["rows"]:
     torch_ratio = f"{r['vs_torch']:.2f}" if r["vs_torch"] is not None else "-"
     diff = f"{r['max_abs_vs_default']:.1e}" if "max_abs_vs_default" in r else "-"
+    if r.get("finite") is False:
+      diff = "**non-finite output**"
     lines.append(f"| {r['shape']} ({r['N']} / {r['K']}) | {r['S']} | {r['form']} | "
                  f"{1000 * r['median_s']:.1f} | {r['vs_default']:.2f} | {torch_ratio} | "
                  f"{diff} |")
