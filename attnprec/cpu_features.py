@@ -45,7 +45,14 @@ def bf16_features(path: str = CPUINFO) -> Optional[Tuple[str, ...]]:
     return None
 
 
-def describe(features: Optional[Tuple[str, ...]]) -> str:
+_THIS_MACHINE = object()
+
+
+def describe(features=_THIS_MACHINE) -> str:
+  """Features (a `bf16_features()` value; default: this machine's) as the precision line
+  and the benches name them."""
+  if features is _THIS_MACHINE:
+    features = bf16_features()
   if features is None:
     return "cpu features unknown"
   return "+".join(features) if features else "cpu without avx512_bf16/amx_bf16/bf16"

@@ -61,6 +61,7 @@ from attnprec.bench import profile as profile_bench  # noqa: E402
 from attnprec.bench import projections as projection_bench  # noqa: E402
 from attnprec.errors import UserError  # noqa: E402
 
+DEFAULT_MODEL = "smollm2-135m"   # the model and profile suites' model when --model is not given
 SUITES = ("model", "attention", "attention_forms", "projections", "profile", "compile", "all")
 # The options each suite reads (--suite and --out: every suite). One a suite does not
 # read is refused, never ignored.
@@ -152,7 +153,7 @@ def run_model(args):
   quick = args.quick
   result = model_bench.run_model_bench(
       on_case=lambda partial: _write_model(args.out, partial),
-      model=args.model or "smollm2-135m",
+      model=args.model or DEFAULT_MODEL,
       cases=args.cases or (model_bench.QUICK_CASES if quick else model_bench.DEFAULT_CASES),
       presets=args.model_presets,
       steps=args.steps or (8 if quick else 32), rounds=args.rounds or (2 if quick else 3),
@@ -205,7 +206,7 @@ def run_profile(args):
     _write(args.out, "profile.md", profile_bench.to_markdown(result))
 
   result = profile_bench.run_profile(
-      models=[m.strip() for m in (args.model or "smollm2-135m").split(",") if m.strip()],
+      models=[m.strip() for m in (args.model or DEFAULT_MODEL).split(",") if m.strip()],
       cases=args.cases or ((1, 1000), (1, 4000)), presets=args.model_presets,
       rounds=args.rounds or 3, on_row=write)
   write(result)
@@ -251,8 +252,8 @@ def _parse(argv):
   add = parser.add_argument
   add("--suite", choices=SUITES, default="model", help="what to benchmark")
   add("--quick", action="store_true", help="a short run (see above)")
-  add("--model", default=None, help="model suite: the model to decode (default "
-      "smollm2-135m); profile: comma-separated; attention_forms: whose attention shapes "
+  add("--model", default=None, help=f"model suite: the model to decode (default "
+      f"{DEFAULT_MODEL}); profile: comma-separated; attention_forms: whose attention shapes "
       "(default both shipped: smollm2-135m,qwen2.5-coder-0.5b)")
   add("--cases", type=_cases, default=None,
       help="model suite: BATCHxPROMPT cases, e.g. 1x32,8x1000 (None: the suite's own)")

@@ -360,7 +360,7 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
   result = dict(config=dict(model=model, cases=[list(c) for c in cases], presets={
       p: dataclasses.asdict(PRESETS[p]) for p in presets}, steps=steps, rounds=rounds,
       jax=jax.__version__, devices=str(jax.devices()), cpu_count=os.cpu_count(),
-      cpu=cpu_features.describe(cpu_features.bf16_features()),
+      cpu=cpu_features.describe(),
       projection_forms={p: PRESETS[p].describe_projection().strip() for p in presets},
       xla_flags=os.environ.get("XLA_FLAGS", "")), rows=[], flags=None)
   if torch_model is not None:

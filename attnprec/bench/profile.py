@@ -288,7 +288,7 @@ def run_profile(*, models: Sequence[str] = ("smollm2-135m",),
   log = print if progress else (lambda *a, **k: None)
   result = dict(config=dict(models=list(models), cases=[list(c) for c in cases],
                             presets=list(presets), rounds=rounds, jax=jax.__version__,
-                            cpu_count=os.cpu_count(), cpu=cpu_flags(),
+                            cpu_count=os.cpu_count(), cpu=cpu_features.describe(),
                             xla_flags=os.environ.get("XLA_FLAGS", "")), rows=[])
   rng = np.random.default_rng(0)
   for model in models:
@@ -310,12 +310,6 @@ def run_profile(*, models: Sequence[str] = ("smollm2-135m",),
           on_row(result)
         del case
   return result
-
-
-def cpu_flags() -> str:
-  """The CPU's bf16 matrix features (`attnprec.cpu_features`): what the projection form
-  'auto' is chosen by."""
-  return cpu_features.describe(cpu_features.bf16_features())
 
 
 def to_markdown(result: dict) -> str:
