@@ -231,6 +231,7 @@ def test_runner_bad_input_exits_2_and_writes_nothing(tmp_path):
       "negative_offset": ["--gin.study.logit_offset=-5.0"],
       "unknown_text": ["--gin.study.text='wikipedia'"],
       "text_for_recall": ["--gin.study.text='project_docs'"],   # recall reads no text
+      "stdlib_for_recall": ["--gin.study.text='stdlib'"],       # not even the default
   }
   for name, flags in cases.items():
     run_dir = tmp_path / name

@@ -182,14 +182,14 @@ def _check_environment():
     logit_positions=checks.at_least(1), float64_max_tokens=checks.integer(min=0),
     float64_batch=checks.at_least(1), timing_rounds=checks.at_least(1),
     query_scale_multiplier=checks.number(gt=0), logit_offset=checks.number(ge=0),
-    seed=checks.integer(min=0), text=checks.one_of(*inputs.TEXTS))
+    seed=checks.integer(min=0), text=checks.optional(checks.one_of(*inputs.TEXTS)))
 def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequence[str]] = None,
           extra_presets: Sequence[str] = (), pair_counts: Sequence[int] = (8, 16, 24, 32),
           context_lengths: Sequence[int] = (256, 512), batch: int = 32,
           decode_steps: int = 8, greedy_steps: int = 16, num_queries: int = 16, logit_positions: int = 64,
           float64_max_tokens: int = 1024, float64_batch: int = 2, timing_rounds: int = 3,
           query_scale_multiplier: float = 1.0, logit_offset: float = 0.0, seed: int = 0,
-          text: str = "stdlib", progress: bool = True) -> dict:
+          text: Optional[str] = None, progress: bool = True) -> dict:
   """Runs the sweep and writes results.json, report.md and PNG plots into run_dir.
 
   model: 'recall-tiny', a recall train run directory, or a real model ('smollm2-135m',
@@ -203,7 +203,8 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
     this much on average: the same function in exact arithmetic, large logits in bf16
     (`attnprec.study.offsets`); calibrated on the first context length's inputs.
   text: real models' text for NLL, logits and the passkey filler: 'stdlib' (Python's
-    docstrings) or 'project_docs' (held-out: text written after the models' release).
+    docstrings; None means it) or 'project_docs' (held-out: text written after the
+    models' release). The recall model reads no text, so it refuses any.
   """
   _check_environment()
   sweep = preset_lib.load_sweep(presets, extra_presets)
@@ -226,14 +227,15 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
   if not lengths:
     raise UserError(f"No context lengths: set study.{'pair_counts' if m.kind == 'recall' else 'context_lengths'}.")
   text_info = None
-  if m.kind == "recall" and text != "stdlib":
+  if m.kind == "recall" and text is not None:
     raise UserError(f"study.text={text!r} sets the text of a real model's study; the "
                     f"recall model {model!r} reads no text (its inputs are recall "
                     f"episodes). Remove the binding, or study a real model.")
   if m.kind == "recall":
     cases = _recall_cases(m.task, lengths, batch, decode_steps, num_queries, seed)
   else:
-    cases, text_info = _real_cases(m.tokenizer, lengths, batch, decode_steps, seed, text)
+    cases, text_info = _real_cases(m.tokenizer, lengths, batch, decode_steps, seed,
+                                   text or "stdlib")
   offset_stats = None
   if logit_offset:
     params, offset_stats = offsets.add_key_offsets(config, m.params, cases[0].tokens_BxL,
