@@ -209,7 +209,10 @@ def trace_programs(config: ModelConfig, train_precision: Precision,
     prefill = jax.jit(functools.partial(decoding.prefill, config=config,
                                         precision=decode_precision,
                                         cache_length=cache_length))
-    out["prefill"] = (decode_precision, prefill.trace(params, tokens_BxP, lengths_B))
+    # the prefill on the weights `generate` gives it (`decoding.prefill_params`)
+    prefill_params = jax.eval_shape(lambda p: decoding.prefill_params(
+        p, decode_precision, batch * prompt_len), params)
+    out["prefill"] = (decode_precision, prefill.trace(prefill_params, tokens_BxP, lengths_B))
     if (decode_precision.kernel == kernels.AUTO and
         kernels.AUTO_MIN_KEYS <= config.max_seq_len):
       cache_length = max(cache_length, kernels.AUTO_MIN_KEYS)

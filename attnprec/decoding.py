@@ -19,7 +19,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import checks, layout
+from attnprec import checks, layers, layout
 from attnprec import model as model_lib
 from attnprec.cache import KVCache, init_cache
 from attnprec.config import ModelConfig
@@ -91,10 +91,13 @@ SAMPLER_NAMES = "@Greedy(), @Temperature(), @TopK() or @TopP()"
 
 
 # ----------------------------------------------------------------------------- weights
-def _map_matrices(params, fn):
+def _map_matrices(params, fn, layers_only: bool = False):
   """params with `fn` applied to every float32 array a matmul reads whole (the dense
-  weights and the embedding table: `layout.read_as_matrix`), the rest as it is."""
+  weights and the embedding table: `layout.read_as_matrix`; with `layers_only`, only the
+  blocks' own, not the embedding or unembedding), the rest as it is."""
   def one(module, name, x):
+    if layers_only and not getattr(layout.lookup(module, name), "per_layer", False):
+      return x
     return fn(x) if layout.read_as_matrix(module, name) and x.dtype == jnp.float32 else x
 
   return {m: {n: one(m, n, x) for n, x in group.items()} for m, group in params.items()}
@@ -132,7 +135,8 @@ def for_serving(params, precision: Precision, backend: Optional[str] = None):
   then runs a projection of fewer than `layers.MIN_ROWS_C_DOT` rows (a decode step) as a
   float32 dot on those values, and one of more rows (a prefill) as a bf16 x bf16 ->
   float32 dot on them cast to bf16 (exact): the same products, float32 accumulation, one
-  rounding to the compute dtype either way. Float32-held rather than bf16-stored
+  rounding to the compute dtype either way. A prefill program is given `prefill_params`
+  (those casts made once) instead. Float32-held rather than bf16-stored
   (`compute_params`): the decode step is faster (docs/performance.md). The attention kernels and
   their precision contract are untouched. Elsewhere (GPU/TPU, float32 compute, a dot-algorithm
   `matmul_precision`) the params are returned as given, with `carrier_weights` off.
@@ -142,6 +146,30 @@ def for_serving(params, precision: Precision, backend: Optional[str] = None):
     return params, serving
   c = precision.compute_dtype
   return _map_matrices(params, lambda x: x.astype(c).astype(jnp.float32)), serving
+
+
+def prefill_params(params, serving: Precision, rows: int):
+  """The weights a prefill program of `rows` tokens (B x P) reads under `serving` (the
+  Precision `for_serving` returned), given `for_serving`'s params.
+
+  With float32-carried weights and a projection form that runs the blocks' projections
+  as c x c dots at that many rows ('by_rows' from `layers.MIN_ROWS_C_DOT`,
+  'compute_dtype_dot'), the blocks' weight matrices stored in c: the values the prefill
+  would cast the carried ones to at every use, cast once, so every dot has the same
+  operands and the prefill the same numbers bit for bit (tests/test_decoding.py), while
+  it reads 2 bytes per weight instead of 4 and writes no bf16 copy per use (a third less
+  prefill time on Qwen2.5-Coder-0.5B at 1 x 1000: docs/performance.md). The embedding
+  table stays as given: the prefill's last-position unembedding (B rows) is a float32
+  dot on the carried values, as in a decode step. Elsewhere params are returned as given.
+  Holding both this and the decode steps' carried copy costs half the carried bytes again;
+  a caller that prefills once and decodes can drop it after the prefill."""
+  if not serving.carrier_weights:
+    return params
+  form = layers.projection_form(serving)
+  if form == "float32_dot" or (form == "by_rows" and rows < layers.MIN_ROWS_C_DOT):
+    return params
+  c = serving.compute_dtype
+  return _map_matrices(params, lambda x: x.astype(c), layers_only=True)
 
 
 # ----------------------------------------------------------------------------- steps
@@ -229,8 +257,8 @@ def generate(params, prompt_BxP, lengths_B, rng, *, config: ModelConfig, precisi
     raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
   cache_length = cache_length or P + max_new_tokens
   params, precision = for_serving(params, precision)   # once, before the loop
-  state = prefill(params, prompt_BxP, lengths_B, config=config, precision=precision,
-                  cache_length=cache_length)
+  state = prefill(prefill_params(params, precision, prompt_BxP.size), prompt_BxP, lengths_B,
+                  config=config, precision=precision, cache_length=cache_length)
 
   def finite(logits_BxV):
     return jnp.all(jnp.isfinite(logits_BxV), axis=-1)
@@ -298,8 +326,8 @@ def decode_with_template(params, prompt_BxP, lengths_B, template_BxM, *, config:
   Returns (tokens_BxM with the model's answers filled in, answered_BxM bool).
   """
   params, precision = for_serving(params, precision)   # once, before the loop
-  state = prefill(params, prompt_BxP, lengths_B, config=config, precision=precision,
-                  cache_length=cache_length)
+  state = prefill(prefill_params(params, precision, prompt_BxP.size), prompt_BxP, lengths_B,
+                  config=config, precision=precision, cache_length=cache_length)
 
   def body(state, given_B):
     token_B = jnp.where(given_B >= 0, given_B, Greedy()(state.last_BxV, None))

@@ -180,16 +180,19 @@ def test_runner_no_flag_phases_reaches_the_model_bench(tmp_path):
   assert not any(k["include_torch"] for k in seen)
 
 
-def test_presets_and_cases_share_one_copy_of_the_carried_weights():
+def test_presets_and_cases_share_one_copy_of_the_carried_weights(monkeypatch):
   """bf16 and bf16_flags carry the same rounded weights: one copy per compute dtype and
   bench run (a 1.5B model's is 6 GB), equal to what `decoding.for_serving` makes; fp32
-  keeps the given params."""
+  keeps the given params. A prefill of >= 128 rows reads `decoding.prefill_params`' copy
+  (the blocks' matrices stored in bf16), also one per dtype; the carried-prefill preset
+  reads the carried weights."""
   import dataclasses
 
   import jax
+  import jax.numpy as jnp
   import numpy as np
 
-  from attnprec import decoding
+  from attnprec import cpu_features, decoding
   from attnprec.bench import model as model_bench
   from attnprec.config import ModelConfig
   from attnprec.model import init_params
@@ -204,7 +207,19 @@ def test_presets_and_cases_share_one_copy_of_the_carried_weights():
   longer = case("bf16_flags", np.zeros((1, 7), np.int32))
   assert fp32.params is params and fp32.weights == "float32"
   assert bf16.params is flags.params is longer.params
-  assert sorted(carried) == [("bfloat16", True), ("float32", False)]
+  assert sorted(k[:2] for k in carried if len(k) == 2) == [("bfloat16", True),
+                                                            ("float32", False)]
+  assert fp32.prefill_params is params and flags.prefill_params is flags.params
+  # 'auto' as on a CPU with bf16 dots: a 128-row prefill reads stored block matrices
+  monkeypatch.setattr(cpu_features, "bf16_features", lambda *a: ("avx512_bf16",))
+  rows128 = np.zeros((2, 64), np.int32)
+  big, big2 = case("bf16_flags", rows128), case("bf16", rows128)
+  assert big.prefill_params is big2.prefill_params is not big.params
+  assert big.params is flags.params and big.weights == "carried, prefill stored"
+  assert big.prefill_params["decoder/layer_0/mlp/up"]["w"].dtype == jnp.bfloat16
+  old = model_bench._AttnprecCase(config, params, model_bench.PRESETS[
+      "bf16_flags_carried_prefill"], rows128, 2, carried=carried, carried_prefill=True)
+  assert old.prefill_params is old.params is flags.params and old.weights == "carried"
   # a bf16 preset whose weights are not carried (a dot-algorithm matmul_precision) gets
   # the params as given, not the carried copy
   algo = dataclasses.replace(model_bench.PRESETS["bf16"], matmul_precision="BF16_BF16_F32")

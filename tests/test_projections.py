@@ -6,6 +6,7 @@ result rounded once; below that, on float32-held weights, a float32 dot on the w
 bf16 values (the float32-carried form of `decoding.for_serving`). Both form exact
 products of bf16 values and accumulate them in float32.
 """
+import dataclasses
 import functools
 import re
 
@@ -149,6 +150,59 @@ def test_compiled_dense_dots_are_bf16_x_bf16_to_f32(bf16_cpu):
       (1,), jnp.int32)).compile().as_text())
   assert step_dots and {d.types for d in step_dots} == {"f32xf32->f32"}, \
       {d.types for d in step_dots}
+
+
+# ----------------------------------------------------------------------------- prefill weights
+def test_prefill_params_store_the_blocks_matrices_in_bf16(bf16_cpu):
+  """`decoding.prefill_params` on the carried weights: at >= MIN_ROWS_C_DOT rows the
+  blocks' dense matrices are stored in bf16 (their carried values, exactly), the
+  embedding table and the norm scales / biases are the carried arrays themselves; below
+  that many rows, with the float32 form, and in float32 compute the params come back as
+  given (the same object)."""
+  raw = init_params(CONFIG, jax.random.PRNGKey(0))
+  carried, prec = decoding.for_serving(raw, BF16_FLAGS, backend="cpu")
+  rows = layers.MIN_ROWS_C_DOT
+  stored = decoding.prefill_params(carried, prec, rows)
+  matrices = 0
+  for module, group in carried.items():
+    for name, x in group.items():
+      y = stored[module][name]
+      if module.startswith("decoder/layer_") and "norm" not in module and name == "w":
+        assert y.dtype == jnp.bfloat16, (module, name, y.dtype)
+        np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(x))
+        matrices += 1
+      else:
+        assert y is x, (module, name)
+  assert matrices == 7 * CONFIG.num_layers
+  assert decoding.prefill_params(carried, prec, rows - 1) is carried
+  f32_form = dataclasses.replace(prec, projection_form="float32_dot")
+  assert decoding.prefill_params(carried, f32_form, rows) is carried
+  fp32_params, fp32 = decoding.for_serving(raw, Precision(), backend="cpu")
+  assert decoding.prefill_params(fp32_params, fp32, rows) is fp32_params
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"key_offset": "bias"},
+                                    {"mlp_activation": "float32"}])
+def test_a_prefill_on_stored_weights_is_the_carried_prefill_bit_for_bit(bf16_cpu, kwargs):
+  """The prefill `generate` runs (`prefill_params`: the blocks' matrices stored in bf16)
+  against the prefill on the float32-carried weights, each cast to bf16 at its use (the
+  form it replaced; an independent path to the same operands): the last logits and every
+  cache entry are equal bit for bit (2 x 64 = 128 rows, bf16 + both flags, with the key
+  offset and the float32 MLP activation too, whose projections keep float32 results)."""
+  config = dataclasses.replace(CONFIG, qkv_bias=True) if kwargs.get("key_offset") else CONFIG
+  raw = init_params(config, jax.random.PRNGKey(3))
+  carried, prec = decoding.for_serving(raw, dataclasses.replace(BF16_FLAGS, **kwargs),
+                                       backend="cpu")
+  tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 64), 0, config.vocab_size)
+  lengths = jnp.array([64, 50], jnp.int32)
+  run = jax.jit(functools.partial(decoding.prefill, config=config, precision=prec,
+                                  cache_length=80))
+  stored = decoding.prefill_params(carried, prec, tokens.size)
+  assert any(x.dtype == jnp.bfloat16 for g in stored.values() for x in g.values())
+  got, want = run(stored, tokens, lengths), run(carried, tokens, lengths)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                  np.asarray(b.astype(jnp.float32)))
 
 
 # ----------------------------------------------------------------------------- per CPU

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnprec import compilation, cpu_features, decoding, plotting, train
+from attnprec import compilation, cpu_features, decoding, layers, plotting, train
 from attnprec.cache import cache_bytes
 from attnprec.errors import UserError
 from attnprec.precision import Precision
@@ -79,6 +79,9 @@ PRESETS: Dict[str, Precision] = {
     "bf16_flags_bf16w": Precision(kernel="auto", **_FLAGS),
     # bf16 + flags with float32 weights cast to bf16 at every use (no `for_serving`)
     "bf16_flags_cast": Precision(kernel="auto", **_FLAGS),
+    # bf16 + flags with the prefill on the float32-carried weights too, cast to bf16 at
+    # every use (the form `decoding.prefill_params` replaced: the same numbers)
+    "bf16_flags_carried_prefill": Precision(kernel="auto", **_FLAGS),
     # bf16 + flags with a quantized KV cache (codes + float32 per-token scales): the
     # cache rows of the contract; against bf16_flags, the same flags with a bf16 cache
     "bf16_flags_kv_int8": Precision(kernel="auto", kv_cache_k_dtype="int8",
@@ -117,6 +120,8 @@ PRESETS: Dict[str, Precision] = {
                                     projection_form="float32_dot", mlp_activation="float32"),
 }
 BF16_WEIGHTS = ("bf16_flags_bf16w",)
+# the prefill on the float32-carried weights, cast at each use (before `prefill_params`)
+CARRIED_PREFILL = ("bf16_flags_carried_prefill",)
 CAST_AT_USE = ("bf16_flags_cast",) + BF16_WEIGHTS
 DEFAULT_CASES: Tuple[Tuple[int, int], ...] = ((1, 32), (1, 1000), (8, 32), (8, 1000))
 QUICK_CASES: Tuple[Tuple[int, int], ...] = ((1, 32), (8, 32))
@@ -154,7 +159,7 @@ class _AttnprecCase:
   call each."""
 
   def __init__(self, config, params, precision, prompt_BxP, steps, weights="serving",
-               carried=None):
+               carried=None, carried_prefill=False):
     B, P = prompt_BxP.shape
     self.steps = steps
     self.weights = weights
@@ -174,10 +179,23 @@ class _AttnprecCase:
           params
     self.prompt = jnp.asarray(prompt_BxP)
     self.lengths = jnp.full((B,), P, jnp.int32)
+    # the prefill reads what `generate` gives it (`decoding.prefill_params`: with carried
+    # weights, the blocks' matrices stored in c), the decode steps the serving params
+    self.prefill_params = self.params
+    if weights == "serving" and not carried_prefill:
+      # one copy per (dtype, form, rows >= 128), shared as `carried` is
+      pkey = key + (layers.projection_form(precision), B * P >= layers.MIN_ROWS_C_DOT)
+      if pkey not in carried:
+        carried[pkey] = decoding.prefill_params(self.params, precision, B * P)
+      self.prefill_params = carried[pkey]
+      if self.prefill_params is not self.params:
+        self.weights += ", prefill stored"     # decode steps on the carried ones
     prefill, decode = _programs(config, precision, steps, P + steps)
-    c1 = compilation.compile_lowerable(prefill, self.params, self.prompt, self.lengths)
+    c1 = compilation.compile_lowerable(prefill, self.prefill_params, self.prompt,
+                                       self.lengths)
     self._prefill = c1.program
-    self.state0 = jax.block_until_ready(self._prefill(self.params, self.prompt, self.lengths))
+    self.state0 = jax.block_until_ready(self._prefill(self.prefill_params, self.prompt,
+                                                      self.lengths))
     self.first = jnp.argmax(self.state0.last_BxV, axis=-1).astype(jnp.int32)
     c2 = compilation.compile_lowerable(decode, self.params, self.state0, self.first)
     self._decode = c2.program
@@ -185,7 +203,7 @@ class _AttnprecCase:
 
   def prefill(self) -> float:
     t0 = time.perf_counter()
-    jax.block_until_ready(self._prefill(self.params, self.prompt, self.lengths))
+    jax.block_until_ready(self._prefill(self.prefill_params, self.prompt, self.lengths))
     return time.perf_counter() - t0
 
   def decode(self) -> float:
@@ -386,7 +404,8 @@ def run_model_bench(*, model: str = "smollm2-135m", config=None, params=None,
       runners[name] = _AttnprecCase(
           config, params, PRESETS[name], prompt, steps,
           weights="stored" if name in BF16_WEIGHTS else
-          "cast" if name in CAST_AT_USE else "serving", carried=carried)
+          "cast" if name in CAST_AT_USE else "serving", carried=carried,
+          carried_prefill=name in CARRIED_PREFILL)
     for row_name, m in torch_models.items():
       runners[row_name] = _TorchCase(m, prompt, steps)
     log(f"timing B={B} P={P} ({rounds} rounds) ...", flush=True)

@@ -201,8 +201,9 @@ def _template_decode(params, prompt_BxP, lengths_B, template_BxM, *, config, pre
 
   from attnprec import decoding
   params, precision = decoding.for_serving(params, precision)   # once, before the loop
-  state = decoding.prefill(params, prompt_BxP, lengths_B, config=config,
-                           precision=precision, cache_length=cache_length)
+  state = decoding.prefill(decoding.prefill_params(params, precision, prompt_BxP.size),
+                           prompt_BxP, lengths_B, config=config, precision=precision,
+                           cache_length=cache_length)
 
   def body(state, given_B):
     ok_B = jnp.all(jnp.isfinite(state.last_BxV), axis=-1)

@@ -148,6 +148,8 @@ class Scorer:
     # As `decoding.generate` runs them (bf16 weights rounded once on XLA:CPU).
     self.params, self.precision = decoding.for_serving(params, precision)
     self.chunk = min(PREFILL_CHUNK, prefix_len)
+    # the prefix chunks read the blocks' weights stored in c (`decoding.prefill_params`)
+    self.prefill_params = decoding.prefill_params(self.params, self.precision, self.chunk)
     self.prefix_len = -(-prefix_len // self.chunk) * self.chunk     # whole chunks
     self.suffix_len = suffix_len
     self.cache_length = self.prefix_len + suffix_len
@@ -166,7 +168,7 @@ class Scorer:
                        self.precision.cache_storage)     # as `decoding.prefill` stores it
     compile_s, seconds, finite = 0.0, 0.0, True
     for start in range(0, len(ids), C):
-      args = (self.params, cache, jnp.asarray(ids_1xP[:, start:start + C]),
+      args = (self.prefill_params, cache, jnp.asarray(ids_1xP[:, start:start + C]),
               jnp.int32(start), jnp.int32(min(len(ids) - 1 - start, C - 1)))
       if self._prefill is None:
         c = compilation.compile_lowerable(prefill_chunk, *args, config=self.config,
