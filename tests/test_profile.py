@@ -51,6 +51,36 @@ ENTRY %main (a: f32[4,4]) -> (f32[4,4], s32[]) {
   assert profile.stage_of("c", instrs, comps) == "copies / converts"
 
 
+def test_a_fused_weight_cast_is_a_convert_not_the_stage_it_is_named_after():
+  """XLA:CPU wraps a float32 weight's cast to bf16 at its use in a fusion named after the
+  projection (mlp/up/convert_element_type): its time is a convert's, never 'MLP
+  activation'; a fusion that computes (the activation's multiply) keeps its stage."""
+  text = """HloModule m
+
+%wrapped (p0: f32[4,4]) -> bf16[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  ROOT %cv = bf16[4,4]{1,0} convert(%p0), metadata={op_name="jit(f)/decoder/layer_0/mlp/up/convert_element_type"}
+}
+
+%act (p0: f32[4,4], p1: f32[4,4]) -> bf16[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = f32[4,4]{1,0} parameter(1)
+  %m = f32[4,4]{1,0} multiply(%p0, %p1), metadata={op_name="jit(f)/decoder/layer_0/mlp/mul"}
+  ROOT %cv = bf16[4,4]{1,0} convert(%m)
+}
+
+ENTRY %main (a: f32[4,4]) -> (bf16[4,4], bf16[4,4]) {
+  %a = f32[4,4]{1,0} parameter(0)
+  %w = bf16[4,4]{1,0} fusion(%a), kind=kLoop, calls=%wrapped
+  %x = bf16[4,4]{1,0} fusion(%a, %a), kind=kLoop, calls=%act
+  ROOT %t = (bf16[4,4]{1,0}, bf16[4,4]{1,0}) tuple(%w, %x)
+}
+"""
+  instrs, comps = profile.parse_hlo(text)
+  assert profile.stage_of("w", instrs, comps) == "copies / converts"
+  assert profile.stage_of("x", instrs, comps) == "MLP activation"
+
+
 def test_every_dot_of_a_dense_prefill_gets_its_stage():
   """The dense kernel's QK and PV dots (which XLA:CPU may rewrite without metadata) are
   found from the data flow; every dot of the model is in a named stage, none in 'other'

@@ -123,7 +123,9 @@ def _dot_stage(op_name: str) -> str:
 
 def _elementwise_stage(ops: List[Instr]) -> str:
   names = [i.op_name for i in ops if i.op_name]
-  codes = {i.opcode for i in ops}
+  # a fusion is what it computes: one of only converts / copies (a weight cast to bf16 at
+  # its use, named after the projection) is data movement, not that stage's arithmetic
+  codes = {i.opcode for i in ops} - {"fusion"}
   has = lambda part: any(part in n for n in names)   # noqa: E731
   if codes <= DATA_MOVEMENT:
     return "copies / converts"
