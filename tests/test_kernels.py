@@ -188,6 +188,56 @@ class BlockSkippingTest(chex.TestCase, parameterized.TestCase):
     self.assertTrue(bool(jnp.isnan(poisoned).any()))
 
 
+class DecodeBlockOverlapTest(parameterized.TestCase):
+  """A decode step whose key block does not divide the cache (S = 100, Sk = 16) reads its
+  last block at S - Sk, masking the keys the block before already counted, instead of
+  padding the cache: the same attention as dot_product and float64, with a quantized
+  cache too, and no padded copy of the cache in the compiled program."""
+
+  @parameterized.parameters(40, 71, 99, 87)
+  def test_overlapped_last_block_matches_dot_product(self, pos):
+    T, S = 1, 100
+    q, k, v = _qkv(T, S, 2, logit_scale=3.0)
+    q_pos, k_pos = _positions(T, S, decode_pos=[pos, 95])
+    cmask = CausalMask(q_pos, k_pos)
+    out = blockwise.blockwise_attention(q, k, v, kv_block=16, **blockwise.mask_kwargs(cmask))
+    want = _dot_product(q, k, v, mask=cmask.dense())
+    ref = contract.reference_attention_np(q, k, v, mask=cmask.dense())
+    chex.assert_trees_all_close(out, want, atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=ATOL, rtol=RTOL)
+
+  def test_overlapped_last_block_with_an_int8_cache(self):
+    T, S, K = 1, 100, 2
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.bfloat16)
+    k8, v8 = (jnp.asarray(rng.integers(-127, 128, (B, S, K, H)), jnp.int8) for _ in "kv")
+    scales = contract.KVScales(
+        k_token_BxKxS=jnp.asarray(rng.random((B, K, S)) * 0.05, jnp.float32),
+        v_token_BxKxS=jnp.asarray(rng.random((B, K, S)) * 0.05, jnp.float32))
+    storage = contract.CacheStorage(k_dtype="int8", v_dtype="int8", k_scale="token",
+                                    v_scale="token")
+    flags = AttentionFlags(float32_qk_product=True, float32_logits=True)
+    q_pos, k_pos = _positions(T, S, decode_pos=[99, 83])
+    cmask = CausalMask(q_pos, k_pos)
+    kw = dict(flags=flags, kv_cache=storage, kv_scales=scales)
+    out = blockwise.blockwise_attention(q, k8, v8, kv_block=16,
+                                        **blockwise.mask_kwargs(cmask), **kw)
+    want = dot_product.dot_product_attention(q, k8, v8, mask=cmask.dense(), **kw)
+    # bf16 outputs of O(1): the two kernels differ in float32 summation order only
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               atol=1e-2, rtol=1e-2)
+
+  def test_no_padded_copy_of_the_cache(self):
+    T, S = 1, 100
+    q, k, v = _qkv(T, S, 2)
+    q_pos, k_pos = _positions(T, S, decode_pos=[99, 99])
+    fn = jax.jit(lambda q, k, v: blockwise.blockwise_attention(
+        q, k, v, kv_block=16, **blockwise.mask_kwargs(CausalMask(q_pos, k_pos))))
+    text = fn.lower(q, k, v).compile().as_text()
+    self.assertNotRegex(text, r"f32\[2,112,2,16\]")      # Sp = 7 * 16 = 112 keys
+    self.assertRegex(text, r"f32\[2,100,2,16\]")
+
+
 def _contracted(dot_eqn) -> int:
   """Size of the contracted axis of a dot_general equation."""
   (lhs_contract, _), _ = dot_eqn.params["dimension_numbers"]

@@ -34,8 +34,10 @@ the logits, exp and probabilities are rounded to c, never the sums or the normal
 output (tests check its float64 error is no larger on sharp attention).
 
 Decode (T == 1): one query block and key blocks of ~`decode_kv_block` (a divisor of S
-when there is one near it) sliced straight from the [B, S, K, H] cache, which is never
-copied; blocks past the query's position are skipped, so the work is O(position).
+when there is one near it) sliced straight from the cache as it lies ([B, K, S, H]:
+the [B, S, K, H] view the model passes is transposed back, which cancels), never copied
+or padded: when Sk does not divide S (any T) the last block starts at S - Sk,
+overlapping the one before, whose keys it masks; blocks past the query's position are skipped, so the work is O(position).
 The partial (m, l, acc) of each block are combined online (the split-K combine, done
 sequentially: on a 2-core CPU there is nothing to gain from parallel splits).
 
@@ -161,27 +163,33 @@ def blockwise_attention(q, k, v, *, mask=None,
     k_tok = _pad(kv_scales.k_token_BxKxS, 2, Sp)
   if rows and rows["v_scale"] == "token":
     v_tok = _pad(kv_scales.v_token_BxKxS, 2, Sp)
-  # Prefill: K/V transposed once to [B, K, Sp, H], so each block's dots are plain batched
-  # matmuls over (B, K) (measured 1.3-1.6x faster on XLA:CPU than slicing [B, S, K, H]).
-  # A decode step reads each key once, and a transpose (or a pad) would copy the whole
-  # cache every step: there blocks are sliced from the [B, S, K, H] cache as it is.
-  kv_major = T > 1
-  if kv_major:
-    k_src, v_src = (_pad(jnp.transpose(x, (0, 2, 1, 3)), 2, Sp) for x in (k, v))
-  else:
-    k_src, v_src = _pad(k, 1, Sp), _pad(v, 1, Sp)    # no copy when Sk divides S
-  kv_axis, kv_spec = (2, "BKSH") if kv_major else (1, "BSKH")
+  # K/V as [B, K, S, H], so each block's dots are plain batched matmuls over (B, K)
+  # (measured 1.3-1.6x faster on XLA:CPU than slicing [B, S, K, H]). The model's KV cache
+  # lies [B, K, S, H] and hands the kernels its [B, S, K, H] view: the transpose back
+  # cancels it, so no copy (a caller's own [B, S, K, H] arrays are transposed once). A
+  # decode step over a [B, S, K, H] view sliced per block made XLA:CPU transpose every
+  # block, and a padded cache copied the whole cache: together 68% of a decode step at
+  # 8 x 4001 (SmolLM2, bf16 + flags). So when Sk does not divide S nothing is padded: the
+  # last block starts at S - Sk, overlapping the one before, whose keys it masks.
+  clamp = Sp != S
+  k_src, v_src = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
+  kv_axis, kv_spec = 2, "BKSH"
+
+  def block_start(j):
+    """Where key block j's Sk keys start in k_src (and in every [.., Sp] array)."""
+    return jnp.minimum(j * Sk, S - Sk) if clamp else j * Sk
   dense_mask = None if mask is None else _pad_mask(
       contract.group_mask(mask, B, N, K, G, T, S), Tp, Sp)  # [B|1,K|1,G|1,Tp|1,Sp|1]
 
   def kv_step(i, q_BxKxGxTqxH, qpos_BxTq, carry, j):
     """One key/value block j for query block i: the online-softmax update."""
     m_BxKxGxTq, l_BxKxGxTq, acc_BxKxGxTqxH, count = carry
+    s0 = block_start(j)
     # Sk keys; a quantized cache's codes cast (exactly) per block, never the whole cache.
     k_blk = contract.code_operand(
-        jax.lax.dynamic_slice_in_dim(k_src, j * Sk, Sk, axis=kv_axis), rows, "k_into_qk")
+        jax.lax.dynamic_slice_in_dim(k_src, s0, Sk, axis=kv_axis), rows, "k_into_qk")
     v_blk = contract.code_operand(
-        jax.lax.dynamic_slice_in_dim(v_src, j * Sk, Sk, axis=kv_axis), rows, "v_into_wv")
+        jax.lax.dynamic_slice_in_dim(v_src, s0, Sk, axis=kv_axis), rows, "v_into_wv")
     with jax.named_scope(contract.QK_SCOPE):
       logits_BxKxGxTqxSk = jnp.einsum(
           f"BKGTH,{kv_spec}->BKGTS", q_BxKxGxTqxH, k_blk, precision=prep.einsum,
@@ -190,7 +198,7 @@ def blockwise_attention(q, k, v, *, mask=None,
     chex.assert_type(logits_BxKxGxTqxSk, expected["logits"])
     if k_tok is not None:
       logits_BxKxGxTqxSk = contract.scale_columns(
-          logits_BxKxGxTqxSk, jax.lax.dynamic_slice_in_dim(k_tok, j * Sk, Sk, axis=2),
+          logits_BxKxGxTqxSk, jax.lax.dynamic_slice_in_dim(k_tok, s0, Sk, axis=2),
           rows["k_scale_in"])
     logits_BxKxGxTqxSk = contract.scale_logits(logits_BxKxGxTqxSk, prep.scale, expected)
     logits_BxKxGxTqxSk = logits_BxKxGxTqxSk.astype(sm)
@@ -198,14 +206,17 @@ def blockwise_attention(q, k, v, *, mask=None,
       cap = jnp.asarray(logits_soft_cap, sm)
       logits_BxKxGxTqxSk = cap * jnp.tanh(logits_BxKxGxTqxSk / cap)
 
-    allowed = jax.lax.dynamic_slice_in_dim(k_valid_Sp, j * Sk, Sk)[None, None, None, None]
+    if clamp:   # a key of the overlapped last block counts once: from j * Sk on
+      allowed = (s0 + jnp.arange(Sk) >= j * Sk)[None, None, None, None]
+    else:
+      allowed = jax.lax.dynamic_slice_in_dim(k_valid_Sp, s0, Sk)[None, None, None, None]
     if structured:
-      kpos_BxSk = jax.lax.dynamic_slice_in_dim(k_pos_BxSp, j * Sk, Sk, axis=1)
+      kpos_BxSk = jax.lax.dynamic_slice_in_dim(k_pos_BxSp, s0, Sk, axis=1)
       allowed = allowed & contract.visible(qpos_BxTq[:, None, None, :, None],
                                   kpos_BxSk[:, None, None, None, :],
                                   causal=causal, sliding_window=sliding_window)
     if dense_mask is not None:
-      allowed = allowed & _mask_block(dense_mask, i * Tq, Tq, j * Sk, Sk)
+      allowed = allowed & _mask_block(dense_mask, i * Tq, Tq, s0, Sk)
     logits_BxKxGxTqxSk = jnp.where(allowed, logits_BxKxGxTqxSk,
                                    jnp.asarray(contract.mask_value(sm), sm))
 
@@ -226,7 +237,7 @@ def blockwise_attention(q, k, v, *, mask=None,
     l_new = l_BxKxGxTq * correction + jnp.sum(probs_BxKxGxTqxSk, axis=-1, dtype=F32)
     if v_tok is not None:
       probs_BxKxGxTqxSk = contract.scale_columns(
-          probs_BxKxGxTqxSk, jax.lax.dynamic_slice_in_dim(v_tok, j * Sk, Sk, axis=2),
+          probs_BxKxGxTqxSk, jax.lax.dynamic_slice_in_dim(v_tok, s0, Sk, axis=2),
           rows["v_scale_in"])
     with jax.named_scope(contract.WV_SCOPE):
       pv_BxKxGxTqxH = jnp.einsum(
