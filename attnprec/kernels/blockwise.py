@@ -36,8 +36,8 @@ output (tests check its float64 error is no larger on sharp attention).
 Decode (T == 1): one query block and key blocks of ~`decode_kv_block` (a divisor of S
 when there is one near it) sliced straight from the cache as it lies ([B, K, S, H]:
 the [B, S, K, H] view the model passes is transposed back, which cancels), never copied
-or padded: when Sk does not divide S (any T) the last block starts at S - Sk,
-overlapping the one before, whose keys it masks; blocks past the query's position are skipped, so the work is O(position).
+or padded: when Sk does not divide S the last block starts at S - Sk, overlapping
+the one before, whose keys it masks; blocks past the query's position are skipped, so the work is O(position).
 The partial (m, l, acc) of each block are combined online (the split-K combine, done
 sequentially: on a 2-core CPU there is nothing to gain from parallel splits).
 
@@ -169,10 +169,13 @@ def blockwise_attention(q, k, v, *, mask=None,
   # cancels it, so no copy (a caller's own [B, S, K, H] arrays are transposed once). A
   # decode step over a [B, S, K, H] view sliced per block made XLA:CPU transpose every
   # block, and a padded cache copied the whole cache: together 68% of a decode step at
-  # 8 x 4001 (SmolLM2, bf16 + flags). So when Sk does not divide S nothing is padded: the
-  # last block starts at S - Sk, overlapping the one before, whose keys it masks.
-  clamp = Sp != S
+  # 8 x 4001 (SmolLM2, bf16 + flags). So when Sk does not divide S a decode step pads
+  # nothing: its last block starts at S - Sk, overlapping the one before, whose keys it
+  # masks. (A prefill pads as before: the same time, 1.01-1.02x, with the overlap.)
+  clamp = T == 1 and Sp != S
   k_src, v_src = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
+  if not clamp:
+    k_src, v_src = _pad(k_src, 2, Sp), _pad(v_src, 2, Sp)
   kv_axis, kv_spec = 2, "BKSH"
 
   def block_start(j):
