@@ -34,10 +34,11 @@ the logits, exp and probabilities are rounded to c, never the sums or the normal
 output (tests check its float64 error is no larger on sharp attention).
 
 Decode (T == 1): one query block and key blocks of ~`decode_kv_block` (a divisor of S
-when there is one near it) sliced straight from the cache as it lies ([B, K, S, H]:
-the [B, S, K, H] view the model passes is transposed back, which cancels), never copied
-or padded: when Sk does not divide S the last block starts at S - Sk, overlapping
-the one before, whose keys it masks; blocks past the query's position are skipped, so the work is O(position).
+when there is one near it). At batch 2 and more they are sliced straight from the cache
+as it lies ([B, K, S, H]: the [B, S, K, H] view the model passes is transposed back,
+which cancels), never copied or padded: when Sk does not divide S the last block starts
+at S - Sk, overlapping the one before, whose keys it masks. At batch 1 they are sliced
+from the [B, S, K, H] view, padded to whole blocks (measured faster there); blocks past the query's position are skipped, so the work is O(position).
 The partial (m, l, acc) of each block are combined online (the split-K combine, done
 sequentially: on a 2-core CPU there is nothing to gain from parallel splits).
 
@@ -172,11 +173,18 @@ def blockwise_attention(q, k, v, *, mask=None,
   # 8 x 4001 (SmolLM2, bf16 + flags). So when Sk does not divide S a decode step pads
   # nothing: its last block starts at S - Sk, overlapping the one before, whose keys it
   # masks. (A prefill pads as before: the same time, 1.01-1.02x, with the overlap.)
-  clamp = T == 1 and Sp != S
-  k_src, v_src = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
-  if not clamp:
-    k_src, v_src = _pad(k_src, 2, Sp), _pad(v_src, 2, Sp)
-  kv_axis, kv_spec = 2, "BKSH"
+  # A decode step at batch 1 keeps slicing the [B, S, K, H] view (padded): there the
+  # model's cache write is an update slice that the cache-major read turned into a
+  # float32 round trip and copies of the whole cache (1.12-1.48x the step's time).
+  kv_major = T > 1 or B > 1
+  clamp = kv_major and T == 1 and Sp != S
+  if kv_major:
+    k_src, v_src = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
+    if not clamp:
+      k_src, v_src = _pad(k_src, 2, Sp), _pad(v_src, 2, Sp)
+  else:
+    k_src, v_src = _pad(k, 1, Sp), _pad(v, 1, Sp)    # no copy when Sk divides S
+  kv_axis, kv_spec = (2, "BKSH") if kv_major else (1, "BSKH")
 
   def block_start(j):
     """Where key block j's Sk keys start in k_src (and in every [.., Sp] array)."""
