@@ -157,7 +157,7 @@ def prefill_params(params, serving: Precision, rows: int):
   'compute_dtype_dot'), the blocks' weight matrices stored in c: the values the prefill
   would cast the carried ones to at every use, cast once, so every dot has the same
   operands and the prefill the same numbers bit for bit (tests/test_decoding.py), while
-  it reads 2 bytes per weight instead of 4 and writes no bf16 copy per use (a third less
+  it reads 2 bytes per weight instead of 4 and writes no bf16 copy per use (0.85x the
   prefill time on Qwen2.5-Coder-0.5B at 1 x 1000: docs/performance.md). The embedding
   table stays as given: the prefill's last-position unembedding (B rows) is a float32
   dot on the carried values, as in a decode step. Elsewhere params are returned as given.

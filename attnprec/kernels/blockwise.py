@@ -38,7 +38,8 @@ when there is one near it). At batch 2 and more they are sliced straight from th
 as it lies ([B, K, S, H]: the [B, S, K, H] view the model passes is transposed back,
 which cancels), never copied or padded: when Sk does not divide S the last block starts
 at S - Sk, overlapping the one before, whose keys it masks. At batch 1 they are sliced
-from the [B, S, K, H] view, padded to whole blocks (measured faster there); blocks past the query's position are skipped, so the work is O(position).
+from the [B, S, K, H] view, padded to whole blocks (measured faster there). Blocks past
+the query's position are skipped, so the work is O(position).
 The partial (m, l, acc) of each block are combined online (the split-K combine, done
 sequentially: on a 2-core CPU there is nothing to gain from parallel splits).
 
@@ -164,18 +165,14 @@ def blockwise_attention(q, k, v, *, mask=None,
     k_tok = _pad(kv_scales.k_token_BxKxS, 2, Sp)
   if rows and rows["v_scale"] == "token":
     v_tok = _pad(kv_scales.v_token_BxKxS, 2, Sp)
-  # K/V as [B, K, S, H], so each block's dots are plain batched matmuls over (B, K)
-  # (measured 1.3-1.6x faster on XLA:CPU than slicing [B, S, K, H]). The model's KV cache
-  # lies [B, K, S, H] and hands the kernels its [B, S, K, H] view: the transpose back
-  # cancels it, so no copy (a caller's own [B, S, K, H] arrays are transposed once). A
-  # decode step over a [B, S, K, H] view sliced per block made XLA:CPU transpose every
-  # block, and a padded cache copied the whole cache: together 68% of a decode step at
-  # 8 x 4001 (SmolLM2, bf16 + flags). So when Sk does not divide S a decode step pads
-  # nothing: its last block starts at S - Sk, overlapping the one before, whose keys it
-  # masks. (A prefill pads as before: the same time, 1.01-1.02x, with the overlap.)
-  # A decode step at batch 1 keeps slicing the [B, S, K, H] view (padded): there the
-  # model's cache write is an update slice that the cache-major read turned into a
-  # float32 round trip and copies of the whole cache (1.12-1.48x the step's time).
+  # K/V as [B, K, S, H]: each block's dots are plain batched matmuls over (B, K). The
+  # model's cache lies so and passes its [B, S, K, H] view, so the transpose back cancels
+  # (a caller's own arrays are transposed once). Slicing the view per block, and padding
+  # it, cost 68% of a decode step at 8 x 4001 (SmolLM2), so a decode step pads nothing:
+  # a last block that Sk does not divide starts at S - Sk (`clamp`). Measured exceptions
+  # (docs/performance.md): a prefill still pads (the overlap was 1.01-1.02x there), and a
+  # batch-1 decode step keeps the padded view (the cache-major read made XLA:CPU round
+  # the model's update-slice cache write through float32: 1.12-1.48x the step).
   kv_major = T > 1 or B > 1
   clamp = kv_major and T == 1 and Sp != S
   if kv_major:
