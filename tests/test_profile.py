@@ -115,3 +115,27 @@ def test_profile_program_covers_the_prefill(tmp_path):
   assert "| attention QK dot |" in text and "tiny 1x64 bf16" in text
   png = profile.plot(result, str(tmp_path / "profile.png"))
   assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_profile_calls_the_prefill_with_the_params_it_was_compiled_for(monkeypatch):
+  """A prefill of >= 128 rows on a CPU with bf16 dots reads the blocks' matrices stored in
+  bf16 (`decoding.prefill_params`): the profile must call the compiled prefill with those
+  (the carried float32 ones are refused by the compiled program), as `make bench` does."""
+  import types
+
+  import jax
+
+  from attnprec import cpu_features
+  from attnprec.config import ModelConfig
+  from attnprec.model import init_params
+  monkeypatch.setattr(cpu_features, "bf16_features", lambda *a: ("avx512_bf16",))
+  config = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                       head_dim=8, mlp_hidden=16, max_seq_len=256)
+  tiny = types.SimpleNamespace(config=config, params=init_params(config, jax.random.PRNGKey(0)))
+  result = profile.run_profile(models=("tiny",), cases=((1, 160),),
+                               presets=("bf16_flags", "bf16_flags_carried_prefill"),
+                               rounds=1, progress=False, load=lambda name: tiny)
+  rows = {r["preset"]: r for r in result["rows"]}
+  assert set(rows) == {"bf16_flags", "bf16_flags_carried_prefill"}
+  for r in rows.values():
+    assert r["thunks_ms"] > 0 and r["stages"]["MLP projections"] > 0

@@ -278,9 +278,10 @@ def profile_program(compiled, call, rounds: int = 3) -> dict:
 def run_profile(*, models: Sequence[str] = ("smollm2-135m",),
                 cases: Sequence[Tuple[int, int]] = ((1, 1000), (1, 4000)),
                 presets: Sequence[str] = ("bf16_flags",), rounds: int = 3,
-                progress: bool = True, on_row=None) -> dict:
+                progress: bool = True, on_row=None, load=None) -> dict:
   """The prefill of each model x case x preset (`bench.model.PRESETS`), profiled; plain
-  data. on_row: called with the result so far after each row."""
+  data. on_row: called with the result so far after each row; load: model name -> a
+  checkpoint (`.config`, `.params`), `checkpoints.load` by default."""
   from attnprec import checkpoints
   from attnprec.bench import model as model_bench
   from attnprec.errors import UserError
@@ -294,7 +295,7 @@ def run_profile(*, models: Sequence[str] = ("smollm2-135m",),
                             xla_flags=os.environ.get("XLA_FLAGS", "")), rows=[])
   rng = np.random.default_rng(0)
   for model in models:
-    ckpt = checkpoints.load(model)
+    ckpt = (load or checkpoints.load)(model)
     carried = {}
     for B, P in cases:
       prompt = rng.integers(0, ckpt.config.vocab_size, (B, P)).astype(np.int32)
@@ -302,9 +303,9 @@ def run_profile(*, models: Sequence[str] = ("smollm2-135m",),
         log(f"profile: {model} {B}x{P} {preset}", flush=True)
         case = model_bench._AttnprecCase(ckpt.config, ckpt.params,
                                          model_bench.PRESETS[preset], prompt, 1,
-                                         carried=carried)
-        row = profile_program(case._prefill, lambda: case._prefill(
-            case.params, case.prompt, case.lengths), rounds)
+                                         carried=carried, carried_prefill=preset in
+                                         model_bench.CARRIED_PREFILL)
+        row = profile_program(case._prefill, case.run_prefill, rounds)
         row.update(model=model, batch=B, prompt=P, preset=preset,
                    flops=model_bench.projection_flops(ckpt.params, ckpt.config, B, P))
         result["rows"].append(row)
