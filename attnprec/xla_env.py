@@ -44,9 +44,34 @@ def in_force(flags=None) -> str:
   return "+".join(on) or "default"
 
 
+# XLA:CPU flags that can change a number the contract and the tests pin down (what XLA
+# computes, in which order, or which library runs it), beyond the two above: fast math
+# (reassociation, approximate functions, NaN / inf assumptions), a max that may drop
+# NaNs (the softmax's max), flushed denormals, the library fusions that run dots and
+# element-wise work outside XLA's own code, and the ISA / vector width the element-wise
+# code is compiled for (the order of a vectorised sum). The project never sets them; a
+# user's own setting is run as given and named on the precision line (`describe`).
+NUMERICS_FLAGS = ("--xla_cpu_enable_fast_math", "--xla_cpu_fast_math_honor_",
+                  "--xla_cpu_enable_fast_min_max", "--xla_cpu_ftz",
+                  "--xla_cpu_enable_platform_dependent_math", "--xla_cpu_strict_dot_conv_math",
+                  "--xla_cpu_experimental_ynn_fusion_type",
+                  "--xla_cpu_experimental_xnn_fusion_type",
+                  "--xla_cpu_experimental_xnn_graph_fusion_mode",
+                  "--xla_cpu_experimental_onednn_fusion_type",
+                  "--xla_cpu_experimental_onednn_custom_call", "--xla_cpu_use_acl",
+                  "--xla_cpu_max_isa", "--xla_cpu_prefer_vector_width")
+
+
+def numerics_flags(flags=None) -> list:
+  """The flags in XLA_FLAGS (or `flags`) that NUMERICS_FLAGS names, as written."""
+  flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+  return [f for f in flags.split() if f.startswith(NUMERICS_FLAGS)]
+
+
 def describe(flags=None) -> str:
   """The XLA settings in force, for a runner's precision line: excess precision (and
-  whether the user's XLA_FLAGS chose it) and the dot library setting."""
+  whether the user's XLA_FLAGS chose it), the dot library setting, and every flag of
+  NUMERICS_FLAGS the user set (run as given, outside what the project measured)."""
   flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
   values = [f.split("=", 1)[-1].lower() for f in flags.split()
             if f.startswith("--xla_allow_excess_precision")]
@@ -57,4 +82,9 @@ def describe(flags=None) -> str:
   else:
     excess = ("excess precision ALLOWED by your XLA_FLAGS (--xla_allow_excess_precision="
               f"{values[-1]}): XLA:CPU may drop bf16 roundings the precision flags control")
-  return f"XLA: {excess}; dot library: {in_force(flags)}"
+  line = f"XLA: {excess}; dot library: {in_force(flags)}"
+  other = numerics_flags(flags)
+  if other:
+    line += (f"; also set by your XLA_FLAGS: {' '.join(other)} (may change XLA:CPU's "
+             f"numerics; the project's tests and measurements ran without it)")
+  return line
