@@ -227,6 +227,28 @@ class DecodeBlockOverlapTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                                atol=1e-2, rtol=1e-2)
 
+  @parameterized.product(dtype=["bfloat16", "float16"], batch=[1, 2])
+  def test_16_bit_decode_reads_bits_per_block(self, dtype, batch):
+    """A decode step over bf16 / f16 keys and values slices their uint16 bits per block
+    and reinterprets each block (the model's cache stores them so): the same attention as
+    dot_product and float64, and the compiled step slices u16 blocks."""
+    T, S = 1, 100
+    q, k, v = (x[:batch] for x in _qkv(T, S, 2, dtype=jnp.dtype(dtype), logit_scale=3.0))
+    q_pos, k_pos = (x[:batch] for x in _positions(T, S, decode_pos=[87, 99]))
+    cmask = CausalMask(q_pos, k_pos)
+    flags = AttentionFlags(float32_qk_product=True, float32_logits=True)
+    fn = jax.jit(lambda q, k, v: blockwise.blockwise_attention(
+        q, k, v, flags=flags, kv_block=16, **blockwise.mask_kwargs(cmask)))
+    out = fn(q, k, v)
+    self.assertEqual(out.dtype, jnp.dtype(dtype))
+    want = _dot_product(q, k, v, mask=cmask.dense(), flags=flags)
+    ref = contract.reference_attention_np(q, k, v, mask=cmask.dense())
+    # 16-bit outputs of O(1): the kernels differ in float32 summation order only
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=2e-2, rtol=2e-2)
+    self.assertRegex(fn.lower(q, k, v).compile().as_text(), rf"u16\[{batch},2,16,16\]")
+
   def test_no_padded_copy_of_the_cache(self):
     T, S = 1, 100
     q, k, v = _qkv(T, S, 2)

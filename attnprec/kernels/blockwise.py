@@ -34,12 +34,12 @@ the logits, exp and probabilities are rounded to c, never the sums or the normal
 output (tests check its float64 error is no larger on sharp attention).
 
 Decode (T == 1): one query block and key blocks of ~`decode_kv_block` (a divisor of S
-when there is one near it). At batch 2 and more they are sliced straight from the cache
-as it lies ([B, K, S, H]: the [B, S, K, H] view the model passes is transposed back,
-which cancels), never copied or padded: when Sk does not divide S the last block starts
-at S - Sk, overlapping the one before, whose keys it masks. At batch 1 they are sliced
-from the [B, S, K, H] view, padded to whole blocks (measured faster there). Blocks past
-the query's position are skipped, so the work is O(position).
+when there is one near it), sliced straight from the cache as it lies ([B, K, S, H]:
+the [B, S, K, H] view the model passes is transposed back, which cancels), never copied
+or padded: when Sk does not divide S the last block starts at S - Sk, overlapping the one
+before, whose keys it masks. 16-bit keys and values are sliced as their uint16 bits and
+each block reinterpreted (the model's cache stores them so: the reinterpretations
+cancel). Blocks past the query's position are skipped, so the work is O(position).
 The partial (m, l, acc) of each block are combined online (the split-K combine, done
 sequentially: on a 2-core CPU there is nothing to gain from parallel splits).
 
@@ -169,19 +169,23 @@ def blockwise_attention(q, k, v, *, mask=None,
   # model's cache lies so and passes its [B, S, K, H] view, so the transpose back cancels
   # (a caller's own arrays are transposed once). Slicing the view per block, and padding
   # it, cost 68% of a decode step at 8 x 4001 (SmolLM2), so a decode step pads nothing:
-  # a last block that Sk does not divide starts at S - Sk (`clamp`). Measured exceptions
-  # (docs/performance.md): a prefill still pads (the overlap was 1.01-1.02x there), and a
-  # batch-1 decode step keeps the padded view (the cache-major read made XLA:CPU round
-  # the model's update-slice cache write through float32: 1.12-1.48x the step).
-  kv_major = T > 1 or B > 1
-  clamp = kv_major and T == 1 and Sp != S
-  if kv_major:
-    k_src, v_src = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
-    if not clamp:
-      k_src, v_src = _pad(k_src, 2, Sp), _pad(v_src, 2, Sp)
-  else:
-    k_src, v_src = _pad(k, 1, Sp), _pad(v, 1, Sp)    # no copy when Sk divides S
-  kv_axis, kv_spec = (2, "BKSH") if kv_major else (1, "BSKH")
+  # a last block that Sk does not divide starts at S - Sk (`clamp`); a prefill pads (the
+  # overlap measured 1.01-1.02x there). A decode step over 16-bit values also slices
+  # their bits and reinterprets each block (`bits`): the model's cache holds bf16 / f16
+  # as uint16 (`attnprec.cache`), so the two reinterpretations cancel, where XLA:CPU
+  # copied the reinterpreted whole cache per layer and step (docs/performance.md).
+  clamp = T == 1 and Sp != S
+  bits = T == 1 and rows is None and jnp.dtype(k.dtype).itemsize == 2
+  k_src, v_src = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
+  if bits:
+    k_src, v_src = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (k_src, v_src))
+  if not clamp:
+    k_src, v_src = _pad(k_src, 2, Sp), _pad(v_src, 2, Sp)    # no copy when Sk divides S
+
+  def block(x_src, s0):
+    """Sk keys (or values) from s0, as values (16-bit bits reinterpreted)."""
+    x = jax.lax.dynamic_slice_in_dim(x_src, s0, Sk, axis=2)
+    return jax.lax.bitcast_convert_type(x, k.dtype) if bits else x
 
   def block_start(j):
     """Where key block j's Sk keys start in k_src (and in every [.., Sp] array)."""
@@ -194,13 +198,11 @@ def blockwise_attention(q, k, v, *, mask=None,
     m_BxKxGxTq, l_BxKxGxTq, acc_BxKxGxTqxH, count = carry
     s0 = block_start(j)
     # Sk keys; a quantized cache's codes cast (exactly) per block, never the whole cache.
-    k_blk = contract.code_operand(
-        jax.lax.dynamic_slice_in_dim(k_src, s0, Sk, axis=kv_axis), rows, "k_into_qk")
-    v_blk = contract.code_operand(
-        jax.lax.dynamic_slice_in_dim(v_src, s0, Sk, axis=kv_axis), rows, "v_into_wv")
+    k_blk = contract.code_operand(block(k_src, s0), rows, "k_into_qk")
+    v_blk = contract.code_operand(block(v_src, s0), rows, "v_into_wv")
     with jax.named_scope(contract.QK_SCOPE):
       logits_BxKxGxTqxSk = jnp.einsum(
-          f"BKGTH,{kv_spec}->BKGTS", q_BxKxGxTqxH, k_blk, precision=prep.einsum,
+          "BKGTH,BKSH->BKGTS", q_BxKxGxTqxH, k_blk, precision=prep.einsum,
           preferred_element_type=expected["logits"])
     chex.assert_shape(logits_BxKxGxTqxSk, (B, K, G, Tq, Sk))
     chex.assert_type(logits_BxKxGxTqxSk, expected["logits"])
@@ -249,7 +251,7 @@ def blockwise_attention(q, k, v, *, mask=None,
           rows["v_scale_in"])
     with jax.named_scope(contract.WV_SCOPE):
       pv_BxKxGxTqxH = jnp.einsum(
-          f"BKGTS,{kv_spec}->BKGTH", probs_BxKxGxTqxSk, v_blk.astype(expected["probs"]),
+          "BKGTS,BKSH->BKGTH", probs_BxKxGxTqxSk, v_blk.astype(expected["probs"]),
           precision=prep.einsum, preferred_element_type=F32)
     acc_new = acc_BxKxGxTqxH * correction[..., None] + pv_BxKxGxTqxH
     return m_new, l_new, acc_new, count + 1
