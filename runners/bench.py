@@ -21,7 +21,8 @@ is process-wide). Writes <out>/projections.json, projections.md.
 QK dot, softmax and PV dot, RoPE, norms, MLP activation, copies and converts), from
 XLA:CPU's own per-thunk trace of the compiled prefill (`attnprec.bench.profile`);
 `--model=smollm2-135m,qwen2.5-coder-0.5b` (comma-separated), `--cases` (default 1x1000,
-1x4000), `--model_presets`, `--rounds` (traced calls, default 3). Writes
+1x4000), `--model_presets`, `--rounds` (traced calls, default 3), `--phases=prefill,decode`
+(decode: one decode step after the case's prompt; default prefill). Writes
 <out>/profile.json, profile.md, profile.png.
 
 `attention_forms`: the blockwise kernel's block sizes side by side at the shipped models'
@@ -71,7 +72,7 @@ _ATTENTION_OPTIONS = ("seq_lens", "memory_seq_lens", "decode_seq_lens", "kernels
                       "no_torch")
 READS = {"model": _MODEL_OPTIONS, "attention": _ATTENTION_OPTIONS,
          "projections": ("projection_parts", "xla_settings", "rounds"),
-         "profile": ("model", "cases", "model_presets", "rounds"),
+         "profile": ("model", "cases", "model_presets", "rounds", "phases"),
          "attention_forms": ("model", "seq_lens", "blocks", "rounds", "no_torch"),
          "compile": ("quick", "depths", "rounds"),
          "all": tuple(dict.fromkeys(_MODEL_OPTIONS + _ATTENTION_OPTIONS))}
@@ -208,7 +209,7 @@ def run_profile(args):
   result = profile_bench.run_profile(
       models=[m.strip() for m in (args.model or DEFAULT_MODEL).split(",") if m.strip()],
       cases=args.cases or ((1, 1000), (1, 4000)), presets=args.model_presets,
-      rounds=args.rounds or 3, on_row=write)
+      rounds=args.rounds or 3, phases=args.phases, on_row=write)
   write(result)
   profile_bench.plot(result, os.path.join(args.out, "profile.png"))
   print(profile_bench.to_markdown(result))
@@ -285,6 +286,9 @@ def _parse(argv):
   add("--blocks", type=_blocks, default=None,
       help="attention_forms suite: Q/KV block pairs, e.g. 512/256,512/512 (the first is "
       "the baseline)")
+  add("--phases", default="prefill",
+      help=f"profile suite: the programs profiled, from {','.join(profile_bench.PHASES)} "
+      "(decode: one decode step over the case's prompt)")
   add("--depths", type=_ints, default=None,
       help="compile suite: layer counts (None: 2,8,32,80; quick 2,8)")
   add("--out", default="bench", metavar="DIR", help="where results are written")
@@ -292,6 +296,7 @@ def _parse(argv):
   args.model_presets = _names("--model_presets", args.model_presets,
                               list(model_bench.PRESETS))
   args.kernels = _names("--kernels", args.kernels, list(kernel_names.NAMES))
+  args.phases = _names("--phases", args.phases, list(profile_bench.PHASES))
   args.torch_dtypes = _names("--torch_dtypes", args.torch_dtypes,
                              list(model_bench.TORCH_DTYPES))
   args.presets = _names("--presets", args.presets, list(bench.PRESETS))

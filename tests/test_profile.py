@@ -5,11 +5,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from attnprec import decoding
 from attnprec import model as model_lib
 from attnprec.bench import profile
 from attnprec.config import ModelConfig
+from attnprec.errors import UserError
 from attnprec.precision import Precision
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -134,8 +136,15 @@ def test_run_profile_calls_the_prefill_with_the_params_it_was_compiled_for(monke
   tiny = types.SimpleNamespace(config=config, params=init_params(config, jax.random.PRNGKey(0)))
   result = profile.run_profile(models=("tiny",), cases=((1, 160),),
                                presets=("bf16_flags", "bf16_flags_carried_prefill"),
-                               rounds=1, progress=False, load=lambda name: tiny)
-  rows = {r["preset"]: r for r in result["rows"]}
-  assert set(rows) == {"bf16_flags", "bf16_flags_carried_prefill"}
-  for r in rows.values():
-    assert r["thunks_ms"] > 0 and r["stages"]["MLP projections"] > 0
+                               phases=("prefill", "decode"), rounds=1, progress=False,
+                               load=lambda name: tiny)
+  rows = {(r["preset"], r["phase"]): r for r in result["rows"]}
+  assert set(rows) == {(p, ph) for p in ("bf16_flags", "bf16_flags_carried_prefill")
+                       for ph in ("prefill", "decode")}
+  for (_, phase), r in rows.items():
+    assert r["thunks_ms"] > 0 and r["stages"]["attention QK dot"] > 0
+    assert not r["unattributed"]
+    assert phase == "decode" or r["stages"]["MLP projections"] > 0
+  assert "tiny 1x160 bf16_flags, decode step" in profile.to_markdown(result)
+  with pytest.raises(UserError, match="'step'.*'prefill', 'decode'"):
+    profile.run_profile(models=("tiny",), phases=("step",), load=lambda name: tiny)

@@ -1,9 +1,11 @@
-"""Where a prefill's time goes (`make bench ARGS=--suite=profile`): XLA:CPU's own trace of
-the compiled prefill, per thunk, attributed to the model's stages by the HLO's op names.
+"""Where a prefill's (or a decode step's) time goes (`make bench ARGS=--suite=profile`):
+XLA:CPU's own trace of the compiled program, per thunk, attributed to the model's stages
+by the HLO's op names.
 
 Method
   * The prefill is the program `make bench` times (`attnprec.bench.model._AttnprecCase`:
-    `decoding.prefill` under the serving precision, compiled once).
+    `decoding.prefill` under the serving precision, compiled once); `phases=('decode',)`
+    profiles its decode step after the prompt instead.
   * `jax.profiler.trace(..., create_perfetto_trace=True)` records `rounds` calls; XLA:CPU's
     thunk executor writes one event per executed thunk (a fusion, a dot, a copy, ...) with
     its HLO instruction's name (`args.hlo_op`). Containers (while, conditional, call) are
@@ -34,10 +36,14 @@ import time
 from typing import Dict, List, Sequence, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from attnprec import contract, cpu_features
 
+# What can be profiled: the prefill `make bench` times, or one decode step after it (its
+# wall includes copying the prefill's state, which the step donates; the stages do not).
+PHASES = ("prefill", "decode")
 STAGES = ("projections q, k, v, o", "MLP projections", "logits head", "attention QK dot",
           "attention PV dot", "attention softmax and mask", "attention loop (blockwise)", "RoPE and biases", "key offset",
           "norms", "MLP activation", "embedding", "cache write", "copies / converts",
@@ -278,19 +284,25 @@ def profile_program(compiled, call, rounds: int = 3) -> dict:
 def run_profile(*, models: Sequence[str] = ("smollm2-135m",),
                 cases: Sequence[Tuple[int, int]] = ((1, 1000), (1, 4000)),
                 presets: Sequence[str] = ("bf16_flags",), rounds: int = 3,
-                progress: bool = True, on_row=None, load=None) -> dict:
-  """The prefill of each model x case x preset (`bench.model.PRESETS`), profiled; plain
-  data. on_row: called with the result so far after each row; load: model name -> a
-  checkpoint (`.config`, `.params`), `checkpoints.load` by default."""
+                phases: Sequence[str] = ("prefill",), progress: bool = True, on_row=None,
+                load=None) -> dict:
+  """Each phase (PHASES: the prefill of the case's prompt, or one decode step after it)
+  of each model x case x preset (`bench.model.PRESETS`), profiled; plain data. on_row:
+  called with the result so far after each row; load: model name -> a checkpoint
+  (`.config`, `.params`), `checkpoints.load` by default."""
   from attnprec import checkpoints
   from attnprec.bench import model as model_bench
   from attnprec.errors import UserError
   for name in presets:
     if name not in model_bench.PRESETS:
       raise UserError(f"Unknown bench preset {name!r}; valid: {list(model_bench.PRESETS)}.")
+  for name in phases:
+    if name not in PHASES:
+      raise UserError(f"Unknown profile phase {name!r}; valid: {list(PHASES)}.")
   log = print if progress else (lambda *a, **k: None)
   result = dict(config=dict(models=list(models), cases=[list(c) for c in cases],
-                            presets=list(presets), rounds=rounds, jax=jax.__version__,
+                            presets=list(presets), phases=list(phases), rounds=rounds,
+                            jax=jax.__version__,
                             cpu_count=os.cpu_count(), cpu=cpu_features.describe(),
                             xla_flags=os.environ.get("XLA_FLAGS", "")), rows=[])
   rng = np.random.default_rng(0)
@@ -305,14 +317,27 @@ def run_profile(*, models: Sequence[str] = ("smollm2-135m",),
                                          model_bench.PRESETS[preset], prompt, 1,
                                          carried=carried, carried_prefill=preset in
                                          model_bench.CARRIED_PREFILL)
-        row = profile_program(case._prefill, case.run_prefill, rounds)
-        row.update(model=model, batch=B, prompt=P, preset=preset,
-                   flops=model_bench.projection_flops(ckpt.params, ckpt.config, B, P))
-        result["rows"].append(row)
-        if on_row is not None:
-          on_row(result)
+        for phase in phases:
+          if phase == "prefill":
+            row = profile_program(case._prefill, case.run_prefill, rounds)
+          else:   # one decode step on a fresh copy of the prefill's state (it is donated)
+            row = profile_program(case._decode, lambda: case._decode(
+                case.params, jax.tree_util.tree_map(jnp.copy, case.state0), case.first),
+                rounds)
+          row.update(model=model, batch=B, prompt=P, preset=preset, phase=phase,
+                     flops=model_bench.projection_flops(
+                         ckpt.params, ckpt.config, B, P if phase == "prefill" else 1))
+          result["rows"].append(row)
+          if on_row is not None:
+            on_row(result)
         del case
   return result
+
+
+def _label(row) -> str:
+  """'model BxP preset', and ', decode step' for a decode row."""
+  step = ", decode step" if row.get("phase", "prefill") == "decode" else ""
+  return f"{row['model']} {row['batch']}x{row['prompt']} {row['preset']}{step}"
 
 
 def to_markdown(result: dict) -> str:
@@ -324,7 +349,7 @@ def to_markdown(result: dict) -> str:
   rows = result["rows"]
   if not rows:
     return "\n".join(out + ["(no rows)"])
-  head = " | ".join(f"{r['model']} {r['batch']}x{r['prompt']} {r['preset']}" for r in rows)
+  head = " | ".join(_label(r) for r in rows)
   out += [f"| stage | {head} |", "|---|" + "---:|" * len(rows)]
   for stage in STAGES:
     cells = []
@@ -349,7 +374,7 @@ def plot(result: dict, path: str) -> str:
   from attnprec import plotting
   plt = plotting.pyplot()
   rows = result["rows"]
-  labels = [f"{r['model']} {r['batch']}x{r['prompt']} {r['preset']}" for r in rows]
+  labels = [_label(r) for r in rows]
   fig, ax = plt.subplots(figsize=(10, 0.55 * len(rows) + 2.6))
   left = np.zeros(len(rows))
   cmap = plt.get_cmap("tab20")
