@@ -1,8 +1,14 @@
-"""One-off: the decode step at B x P (cache P + 1) with the blockwise kernel before / after
-it read the cache as it lies, interleaved in one process. The old kernel first:
+"""One-off: the decode step with the blockwise kernel of an older commit ('old') and of the
+working tree ('new'), interleaved in one process, and whether their outputs are
+bit-identical. The old kernel first, then from the repository root:
   git show 97b9500:attnprec/kernels/blockwise.py > /tmp/exp/blockwise_old.py
-then, from the repository root: .venv/bin/python results/decode-kv-layout/decode_ab.py
-(P=4015 for a cache of 4016)."""
+  .venv/bin/python results/decode-kv-layout/decode_ab.py             (decode_ab.txt)
+  git show 5008ca5:attnprec/kernels/blockwise.py > /tmp/exp/blockwise_old.py
+  B=8 P=4000 .venv/bin/python results/decode-kv-layout/decode_ab.py  (bits_ab.txt)
+  B=1 P=1000 R=15 CASES=bf16_flags:old,bf16_flags:new .venv/bin/python ...
+B batch, P prompt (the cache holds P + 1), R rounds, CASES preset:form pairs (forms old /
+new; bits_ab.txt's 'new_b1' rows ran the working tree of their day with its batch-1
+exception forced off, the form the kernel now always has)."""
 import os, sys, time, statistics, types
 sys.path.insert(0, os.getcwd())
 from attnprec import xla_env; xla_env.disable_excess_precision()
@@ -16,24 +22,30 @@ new_fn = blockwise.blockwise_attention
 def old_fn(*a, block_sizes=blockwise.BlockSizes(), **kw):
   bs = old.BlockSizes(q_block=block_sizes.q_block, kv_block=block_sizes.kv_block, decode_kv_block=block_sizes.decode_kv_block)
   return old.blockwise_attention(*a, block_sizes=bs, **kw)
-model=os.environ.get('M','smollm2-135m'); B=int(os.environ.get('B',8)); P=int(os.environ.get('P',4000))
-ckpt=checkpoints.load(model)
+B=int(os.environ.get('B',8)); P=int(os.environ.get('P',4000))
+ckpt=checkpoints.load(os.environ.get('M','smollm2-135m'))
 prompt=np.random.default_rng(0).integers(0,ckpt.config.vocab_size,(B,P)).astype(np.int32)
 carried={}; cases={}
-for preset in os.environ.get('PRE','bf16_flags,bf16_flags_kv_int8').split(','):
-  for form, fn in (('old', old_fn), ('new', new_fn)):
-    blockwise.blockwise_attention = fn
-    MB._programs.cache_clear() if hasattr(MB._programs, 'cache_clear') else None
-    cases[(preset, form)] = MB._AttnprecCase(ckpt.config, ckpt.params, MB.PRESETS[preset], prompt, 1, carried=carried)
-    print('built', preset, form, flush=True)
+for spec in os.environ.get('CASES','bf16_flags:old,bf16_flags:new,bf16_flags_kv_int8:old,bf16_flags_kv_int8:new').split(','):
+  preset, form = spec.split(':')
+  blockwise.blockwise_attention = old_fn if form == 'old' else new_fn
+  jax.clear_caches(); MB._programs.cache_clear()        # a fresh trace per form
+  cases[spec] = MB._AttnprecCase(ckpt.config, ckpt.params, MB.PRESETS[preset], prompt, 1, carried=carried)
+  print('built', spec, flush=True)
 blockwise.blockwise_attention = new_fn
 ts={k: [] for k in cases}
 for r in range(int(os.environ.get('R', 9))):
   for k, c in cases.items():
     c.decode(); ts[k].append(c.decode())
-for k in ts: print(k, '%.1f ms' % (1e3 * statistics.median(ts[k])))
-for preset in {p for p, _ in cases}:
-  print(preset, 'new/old %.3f' % (statistics.median(ts[(preset, 'new')]) / statistics.median(ts[(preset, 'old')])))
-bo, bn = (statistics.median(ts[('bf16_flags', f)]) for f in ('old', 'new'))
-io, inn = (statistics.median(ts[('bf16_flags_kv_int8', f)]) for f in ('old', 'new'))
-print('int8/bf16 old %.3f new %.3f' % (io / bo, inn / bn))
+outs = {k: jax.tree_util.tree_leaves(c._decode(c.params, jax.tree_util.tree_map(jnp.copy, c.state0), c.first))
+        for k, c in cases.items()}
+med = {k: statistics.median(v) for k, v in ts.items()}
+for k in ts: print('%-28s %.1f ms' % (k, 1e3 * med[k]))
+for k in med:
+  p = k.split(':')[0] + ':old'
+  if p in med and k != p:
+    same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(outs[k], outs[p]))
+    print(k, 'vs old %.3f, outputs bit-identical: %s' % (med[k] / med[p], same))
+bf, i8 = ('bf16_flags:new', 'bf16_flags_kv_int8:new')
+if bf in med and i8 in med:
+  print('int8/bf16 new %.3f' % (med[i8] / med[bf]))
