@@ -63,9 +63,11 @@ NUMERICS_FLAGS = ("--xla_cpu_enable_fast_math", "--xla_cpu_fast_math_honor_",
 
 
 def numerics_flags(flags=None) -> list:
-  """The flags in XLA_FLAGS (or `flags`) that NUMERICS_FLAGS names, as written."""
+  """The flags in XLA_FLAGS (or `flags`) that NUMERICS_FLAGS names, and a dot-library flag
+  set to anything but true (`in_force` names only those turned on), as written."""
   flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
-  return [f for f in flags.split() if f.startswith(NUMERICS_FLAGS)]
+  return [f for f in flags.split() if f.startswith(NUMERICS_FLAGS) or (
+      f.startswith(_LIBRARY_FLAGS) and f.split("=", 1)[-1].lower() not in ("true", "1"))]
 
 
 def describe(flags=None) -> str:

@@ -102,12 +102,14 @@ def test_xla_settings_a_users_flags_win_and_are_named():
     xla_env.disable_excess_precision()
     assert xla_env.FLAG in os.environ["XLA_FLAGS"].split()
     assert xla_env.describe() == "XLA: excess precision disabled; dot library: default"
-    # a flag that can change XLA:CPU's numerics is named, as written; others are not
+    # a flag that can change XLA:CPU's numerics is named, as written (a dot library
+    # turned off too); others are not
     os.environ["XLA_FLAGS"] = ("--xla_cpu_enable_fast_math=true --xla_cpu_use_xnnpack=false "
                                "--xla_cpu_experimental_ynn_fusion_type=dot "
                                "--xla_force_host_platform_device_count=2")
     line = xla_env.describe()
     assert line.endswith("also set by your XLA_FLAGS: --xla_cpu_enable_fast_math=true "
+                         "--xla_cpu_use_xnnpack=false "
                          "--xla_cpu_experimental_ynn_fusion_type=dot (may change XLA:CPU's "
                          "numerics; the project's tests and measurements ran without it)")
   finally:
