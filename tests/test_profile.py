@@ -145,6 +145,11 @@ def test_run_profile_calls_the_prefill_with_the_params_it_was_compiled_for(monke
     assert r["thunks_ms"] > 0 and r["stages"]["attention QK dot"] > 0
     assert not r["unattributed"]
     assert phase == "decode" or r["stages"]["MLP projections"] > 0
-  assert "tiny 1x160 bf16_flags, decode step" in profile.to_markdown(result)
+  text = profile.to_markdown(result)
+  assert "tiny 1x160 bf16_flags, decode step" in text and "PARTIAL" not in text
+  # a run stopped before its last row (what on_row wrote so far) says so
+  partial = dict(result, rows=result["rows"][:1])
+  partial.pop("complete")
+  assert "PARTIAL: the run stopped before its last row" in profile.to_markdown(partial)
   with pytest.raises(UserError, match="'step'.*'prefill', 'decode'"):
     profile.run_profile(models=("tiny",), phases=("step",), load=lambda name: tiny)

@@ -41,8 +41,8 @@ import numpy as np
 
 from attnprec import contract, cpu_features
 
-# What can be profiled: the prefill `make bench` times, or one decode step after it (its
-# wall includes copying the prefill's state, which the step donates; the stages do not).
+# What can be profiled: the prefill `make bench` times, or one decode step after it (on a
+# copy of the prefill's state, which the step donates, made outside the timed call).
 PHASES = ("prefill", "decode")
 STAGES = ("projections q, k, v, o", "MLP projections", "logits head", "attention QK dot",
           "attention PV dot", "attention softmax and mask", "attention loop (blockwise)", "RoPE and biases", "key offset",
@@ -239,21 +239,25 @@ def thunk_times(trace_dir: str) -> Dict[Tuple[str, str], float]:
   return dict(out)
 
 
-def profile_program(compiled, call, rounds: int = 3) -> dict:
+def profile_program(compiled, call, rounds: int = 3, fresh=None) -> dict:
   """Per-stage time of `call()` (which runs `compiled`, a `jax.stages.Compiled`), from
   `rounds` traced calls: {"stages": {stage: ms per call}, "wall_ms": median,
-  "thunks_ms": summed thunk time per call, "unattributed": [hlo ops not in the module]}."""
+  "thunks_ms": summed thunk time per call, "unattributed": [hlo ops not in the module]}.
+  fresh: made before each call, outside its wall time, and passed to it (`call(fresh())`):
+  the inputs a call donates (a decode step's state)."""
   text = compiled.as_text()
   instrs, comps = parse_hlo(text)
   users = users_of(instrs)
   module = re.search(r"^HloModule\s+([\w.\-]+)", text, re.M).group(1)
-  jax.block_until_ready(call())                      # warm
+  run = call if fresh is None else (lambda: call(jax.block_until_ready(fresh())))
+  jax.block_until_ready(run())                       # warm
   walls = []
   with tempfile.TemporaryDirectory(prefix="attnprec-profile-") as tmp:
     with jax.profiler.trace(tmp, create_perfetto_trace=True):
       for _ in range(rounds):
+        args = None if fresh is None else jax.block_until_ready(fresh())
         t0 = time.perf_counter()
-        jax.block_until_ready(call())
+        jax.block_until_ready(call() if fresh is None else call(args))
         walls.append(time.perf_counter() - t0)
     times = thunk_times(tmp)
   stages = collections.defaultdict(float)
@@ -321,9 +325,9 @@ def run_profile(*, models: Sequence[str] = ("smollm2-135m",),
           if phase == "prefill":
             row = profile_program(case._prefill, case.run_prefill, rounds)
           else:   # one decode step on a fresh copy of the prefill's state (it is donated)
-            row = profile_program(case._decode, lambda: case._decode(
-                case.params, jax.tree_util.tree_map(jnp.copy, case.state0), case.first),
-                rounds)
+            row = profile_program(
+                case._decode, lambda state: case._decode(case.params, state, case.first),
+                rounds, fresh=lambda: jax.tree_util.tree_map(jnp.copy, case.state0))
           row.update(model=model, batch=B, prompt=P, preset=preset, phase=phase,
                      flops=model_bench.projection_flops(
                          ckpt.params, ckpt.config, B, P if phase == "prefill" else 1))
@@ -331,6 +335,7 @@ def run_profile(*, models: Sequence[str] = ("smollm2-135m",),
           if on_row is not None:
             on_row(result)
         del case
+  result["complete"] = True
   return result
 
 
@@ -344,8 +349,9 @@ def to_markdown(result: dict) -> str:
   """One table per row: stage, ms per call, share of the thunks' summed time."""
   cfg = result["config"]
   out = [f"CPU: {cfg['cpu']}, {cfg['cpu_count']} cores; jax {cfg['jax']}; "
-         f"XLA_FLAGS={cfg['xla_flags'] or '(none)'}; {cfg['rounds']} traced calls per row.",
-         ""]
+         f"XLA_FLAGS={cfg['xla_flags'] or '(none)'}; {cfg['rounds']} traced calls per row."
+         + ("" if result.get("complete") else " PARTIAL: the run stopped before its last "
+            "row; the rows below are those it finished."), ""]
   rows = result["rows"]
   if not rows:
     return "\n".join(out + ["(no rows)"])
