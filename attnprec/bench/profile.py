@@ -300,9 +300,10 @@ def run_profile(*, models: Sequence[str] = ("smollm2-135m",),
   for name in presets:
     if name not in model_bench.PRESETS:
       raise UserError(f"Unknown bench preset {name!r}; valid: {list(model_bench.PRESETS)}.")
-  for name in phases:
+  for name in list(phases) or [None]:
     if name not in PHASES:
-      raise UserError(f"Unknown profile phase {name!r}; valid: {list(PHASES)}.")
+      raise UserError(f"Unknown profile phase {name!r} (phases={list(phases)}); valid: a "
+                      f"non-empty list of {list(PHASES)}.")
   log = print if progress else (lambda *a, **k: None)
   result = dict(config=dict(models=list(models), cases=[list(c) for c in cases],
                             presets=list(presets), phases=list(phases), rounds=rounds,
