@@ -88,29 +88,43 @@ def test_decode_step_writes_the_cache_in_place(dtype):
     assert compiled.memory_analysis().temp_size_in_bytes < layer_bytes
 
 
+# (compute dtype, cache storage): float32 (nothing to reinterpret: the control), bf16, a
+# float8 cache (codes stored as uint8 bits) and caches with one side quantized, whose
+# other side is bf16 bits.
+_NO_COPY_CACHES = [
+    ("float32", {}), ("bfloat16", {}),
+    ("bfloat16", dict(kv_cache_k_dtype="float8_e4m3fn", kv_cache_v_dtype="float8_e4m3fn",
+                      kv_cache_k_scale="token", kv_cache_v_scale="token")),
+    ("bfloat16", dict(kv_cache_k_dtype="int8", kv_cache_k_scale="token")),
+    ("bfloat16", dict(kv_cache_v_dtype="float8_e5m2", kv_cache_v_scale="token")),
+]
+
+
 @pytest.mark.parametrize("batch", [1, 2])
-def test_blockwise_decode_step_reads_the_bf16_cache_without_a_copy(batch):
-  """The blockwise kernel's decode step slices the bf16 cache's uint16 bits per block and
-  reinterprets each block (its `bits` form): no instruction makes a cache-sized buffer
-  besides the in-place writes, where reading the reinterpreted whole cache made XLA:CPU
-  copy it per layer and step (102 ms of a SmolLM2 step at 8 x 4000). The control: the
-  same step on a float32 cache (nothing to reinterpret) is as clean; the values are
-  checked against dot_product in tests/test_kernels.py. A cache of 1001 positions: blocks
-  of 512 keys, the last one overlapping (a block is never cache-sized)."""
+@pytest.mark.parametrize("dtype,storage", _NO_COPY_CACHES,
+                         ids=["f32", "bf16", "fp8", "k_int8_v_bf16", "k_bf16_v_fp8"])
+def test_blockwise_decode_step_reads_the_cache_without_a_copy(batch, dtype, storage):
+  """The blockwise kernel's decode step slices a 16-bit side's uint16 bits, or a float8
+  side's uint8 bits, per block and reinterprets each block (`blockwise._as_bits`): no
+  instruction makes a cache-sized buffer besides the in-place writes, where reading the
+  reinterpreted whole cache made XLA:CPU copy it per layer and step (102 ms of a SmolLM2
+  bf16 step at 8 x 4000). The control: the same step on a float32 cache (nothing to
+  reinterpret) is as clean; the values are checked against dot_product in
+  tests/test_kernels.py. A cache of 1001 positions: blocks of 512 keys, the last one
+  overlapping (a block is never cache-sized)."""
   length = 1001
-  for dtype in ("bfloat16", "float32"):
-    prec = Precision(dtype=dtype, kernel="blockwise", float32_qk_product=True,
-                     float32_logits=True)
-    state = decoding.DecodeState(init_cache(CONFIG, batch, length, prec.compute_dtype),
-                                 jnp.zeros((batch, CONFIG.vocab_size)),
-                                 jnp.array([3, 7][:batch], jnp.int32))
-    step = decoding.step_fn(CONFIG, prec)
-    text = step.lower(PARAMS, state, jnp.zeros((batch,), jnp.int32)).compile().as_text()
-    shapes = {f"{batch},{CONFIG.num_kv_heads},{length},{CONFIG.head_dim}",
-              f"{batch},{length},{CONFIG.num_kv_heads},{CONFIG.head_dim}"}
-    ops = [o for o in cache_sized(text, shapes=shapes) if "scatter" not in o[2]
-           and o[1] not in ("scatter", "dynamic-update-slice")]
-    assert not ops, (dtype, ops)
+  prec = Precision(dtype=dtype, kernel="blockwise", float32_qk_product=True,
+                   float32_logits=True, **storage)
+  state = decoding.DecodeState(
+      init_cache(CONFIG, batch, length, prec.compute_dtype, prec.cache_storage),
+      jnp.zeros((batch, CONFIG.vocab_size)), jnp.array([3, 7][:batch], jnp.int32))
+  step = decoding.step_fn(CONFIG, prec)
+  text = step.lower(PARAMS, state, jnp.zeros((batch,), jnp.int32)).compile().as_text()
+  shapes = {f"{batch},{CONFIG.num_kv_heads},{length},{CONFIG.head_dim}",
+            f"{batch},{length},{CONFIG.num_kv_heads},{CONFIG.head_dim}"}
+  ops = [o for o in cache_sized(text, shapes=shapes) if "scatter" not in o[2]
+         and o[1] not in ("scatter", "dynamic-update-slice")]
+  assert not ops, (dtype, storage, ops)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

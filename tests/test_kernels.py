@@ -206,26 +206,44 @@ class DecodeBlockOverlapTest(parameterized.TestCase):
     chex.assert_trees_all_close(out, want, atol=ATOL, rtol=RTOL)
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=ATOL, rtol=RTOL)
 
-  def test_overlapped_last_block_with_an_int8_cache(self):
+  @parameterized.parameters(("int8", "int8"), ("float8_e4m3fn", "float8_e4m3fn"),
+                            ("int8", "compute"), ("compute", "float8_e5m2"))
+  def test_overlapped_last_block_with_a_quantized_cache(self, k_dtype, v_dtype):
+    """int8 and float8 codes (float8 sliced as uint8 bits per block), and a cache with one
+    side quantized and the other bf16 (sliced as uint16 bits): as dot_product."""
     T, S, K = 1, 100, 2
     rng = np.random.default_rng(5)
     q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.bfloat16)
-    k8, v8 = (jnp.asarray(rng.integers(-127, 128, (B, S, K, H)), jnp.int8) for _ in "kv")
-    scales = contract.KVScales(
-        k_token_BxKxS=jnp.asarray(rng.random((B, K, S)) * 0.05, jnp.float32),
-        v_token_BxKxS=jnp.asarray(rng.random((B, K, S)) * 0.05, jnp.float32))
-    storage = contract.CacheStorage(k_dtype="int8", v_dtype="int8", k_scale="token",
-                                    v_scale="token")
+
+    def side(name):
+      if name == "int8":
+        return jnp.asarray(rng.integers(-127, 128, (B, S, K, H)), jnp.int8)
+      if name == "compute":
+        return jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.bfloat16)
+      return jnp.asarray(rng.normal(size=(B, S, K, H)) * 8, jnp.dtype(name))
+    kc, vc = side(k_dtype), side(v_dtype)
+    scale = lambda name, size: (None if name == "compute" else  # noqa: E731
+                                jnp.asarray(rng.random((B, K, S)) * size, jnp.float32))
+    scales = contract.KVScales(k_token_BxKxS=scale(k_dtype, 0.05),
+                               v_token_BxKxS=scale(v_dtype, 0.05))
+    storage = contract.CacheStorage(
+        k_dtype=k_dtype, v_dtype=v_dtype, k_scale=None if k_dtype == "compute" else "token",
+        v_scale=None if v_dtype == "compute" else "token")
     flags = AttentionFlags(float32_qk_product=True, float32_logits=True)
     q_pos, k_pos = _positions(T, S, decode_pos=[99, 83])
     cmask = CausalMask(q_pos, k_pos)
     kw = dict(flags=flags, kv_cache=storage, kv_scales=scales)
-    out = blockwise.blockwise_attention(q, k8, v8, kv_block=16,
-                                        **blockwise.mask_kwargs(cmask), **kw)
-    want = dot_product.dot_product_attention(q, k8, v8, mask=cmask.dense(), **kw)
+    fn = jax.jit(lambda q, kc, vc: blockwise.blockwise_attention(
+        q, kc, vc, kv_block=16, **blockwise.mask_kwargs(cmask), **kw))
+    out = fn(q, kc, vc)
+    want = dot_product.dot_product_attention(q, kc, vc, mask=cmask.dense(), **kw)
     # bf16 outputs of O(1): the two kernels differ in float32 summation order only
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                                atol=1e-2, rtol=1e-2)
+    text = fn.lower(q, kc, vc).compile().as_text()
+    for name in (k_dtype, v_dtype):   # each side sliced per block as it is stored
+      stored = {"int8": "s8", "compute": "u16"}.get(name, "u8")
+      self.assertRegex(text, rf"{stored}\[{B},2,16,16\]")
 
   @parameterized.product(dtype=["bfloat16", "float16"], batch=[1, 2])
   def test_16_bit_decode_reads_bits_per_block(self, dtype, batch):

@@ -37,9 +37,10 @@ Decode (T == 1): one query block and key blocks of ~`decode_kv_block` (a divisor
 when there is one near it), sliced straight from the cache as it lies ([B, K, S, H]:
 the [B, S, K, H] view the model passes is transposed back, which cancels), never copied
 or padded: when Sk does not divide S the last block starts at S - Sk, overlapping the one
-before, whose keys it masks. 16-bit keys and values are sliced as their uint16 bits and
-each block reinterpreted (the model's cache stores them so: the reinterpretations
-cancel). Blocks past the query's position are skipped, so the work is O(position).
+before, whose keys it masks. 16-bit keys and values and float8 codes are sliced as their
+unsigned bits (uint16, uint8) and each block reinterpreted (the model's cache stores them
+so: the reinterpretations cancel), each side on its own. Blocks past the query's
+position are skipped, so the work is O(position).
 The partial (m, l, acc) of each block are combined online (the split-K combine, done
 sequentially: on a 2-core CPU there is nothing to gain from parallel splits).
 
@@ -170,22 +171,22 @@ def blockwise_attention(q, k, v, *, mask=None,
   # (a caller's own arrays are transposed once). Slicing the view per block, and padding
   # it, cost 68% of a decode step at 8 x 4001 (SmolLM2), so a decode step pads nothing:
   # a last block that Sk does not divide starts at S - Sk (`clamp`); a prefill pads (the
-  # overlap measured 1.01-1.02x there). A decode step over 16-bit values also slices
-  # their bits and reinterprets each block (`bits`): the model's cache holds bf16 / f16
-  # as uint16 (`attnprec.cache`), so the two reinterpretations cancel, where XLA:CPU
-  # copied the reinterpreted whole cache per layer and step (docs/performance.md).
+  # overlap measured 1.01-1.02x there). A decode step over 16-bit values or float8
+  # codes also slices their bits and reinterprets each block (`_as_bits`, each side on
+  # its own): the model's cache holds bf16 / f16 as uint16 and float8 as uint8
+  # (`attnprec.cache`), so the two reinterpretations cancel, where XLA:CPU copied the
+  # reinterpreted whole cache per layer and step (docs/performance.md).
   clamp = T == 1 and Sp != S
-  bits = T == 1 and rows is None and jnp.dtype(k.dtype).itemsize == 2
   k_src, v_src = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
-  if bits:
-    k_src, v_src = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (k_src, v_src))
+  if T == 1:
+    k_src, v_src = _as_bits(k_src), _as_bits(v_src)
   if not clamp:
     k_src, v_src = _pad(k_src, 2, Sp), _pad(v_src, 2, Sp)    # no copy when Sk divides S
 
-  def block(x_src, s0):
-    """Sk keys (or values) from s0, as values (16-bit bits reinterpreted)."""
+  def block(x_src, s0, dtype):
+    """Sk keys (or values) from s0, as `dtype` values (their bits reinterpreted)."""
     x = jax.lax.dynamic_slice_in_dim(x_src, s0, Sk, axis=2)
-    return jax.lax.bitcast_convert_type(x, k.dtype) if bits else x
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
   def block_start(j):
     """Where key block j's Sk keys start in k_src (and in every [.., Sp] array)."""
@@ -198,8 +199,8 @@ def blockwise_attention(q, k, v, *, mask=None,
     m_BxKxGxTq, l_BxKxGxTq, acc_BxKxGxTqxH, count = carry
     s0 = block_start(j)
     # Sk keys; a quantized cache's codes cast (exactly) per block, never the whole cache.
-    k_blk = contract.code_operand(block(k_src, s0), rows, "k_into_qk")
-    v_blk = contract.code_operand(block(v_src, s0), rows, "v_into_wv")
+    k_blk = contract.code_operand(block(k_src, s0, k.dtype), rows, "k_into_qk")
+    v_blk = contract.code_operand(block(v_src, s0, v.dtype), rows, "v_into_wv")
     with jax.named_scope(contract.QK_SCOPE):
       logits_BxKxGxTqxSk = jnp.einsum(
           "BKGTH,BKSH->BKGTS", q_BxKxGxTqxH, k_blk, precision=prep.einsum,
@@ -321,6 +322,14 @@ def _blocks_needed(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, *, causal, sliding_wind
   if sliding_window is not None:
     need &= kmax[None, :] > qmin[:, None] - sliding_window
   return need
+
+
+def _as_bits(x):
+  """A float array of 8 or 16 bits as its unsigned-integer bits (a bitcast), else x."""
+  d = jnp.dtype(x.dtype)
+  if d.itemsize >= 4 or not jnp.issubdtype(d, jnp.floating):
+    return x
+  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * d.itemsize}"))
 
 
 def _divisor_near(S: int, target: int) -> int:
