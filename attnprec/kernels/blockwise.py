@@ -80,7 +80,9 @@ class BlockSizes:
   Defaults measured on a 2-core XLA:CPU at B=1 N=8 H=64 (interleaved): prefill S=4096
   with (Tq, Sk) in {256, 512, 1024}^2 is within ~15% for Tq, Sk <= 512 and 1.3-1.7x
   slower with Sk = 1024; decode over a 16384 cache is fastest with Sk = 512-1024 (256
-  pays loop overhead, 2048 reads past the position)."""
+  pays loop overhead, 2048 reads past the position). Re-measured at SmolLM2's shapes
+  (docs/performance.md): 2048 is 0.86x in a full cache but up to 1.9x where the cache
+  runs past the query, so decode stays at 512."""
   q_block: int = 512          # Tq: query rows per block (prefill)
   kv_block: int = 256         # Sk: keys per block when T > 1
   decode_kv_block: int = 512  # Sk: keys per block when T == 1 (a decode step)

@@ -6,6 +6,9 @@ bit-identical. The old kernel first, then from the repository root:
   git show 5008ca5:attnprec/kernels/blockwise.py > /tmp/exp/blockwise_old.py
   B=8 P=4000 .venv/bin/python results/decode-kv-layout/decode_ab.py  (bits_ab.txt)
   B=1 P=1000 R=15 CASES=bf16_flags:old,bf16_flags:new .venv/bin/python ...
+  git show 3924b33:attnprec/kernels/blockwise.py > /tmp/exp/blockwise_old.py
+  B=8 P=4000 CASES=bf16_flags_kv_fp8:old,bf16_flags_kv_fp8:new,bf16_flags:old,bf16_flags:new \
+    .venv/bin/python results/decode-kv-layout/decode_ab.py           (fp8_ab.txt)
 B batch, P prompt (the cache holds P + 1), R rounds, CASES preset:form pairs (forms old /
 new; bits_ab.txt's 'new_b1' rows ran the working tree of their day with its batch-1
 exception forced off, the form the kernel now always has)."""
