@@ -76,14 +76,14 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import (checks, decoding, kernels, keyoffset, layout, platforms, runs, train,
-                      xla_env)
+from attnprec import (checks, decoding, keyoffset, layout, platforms, runs, train, xla_env)
 from attnprec.inspect import compiled as compiled_program
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.inspect import DotSite, cache_check, inspect_lowered, offset_check
 from attnprec.inspect import pallas_check
+from attnprec.kernels import blockwise
 from attnprec.kernels import pallas as pallas_kernel
 from attnprec.inspect import report as contract_check
 from attnprec.model import init_params
@@ -203,8 +203,8 @@ def trace_programs(config: ModelConfig, train_precision: Precision,
         state, tokens_BxP, jax.ShapeDtypeStruct((batch, prompt_len), jnp.float32)))}
     # The decode programs as `generate` runs them (`decoding.for_serving`: on XLA:CPU with
     # bf16 compute the dense dots run on float32-carried weights). Under kernel 'auto' the
-    # short prefill runs dot_product and the decode step is audited over a cache long
-    # enough for its blockwise branch (when the model allows), so both kernels are seen.
+    # short prefill runs dot_product and the decode step blockwise, so both kernels are
+    # seen.
     decode_precision = decoding.serving_precision(decode_precision, target)
     prefill = jax.jit(functools.partial(decoding.prefill, config=config,
                                         precision=decode_precision,
@@ -213,9 +213,6 @@ def trace_programs(config: ModelConfig, train_precision: Precision,
     prefill_params = jax.eval_shape(lambda p: decoding.prefill_params(
         p, decode_precision, batch * prompt_len), params)
     out["prefill"] = (decode_precision, prefill.trace(prefill_params, tokens_BxP, lengths_B))
-    if (decode_precision.kernel == kernels.AUTO and
-        kernels.AUTO_MIN_KEYS <= config.max_seq_len):
-      cache_length = max(cache_length, kernels.AUTO_MIN_KEYS)
     # stored as the decode phase's cache setting says, as `decoding.prefill` stores it
     cache = jax.eval_shape(lambda: init_cache(config, batch, cache_length,
                                               decode_precision.compute_dtype,
@@ -431,12 +428,12 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
                           prompt_len=prompt_len, new_tokens=new_tokens, platform=platform)
   programs = {ph: (prec, _lower(t, platform)) for ph, (prec, t) in traced.items()}
   # Every key length an attention dot of the programs can contract over: the prompt, the
-  # cache (and the longer one the decode step gets under kernel 'auto'), the blockwise
-  # kernel's key blocks (shorter where the cache is).
+  # cache, the blockwise kernel's key blocks (shorter where the cache is).
   cache_length = prompt_len + new_tokens
   blocks = decode_precision.block_sizes
-  lengths = {prompt_len, cache_length, max(cache_length, kernels.AUTO_MIN_KEYS)}
-  lengths |= {min(b, n) for b in (blocks.kv_block, blocks.decode_kv_block) for n in lengths}
+  lengths = {prompt_len, cache_length}
+  lengths |= {min(blocks.kv_block, n) for n in lengths}
+  lengths.add(blockwise.decode_block_length(cache_length, blocks))
   phases = {ph: audit_program(ph, lowered, prec, config, compile=compile,
                               key_lengths=tuple(sorted(lengths)), platform=platform)
             for ph, (prec, lowered) in programs.items()}

@@ -462,14 +462,17 @@ class RegistryTest(parameterized.TestCase):
 
 
 class AutoTest(parameterized.TestCase):
-  """`precision.kernel = 'auto'`: blockwise from AUTO_MIN_QUERIES queries, else dot_product."""
+  """`precision.kernel = 'auto'`: blockwise for a decode step (one query) and from
+  AUTO_MIN_QUERIES queries or AUTO_MIN_KEYS keys, else dot_product."""
 
   def test_resolve(self):
     m, n = kernels.AUTO_MIN_QUERIES, kernels.AUTO_MIN_KEYS
-    self.assertEqual(kernels.resolve("auto", 1, 64), "dot_product")
+    self.assertEqual(kernels.resolve("auto", 2, 64), "dot_product")
     self.assertEqual(kernels.resolve("auto", m - 1, n - 1), "dot_product")
     self.assertEqual(kernels.resolve("auto", m, m), "blockwise")       # long prefill
-    self.assertEqual(kernels.resolve("auto", 1, n), "blockwise")       # long cache
+    self.assertEqual(kernels.resolve("auto", 2, n), "blockwise")       # long cache
+    self.assertEqual(kernels.resolve("auto", 1, 8), "blockwise")       # decode step
+    self.assertEqual(kernels.resolve("auto", 1, n), "blockwise")
     self.assertEqual(kernels.resolve("jax_nn", 10 * m, 10 * n), "jax_nn")
     with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'pallas', 'auto'"):
       kernels.resolve("autox", 1)
@@ -477,7 +480,7 @@ class AutoTest(parameterized.TestCase):
       Precision(kernel="autox")
 
   @parameterized.parameters((1, 64), (8, 272), (kernels.AUTO_MIN_QUERIES, 272),
-                            (1, kernels.AUTO_MIN_KEYS))
+                            (1, kernels.AUTO_MIN_KEYS), (2, 64))
   def test_runs_the_chosen_kernel_bit_for_bit(self, T, S):
     """attend('auto') is bitwise the output of the kernel `resolve` names (compared with
     that kernel run directly, bf16 with both flags, causal), close to float64 (bf16

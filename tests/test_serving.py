@@ -67,8 +67,8 @@ def test_serving_precision_and_cache_are_the_programs():
 
 
 @pytest.mark.parametrize("length,new,prefill,step", [
-    (5, 4, "dot_product", "dot_product"),     # P 32, S 36
-    (300, 4, "blockwise", "dot_product"),     # P 384 queries, S 388 keys
+    (5, 4, "dot_product", "blockwise"),       # P 32, S 36: a decode step is blockwise
+    (300, 4, "blockwise", "blockwise"),       # P 384 queries, S 388 keys
     (8, 500, "blockwise", "blockwise"),       # P 32, S 532 keys: both read the long cache
 ])
 def test_resolved_kernels_are_what_the_program_runs(length, new, prefill, step):
@@ -80,7 +80,8 @@ def test_resolved_kernels_are_what_the_program_runs(length, new, prefill, step):
   assert (p.prefill_kernel, p.step_kernel) == (prefill, step)
   assert p.kernel_line() == (
       f"attention kernel: prefill ({p.padded_length} tokens) {prefill}, decode steps (cache "
-      f"of {p.cache_length}) {step} (kernel=auto: blockwise from 256 queries or 512 keys)")
+      f"of {p.cache_length}) {step} (kernel=auto: blockwise for decode steps and from 256 "
+      f"queries or 512 keys)")
   prompt_BxP, lengths_B = p.padded()
   lowered = decoding.generate.lower(PARAMS, prompt_BxP, lengths_B, jax.random.PRNGKey(0),
                                     config=CONFIG, precision=p.precision, sampler=p.sampler,

@@ -72,8 +72,9 @@ class Plan:
     auto = self.precision.kernel == kernels.AUTO
     return (f"attention kernel: prefill ({self.padded_length} tokens) {self.prefill_kernel}, "
             f"decode steps (cache of {self.cache_length}) {self.step_kernel}" + (
-                f" (kernel=auto: blockwise from {kernels.AUTO_MIN_QUERIES} queries or "
-                f"{kernels.AUTO_MIN_KEYS} keys)" if auto else ""))
+                f" (kernel=auto: blockwise for decode steps and from "
+                f"{kernels.AUTO_MIN_QUERIES} queries or {kernels.AUTO_MIN_KEYS} keys)"
+                if auto else ""))
 
   def padded(self):
     """(prompt_BxP int32, lengths_B int32): the rows the program runs."""

@@ -7,11 +7,12 @@ floor (`attnprec.contract`, `attnprec.errors`). Adding a kernel: write the modul
 its tests against `kernels.dot_product` and `contract.reference_attention_np`) and add it
 to `_MODULES` below.
 
-'auto' is not a kernel but a choice by length, made from the static shapes while
-tracing: 'blockwise' for a call with at least `AUTO_MIN_QUERIES` queries (a long prefill,
-where the dense kernel's [T, S] logits dominate) or at least `AUTO_MIN_KEYS` keys (a
-decode step over a long cache, which blockwise reads only up to the query's position),
-'dot_product' otherwise (short prompts into short caches). Both honour the whole contract
+'auto' is not a kernel but a choice by shape, made from the static shapes while
+tracing: 'blockwise' for every decode step (one query: blockwise reads the cache as it
+lies, block by block, only up to the query's position, where the dense kernel reads it
+whole) and for a call with at least `AUTO_MIN_QUERIES` queries (a long prefill, where the
+dense kernel's [T, S] logits dominate) or at least `AUTO_MIN_KEYS` keys (a short prompt
+into a long cache), 'dot_product' otherwise (short prompts into short caches). Both honour the whole contract
 table, so the precision is the same either way; `resolve` says which one a call runs, and
 the compiled program shows it (`make inspect`: an online softmax in a loop is blockwise).
 """
@@ -26,10 +27,11 @@ REGISTRY: Dict[str, contract.KernelSpec] = {m.KERNEL.name: m.KERNEL for m in _MO
 NAMES: Tuple[str, ...] = tuple(REGISTRY)  # ('dot_product', 'blockwise', 'jax_nn', 'pallas')
 AUTO = "auto"
 CHOICES: Tuple[str, ...] = NAMES + (AUTO,)    # what `precision.kernel` accepts
-# 'auto' runs blockwise from this many queries, or keys, up. On SmolLM2-135M (XLA:CPU,
-# `make bench`, docs/performance.md): blockwise decode steps were faster over caches of
-# 272 / 528 / 1008 positions at batch 8; blockwise prefill was faster at 1000 tokens, and
-# 256 queries is where a causal prefill first skips blocks (not measured finer).
+# 'auto' runs blockwise for a decode step, and for a prefill from this many queries, or
+# keys, up. On SmolLM2-135M (XLA:CPU, docs/performance.md): blockwise decode steps took
+# 0.65-0.94x the dense kernel's time over caches of 65-501 positions at batch 8, 0.96-1.03x
+# at batch 1; blockwise prefill was faster at 1000 tokens, and 256 queries is where a
+# causal prefill first skips blocks (not measured finer).
 AUTO_MIN_QUERIES = 256
 AUTO_MIN_KEYS = 512
 AUTO_KERNELS = ("dot_product", "blockwise")
@@ -44,13 +46,13 @@ def get(name: str) -> contract.KernelSpec:
 
 def resolve(name: str, num_queries: int, num_keys: int = 0) -> str:
   """The kernel a call with `num_queries` queries over `num_keys` keys runs under
-  `precision.kernel = name`."""
+  `precision.kernel = name` (one query: a decode step)."""
   if name not in CHOICES:
     raise choice_error("attention kernel", name, CHOICES)
   if name != AUTO:
     return name
   long = num_queries >= AUTO_MIN_QUERIES or num_keys >= AUTO_MIN_KEYS
-  return "blockwise" if long else "dot_product"
+  return "blockwise" if long or num_queries == 1 else "dot_product"
 
 
 def runs_blockwise(name: str) -> bool:

@@ -145,7 +145,7 @@ def blockwise_attention(q, k, v, *, mask=None,
   sizes = block_sizes
   Tq = min(q_block or sizes.q_block, T)
   if T == 1:
-    Sk = min(kv_block or _divisor_near(S, sizes.decode_kv_block), S)
+    Sk = min(kv_block, S) if kv_block else decode_block_length(S, sizes)
   else:
     Sk = min(kv_block or sizes.kv_block, S)
   nq, nk = math.ceil(T / Tq), math.ceil(S / Sk)
@@ -332,6 +332,12 @@ def _as_bits(x):
   if d.itemsize >= 4 or not jnp.issubdtype(d, jnp.floating):
     return x
   return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * d.itemsize}"))
+
+
+def decode_block_length(S: int, sizes: BlockSizes = BlockSizes()) -> int:
+  """Sk, the keys per block of a decode step over S keys: the largest divisor of S in
+  [decode_kv_block / 2, decode_kv_block], else decode_kv_block; at most S."""
+  return min(_divisor_near(S, sizes.decode_kv_block), S)
 
 
 def _divisor_near(S: int, target: int) -> int:
