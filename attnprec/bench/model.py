@@ -62,8 +62,8 @@ from attnprec.cache import cache_bytes
 from attnprec.errors import UserError
 from attnprec.precision import Precision
 
-# fp32 / bf16_flags / bf16 run what `make decode` runs: kernel 'auto' (blockwise for a
-# prefill of >= kernels.AUTO_MIN_QUERIES tokens, dot_product for decode steps).
+# fp32 / bf16_flags / bf16 run what `make decode` runs: kernel 'auto' (`kernels.resolve`:
+# blockwise for every decode step and for a prefill of >= kernels.AUTO_MIN_QUERIES tokens).
 _FLAGS = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True)
 PRESETS: Dict[str, Precision] = {
     "fp32": Precision(kernel="auto"),

@@ -28,10 +28,12 @@ NAMES: Tuple[str, ...] = tuple(REGISTRY)  # ('dot_product', 'blockwise', 'jax_nn
 AUTO = "auto"
 CHOICES: Tuple[str, ...] = NAMES + (AUTO,)    # what `precision.kernel` accepts
 # 'auto' runs blockwise for a decode step, and for a prefill from this many queries, or
-# keys, up. On SmolLM2-135M (XLA:CPU, docs/performance.md): blockwise decode steps took
-# 0.65-0.94x the dense kernel's time over caches of 65-501 positions at batch 8, 0.96-1.03x
-# at batch 1; blockwise prefill was faster at 1000 tokens, and 256 queries is where a
-# causal prefill first skips blocks (not measured finer).
+# keys, up. On SmolLM2-135M (XLA:CPU, docs/performance.md "Short caches"): blockwise
+# decode steps took 0.62-1.06x the dense kernel's time over caches of 33-501 positions
+# (fp32, bf16, bf16 + flags, int8 cache; batch 1 and 8); blockwise prefill was faster at
+# 1000 tokens, and 256 queries is where a causal prefill first skips blocks (shorter
+# prefills measured 0.82-0.99x blockwise / dense, but moved `make decode`'s greedy
+# continuation off its float32 reference's at one near tie: not adopted without a study).
 AUTO_MIN_QUERIES = 256
 AUTO_MIN_KEYS = 512
 AUTO_KERNELS = ("dot_product", "blockwise")

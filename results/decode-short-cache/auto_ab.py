@@ -1,0 +1,38 @@
+"""One-off: for each preset, the kernel 'auto' picks over a short prompt / cache (the dense
+one, before this change) against blockwise, per phase (the prefill of the prompt, or one
+decode step after it), interleaved per case, SmolLM2, medians of R rounds. From the
+repository root:
+  PRESETS=bf16,fp32 PHASES=prefill,decode CASES=1x32,8x200 \\
+    .venv/bin/python results/decode-short-cache/auto_ab.py     (auto_ab.txt)"""
+import dataclasses, os, statistics, sys
+sys.path.insert(0, os.getcwd())
+from attnprec import xla_env; xla_env.disable_excess_precision()
+import numpy as np
+from attnprec import checkpoints, cpu_features
+from attnprec.bench import model as MB
+
+CASES = [tuple(int(v) for v in c.split('x')) for c in os.environ.get('CASES', '1x32,1x200,8x32,8x200').split(',')]
+PRESETS = os.environ.get('PRESETS', 'bf16,fp32').split(',')
+PHASES = os.environ.get('PHASES', 'prefill,decode').split(',')
+R = int(os.environ.get('R', 9))
+ckpt = checkpoints.load(os.environ.get('M', 'smollm2-135m'))
+print('CPU:', cpu_features.describe(), flush=True)
+for B, P in CASES:
+  prompt = np.random.default_rng(0).integers(0, ckpt.config.vocab_size, (B, P)).astype(np.int32)
+  carried, cases = {}, {}
+  for preset in PRESETS:
+    for kernel in ('dot_product', 'blockwise'):
+      prec = dataclasses.replace(MB.PRESETS[preset], kernel=kernel)
+      cases[(preset, kernel)] = MB._AttnprecCase(ckpt.config, ckpt.params, prec, prompt, 1, carried=carried)
+  for phase in PHASES:
+    ts = {k: [] for k in cases}
+    for _ in range(R):
+      for k, c in cases.items():
+        run = c.prefill if phase == 'prefill' else c.decode
+        run(); ts[k].append(run())
+    med = {k: statistics.median(v) * 1e3 for k, v in ts.items()}
+    for preset in PRESETS:
+      d, b = med[(preset, 'dot_product')], med[(preset, 'blockwise')]
+      print(f'{B}x{P} (cache {P + 1}) {phase:7s} {preset:12s} dot_product {d:8.1f} ms, '
+            f'blockwise {b:8.1f} ms: blockwise / dense {b / d:.3f}', flush=True)
+  del cases
