@@ -40,10 +40,11 @@ for all four lengths, the float32 reference 74 min (2-core machine, beside other
 Kernel. `retrieval.kernel` replaces every preset's attention kernel (the flags are kept),
 so all presets are compared under one kernel. gin/experiments/eval_retrieval.gin sets
 'blockwise', the kernel `make decode` serves long contexts with (`auto` picks it from
-512 keys up, and for every decode step): measured on the 0.5B (2-core machine, shared with a HumanEval run), one
-512-token prefill chunk over a 4.6k-position cache took 15-20 s with dot_product and
-2-5 s with blockwise (bf16 and the reference alike), because blockwise skips the key
-blocks the causal mask hides and never materialises the [heads, 512, cache] scores.
+512 keys up, and for every decode step): measured on the 0.5B (2-core machine, shared
+with a HumanEval run), one 512-token prefill chunk over a 4.6k-position cache took
+15-20 s with dot_product and 2-5 s with blockwise (bf16 and the reference alike), because
+blockwise skips the key blocks the causal mask hides and never materialises the
+[heads, 512, cache] scores.
 Blockwise keeps its running sum and output accumulator in float32 whatever the flags
 (docs/kernels.md), so with both flags off it rounds less than dot_product would; the logits still leave the
 qk dot in bf16 without `float32_qk_product`, the rounding this task probes.

@@ -12,8 +12,8 @@ tracing: 'blockwise' for every decode step (one query: blockwise reads the cache
 lies, block by block, only up to the query's position, where the dense kernel reads it
 whole) and for a call with at least `AUTO_MIN_QUERIES` queries (a long prefill, where the
 dense kernel's [T, S] logits dominate) or at least `AUTO_MIN_KEYS` keys (a short prompt
-into a long cache), 'dot_product' otherwise (short prompts into short caches). Both honour the whole contract
-table, so the precision is the same either way; `resolve` says which one a call runs, and
+into a long cache), 'dot_product' otherwise (short prompts into short caches). Both
+honour the whole contract table, so the precision is the same either way; `resolve` says which one a call runs, and
 the compiled program shows it (`make inspect`: an online softmax in a loop is blockwise).
 """
 from typing import Dict, Optional, Tuple
