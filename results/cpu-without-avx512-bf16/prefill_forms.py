@@ -1,0 +1,57 @@
+"""One-off: SmolLM2-135M's prefill (its shapes, random weights: the speed does not depend
+on the values) on the CPU this runs on, float32 against bf16 compute with both flags
+under each projection form (`precision.projection_form`: 'auto', which picks by the CPU's
+features, 'compute_dtype_dot', 'float32_dot'), as `generate` runs it (`for_serving`,
+`prefill_params`, kernel 'auto'), interleaved rounds, medians. Written for a CPU without
+avx512_bf16 (the question: is bf16 prefill no slower than float32 there?). From the
+repository root, with JAX on the CPU:
+  JAX_PLATFORMS=cpu python3 results/cpu-without-avx512-bf16/prefill_forms.py"""
+import dataclasses, functools, os, statistics, sys, time
+sys.path.insert(0, os.getcwd())
+from attnprec import xla_env; xla_env.disable_excess_precision()
+import jax, jax.numpy as jnp, numpy as np
+from attnprec import cpu_features, decoding, layers
+from attnprec.config import ModelConfig
+from attnprec.model import init_params
+from attnprec.precision import Precision
+
+CONFIG = ModelConfig(vocab_size=49152, d_model=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                     head_dim=64, mlp_hidden=1536, rope_base=100000.0, tie_embeddings=True,
+                     max_seq_len=8192)
+CASES = [tuple(int(v) for v in c.split('x')) for c in os.environ.get('CASES', '1x1000').split(',')]
+R = int(os.environ.get('R', 5))
+FLAGS = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True, kernel="auto")
+FORMS = {
+    'fp32': Precision(kernel="auto"),
+    'bf16 + flags, projection_form=auto': Precision(**FLAGS),
+    'bf16 + flags, compute_dtype_dot': Precision(projection_form="compute_dtype_dot", **FLAGS),
+    'bf16 + flags, float32_dot': Precision(projection_form="float32_dot", **FLAGS),
+    'bf16 + flags, mlp_activation=float32': Precision(mlp_activation="float32", **FLAGS),
+    'bf16, flags off': Precision(dtype="bfloat16", kernel="auto"),
+}
+if os.environ.get('FORMS'):
+  FORMS = {n: FORMS[n] for n in ['fp32'] + [f for f in os.environ['FORMS'].split(';') if f != 'fp32']}
+print('CPU:', cpu_features.describe(), '| cores:', os.cpu_count(), '| jax', jax.__version__,
+      jax.default_backend(), flush=True)
+params = init_params(CONFIG, jax.random.PRNGKey(0))
+for B, P in CASES:
+  prompt = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (B, P)), jnp.int32)
+  lengths = jnp.full((B,), P, jnp.int32)
+  runs = {}
+  for name, prec in FORMS.items():
+    served, serving = decoding.for_serving(params, prec)
+    pparams = decoding.prefill_params(served, serving, B * P)
+    fn = jax.jit(functools.partial(decoding.prefill, config=CONFIG, precision=serving,
+                                   cache_length=P + 1))
+    compiled = fn.lower(pparams, prompt, lengths).compile()
+    runs[name] = (compiled, pparams)
+    print(f'compiled {name}: projections={layers.projection_form(serving)}', flush=True)
+  ts = {n: [] for n in runs}
+  for _ in range(R):
+    for n, (c, p) in runs.items():
+      jax.block_until_ready(c(p, prompt, lengths))
+      t0 = time.perf_counter(); jax.block_until_ready(c(p, prompt, lengths))
+      ts[n].append(time.perf_counter() - t0)
+  med = {n: statistics.median(v) for n, v in ts.items()}
+  for n, m in med.items():
+    print(f'{B}x{P} prefill {n:38s} {m:7.3f} s  {m / med["fp32"]:.2f}x fp32', flush=True)
