@@ -5,7 +5,11 @@ features, 'compute_dtype_dot', 'float32_dot'), as `generate` runs it (`for_servi
 `prefill_params`, kernel 'auto'), interleaved rounds, medians. Written for a CPU without
 avx512_bf16 (the question: is bf16 prefill no slower than float32 there?). From the
 repository root, with JAX on the CPU:
-  JAX_PLATFORMS=cpu python3 results/cpu-without-avx512-bf16/prefill_forms.py"""
+  JAX_PLATFORMS=cpu python3 results/cpu-without-avx512-bf16/prefill_forms.py
+prefill_2cores.txt (`taskset -c 0,1`) and prefill_13cores.txt ran the first four forms,
+before the last two were added; prefill_2cores_b.txt ran
+  CASES=1x1000 R=7 FORMS="bf16 + flags, projection_form=auto;bf16 + flags, mlp_activation=float32;bf16, flags off" taskset -c 0,1 ...
+"""
 import dataclasses, functools, os, statistics, sys, time
 sys.path.insert(0, os.getcwd())
 from attnprec import xla_env; xla_env.disable_excess_precision()
