@@ -2,8 +2,15 @@
 one, before this change) against blockwise, per phase (the prefill of the prompt, or one
 decode step after it), interleaved per case, SmolLM2, medians of R rounds. From the
 repository root:
-  PRESETS=bf16,fp32 PHASES=prefill,decode CASES=1x32,8x200 \\
-    .venv/bin/python results/decode-short-cache/auto_ab.py     (auto_ab.txt)"""
+  .venv/bin/python results/decode-short-cache/auto_ab.py          (auto_ab.txt)
+short_ab.txt and prefill_short_ab.txt beside it came from two earlier one-off scripts that
+timed the same pairs (the dense kernel then being what 'auto' ran there), as
+  PRESETS=bf16_flags,bf16_flags_kv_int8 PHASES=decode R=9 \\
+    CASES=1x32,1x128,1x300,1x500,8x32,8x128,8x300,8x500 ...   (then R=15,
+    CASES=1x64,1x200,1x500,8x64,8x200,8x400)
+  PRESETS=bf16_flags PHASES=prefill R=9 CASES=1x64,1x128,1x200,8x64,8x128,8x200 ...
+    (then R=11, CASES=1x16,1x32,1x64,1x200,8x16,8x32,8x200)
+and printed the same figures in other words."""
 import dataclasses, os, statistics, sys
 sys.path.insert(0, os.getcwd())
 from attnprec import xla_env; xla_env.disable_excess_precision()
