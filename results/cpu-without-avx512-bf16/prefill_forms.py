@@ -7,7 +7,7 @@ avx512_bf16 (the question: is bf16 prefill no slower than float32 there?). From 
 repository root, with JAX on the CPU:
   JAX_PLATFORMS=cpu python3 results/cpu-without-avx512-bf16/prefill_forms.py
 prefill_2cores.txt (`taskset -c 0,1`) and prefill_13cores.txt ran the first four forms,
-before the last two were added; prefill_2cores_b.txt ran
+before the last two were added and before the finiteness check; prefill_2cores_b.txt ran
   CASES=1x1000 R=7 FORMS="bf16 + flags, projection_form=auto;bf16 + flags, mlp_activation=float32;bf16, flags off" taskset -c 0,1 ...
 """
 import dataclasses, functools, os, statistics, sys, time
@@ -48,6 +48,9 @@ for B, P in CASES:
     fn = jax.jit(functools.partial(decoding.prefill, config=CONFIG, precision=serving,
                                    cache_length=P + 1))
     compiled = fn.lower(pparams, prompt, lengths).compile()
+    # a timing of a broken program would read like any other: its logits must be finite
+    if not np.isfinite(np.asarray(compiled(pparams, prompt, lengths).last_BxV)).all():
+      raise SystemExit(f'{B}x{P} {name}: non-finite logits')
     runs[name] = (compiled, pparams)
     print(f'compiled {name}: projections={layers.projection_form(serving)}', flush=True)
   ts = {n: [] for n in runs}

@@ -14,7 +14,7 @@ and printed the same figures in other words."""
 import dataclasses, os, statistics, sys
 sys.path.insert(0, os.getcwd())
 from attnprec import xla_env; xla_env.disable_excess_precision()
-import numpy as np
+import jax, jax.numpy as jnp, numpy as np
 from attnprec import checkpoints, cpu_features
 from attnprec.bench import model as MB
 
@@ -30,7 +30,13 @@ for B, P in CASES:
   for preset in PRESETS:
     for kernel in ('dot_product', 'blockwise'):
       prec = dataclasses.replace(MB.PRESETS[preset], kernel=kernel)
-      cases[(preset, kernel)] = MB._AttnprecCase(ckpt.config, ckpt.params, prec, prompt, 1, carried=carried)
+      case = MB._AttnprecCase(ckpt.config, ckpt.params, prec, prompt, 1, carried=carried)
+      # a timing of a broken program would read like any other: its logits must be finite
+      step, _ = case._decode(case.params, jax.tree_util.tree_map(jnp.copy, case.state0), case.first)
+      for what, x in (('prefill', case.state0.last_BxV), ('decode step', step.last_BxV)):
+        if not np.isfinite(np.asarray(x)).all():
+          raise SystemExit(f'{B}x{P} {preset} {kernel}: non-finite logits after the {what}')
+      cases[(preset, kernel)] = case
   for phase in PHASES:
     ts = {k: [] for k in cases}
     for _ in range(R):
