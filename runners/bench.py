@@ -27,7 +27,8 @@ XLA:CPU's own per-thunk trace of the compiled prefill (`attnprec.bench.profile`)
 
 `attention_forms`: the blockwise kernel's block sizes side by side at the shipped models'
 attention shapes (`--model=smollm2-135m,qwen2.5-coder-0.5b`), bf16 with both flags,
-against torch SDPA bf16 in the same rounds (`attnprec.bench.attention_forms`);
+against torch SDPA bf16 in the same rounds and the contract's floor (both dots at the
+matmul rates measured in the run; `attnprec.bench.attention_forms`);
 `--seq_lens` (default 4096), `--blocks=512/256,512/512` (Q/KV; the first is the baseline),
 `--rounds` (default 5), `--no_torch`. Writes <out>/attention_forms.json, attention_forms.md.
 

@@ -262,13 +262,42 @@ def test_attention_forms_tiny(tmp_path):
   result = forms.run(seq_lens=(96,), shapes=("smollm2-135m",),
                      blocks=((32, 32), (64, 32), (96, 96)), rounds=1, include_torch=False,
                      log=lambda m: None)
-  rows = result["rows"]
+  rows, floor = result["rows"][:-1], result["rows"][-1]
   assert [r["form"] for r in rows] == ["q32/kv32", "q64/kv32", "q96/kv96"]
+  assert floor["form"] == forms.FLOOR and floor["median_s"] > 0
   assert rows[0]["vs_default"] == 1.0 and rows[0]["max_abs_vs_default"] == 0.0
   assert all(r["max_abs_vs_default"] <= 0.05 for r in rows)
   assert all(r["median_s"] > 0 and r["vs_torch"] is None for r in rows)
   json.dumps(result)
   assert "| smollm2-135m (9 / 3) | 96 | q64/kv32 |" in forms.to_markdown(result)
+
+
+def test_attention_forms_contract_floor_counts_each_dot_at_its_operands_rate(monkeypatch):
+  """The floor row: the QK dot's FLOPs at the bf16 rate (bf16 x bf16 -> f32 with the
+  float32 QK product), the PV dot's at the float32 rate (float32 probabilities), over the
+  causal visible pairs, held to the fastest rate over the shapes and the two measurements; counted by hand
+  here (S = 96, N = 9, H = 64)."""
+  from attnprec.bench import attention_forms as forms
+  # per shape, before the rounds then after: the fastest of each dtype must count
+  measured = iter([{"f32": 1e11, "bf16": 4e11}, {"f32": 0.5e11, "bf16": 1e11},
+                   {"f32": 0.9e11, "bf16": 2e11}, {"f32": 2e11, "bf16": 3e11},
+                   {"f32": 1e11, "bf16": 1e11}, {"f32": 1e11, "bf16": 1e11}])
+  monkeypatch.setattr(forms, "FLOOR_SHAPES", ((1, 1, 1), (2, 2, 2), (3, 3, 3)))
+  monkeypatch.setattr(forms, "matmul_peak", lambda shape: next(measured))
+  result = forms.run(seq_lens=(96,), shapes=("smollm2-135m",), blocks=((32, 32),),
+                     rounds=1, include_torch=False, log=lambda m: None)
+  flops = 2 * 64 * 9 * (96 * 97 // 2)
+  floor = result["rows"][-1]
+  assert floor["form"] == forms.FLOOR
+  assert floor["median_s"] == pytest.approx(flops / 4e11 + flops / 2e11, rel=1e-12)
+  assert floor["vs_default"] == pytest.approx(floor["median_s"] / result["rows"][0]["median_s"])
+  assert result["config"]["matmul_rates"] == {"f32": 2e11, "bf16": 4e11}
+  assert "the PV dot at 200 (f32)" in forms.to_markdown(result)
+  # all-bf16 flags put the PV dot on bf16 probabilities: both dots at the bf16 rate
+  off = forms.contract_floor_s(96, 9, {"f32": 1e11, "bf16": 4e11},
+                               flags=forms.contract.AttentionFlags(
+      float32_qk_product=False, float32_logits=False))
+  assert off == pytest.approx(2 * flops / 4e11, rel=1e-12)
 
 
 def test_attention_forms_bad_input_exits_2_and_writes_nothing(tmp_path):
@@ -297,7 +326,7 @@ def test_attention_forms_marks_a_non_finite_form_and_checks_its_sizes(monkeypatc
   monkeypatch.setattr(forms, "blockwise_attention", broken)
   result = forms.run(seq_lens=(64,), shapes=("smollm2-135m",), blocks=((32, 32), (64, 32)),
                      rounds=1, include_torch=False, log=lambda m: None)
-  good, bad = result["rows"]
+  good, bad, floor = result["rows"]
   assert good["finite"] and "max_abs_vs_default" in good
   assert bad["finite"] is False and "max_abs_vs_default" not in bad
   assert "| q64/kv32 |" in forms.to_markdown(result)

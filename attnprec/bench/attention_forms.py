@@ -13,6 +13,17 @@ interleaved, every form and torch once per round, each timed call preceded by on
 untimed call (the ordering bias measured in docs/performance.md); medians.
 `vs_default` = time / the default blocks' time; `vs_torch` = time / torch SDPA bf16's
 (`enable_gqa`, float32 softmax statistics in its CPU flash kernel).
+
+The contract floor (one row per shape and length, not timed): the time the contract's two
+dots alone would take at the matmul rates XLA:CPU reaches on this machine, measured in
+the same run (`model.matmul_peak` at the shapes of FLOOR_SHAPES, the fastest of them, and
+the faster of a measurement before and after the rounds; XLA:CPU's rate depends on the
+shape by up to 2x): the QK dot's FLOPs over visible pairs at the rate of its operands (bf16 x bf16
+-> float32 with the float32 QK product), the PV dot's at the float32 rate (the float32
+probabilities into it, MaxText's semantics, and values cast to float32), everything else
+free. No kernel that honours the contract with XLA:CPU's dots runs faster; a peer below
+it runs something the contract does not (torch SDPA bf16's PV dot takes bf16
+probabilities, at the bf16 rate).
 """
 import os
 import statistics
@@ -24,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnprec import contract, cpu_features
+from attnprec.bench.model import matmul_peak
 from attnprec.errors import UserError
 from attnprec.kernels.blockwise import BlockSizes, blockwise_attention
 
@@ -34,6 +46,23 @@ DEFAULT_SEQ_LENS = (4096,)
 DEFAULT_BLOCKS = ((BlockSizes().q_block, BlockSizes().kv_block), (512, 512), (256, 256),
                   (256, 512), (1024, 512), (128, 1024), (1024, 1024))
 FLAGS = contract.AttentionFlags(float32_qk_product=True, float32_logits=True)
+FLOOR = "contract floor"
+# (m, k, n) dots the floor's rates are measured at: the projections' peak shape, a square
+# one and a long one; the fastest rate of each dtype counts
+FLOOR_SHAPES = ((1000, 576, 1536), (2048, 2048, 2048), (4096, 1024, 1024))
+_RATE_KEYS = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16"}
+
+
+def contract_floor_s(S: int, N: int, rates: Dict[str, float], *, H: int = HEAD_DIM,
+                     flags: contract.AttentionFlags = FLAGS, compute=jnp.bfloat16) -> float:
+  """Seconds the contract's QK and PV dots of a causal prefill of S tokens (N query heads,
+  head dim H) take at `rates` ({"f32": FLOP/s, "bf16": FLOP/s of bf16 x bf16 -> f32}),
+  each dot at the rate of its operand dtype in the contract table; 2 H FLOPs per visible
+  (query head, query, key) triple and dot."""
+  stages = contract.stage_dtypes(compute, flags)
+  flops = 2.0 * H * N * S * (S + 1) / 2
+  return (flops / rates[_RATE_KEYS[jnp.dtype(stages["qkv"])]]
+          + flops / rates[_RATE_KEYS[jnp.dtype(stages["probs"])]])
 
 
 def _inputs(S: int, N: int, K: int, seed: int = 0):
@@ -83,6 +112,8 @@ def run(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, shapes: Sequence[str] = t
                             torch=torch_version or "not run",
                             xla_flags=os.environ.get("XLA_FLAGS", "")), rows=[])
   t_start = time.perf_counter()
+  rates = _best_rates()
+  result["config"]["matmul_rates_start"] = dict(rates)
   for shape in shapes:
     N, K = SHAPES[shape]
     for S in seq_lens:
@@ -121,10 +152,37 @@ def run(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, shapes: Sequence[str] = t
           if row["finite"] and np.isfinite(ref).all():
             row["max_abs_vs_default"] = float(np.max(np.abs(outs[name] - ref)))
         result["rows"].append(row)
+      result["rows"].append(_floor_row(shape, N, K, S, rates, med[default],
+                                       med.get("torch_sdpa_bf16")))
       if on_row:
         on_row(result)
+  end = _best_rates()
+  result["config"]["matmul_rates_end"] = dict(end)
+  # the floors are held to the faster of the two measurements: a lower bound stays one
+  best = {key: max(rates[key], end[key]) for key in rates}
+  result["config"]["matmul_rates"] = best
+  result["rows"] = [r if r["form"] != FLOOR else _floor_row(
+      r["shape"], r["N"], r["K"], r["S"], best, r["default_s"], r["torch_s"])
+      for r in result["rows"]]
   result["wall_s"] = time.perf_counter() - t_start
   return result
+
+
+def _best_rates() -> Dict[str, float]:
+  """The fastest FLOP/s of each dot dtype over FLOOR_SHAPES (`matmul_peak`)."""
+  best: Dict[str, float] = {}
+  for shape in FLOOR_SHAPES:
+    for key, rate in matmul_peak(shape).items():
+      best[key] = max(best.get(key, 0.0), rate)
+  return best
+
+
+def _floor_row(shape, N, K, S, rates, default_s, torch_s) -> dict:
+  """The contract floor's row (not timed) beside the timed forms of (shape, S)."""
+  floor = contract_floor_s(S, N, rates)
+  return dict(shape=shape, N=N, K=K, S=S, form=FLOOR, median_s=floor,
+              vs_default=floor / default_s, default_s=default_s, torch_s=torch_s,
+              vs_torch=None if torch_s is None else floor / torch_s)
 
 
 def to_markdown(result: dict) -> str:
@@ -133,7 +191,8 @@ def to_markdown(result: dict) -> str:
            f"torch {cfg['torch']}; blockwise, bf16 inputs, {cfg['flags']}; causal, B = 1, "
            f"H = {cfg['head_dim']}; {cfg['rounds']} interleaved rounds, medians."
            + ("" if "wall_s" in result else " PARTIAL: the run stopped before its last "
-              "(shape, length); the rows below are the ones it finished."), "",
+              "(shape, length); the rows below are the ones it finished.")
+           + _rates_line(cfg), "",
            "| shape (N / K) | S | form | ms | vs default blocks | vs torch SDPA bf16 | "
            "max abs vs default |", "|---|---:|---|---:|---:|---:|---:|"]
   for r in result["rows"]:
@@ -145,3 +204,12 @@ def to_markdown(result: dict) -> str:
                  f"{1000 * r['median_s']:.1f} | {r['vs_default']:.2f} | {torch_ratio} | "
                  f"{diff} |")
   return "\n".join(lines) + "\n"
+
+
+def _rates_line(cfg: dict) -> str:
+  rates = cfg.get("matmul_rates") or cfg.get("matmul_rates_start")
+  if not rates:
+    return ""
+  return (f" Contract floor: the QK dot at {rates['bf16'] / 1e9:.0f} GFLOP/s (bf16 x bf16 "
+          f"-> f32), the PV dot at {rates['f32'] / 1e9:.0f} (f32), the matmul rates "
+          "measured in this run; nothing else counted.")
