@@ -470,6 +470,31 @@ class Prepared:
         self.B, self.T, self.K, self.G, self.H)
     return query_operand(q_BxTxKxGxH, self.rows, self.kv_scales)
 
+  def check_float32_qk_operands(self, q) -> None:
+    """Refuses the QK dot's float32 form (`float32_qk_operands`) where it would change a
+    stage or not be used: it casts 16-bit q and k values exactly to float32 for a dot
+    whose product the table makes float32 anyway, so it needs the float32 QK product, a
+    16-bit c, keys of c (not a quantized cache's codes) and an einsum precision that
+    does not name its own operand types (a dot-algorithm preset)."""
+    why = []
+    if self.stages["logits"] != jnp.float32 or q.dtype == jnp.float32:
+      why.append(f"a float32 QK product of a 16-bit compute dtype (got q {q.dtype}, "
+                 f"float32_qk_product={self.flags.float32_qk_product})")
+    if self.rows is not None and self.rows["k_scale"] is not None:
+      why.append(f"keys of the compute dtype (got {self.rows['k_cache']} cache codes)")
+    if isinstance(self.einsum, jax.lax.DotAlgorithmPreset):
+      why.append(f"a plain einsum_precision (got the preset {self.einsum.name})")
+    if why:
+      raise UserError("float32_qk_operands=True runs the QK dot on q and k cast to "
+                      "float32, which needs " + "; and ".join(why) + ". Pass "
+                      "float32_qk_operands=False, or change the setting named.")
+
+
+def qk_operand(x, float32_operands: bool):
+  """A QK dot operand as the dot takes it: x, or x cast (exactly) to float32 in the
+  float32 form (`Precision.float32_qk_operands`; checked by `check_float32_qk_operands`)."""
+  return x.astype(jnp.float32) if float32_operands else x
+
 
 def prepare(q, k, v, flags: AttentionFlags, *, scale=None,
             kv_cache: CacheStorage = COMPUTE_CACHE, kv_scales=None) -> Prepared:

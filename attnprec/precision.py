@@ -184,17 +184,37 @@ class Precision:
       return "float32_dot"
     return "by_rows"
 
+  def float32_qk_operands(self, backend: Optional[str] = None,
+                          num_queries: Optional[int] = None) -> bool:
+    """Whether the attention's QK dot runs in the float32 form too: on q and k cast
+    (exactly) to float32, where the projection form in force is 'float32_dot' (a CPU
+    without bf16 dots under 'auto', or forced), the QK product is float32
+    (`float32_qk_product`, a 16-bit compute dtype), the keys are values of c (not a
+    quantized cache's codes), `einsum_precision` is not a dot-algorithm preset (which
+    names its own operand types), and the kernel takes the form (`kernels.QK_FORM_KERNELS`);
+    for calls of more than one query (prefill, training; `num_queries`, None: any): a
+    decode step keeps the c x c -> float32 dot, which measured as fast or faster there
+    (docs/performance.md). The products and the float32 accumulation are those of the
+    c x c -> float32 dot; only the summation order may differ."""
+    return (self.projection(backend) == "float32_dot" and self.float32_qk_product
+            and self.kv_cache_k_dtype not in SCALED_KV_DTYPES
+            and self.einsum_precision.upper() not in ALGORITHM_PRESETS
+            and self.kernel in kernels.QK_FORM_KERNELS and num_queries != 1)
+
   def describe_projection(self, backend: Optional[str] = None) -> str:
     """'' for float32 compute, else ' projections=FORM' (with why, for 'auto')."""
     form = self.projection(backend)
     if form in ("float32", "preset"):
       return ""
     if self.projection_form != "auto":
-      return f" projections={form}"
+      return f" projections={form}" + self._qk_form(backend)
     backend = backend or _target_backend()
     why = (cpu_features.describe() if backend == "cpu"
            else backend)
-    return f" projections=auto:{form}({why})"
+    return f" projections=auto:{form}({why})" + self._qk_form(backend)
+
+  def _qk_form(self, backend: Optional[str] = None) -> str:
+    return " qk_dot=float32_dot(prefill)" if self.float32_qk_operands(backend) else ""
 
   def describe(self) -> str:
     return (f"dtype={self.dtype} {self.attention.describe()} "

@@ -320,7 +320,8 @@ def test_a_forced_form_is_what_xla_compiles_in_prefill(form, types):
 def test_a_forced_form_holds_in_a_decode_step():
   """At one row: 'compute_dtype_dot' emits a bf16 dot for each of the 7 projections per
   layer and the unembedding, where 'float32_dot' emits float32 ones (the attention's own
-  dots are the same in both)."""
+  dots are the same in both: a decode step keeps the bf16 QK dot,
+  `Precision.float32_qk_operands`, tests/test_qk_form.py)."""
   extra = _bf16_dots_of_a_decode_step("compute_dtype_dot") - \
       _bf16_dots_of_a_decode_step("float32_dot")
   assert extra == 7 * CONFIG.num_layers + 1

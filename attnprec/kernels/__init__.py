@@ -37,6 +37,9 @@ CHOICES: Tuple[str, ...] = NAMES + (AUTO,)    # what `precision.kernel` accepts
 AUTO_MIN_QUERIES = 256
 AUTO_MIN_KEYS = 512
 AUTO_KERNELS = ("dot_product", "blockwise")
+# The kernels whose QK dot takes the float32 form (`Precision.float32_qk_operands`: q and
+# k cast to float32 on a CPU without bf16 dots); jax_nn's and pallas' dots are their own.
+QK_FORM_KERNELS = ("dot_product", "blockwise", AUTO)
 
 
 def get(name: str) -> contract.KernelSpec:

@@ -112,7 +112,8 @@ def blockwise_attention(q, k, v, *, mask=None,
                         q_block: Optional[int] = None, kv_block: Optional[int] = None,
                         block_sizes: BlockSizes = BlockSizes(),
                         kv_cache: contract.CacheStorage = contract.COMPUTE_CACHE,
-                        kv_scales=None, return_stats: bool = False):
+                        kv_scales=None, float32_qk_operands: bool = False,
+                        return_stats: bool = False):
   """Flash-style attention; same contract and arguments as `dot_product_attention`.
 
   Extra args:
@@ -127,6 +128,9 @@ def blockwise_attention(q, k, v, *, mask=None,
       scale on the block's logits, a value scale on the block's un-normalised
       probabilities before the wv dot; the running sum l is taken before the value
       scale, so the normalisation is that of the probabilities).
+    float32_qk_operands: the QK dot on q and each key block cast exactly to float32
+      (`Precision.float32_qk_operands`: a CPU without bf16 dots), as for
+      `dot_product_attention`.
     return_stats: also return {"blocks_computed": int32 scalar, "blocks_total": int}.
 
   Returns:
@@ -160,7 +164,9 @@ def blockwise_attention(q, k, v, *, mask=None,
   need_NQxNK = _blocks_needed(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, causal=causal,
                               sliding_window=sliding_window)
 
-  q_BxTxKxGxH = prep.queries(q)
+  if float32_qk_operands:
+    prep.check_float32_qk_operands(q)
+  q_BxTxKxGxH = contract.qk_operand(prep.queries(q), float32_qk_operands)
   q_BxKxGxTpxH = _pad(jnp.transpose(q_BxTxKxGxH, (0, 2, 3, 1, 4)), 3, Tp)
   # A quantized cache's per-token scales, [B, K, Sp] (padding scale 0), sliced per block.
   k_tok = v_tok = None
@@ -205,7 +211,8 @@ def blockwise_attention(q, k, v, *, mask=None,
     v_blk = contract.code_operand(block(v_src, s0, v.dtype), rows, "v_into_wv")
     with jax.named_scope(contract.QK_SCOPE):
       logits_BxKxGxTqxSk = jnp.einsum(
-          "BKGTH,BKSH->BKGTS", q_BxKxGxTqxH, k_blk, precision=prep.einsum,
+          "BKGTH,BKSH->BKGTS", q_BxKxGxTqxH,
+          contract.qk_operand(k_blk, float32_qk_operands), precision=prep.einsum,
           preferred_element_type=expected["logits"])
     chex.assert_shape(logits_BxKxGxTqxSk, (B, K, G, Tq, Sk))
     chex.assert_type(logits_BxKxGxTqxSk, expected["logits"])
@@ -296,7 +303,9 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
   return blockwise_attention(q, k, v, **mask_kwargs(mask), logits_soft_cap=logits_soft_cap,
                              scale=scale, block_sizes=precision.block_sizes,
                              flags=precision.attention, kv_cache=precision.cache_storage,
-                             kv_scales=kv_scales)
+                             kv_scales=kv_scales,
+                             float32_qk_operands=precision.float32_qk_operands(
+                                 num_queries=q.shape[1]))
 
 
 KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=contract.honours_everything)

@@ -19,7 +19,7 @@ def dot_product_attention(q, k, v, *, mask=None,
                           flags: contract.AttentionFlags = contract.AttentionFlags(),
                           logits_soft_cap=None, scale=None,
                           kv_cache: contract.CacheStorage = contract.COMPUTE_CACHE,
-                          kv_scales=None):
+                          kv_scales=None, float32_qk_operands: bool = False):
   """Multi-head (GQA/MQA) dot-product attention that honours the precision contract.
 
   Args:
@@ -44,6 +44,12 @@ def dot_product_attention(q, k, v, *, mask=None,
       with `float32_qk_product`, else in c), a value scale multiplies the normalised
       probabilities column-wise in the probs dtype before the wv dot. Nothing is
       dequantized; q and the probabilities are never quantized.
+    float32_qk_operands: run the QK dot on q and k cast exactly to float32 (the float32
+      form, `Precision.float32_qk_operands`: a CPU without bf16 dots, where XLA:CPU's
+      bf16 x bf16 -> float32 dot is slower than a float32 one). The products and the
+      float32 accumulation are the c x c dot's; only the summation order may differ.
+      Needs the float32 QK product of a 16-bit c, keys of c and a plain einsum_precision
+      (`Prepared.check_float32_qk_operands`).
 
   Returns:
     [B, T, N, H] in q's dtype.
@@ -53,8 +59,10 @@ def dot_product_attention(q, k, v, *, mask=None,
   B, T, N, K, G, H, S = prep.B, prep.T, prep.N, prep.K, prep.G, prep.H, prep.S
   expected, rows = prep.stages, prep.rows
 
-  q_BxTxKxGxH = prep.queries(q)
-  k = contract.code_operand(k, rows, "k_into_qk")
+  if float32_qk_operands:
+    prep.check_float32_qk_operands(q)
+  q_BxTxKxGxH = contract.qk_operand(prep.queries(q), float32_qk_operands)
+  k = contract.qk_operand(contract.code_operand(k, rows, "k_into_qk"), float32_qk_operands)
   with jax.named_scope(contract.QK_SCOPE):
     logits_BxKxGxTxS = jnp.einsum(
         "BTKGH,BSKH->BKGTS", q_BxTxKxGxH, k, precision=prep.einsum,
@@ -99,7 +107,9 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
   return dot_product_attention(q, k, v, mask=contract.dense_mask(mask),
                                logits_soft_cap=logits_soft_cap, scale=scale,
                                flags=precision.attention, kv_cache=precision.cache_storage,
-                               kv_scales=kv_scales)
+                               kv_scales=kv_scales,
+                               float32_qk_operands=precision.float32_qk_operands(
+                                   num_queries=q.shape[1]))
 
 
 KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=contract.honours_everything)

@@ -1,0 +1,101 @@
+"""One-off: the attention's QK dot in the float32 form (`Precision.float32_qk_operands`) on
+the CPU this runs on, SmolLM2-135M's shapes (random weights: the speed does not depend on
+the values), as `generate` runs them (`for_serving`, `prefill_params` for the prefill, the
+serving weights for one decode step after it, its state donated and copied outside the
+timed call):
+  fp32:                      the fp32 preset;
+  bf16 + flags:              bf16 compute with both flags, 'auto' everywhere: on a CPU
+                             without bf16 dots the float32 projection form and, now, the
+                             QK dot on q and k cast to float32;
+  bf16 + flags, bf16 QK dot: the same, traced with `float32_qk_operands` off (the kernels
+                             before the change: the QK dot bf16 x bf16 -> float32).
+Interleaved rounds, medians; the two bf16 forms' prefill logits compared (max abs).
+Written for a CPU without avx512_bf16. From the repository root, with JAX on the CPU:
+  JAX_PLATFORMS=cpu python3 results/cpu-without-avx512-bf16/qk_form_ab.py
+(CASES=1x1000,8x250 R=5 to change the cases and rounds; PREFILL=0 times decode steps only.)
+qk_form_2cores.txt: CASES=1x1000,8x250 R=5 taskset -c 0,1; qk_decode_2cores.txt:
+CASES=1x1000,8x1000,1x250,8x250 R=9 PREFILL=0 taskset -c 0,1. Both ran before decode steps
+were given back the bf16 QK dot: their 'bf16 + flags' decode steps are the float32 QK
+form's (which is why it is now prefill only). qk_form_13cores.txt: CASES=1x1000,1x4000
+R=3 on all 13 cores, the final code (decode steps the same in both bf16 forms).
+"""
+import contextlib, functools, os, statistics, sys, time
+sys.path.insert(0, os.getcwd())
+from attnprec import xla_env; xla_env.disable_excess_precision()
+import jax, jax.numpy as jnp, numpy as np
+from attnprec import cpu_features, decoding
+from attnprec.config import ModelConfig
+from attnprec.model import init_params
+from attnprec.precision import Precision
+
+CONFIG = ModelConfig(vocab_size=49152, d_model=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                     head_dim=64, mlp_hidden=1536, rope_base=100000.0, tie_embeddings=True,
+                     max_seq_len=8192)
+CASES = [tuple(int(v) for v in c.split("x")) for c in os.environ.get("CASES", "1x1000,8x250").split(",")]
+R = int(os.environ.get("R", 5))
+PREFILL = os.environ.get("PREFILL", "1") != "0"
+SAFE = Precision(dtype="bfloat16", float32_qk_product=True, float32_logits=True, kernel="auto")
+FORMS = {"fp32": (Precision(kernel="auto"), True), "bf16 + flags": (SAFE, True),
+         "bf16 + flags, bf16 QK dot": (SAFE, False)}
+
+
+@contextlib.contextmanager
+def qk_form(on: bool):
+  """Traces with the float32 QK form as `auto` chooses it (on) or off (the old kernels)."""
+  real = Precision.float32_qk_operands
+  if not on:
+    Precision.float32_qk_operands = lambda self, backend=None, num_queries=None: False
+  try:
+    yield
+  finally:
+    Precision.float32_qk_operands = real
+
+
+print("CPU:", cpu_features.describe(), "| cores:", os.cpu_count(), "| affinity:",
+      len(os.sched_getaffinity(0)), "| jax", jax.__version__, jax.default_backend(),
+      "| bf16 + flags:", SAFE.describe_projection(), flush=True)
+params = init_params(CONFIG, jax.random.PRNGKey(0))
+for B, P in CASES:
+  prompt = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (B, P)), jnp.int32)
+  lengths = jnp.full((B,), P, jnp.int32)
+  calls, logits = {}, {}
+  for name, (prec, on) in FORMS.items():
+    served, serving = decoding.for_serving(params, prec)
+    pparams = decoding.prefill_params(served, serving, B * P)
+    with qk_form(on):
+      pre = jax.jit(functools.partial(decoding.prefill, config=CONFIG, precision=serving,
+                                      cache_length=P + 8)).lower(pparams, prompt, lengths).compile()
+      state0 = jax.block_until_ready(pre(pparams, prompt, lengths))
+      first = jnp.argmax(state0.last_BxV, axis=-1).astype(jnp.int32)
+      step = jax.jit(functools.partial(decoding.decode_step, config=CONFIG, precision=serving),
+                     donate_argnums=1).lower(served, state0, first).compile()
+    logits[name] = np.asarray(state0.last_BxV, np.float32)
+    after = np.asarray(step(served, jax.tree_util.tree_map(jnp.copy, state0), first).last_BxV)
+    if not (np.isfinite(logits[name]).all() and np.isfinite(after).all()):
+      sys.exit(f"{B}x{P} {name}: non-finite logits; not timed")
+
+    def run_prefill(pre=pre, pparams=pparams):
+      t0 = time.perf_counter(); jax.block_until_ready(pre(pparams, prompt, lengths))
+      return time.perf_counter() - t0
+
+    def run_step(step=step, served=served, state0=state0, first=first):
+      state = jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, state0))
+      t0 = time.perf_counter(); jax.block_until_ready(step(served, state, first))
+      return time.perf_counter() - t0
+    calls[name] = (run_prefill, run_step)
+  diff = np.abs(logits["bf16 + flags"] - logits["bf16 + flags, bf16 QK dot"]).max()
+  print(f"{B}x{P}: prefill logits, the two bf16 forms: max abs difference {diff:.2e} "
+        f"(logits up to {np.abs(logits['bf16 + flags']).max():.1f})", flush=True)
+  pre_t, dec_t = {n: [] for n in calls}, {n: [] for n in calls}
+  for run_prefill, run_step in calls.values():
+    run_prefill(); run_step()
+  for _ in range(R):
+    for n, (run_prefill, run_step) in calls.items():
+      pre_t[n].append(run_prefill() if PREFILL else float("nan"))
+      run_step()
+      dec_t[n].append(run_step())
+  base_p, base_d = statistics.median(pre_t["fp32"]), statistics.median(dec_t["fp32"])
+  for n in calls:
+    p, d = statistics.median(pre_t[n]), statistics.median(dec_t[n])
+    print(f"{B}x{P} {n:28s} prefill {p:7.3f} s ({p / base_p:.2f}x fp32)   decode step "
+          f"{1000 * d:7.1f} ms ({d / base_d:.2f}x fp32)", flush=True)
