@@ -12,16 +12,14 @@ before the last two were added and before the finiteness check; prefill_2cores_b
 """
 import dataclasses, functools, os, statistics, sys, time
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attnprec import xla_env; xla_env.disable_excess_precision()
 import jax, jax.numpy as jnp, numpy as np
 from attnprec import cpu_features, decoding, layers
-from attnprec.config import ModelConfig
 from attnprec.model import init_params
 from attnprec.precision import Precision
+from smollm2_shapes import CONFIG
 
-CONFIG = ModelConfig(vocab_size=49152, d_model=576, num_layers=30, num_heads=9, num_kv_heads=3,
-                     head_dim=64, mlp_hidden=1536, rope_base=100000.0, tie_embeddings=True,
-                     max_seq_len=8192)
 CASES = [tuple(int(v) for v in c.split('x')) for c in os.environ.get('CASES', '1x1000').split(',')]
 R = int(os.environ.get('R', 5))
 FLAGS = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True, kernel="auto")
