@@ -179,8 +179,9 @@ def _narrow_qk_kernel(monkeypatch):
     @staticmethod
     def einsum(spec, *operands, preferred_element_type=None, **kwargs):
       if spec == "BTKGH,BSKH->BKGTS":
-        narrow = jnp.einsum(spec, *operands, preferred_element_type=operands[0].dtype,
-                            **kwargs)
+        # bf16 whatever the operands (float32 casts on a CPU without bf16 dots:
+        # `Precision.float32_qk_operands`)
+        narrow = jnp.einsum(spec, *operands, preferred_element_type=jnp.bfloat16, **kwargs)
         return narrow.astype(preferred_element_type or narrow.dtype)
       return jnp.einsum(spec, *operands, preferred_element_type=preferred_element_type,
                         **kwargs)
