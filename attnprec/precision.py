@@ -214,7 +214,7 @@ class Precision:
     return f" projections=auto:{form}({why})" + self._qk_form(backend)
 
   def _qk_form(self, backend: Optional[str] = None) -> str:
-    return " qk_dot=float32_dot(prefill)" if self.float32_qk_operands(backend) else ""
+    return " qk_dot=float32_dot(prefill/train)" if self.float32_qk_operands(backend) else ""
 
   def describe(self) -> str:
     return (f"dtype={self.dtype} {self.attention.describe()} "

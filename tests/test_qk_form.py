@@ -141,7 +141,7 @@ def test_where_the_form_is_in_force_and_the_precision_line_says_so(monkeypatch, 
   # a decode step keeps the c x c -> float32 dot (it measured as fast or faster there)
   assert prec.float32_qk_operands(backend, num_queries=1) is False
   with target_backend(backend):
-    assert ("qk_dot=float32_dot(prefill)" in prec.describe()) is want
+    assert ("qk_dot=float32_dot(prefill/train)" in prec.describe()) is want
 
 
 def test_the_audit_passes_the_float32_form_and_reads_its_qk_operands(monkeypatch):
