@@ -746,8 +746,9 @@ def audit_job(*, train_precision: Precision, decode_precision: Precision, run_di
                     json.dumps(result, indent=1, default=str) + "\n")
   runs.atomic_write(os.path.join(run_dir, "audit.md"), markdown)
   print(f"model: {source}")
-  print(f"train step:          {train_precision.describe()}")
-  print(f"prefill/decode step: {decode_precision.describe()}")
+  backend = platforms.TABLE[platform].backend     # 'auto' forms as the programs ran them
+  print(f"train step:          {train_precision.describe(backend)}")
+  print(f"prefill/decode step: {decode_precision.describe(backend)}")
   print(xla_env.describe())
   print(attention_table(result))
   if quantized_cache(result):

@@ -187,16 +187,21 @@ class Precision:
   def float32_qk_operands(self, backend: Optional[str] = None,
                           num_queries: Optional[int] = None) -> bool:
     """Whether the attention's QK dot runs in the float32 form too: on q and k cast
-    (exactly) to float32, where the projection form in force is 'float32_dot' (a CPU
-    without bf16 dots under 'auto', or forced), the QK product is float32
-    (`float32_qk_product`, a 16-bit compute dtype), the keys are values of c (not a
-    quantized cache's codes), `einsum_precision` is not a dot-algorithm preset (which
-    names its own operand types), and the kernel takes the form (`kernels.QK_FORM_KERNELS`);
-    for calls of more than one query (prefill, training; `num_queries`, None: any): a
-    decode step keeps the c x c -> float32 dot, which measured as fast or faster there
-    (docs/performance.md). The products and the float32 accumulation are those of the
-    c x c -> float32 dot; only the summation order may differ."""
-    return (self.projection(backend) == "float32_dot" and self.float32_qk_product
+    (exactly) to float32. Only on XLA:CPU (`backend`, default: the one traced for), where
+    it is what a CPU without bf16 dots runs fastest; elsewhere a float32 dot at DEFAULT
+    precision may multiply in fewer bits than c holds (one bf16 pass on tpu, TF32 on
+    cuda). And only where the projection form in force is 'float32_dot' (a CPU without
+    bf16 dots under 'auto', or forced), the QK product is float32 (`float32_qk_product`,
+    a 16-bit compute dtype), the keys are values of c (not a quantized cache's codes),
+    `einsum_precision` is not a dot-algorithm preset (which names its own operand types),
+    and the kernel takes the form (`kernels.QK_FORM_KERNELS`); for calls of more than one
+    query (`num_queries`, None: any): a decode step, or a one-token prefill, keeps the
+    c x c -> float32 dot, which measured as fast or faster there (docs/performance.md).
+    The products and the float32 accumulation are those of the c x c -> float32 dot;
+    only the summation order may differ."""
+    backend = backend or _target_backend()
+    return (backend == "cpu" and self.projection(backend) == "float32_dot"
+            and self.float32_qk_product
             and self.kv_cache_k_dtype not in SCALED_KV_DTYPES
             and self.einsum_precision.upper() not in ALGORITHM_PRESETS
             and self.kernel in kernels.QK_FORM_KERNELS and num_queries != 1)
@@ -214,12 +219,14 @@ class Precision:
     return f" projections=auto:{form}({why})" + self._qk_form(backend)
 
   def _qk_form(self, backend: Optional[str] = None) -> str:
-    return " qk_dot=float32_dot(prefill/train)" if self.float32_qk_operands(backend) else ""
+    return " qk_dot=float32_dot(queries>1)" if self.float32_qk_operands(backend) else ""
 
-  def describe(self) -> str:
+  def describe(self, backend: Optional[str] = None) -> str:
+    """The precision line; 'auto' forms resolved for `backend` (default: the one traced
+    for, `target_backend`, else this machine's)."""
     return (f"dtype={self.dtype} {self.attention.describe()} "
             f"matmul_precision={self.matmul_precision} kernel={self.kernel}"
-            + self._blocks() + self.describe_projection()
+            + self._blocks() + self.describe_projection(backend)
             + (f" mlp_activation={self.mlp_activation}"
                if self.mlp_activation != "compute" else "")
             + (" weights=float32-carried" if self.carrier_weights else "")

@@ -124,12 +124,23 @@ SAFE_BF16 = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True)
     (SAFE_BF16, "cpu", ("avx512_bf16",), False),        # the bf16 dot is the fast one
     (SAFE_BF16, "tpu", (), False),                      # 'auto' resolves for the target
     ({**SAFE_BF16, "projection_form": "float32_dot"}, "cpu", ("avx512_bf16",), True),
+    # off the CPU a float32 dot at DEFAULT may multiply in fewer bits than c holds (one
+    # bf16 pass on tpu, TF32 on cuda): a forced float32_dot leaves the QK dot alone there
+    ({**SAFE_BF16, "projection_form": "float32_dot"}, "tpu", (), False),
+    ({**SAFE_BF16, "dtype": "float16", "projection_form": "float32_dot"}, "cuda", (), False),
+    ({**SAFE_BF16, "dtype": "float16"}, "cpu", (), True),
     ({**SAFE_BF16, "projection_form": "compute_dtype_dot"}, "cpu", (), False),
     (dict(dtype="bfloat16"), "cpu", (), True),          # the default flags are the safe ones
     ({**SAFE_BF16, "float32_qk_product": False}, "cpu", (), False),
+    ({**SAFE_BF16, "kernel": "blockwise"}, "cpu", (), True),
+    ({**SAFE_BF16, "kernel": "dot_product"}, "cpu", (), True),
     ({**SAFE_BF16, "kernel": "jax_nn"}, "cpu", (), False),
+    ({**SAFE_BF16, "kernel": "pallas"}, "cpu", (), False),
     ({**SAFE_BF16, "kv_cache_k_dtype": "int8"}, "cpu", (), False),
+    ({**SAFE_BF16, "kv_cache_v_dtype": "int8"}, "cpu", (), True),   # keys are values of c
+    ({**SAFE_BF16, "kv_cache_k_dtype": "float32"}, "cpu", (), True),
     ({**SAFE_BF16, "einsum_precision": "BF16_BF16_F32"}, "cpu", (), False),
+    ({**SAFE_BF16, "matmul_precision": "BF16_BF16_F32"}, "cpu", (), False),
     (dict(float32_qk_product=True), "cpu", (), False),  # float32 compute
 ])
 def test_where_the_form_is_in_force_and_the_precision_line_says_so(monkeypatch, kwargs,
@@ -138,20 +149,35 @@ def test_where_the_form_is_in_force_and_the_precision_line_says_so(monkeypatch, 
   prec = Precision(**kwargs)
   assert prec.float32_qk_operands(backend) is want
   assert prec.float32_qk_operands(backend, num_queries=64) is want
-  # a decode step keeps the c x c -> float32 dot (it measured as fast or faster there)
+  # a decode step (or a one-token prefill) keeps the c x c -> float32 dot
   assert prec.float32_qk_operands(backend, num_queries=1) is False
+  assert ("qk_dot=float32_dot(queries>1)" in prec.describe(backend)) is want
   with target_backend(backend):
-    assert ("qk_dot=float32_dot(prefill/train)" in prec.describe()) is want
+    assert ("qk_dot=float32_dot(queries>1)" in prec.describe()) is want
 
 
-def test_the_audit_passes_the_float32_form_and_reads_its_qk_operands(monkeypatch):
+def test_a_report_lowered_for_another_platform_states_that_platforms_forms(monkeypatch):
+  """On a CPU without bf16 dots, a program lowered for tpu runs bf16 dots: the expected
+  line `attnprec.inspect` (and the audit) print resolves 'auto' for tpu, not for here."""
+  from attnprec.inspect.report import Report
+  monkeypatch.setattr(cpu_features, "bf16_features", lambda *a: ())
+  prec = Precision(**SAFE_BF16)
+  here = Report(function="f", findings=None, expect=prec, platform="cpu")._expected_line()
+  tpu = Report(function="f", findings=None, expect=prec, platform="tpu")._expected_line()
+  assert "qk_dot=float32_dot" in here and "auto:float32_dot(" in here
+  assert "qk_dot" not in tpu and "auto:by_rows(tpu)" in tpu
+
+
+@pytest.mark.parametrize("kernel", ["dot_product", "blockwise"])
+def test_the_audit_passes_the_float32_form_and_reads_its_qk_operands(monkeypatch, kernel):
   """The contract allows a float32 QK product's operands upcast from c; the audit reads
   them through the converts ('f32<-bf16') in the train step and the prefill, lowered and
-  compiled; the decode step's QK dot stays bf16 x bf16 -> float32."""
+  compiled, for each kernel that takes the form; the decode step's QK dot stays
+  bf16 x bf16 -> float32."""
   monkeypatch.setattr(cpu_features, "bf16_features", lambda *a: ())
   config = ModelConfig(vocab_size=13, d_model=16, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=8, mlp_hidden=32, max_seq_len=64)
-  prec = Precision(**SAFE_BF16)
+  prec = Precision(**SAFE_BF16, kernel=kernel)
   assert prec.float32_qk_operands()
   result = audit.run_audit(config, prec, prec)
   assert result["ok"], result["problems"]

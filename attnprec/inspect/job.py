@@ -187,7 +187,8 @@ def inspect_job(*, run_dir: str, fn: Optional[str] = None, inputs: Optional[str]
   report = inspect_lowered(lowered, expect=precision, function=fn, platform=platform)
   paths = report.write(run_dir)
   print(f"function: {fn}" + ("" if platform == "cpu" else f" (lowered for {platform})"))
-  print(f"expected: {precision.describe() if precision else '(no Precision stated)'}")
+  backend = platforms.TABLE[platform].backend     # 'auto' forms as the program ran them
+  print(f"expected: {precision.describe(backend) if precision else '(no Precision stated)'}")
   print(report.attention_table())
   print()
   print(report.dense_table())

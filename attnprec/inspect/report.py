@@ -349,7 +349,7 @@ class Report:
               f"softmax. State a Precision (expect=...) for a verdict.")
     if not ps:
       return (f"PASS: {n} attention(s) and {len(self.dense)} dense dot(s) match the "
-              f"contract for {self.expect.describe()}.")
+              f"contract for {self._expected_line()}.")
     shown = "; ".join(ps[:6])
     more = f" (+{len(ps) - 6} more)" if len(ps) > 6 else ""
     return f"FAIL: {len(ps)} mismatch(es): {shown}{more}"
@@ -394,11 +394,16 @@ class Report:
       lines.append(f"| {len(ds)} | {name} | {lhs} | {rhs} | {res} | {prec} | {ok} |")
     return "\n".join(lines)
 
+  def _expected_line(self) -> str:
+    """The expected Precision's line, its 'auto' forms resolved for the platform the
+    program was lowered for."""
+    return self.expect.describe(platforms.TABLE[self.platform].backend)
+
   def to_markdown(self) -> str:
     lowered = "" if self.platform == "cpu" else f"Lowered for {self.platform}. "
     head = [f"# Attention precision: `{self.function}`", "",
             f"Backend: {jax.default_backend()}. {lowered}Expected: "
-            f"{self.expect.describe() if self.expect else '(no Precision stated)'}.", ""]
+            f"{self._expected_line() if self.expect else '(no Precision stated)'}.", ""]
     if self.expect is not None:
       e = expected_stages(self.expect)
       head += [f"Contract for this Precision: qk {e['qkv']} x {e['qkv']} -> {e['logits']}, "
