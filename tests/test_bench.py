@@ -252,13 +252,19 @@ def _bench_runner():
   return runner
 
 
-def test_attention_forms_tiny(tmp_path):
+def _fixed_rates(monkeypatch, forms):
+  """The floor's matmul rates, not measured (they are not what these tests check)."""
+  monkeypatch.setattr(forms, "matmul_peak", lambda shape: {"f32": 1e11, "bf16": 1e11})
+
+
+def test_attention_forms_tiny(tmp_path, monkeypatch):
   """Every block size at one small shape, interleaved, without torch: one row per form,
   the baseline's ratio 1, and every form's output the baseline's up to float32 summation
   order in the online softmax (bf16 outputs of magnitude <= ~3: within a few bf16 ulps,
   asserted <= 0.05)."""
   import json
   from attnprec.bench import attention_forms as forms
+  _fixed_rates(monkeypatch, forms)
   result = forms.run(seq_lens=(96,), shapes=("smollm2-135m",),
                      blocks=((32, 32), (64, 32), (96, 96)), rounds=1, include_torch=False,
                      log=lambda m: None)
@@ -298,6 +304,13 @@ def test_attention_forms_contract_floor_counts_each_dot_at_its_operands_rate(mon
                                flags=forms.contract.AttentionFlags(
       float32_qk_product=False, float32_logits=False))
   assert off == pytest.approx(2 * flops / 4e11, rel=1e-12)
+  # on a CPU without bf16 dots the float32 QK product may run on float32 casts
+  # (`Precision.float32_qk_operands`): its QK dot is bounded by the faster rate
+  no_bf16 = {"f32": 2e11, "bf16": 1e11}
+  assert forms.contract_floor_s(96, 9, no_bf16) == pytest.approx(2 * flops / 2e11, rel=1e-12)
+  # ... where a bf16 QK product has no such form: both dots at the bf16 rate
+  assert forms.contract_floor_s(96, 9, no_bf16, flags=forms.contract.AttentionFlags(
+      float32_qk_product=False, float32_logits=False)) == pytest.approx(2 * flops / 1e11)
 
 
 def test_attention_forms_bad_input_exits_2_and_writes_nothing(tmp_path):
@@ -324,6 +337,7 @@ def test_attention_forms_marks_a_non_finite_form_and_checks_its_sizes(monkeypatc
     return out.at[0, 0, 0, 0].set(jnp.nan) if kw["q_block"] == 64 else out
 
   monkeypatch.setattr(forms, "blockwise_attention", broken)
+  _fixed_rates(monkeypatch, forms)
   result = forms.run(seq_lens=(64,), shapes=("smollm2-135m",), blocks=((32, 32), (64, 32)),
                      rounds=1, include_torch=False, log=lambda m: None)
   good, bad, floor = result["rows"]
@@ -332,7 +346,10 @@ def test_attention_forms_marks_a_non_finite_form_and_checks_its_sizes(monkeypatc
   assert "| q64/kv32 |" in forms.to_markdown(result)
   assert "non-finite output" in forms.to_markdown(result)
   assert "PARTIAL" not in forms.to_markdown(result)
-  del result["wall_s"]                      # as an interrupted run leaves its last write
+  del result["wall_s"]            # interrupted while measuring the rates after the rounds
+  assert "PARTIAL" not in forms.to_markdown(result)
+  assert "rates after them were not measured" in forms.to_markdown(result)
+  del result["rounds_done"]                 # as an interrupted run leaves its last write
   assert "PARTIAL" in forms.to_markdown(result)
   for kwargs, match in ((dict(rounds=0), "rounds"), (dict(seq_lens=()), "lengths")):
     with pytest.raises(UserError, match=match):

@@ -38,6 +38,7 @@ from attnprec import contract, cpu_features
 from attnprec.bench.model import matmul_peak
 from attnprec.errors import UserError
 from attnprec.kernels.blockwise import BlockSizes, blockwise_attention
+from attnprec.precision import Precision
 
 SHAPES: Dict[str, Tuple[int, int]] = {"smollm2-135m": (9, 3), "qwen2.5-coder-0.5b": (14, 2)}
 HEAD_DIM = 64
@@ -46,6 +47,10 @@ DEFAULT_SEQ_LENS = (4096,)
 DEFAULT_BLOCKS = ((BlockSizes().q_block, BlockSizes().kv_block), (512, 512), (256, 256),
                   (256, 512), (1024, 512), (128, 1024), (1024, 1024))
 FLAGS = contract.AttentionFlags(float32_qk_product=True, float32_logits=True)
+# what a bf16 model with both flags runs (the QK dot's form follows this CPU: float32
+# casts where it has no bf16 dots, `Precision.float32_qk_operands`)
+PRECISION = Precision(dtype="bfloat16", float32_qk_product=True, float32_logits=True,
+                      kernel="blockwise")
 FLOOR = "contract floor"
 # (m, k, n) dots the floor's rates are measured at: the projections' peak shape, a square
 # one and a long one; the fastest rate of each dtype counts
@@ -57,12 +62,17 @@ def contract_floor_s(S: int, N: int, rates: Dict[str, float], *, H: int = HEAD_D
                      flags: contract.AttentionFlags = FLAGS, compute=jnp.bfloat16) -> float:
   """Seconds the contract's QK and PV dots of a causal prefill of S tokens (N query heads,
   head dim H) take at `rates` ({"f32": FLOP/s, "bf16": FLOP/s of bf16 x bf16 -> f32}),
-  each dot at the rate of its operand dtype in the contract table; 2 H FLOPs per visible
-  (query head, query, key) triple and dot."""
+  each dot at the rate of its operand dtype in the contract table (a float32 QK product
+  at the faster of its c and float32 rates); 2 H FLOPs per visible (query head, query,
+  key) triple and dot."""
   stages = contract.stage_dtypes(compute, flags)
   flops = 2.0 * H * N * S * (S + 1) / 2
-  return (flops / rates[_RATE_KEYS[jnp.dtype(stages["qkv"])]]
-          + flops / rates[_RATE_KEYS[jnp.dtype(stages["probs"])]])
+  qk_rate = rates[_RATE_KEYS[jnp.dtype(stages["qkv"])]]
+  if stages["logits"] == jnp.float32:
+    # a float32 QK product may also take its c operands cast to float32 (the float32
+    # QK form, `Precision.float32_qk_operands`): the faster rate of the two bounds it
+    qk_rate = max(qk_rate, rates["f32"])
+  return flops / qk_rate + flops / rates[_RATE_KEYS[jnp.dtype(stages["probs"])]]
 
 
 def _inputs(S: int, N: int, K: int, seed: int = 0):
@@ -110,7 +120,8 @@ def run(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, shapes: Sequence[str] = t
                             cpu=cpu_features.describe(),
                             cpu_count=os.cpu_count(), jax=jax.__version__,
                             torch=torch_version or "not run",
-                            xla_flags=os.environ.get("XLA_FLAGS", "")), rows=[])
+                            xla_flags=os.environ.get("XLA_FLAGS", ""),
+                            qk_float32_operands=PRECISION.float32_qk_operands()), rows=[])
   t_start = time.perf_counter()
   rates = _best_rates()
   result["config"]["matmul_rates_start"] = dict(rates)
@@ -121,8 +132,10 @@ def run(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, shapes: Sequence[str] = t
       calls: Dict[str, object] = {}
       outs = {}
       for qb, kb in blocks:
-        fn = jax.jit(lambda q, k, v, qb=qb, kb=kb: blockwise_attention(
-            q, k, v, causal=True, flags=FLAGS, q_block=qb, kv_block=kb))
+        qk32 = PRECISION.float32_qk_operands(num_queries=S)
+        fn = jax.jit(lambda q, k, v, qb=qb, kb=kb, qk32=qk32: blockwise_attention(
+            q, k, v, causal=True, flags=FLAGS, q_block=qb, kv_block=kb,
+            float32_qk_operands=qk32))
         compiled = fn.lower(q, k, v).compile()
         label = f"q{qb}/kv{kb}"
         outs[label] = np.asarray(compiled(q, k, v), np.float32)
@@ -156,6 +169,7 @@ def run(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, shapes: Sequence[str] = t
                                        med.get("torch_sdpa_bf16")))
       if on_row:
         on_row(result)
+  result["rounds_done"] = True
   end = _best_rates()
   result["config"]["matmul_rates_end"] = dict(end)
   # the floors are held to the faster of the two measurements: a lower bound stays one
@@ -190,8 +204,13 @@ def to_markdown(result: dict) -> str:
   lines = [f"CPU bf16 features: {cfg['cpu']}, {cfg['cpu_count']} cores; jax {cfg['jax']}, "
            f"torch {cfg['torch']}; blockwise, bf16 inputs, {cfg['flags']}; causal, B = 1, "
            f"H = {cfg['head_dim']}; {cfg['rounds']} interleaved rounds, medians."
-           + ("" if "wall_s" in result else " PARTIAL: the run stopped before its last "
-              "(shape, length); the rows below are the ones it finished.")
+           + ("" if not cfg.get("qk_float32_operands") else " The QK dot on float32 "
+              "casts of q and k (this CPU has no bf16 dots).")
+           + ("" if "wall_s" in result else
+              " The rounds finished; the matmul rates after them were not measured (the "
+              "floor uses the rates before)." if result.get("rounds_done") else
+              " PARTIAL: the run stopped before its last (shape, length); the rows below "
+              "are the ones it finished.")
            + _rates_line(cfg), "",
            "| shape (N / K) | S | form | ms | vs default blocks | vs torch SDPA bf16 | "
            "max abs vs default |", "|---|---:|---|---:|---:|---:|---:|"]
