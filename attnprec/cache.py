@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from attnprec import kvquant
 from attnprec.config import ModelConfig
 from attnprec.contract import (COMPUTE_CACHE, KEY_OFFSETS, SCALED_KV_DTYPES, CacheStorage,
-                               KVScales)
+                               KVScales, bits_dtype, reinterpret)
 from attnprec.errors import UserError
 
 
@@ -121,7 +121,7 @@ class LayerCache:
       # Indices (b, pos) on axes 0 and 2 with the K slice between them: the update rows
       # are [B, T, K(, H)], the new keys (or their scales) as they come.
       return cache_BxKxS_.at[at + (b_Bx1, slice(None), positions_BxT)].set(
-          _bits(x_BxTxK_, cache_BxKxS_.dtype), mode="drop")
+          reinterpret(x_BxTxK_, cache_BxKxS_.dtype), mode="drop")
 
     k, k_scale = self.k, self.k_scale
     if storage.k_scale == "token":
@@ -268,8 +268,7 @@ def cache_bytes(config: ModelConfig, batch: int, length: int, dtype,
 def storage_dtype(compute_dtype) -> jnp.dtype:
   """What a cache of `compute_dtype` values holds: float32 as it is; bfloat16 and float16
   as their raw bits, uint16 (see the module docstring)."""
-  c = jnp.dtype(compute_dtype)
-  return c if c.itemsize == 4 else jnp.dtype(jnp.uint16)
+  return bits_dtype(compute_dtype)
 
 
 def side_dtype(name: str, compute_dtype) -> jnp.dtype:
@@ -280,8 +279,7 @@ def side_dtype(name: str, compute_dtype) -> jnp.dtype:
   if name == "compute":
     return storage_dtype(compute_dtype)
   if name in SCALED_KV_DTYPES:
-    code = SCALED_KV_DTYPES[name][0]
-    return code if code == jnp.int8 else jnp.dtype(jnp.uint8)
+    return bits_dtype(SCALED_KV_DTYPES[name][0])
   return storage_dtype(name)
 
 
@@ -296,20 +294,12 @@ def _read(stored, name: str, dtype):
   if name == "compute":
     return _as(stored, dtype)
   if name in SCALED_KV_DTYPES:
-    code = SCALED_KV_DTYPES[name][0]
-    return stored if stored.dtype == code else jax.lax.bitcast_convert_type(stored, code)
+    return reinterpret(stored, SCALED_KV_DTYPES[name][0])
   return _as(stored, name).astype(dtype)
-
-
-def _bits(x, store):
-  """Values of the compute dtype (or codes, or scales) as the cache stores them."""
-  return x if x.dtype == store else jax.lax.bitcast_convert_type(x, store)
 
 
 def _as(stored, dtype):
   dtype = jnp.dtype(dtype)
-  if stored.dtype == dtype:
-    return stored
-  if storage_dtype(dtype) != stored.dtype:
+  if stored.dtype != dtype and storage_dtype(dtype) != stored.dtype:
     raise ValueError(f"A cache stored as {stored.dtype} cannot be read as {dtype}.")
-  return jax.lax.bitcast_convert_type(stored, dtype)
+  return reinterpret(stored, dtype)

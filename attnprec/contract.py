@@ -490,6 +490,21 @@ class Prepared:
                       "float32_qk_operands=False, or change the setting named.")
 
 
+def bits_dtype(dtype) -> jnp.dtype:
+  """The unsigned integers that hold a float of 8 or 16 bits as its raw bits (uint8,
+  uint16); any other dtype itself. The KV cache stores such values so (`attnprec.cache`:
+  XLA:CPU writes integer buffers in place) and the blockwise kernel slices them so."""
+  d = jnp.dtype(dtype)
+  if d.itemsize >= 4 or not jnp.issubdtype(d, jnp.floating):
+    return d
+  return jnp.dtype(f"uint{8 * d.itemsize}")
+
+
+def reinterpret(x, dtype) -> jax.Array:
+  """x's bits as `dtype` (a bitcast of the same width); x itself when it is one already."""
+  return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def qk_operand(x, float32_operands: bool):
   """A QK dot operand as the dot takes it: x, or x cast (exactly) to float32 in the
   float32 form (`Precision.float32_qk_operands`; checked by `check_float32_qk_operands`)."""
@@ -609,6 +624,9 @@ class KernelSpec:
     library the kernel calls and cannot be scoped one by one).
   trains: whether it has a gradient (the train phase refuses a kernel without one before
     anything runs).
+  float32_qk_form: whether its `attend` runs the QK dot in the float32 form where
+    `Precision.float32_qk_operands` asks for it (q and k cast to float32); a kernel whose
+    dots sit in a library has no say in their operands.
   """
   name: str
   attend: Callable
@@ -616,6 +634,7 @@ class KernelSpec:
   qk_scope: Optional[str] = QK_SCOPE
   wv_scope: Optional[str] = WV_SCOPE
   trains: bool = True
+  float32_qk_form: bool = False
 
 
 def honours_everything(precision, *, logits_soft_cap=None) -> Optional[str]:

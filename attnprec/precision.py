@@ -194,7 +194,7 @@ class Precision:
     bf16 dots under 'auto', or forced), the QK product is float32 (`float32_qk_product`,
     a 16-bit compute dtype), the keys are values of c (not a quantized cache's codes),
     `einsum_precision` is not a dot-algorithm preset (which names its own operand types),
-    and the kernel takes the form (`kernels.QK_FORM_KERNELS`); for calls of more than one
+    and the kernel takes the form (`kernels.takes_float32_qk_form`); for calls of more than one
     query (`num_queries`, None: any): a decode step, or a one-token prefill, keeps the
     c x c -> float32 dot, which measured as fast or faster there (docs/performance.md).
     The products and the float32 accumulation are those of the c x c -> float32 dot;
@@ -204,7 +204,7 @@ class Precision:
             and self.float32_qk_product
             and self.kv_cache_k_dtype not in SCALED_KV_DTYPES
             and self.einsum_precision.upper() not in ALGORITHM_PRESETS
-            and self.kernel in kernels.QK_FORM_KERNELS and num_queries != 1)
+            and kernels.takes_float32_qk_form(self.kernel) and num_queries != 1)
 
   def describe_projection(self, backend: Optional[str] = None) -> str:
     """'' for float32 compute, else ' projections=FORM' (with why, for 'auto')."""

@@ -105,7 +105,7 @@ _NO_COPY_CACHES = [
                          ids=["f32", "bf16", "fp8", "k_int8_v_bf16", "k_bf16_v_fp8"])
 def test_blockwise_decode_step_reads_the_cache_without_a_copy(batch, dtype, storage):
   """The blockwise kernel's decode step slices a 16-bit side's uint16 bits, or a float8
-  side's uint8 bits, per block and reinterprets each block (`blockwise._as_bits`): no
+  side's uint8 bits, per block and reinterprets each block (`contract.bits_dtype`): no
   instruction makes a cache-sized buffer besides the in-place writes, where reading the
   reinterpreted whole cache made XLA:CPU copy it per layer and step (102 ms of a SmolLM2
   bf16 step at 8 x 4000). The control: the same step on a float32 cache (nothing to

@@ -37,9 +37,6 @@ CHOICES: Tuple[str, ...] = NAMES + (AUTO,)    # what `precision.kernel` accepts
 AUTO_MIN_QUERIES = 256
 AUTO_MIN_KEYS = 512
 AUTO_KERNELS = ("dot_product", "blockwise")
-# The kernels whose QK dot takes the float32 form (`Precision.float32_qk_operands`: q and
-# k cast to float32 on a CPU without bf16 dots); jax_nn's and pallas' dots are their own.
-QK_FORM_KERNELS = ("dot_product", "blockwise", AUTO)
 
 
 def get(name: str) -> contract.KernelSpec:
@@ -64,6 +61,14 @@ def runs_blockwise(name: str) -> bool:
   """Whether a phase with `precision.kernel = name` can run the blockwise kernel (and so
   reads its block sizes)."""
   return name in ("blockwise", AUTO)
+
+
+def takes_float32_qk_form(name: str) -> bool:
+  """Whether `precision.kernel = name` runs the QK dot in the float32 form where
+  `Precision.float32_qk_operands` asks for it ('auto': every kernel it chooses between
+  does; `KernelSpec.float32_qk_form`)."""
+  names = AUTO_KERNELS if name == AUTO else (name,)
+  return all(n in REGISTRY and REGISTRY[n].float32_qk_form for n in names)
 
 
 def refusal(precision, *, logits_soft_cap=None) -> Optional[str]:

@@ -180,21 +180,21 @@ def blockwise_attention(q, k, v, *, mask=None,
   # it, cost 68% of a decode step at 8 x 4001 (SmolLM2), so a decode step pads nothing:
   # a last block that Sk does not divide starts at S - Sk (`clamp`); a prefill pads (the
   # overlap measured 1.01-1.02x there). A decode step over 16-bit values or float8
-  # codes also slices their bits and reinterprets each block (`_as_bits`, each side on
+  # codes also slices their bits and reinterprets each block (`contract.bits_dtype`, each side on
   # its own): the model's cache holds bf16 / f16 as uint16 and float8 as uint8
   # (`attnprec.cache`), so the two reinterpretations cancel, where XLA:CPU copied the
   # reinterpreted whole cache per layer and step (docs/performance.md).
   clamp = T == 1 and Sp != S
   k_src, v_src = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
   if T == 1:
-    k_src, v_src = _as_bits(k_src), _as_bits(v_src)
+    k_src, v_src = (contract.reinterpret(x, contract.bits_dtype(x.dtype))
+                    for x in (k_src, v_src))
   if not clamp:
     k_src, v_src = _pad(k_src, 2, Sp), _pad(v_src, 2, Sp)    # no copy when Sk divides S
 
   def block(x_src, s0, dtype):
     """Sk keys (or values) from s0, as `dtype` values (their bits reinterpreted)."""
-    x = jax.lax.dynamic_slice_in_dim(x_src, s0, Sk, axis=2)
-    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+    return contract.reinterpret(jax.lax.dynamic_slice_in_dim(x_src, s0, Sk, axis=2), dtype)
 
   def block_start(j):
     """Where key block j's Sk keys start in k_src (and in every [.., Sp] array)."""
@@ -308,7 +308,8 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
                                  num_queries=q.shape[1]))
 
 
-KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=contract.honours_everything)
+KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=contract.honours_everything,
+                             float32_qk_form=True)
 
 
 def _blocks_needed(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, *, causal, sliding_window):
@@ -333,14 +334,6 @@ def _blocks_needed(q_pos_BxTp, k_pos_BxSp, T, S, Tq, Sk, *, causal, sliding_wind
   if sliding_window is not None:
     need &= kmax[None, :] > qmin[:, None] - sliding_window
   return need
-
-
-def _as_bits(x):
-  """A float array of 8 or 16 bits as its unsigned-integer bits (a bitcast), else x."""
-  d = jnp.dtype(x.dtype)
-  if d.itemsize >= 4 or not jnp.issubdtype(d, jnp.floating):
-    return x
-  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * d.itemsize}"))
 
 
 def decode_block_length(S: int, sizes: BlockSizes = BlockSizes()) -> int:

@@ -112,4 +112,5 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
                                    num_queries=q.shape[1]))
 
 
-KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=contract.honours_everything)
+KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=contract.honours_everything,
+                             float32_qk_form=True)
