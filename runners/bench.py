@@ -57,6 +57,7 @@ from attnprec import cli, compilation, runs  # noqa: E402
 from attnprec import kernels as kernel_names  # noqa: E402
 from attnprec.bench import attention as bench  # noqa: E402
 from attnprec.bench import attention_forms as forms_bench  # noqa: E402
+from attnprec.bench import cases as bench_cases  # noqa: E402
 from attnprec.bench import compile_time as compile_bench  # noqa: E402
 from attnprec.bench import model as model_bench  # noqa: E402
 from attnprec.bench import profile as profile_bench  # noqa: E402
@@ -92,20 +93,10 @@ def _ints(text):
 
 def _cases(text):
   """'1x32,8x1000' -> ((1, 32), (8, 1000)); 'long': the 4k / 8k cases."""
-  if text.strip() == "long":
-    return model_bench.LONG_CASES
-  out = []
-  for part in text.split(","):
-    try:
-      B, P = part.lower().split("x")
-      out.append((int(B), int(P)))
-    except ValueError:
-      raise argparse.ArgumentTypeError(
-          f"bad case {part!r}: expected BATCHxPROMPT, e.g. 1x32,8x1000") from None
-    if out[-1][0] < 1 or out[-1][1] < 1:
-      raise argparse.ArgumentTypeError(
-          f"bad case {part!r}: batch and prompt length must be >= 1, e.g. 1x32")
-  return tuple(out)
+  try:
+    return bench_cases.parse_cases(text)
+  except UserError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _blocks(text):

@@ -355,3 +355,37 @@ def test_attention_forms_marks_a_non_finite_form_and_checks_its_sizes(monkeypatc
     with pytest.raises(UserError, match=match):
       forms.run(**{**dict(seq_lens=(64,), shapes=("smollm2-135m",), rounds=1,
                           include_torch=False, log=lambda m: None), **kwargs})
+
+
+def test_cases_are_parsed_with_their_errors_named():
+  from attnprec.bench.cases import LONG_CASES, parse_cases
+  from attnprec.errors import UserError
+  assert parse_cases("1x32,8X1000") == ((1, 32), (8, 1000))
+  assert parse_cases("long") == LONG_CASES
+  for bad, match in (("1x0", "must be >= 1"), ("1y3", "expected BATCHxPROMPT"),
+                     ("8", "expected BATCHxPROMPT")):
+    with pytest.raises(UserError, match=match):
+      parse_cases(bad)
+
+
+def test_a_checked_case_refuses_non_finite_logits():
+  """The one-off A/B scripts time only cases whose prefill and first decode step gave
+  finite logits: a NaN weight is refused by name, the same weights without it pass."""
+  import jax
+  import jax.numpy as jnp
+  from attnprec.bench import model as model_bench
+  from attnprec.config import ModelConfig
+  from attnprec.errors import UserError
+  from attnprec.model import init_params
+  from attnprec.precision import Precision
+  config = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                       head_dim=8, mlp_hidden=32, max_seq_len=32)
+  params = init_params(config, jax.random.PRNGKey(0))
+  prompt = jnp.ones((1, 4), jnp.int32)
+  model_bench.checked_case(config, params, Precision(), prompt, label="clean")
+  broken = jax.tree_util.tree_map(lambda x: x, params)
+  name = next(k for k in broken if "mlp" in k)
+  leaf = next(iter(broken[name]))
+  broken[name] = {**broken[name], leaf: broken[name][leaf].at[0, 0].set(jnp.nan)}
+  with pytest.raises(UserError, match="broken: non-finite logits after the prefill"):
+    model_bench.checked_case(config, broken, Precision(), prompt, label="broken")

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnprec import compilation, cpu_features, decoding, layers, plotting, train
+from attnprec.bench.cases import LONG_CASES  # noqa: F401  (`--cases=long`)
 from attnprec.cache import cache_bytes
 from attnprec.errors import UserError
 from attnprec.precision import Precision
@@ -127,9 +128,6 @@ DEFAULT_CASES: Tuple[Tuple[int, int], ...] = ((1, 32), (1, 1000), (8, 32), (8, 1
 QUICK_CASES: Tuple[Tuple[int, int], ...] = ((1, 32), (8, 32))
 TORCH = "transformers"           # fp32
 TORCH_DTYPES = {"float32": TORCH, "bfloat16": "transformers_bf16"}
-# Long cases (issue 22): prefill and decode at about 4k and 8k tokens, batch 1 and 8
-# (`--cases=long`); to be measured on an idle machine.
-LONG_CASES: Tuple[Tuple[int, int], ...] = ((1, 4000), (8, 4000), (1, 8000), (8, 8000))
 # The matmul peak prefill projections are held against: SmolLM2's MLP up at 1000 rows.
 PEAK_SHAPE = (1000, 576, 1536)
 
@@ -301,6 +299,38 @@ def read_bandwidth(mbytes: int = 256, reps: int = 5) -> float:
     jax.block_until_ready(f(x, w))
     times.append(time.perf_counter() - t0)
   return w.nbytes / statistics.median(times)
+
+
+def checked_case(config, params, precision: Precision, prompt_BxP, *, carried=None,
+                 label: str = "") -> "_AttnprecCase":
+  """An `_AttnprecCase` of one decode step (the one-off A/B scripts under results/) whose
+  prefill and first decode step gave finite logits; else a UserError naming `label`: a
+  broken program's timings would read like any other's."""
+  case = _AttnprecCase(config, params, precision, prompt_BxP, 1, carried=carried)
+  step, _ = case._decode(case.params, jax.tree_util.tree_map(jnp.copy, case.state0),
+                         case.first)
+  for what, x in (("prefill", case.state0.last_BxV), ("decode step", step.last_BxV)):
+    if not np.isfinite(np.asarray(x)).all():
+      raise UserError(f"{label}: non-finite logits after the {what}; not timed.")
+  return case
+
+
+def ab_cases(cases, presets, forms, *, model: str = "smollm2-135m"):
+  """For each (batch, prompt) of `cases`, (B, P, {(preset, form): case}): every preset
+  (names in PRESETS) under every form (name -> a function of its Precision), each a
+  `checked_case` on one random prompt, the carried weights shared; the checkpoint loaded
+  once. What the one-off A/B scripts under results/ time, interleaved."""
+  from attnprec import checkpoints
+  ckpt = checkpoints.load(model)
+  for B, P in cases:
+    prompt = np.random.default_rng(0).integers(0, ckpt.config.vocab_size, (B, P))
+    carried, out = {}, {}
+    for preset in presets:
+      for form, change in forms.items():
+        out[(preset, form)] = checked_case(
+            ckpt.config, ckpt.params, change(PRESETS[preset]), prompt.astype(np.int32),
+            carried=carried, label=f"{B}x{P} {preset} {form}")
+    yield B, P, out
 
 
 def round_robin(calls: Dict[str, callable], rounds: int) -> Dict[str, list]:

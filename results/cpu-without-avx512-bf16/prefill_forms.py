@@ -19,8 +19,9 @@ from attnprec import cpu_features, decoding, layers
 from attnprec.model import init_params
 from attnprec.precision import Precision
 from smollm2_shapes import CONFIG
+from attnprec.bench.cases import parse_cases
 
-CASES = [tuple(int(v) for v in c.split('x')) for c in os.environ.get('CASES', '1x1000').split(',')]
+CASES = parse_cases(os.environ.get("CASES", '1x1000'))
 R = int(os.environ.get('R', 5))
 FLAGS = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True, kernel="auto")
 FORMS = {

@@ -28,8 +28,9 @@ from attnprec import cpu_features, decoding
 from attnprec.model import init_params
 from attnprec.precision import Precision
 from smollm2_shapes import CONFIG
+from attnprec.bench.cases import parse_cases
 
-CASES = [tuple(int(v) for v in c.split("x")) for c in os.environ.get("CASES", "1x1000,8x250").split(",")]
+CASES = parse_cases(os.environ.get("CASES", "1x1000,8x250"))
 R = int(os.environ.get("R", 5))
 PREFILL = os.environ.get("PREFILL", "1") != "0"
 SAFE = Precision(dtype="bfloat16", float32_qk_product=True, float32_logits=True, kernel="auto")

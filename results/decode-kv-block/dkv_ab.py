@@ -4,28 +4,25 @@ process, per case (batch x prompt) and preset. From the repository root:
 Env: DK block sizes (first is the reference), CASES BxP list, PRESETS, R rounds, M model.
 Prints each step's median, its ratio to the reference size, whether the outputs are
 bit-identical to the reference's (they need not be: the online softmax's blocks change),
-and int8 / bf16 per size."""
+and int8 / bf16 per size. A case whose logits are not finite is not timed
+(`MB.ab_cases`; added after dkv_ab.txt was recorded)."""
 import dataclasses, os, statistics, sys
 sys.path.insert(0, os.getcwd())
 from attnprec import xla_env; xla_env.disable_excess_precision()
 import jax, jax.numpy as jnp, numpy as np
-from attnprec import checkpoints, cpu_features
+from attnprec import cpu_features
 from attnprec.bench import model as MB
+from attnprec.bench.cases import parse_cases
 from attnprec.kernels.blockwise import BlockSizes
 
 DKS = [int(x) for x in os.environ.get('DK', '512,1024,2048').split(',')]
-CASES = [tuple(int(v) for v in c.split('x')) for c in os.environ.get('CASES', '8x4000,1x4000,1x1000').split(',')]
+CASES = parse_cases(os.environ.get('CASES', '8x4000,1x4000,1x1000'))
 PRESETS = os.environ.get('PRESETS', 'bf16_flags,bf16_flags_kv_int8').split(',')
 R = int(os.environ.get('R', 9))
-ckpt = checkpoints.load(os.environ.get('M', 'smollm2-135m'))
 print('CPU:', cpu_features.describe(), flush=True)
-for B, P in CASES:
-  prompt = np.random.default_rng(0).integers(0, ckpt.config.vocab_size, (B, P)).astype(np.int32)
-  carried, cases = {}, {}
-  for preset in PRESETS:
-    for dk in DKS:
-      prec = dataclasses.replace(MB.PRESETS[preset], block_sizes=BlockSizes(decode_kv_block=dk))
-      cases[(preset, dk)] = MB._AttnprecCase(ckpt.config, ckpt.params, prec, prompt, 1, carried=carried)
+forms = {dk: lambda p, dk=dk: dataclasses.replace(p, block_sizes=BlockSizes(decode_kv_block=dk))
+         for dk in DKS}
+for B, P, cases in MB.ab_cases(CASES, PRESETS, forms, model=os.environ.get('M', 'smollm2-135m')):
   ts = {k: [] for k in cases}
   for _ in range(R):
     for k, c in cases.items():

@@ -15,28 +15,19 @@ import dataclasses, os, statistics, sys
 sys.path.insert(0, os.getcwd())
 from attnprec import xla_env; xla_env.disable_excess_precision()
 import jax, jax.numpy as jnp, numpy as np
-from attnprec import checkpoints, cpu_features
+from attnprec import cpu_features
 from attnprec.bench import model as MB
+from attnprec.bench.cases import parse_cases
 
-CASES = [tuple(int(v) for v in c.split('x')) for c in os.environ.get('CASES', '1x32,1x200,8x32,8x200').split(',')]
+CASES = parse_cases(os.environ.get('CASES', '1x32,1x200,8x32,8x200'))
 PRESETS = os.environ.get('PRESETS', 'bf16,fp32').split(',')
 PHASES = os.environ.get('PHASES', 'prefill,decode').split(',')
 R = int(os.environ.get('R', 9))
-ckpt = checkpoints.load(os.environ.get('M', 'smollm2-135m'))
 print('CPU:', cpu_features.describe(), flush=True)
-for B, P in CASES:
-  prompt = np.random.default_rng(0).integers(0, ckpt.config.vocab_size, (B, P)).astype(np.int32)
-  carried, cases = {}, {}
-  for preset in PRESETS:
-    for kernel in ('dot_product', 'blockwise'):
-      prec = dataclasses.replace(MB.PRESETS[preset], kernel=kernel)
-      case = MB._AttnprecCase(ckpt.config, ckpt.params, prec, prompt, 1, carried=carried)
-      # a timing of a broken program would read like any other: its logits must be finite
-      step, _ = case._decode(case.params, jax.tree_util.tree_map(jnp.copy, case.state0), case.first)
-      for what, x in (('prefill', case.state0.last_BxV), ('decode step', step.last_BxV)):
-        if not np.isfinite(np.asarray(x)).all():
-          raise SystemExit(f'{B}x{P} {preset} {kernel}: non-finite logits after the {what}')
-      cases[(preset, kernel)] = case
+forms = {kernel: lambda p, kernel=kernel: dataclasses.replace(p, kernel=kernel)
+         for kernel in ('dot_product', 'blockwise')}
+# a timing of a broken program would read like any other: each case's logits are checked
+for B, P, cases in MB.ab_cases(CASES, PRESETS, forms, model=os.environ.get('M', 'smollm2-135m')):
   for phase in PHASES:
     ts = {k: [] for k in cases}
     for _ in range(R):
