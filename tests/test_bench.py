@@ -389,3 +389,30 @@ def test_a_checked_case_refuses_non_finite_logits():
   broken[name] = {**broken[name], leaf: broken[name][leaf].at[0, 0].set(jnp.nan)}
   with pytest.raises(UserError, match="broken: non-finite logits after the prefill"):
     model_bench.checked_case(config, broken, Precision(), prompt, label="broken")
+
+
+def test_attention_forms_takes_no_ratio_to_a_broken_baseline(monkeypatch):
+  """A default-blocks form whose output holds NaN is no baseline: no row gets a ratio to
+  it (the table prints '-'), where the ratios read like a clean run's before. torch's
+  output is checked the same way and compared with the default blocks' (float64 view of
+  two bf16 attentions of the same inputs: close, bf16 probabilities on torch's side)."""
+  import jax.numpy as jnp
+  from attnprec.bench import attention_forms as forms
+  real = forms.blockwise_attention
+  monkeypatch.setattr(forms, "blockwise_attention", lambda q, k, v, **kw: (
+      real(q, k, v, **kw).at[0, 0, 0, 0].set(jnp.nan) if kw["q_block"] == 32
+      else real(q, k, v, **kw)))
+  _fixed_rates(monkeypatch, forms)
+  result = forms.run(seq_lens=(64,), shapes=("smollm2-135m",), blocks=((32, 32), (64, 32)),
+                     rounds=1, include_torch=False, log=lambda m: None)
+  assert [r["vs_default"] for r in result["rows"]] == [None, None, None]
+  assert "| q64/kv32 | " in forms.to_markdown(result)
+  assert all(line.split(" | ")[4] == "-" for line in forms.to_markdown(result).splitlines()
+             if line.startswith("| smollm2"))
+  pytest.importorskip("torch")
+  monkeypatch.setattr(forms, "blockwise_attention", real)
+  result = forms.run(seq_lens=(64,), shapes=("smollm2-135m",), blocks=((32, 32),),
+                     rounds=1, include_torch=True, log=lambda m: None)
+  torch_row = next(r for r in result["rows"] if r["form"] == "torch_sdpa_bf16")
+  assert torch_row["finite"] and torch_row["vs_torch"] == 1.0
+  assert 0 < torch_row["max_abs_vs_default"] < 0.1

@@ -12,7 +12,9 @@ Method: each form is one jitted `blockwise_attention` call, compiled first; roun
 interleaved, every form and torch once per round, each timed call preceded by one
 untimed call (the ordering bias measured in docs/performance.md); medians.
 `vs_default` = time / the default blocks' time; `vs_torch` = time / torch SDPA bf16's
-(`enable_gqa`, float32 softmax statistics in its CPU flash kernel).
+(`enable_gqa`, float32 softmax statistics in its CPU flash kernel); neither where that
+baseline's output is not finite (a broken run's time is no baseline). torch's output is
+checked and compared with the default blocks' like a form's.
 
 The contract floor (one row per shape and length, not timed): the time the contract's two
 dots alone would take at the matmul rates XLA:CPU reaches on this machine, measured in
@@ -131,8 +133,8 @@ def run(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, shapes: Sequence[str] = t
       q, k, v = _inputs(S, N, K)
       calls: Dict[str, object] = {}
       outs = {}
+      qk32 = PRECISION.float32_qk_operands(num_queries=S)
       for qb, kb in blocks:
-        qk32 = PRECISION.float32_qk_operands(num_queries=S)
         fn = jax.jit(lambda q, k, v, qb=qb, kb=kb, qk32=qk32: blockwise_attention(
             q, k, v, causal=True, flags=FLAGS, q_block=qb, kv_block=kb,
             float32_qk_operands=qk32))
@@ -142,6 +144,9 @@ def run(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, shapes: Sequence[str] = t
         calls[label] = lambda c=compiled: c(q, k, v).block_until_ready()
       if torch_version:
         calls["torch_sdpa_bf16"] = _torch_call(q, k, v)
+        # [B, N, S, H] -> [B, S, N, H], checked and compared like the forms
+        outs["torch_sdpa_bf16"] = np.swapaxes(
+            calls["torch_sdpa_bf16"]().float().numpy(), 1, 2)
       log(f"{shape} S={S}: {len(calls)} forms compiled; {rounds} interleaved rounds")
       times: Dict[str, List[float]] = {n: [] for n in calls}
       for _ in range(rounds):
@@ -153,11 +158,15 @@ def run(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, shapes: Sequence[str] = t
       default = f"q{blocks[0][0]}/kv{blocks[0][1]}"
       med = {n: statistics.median(ts) for n, ts in times.items()}
       ref = outs[default]
+      # a broken default's time is no baseline: no ratio to it (None, printed '-')
+      default_s = med[default] if np.isfinite(ref).all() else None
+      torch_s = (med["torch_sdpa_bf16"] if "torch_sdpa_bf16" in med
+                 and np.isfinite(outs["torch_sdpa_bf16"]).all() else None)
       for name, ts in times.items():
         row = dict(shape=shape, N=N, K=K, S=S, form=name, median_s=med[name],
-                   min_s=min(ts), samples_s=ts, vs_default=med[name] / med[default],
-                   vs_torch=(med[name] / med["torch_sdpa_bf16"]
-                             if "torch_sdpa_bf16" in med else None))
+                   min_s=min(ts), samples_s=ts,
+                   vs_default=None if default_s is None else med[name] / default_s,
+                   vs_torch=None if torch_s is None else med[name] / torch_s)
         if name in outs:
           # a form whose output is not finite has no time worth comparing: marked, and
           # its difference from the default is not computed from NaN / Inf
@@ -165,8 +174,7 @@ def run(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, shapes: Sequence[str] = t
           if row["finite"] and np.isfinite(ref).all():
             row["max_abs_vs_default"] = float(np.max(np.abs(outs[name] - ref)))
         result["rows"].append(row)
-      result["rows"].append(_floor_row(shape, N, K, S, rates, med[default],
-                                       med.get("torch_sdpa_bf16")))
+      result["rows"].append(_floor_row(shape, N, K, S, rates, default_s, torch_s))
       if on_row:
         on_row(result)
   result["rounds_done"] = True
@@ -195,7 +203,8 @@ def _floor_row(shape, N, K, S, rates, default_s, torch_s) -> dict:
   """The contract floor's row (not timed) beside the timed forms of (shape, S)."""
   floor = contract_floor_s(S, N, rates)
   return dict(shape=shape, N=N, K=K, S=S, form=FLOOR, median_s=floor,
-              vs_default=floor / default_s, default_s=default_s, torch_s=torch_s,
+              vs_default=None if default_s is None else floor / default_s,
+              default_s=default_s, torch_s=torch_s,
               vs_torch=None if torch_s is None else floor / torch_s)
 
 
@@ -220,7 +229,9 @@ def to_markdown(result: dict) -> str:
     if r.get("finite") is False:
       diff = "**non-finite output**"
     lines.append(f"| {r['shape']} ({r['N']} / {r['K']}) | {r['S']} | {r['form']} | "
-                 f"{1000 * r['median_s']:.1f} | {r['vs_default']:.2f} | {torch_ratio} | "
+                 f"{1000 * r['median_s']:.1f} | "
+                 + ("-" if r["vs_default"] is None else f"{r['vs_default']:.2f}")
+                 + f" | {torch_ratio} | "
                  f"{diff} |")
   return "\n".join(lines) + "\n"
 
