@@ -66,7 +66,7 @@ imports none of them.
 """
 import dataclasses
 import functools
-from typing import Callable, Dict, Optional, Union
+from typing import Callable, Dict, List, Optional, Union
 
 import chex
 import jax
@@ -471,23 +471,35 @@ class Prepared:
     return query_operand(q_BxTxKxGxH, self.rows, self.kv_scales)
 
   def check_float32_qk_operands(self, q) -> None:
-    """Refuses the QK dot's float32 form (`float32_qk_operands`) where it would change a
-    stage or not be used: it casts 16-bit q and k values exactly to float32 for a dot
-    whose product the table makes float32 anyway, so it needs the float32 QK product, a
-    16-bit c, keys of c (not a quantized cache's codes) and an einsum precision that
-    does not name its own operand types (a dot-algorithm preset)."""
-    why = []
-    if self.stages["logits"] != jnp.float32 or q.dtype == jnp.float32:
-      why.append(f"a float32 QK product of a 16-bit compute dtype (got q {q.dtype}, "
-                 f"float32_qk_product={self.flags.float32_qk_product})")
-    if self.rows is not None and self.rows["k_scale"] is not None:
-      why.append(f"keys of the compute dtype (got {self.rows['k_cache']} cache codes)")
-    if isinstance(self.einsum, jax.lax.DotAlgorithmPreset):
-      why.append(f"a plain einsum_precision (got the preset {self.einsum.name})")
+    """Refuses the QK dot's float32 form (`float32_qk_operands`) where it cannot apply
+    (`float32_qk_form_problems`)."""
+    k_codes = (str(self.rows["k_cache"]) if self.rows is not None
+               and self.rows["k_scale"] is not None else None)
+    why = float32_qk_form_problems(q.dtype, self.flags, k_codes=k_codes)
     if why:
       raise UserError("float32_qk_operands=True runs the QK dot on q and k cast to "
                       "float32, which needs " + "; and ".join(why) + ". Pass "
                       "float32_qk_operands=False, or change the setting named.")
+
+
+def float32_qk_form_problems(compute_dtype, flags: AttentionFlags, *,
+                             k_codes: Optional[str] = None) -> List[str]:
+  """Why the QK dot's float32 form (q and k cast exactly to float32 for a dot whose
+  product the table makes float32 anyway) would change a stage or not be used: it needs
+  the float32 QK product of a 16-bit c, keys of c (not a quantized cache's codes,
+  `k_codes`) and an einsum precision that does not name its own operand types (a
+  dot-algorithm preset). [] where it applies; `Precision.float32_qk_operands` and the
+  kernels' check both ask this."""
+  why = []
+  if stage_dtypes(compute_dtype, flags)["logits"] != jnp.float32 or \
+      jnp.dtype(compute_dtype) == jnp.float32:
+    why.append(f"a float32 QK product of a 16-bit compute dtype (got "
+               f"{jnp.dtype(compute_dtype)}, float32_qk_product={flags.float32_qk_product})")
+  if k_codes is not None:
+    why.append(f"keys of the compute dtype (got {k_codes} cache codes)")
+  if isinstance(flags.einsum, jax.lax.DotAlgorithmPreset):
+    why.append(f"a plain einsum_precision (got the preset {flags.einsum.name})")
+  return why
 
 
 def bits_dtype(dtype) -> jnp.dtype:

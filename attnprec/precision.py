@@ -25,8 +25,8 @@ from attnprec import checks, cpu_features, kernels
 from attnprec.contract import (ALGORITHM_PRESETS, DTYPES, KEY_OFFSETS,  # noqa: F401
                                KV_CACHE_DTYPES, LAX_PRECISIONS, SCALED_KV_DTYPES,
                                AttentionFlags, CacheStorage, PrecisionLike,
-                               cache_storage_error, parse_dtype, parse_precision,
-                               precision_name)
+                               cache_storage_error, float32_qk_form_problems,
+                               parse_dtype, parse_precision, precision_name)
 from attnprec.errors import UserError, choice_error
 from attnprec.kernels.blockwise import BlockSizes, block_sizes
 
@@ -190,21 +190,21 @@ class Precision:
     (exactly) to float32. Only on XLA:CPU (`backend`, default: the one traced for), where
     it is what a CPU without bf16 dots runs fastest; elsewhere a float32 dot at DEFAULT
     precision may multiply in fewer bits than c holds (one bf16 pass on tpu, TF32 on
-    cuda). And only where the projection form in force is 'float32_dot' (a CPU without
-    bf16 dots under 'auto', or forced), the QK product is float32 (`float32_qk_product`,
-    a 16-bit compute dtype), the keys are values of c (not a quantized cache's codes),
-    `einsum_precision` is not a dot-algorithm preset (which names its own operand types),
-    and the kernel takes the form (`kernels.takes_float32_qk_form`); for calls of more than one
-    query (`num_queries`, None: any): a decode step, or a one-token prefill, keeps the
+    cuda). Only where the projection form in force is 'float32_dot' (a CPU without bf16
+    dots under 'auto', or forced), the kernel takes the form
+    (`kernels.takes_float32_qk_form`), and the contract allows it
+    (`contract.float32_qk_form_problems`: the float32 QK product of a 16-bit c, keys of c,
+    no dot-algorithm einsum_precision). Only for calls of more than one query
+    (`num_queries`, None: any): a decode step, or a one-token prefill, keeps the
     c x c -> float32 dot, which measured as fast or faster there (docs/performance.md).
     The products and the float32 accumulation are those of the c x c -> float32 dot;
     only the summation order may differ."""
     backend = backend or _target_backend()
+    k_codes = self.kv_cache_k_dtype if self.kv_cache_k_dtype in SCALED_KV_DTYPES else None
     return (backend == "cpu" and self.projection(backend) == "float32_dot"
-            and self.float32_qk_product
-            and self.kv_cache_k_dtype not in SCALED_KV_DTYPES
-            and self.einsum_precision.upper() not in ALGORITHM_PRESETS
-            and kernels.takes_float32_qk_form(self.kernel) and num_queries != 1)
+            and kernels.takes_float32_qk_form(self.kernel) and num_queries != 1
+            and not float32_qk_form_problems(self.compute_dtype, self.attention,
+                                             k_codes=k_codes))
 
   def describe_projection(self, backend: Optional[str] = None) -> str:
     """'' for float32 compute, else ' projections=FORM' (with why, for 'auto')."""
