@@ -17,14 +17,14 @@ baseline's output is not finite (a broken run's time is no baseline). torch's ou
 checked and compared with the default blocks' like a form's.
 
 The contract floor (one row per shape and length, not timed): the time the contract's two
-dots alone would take at the matmul rates XLA:CPU reaches on this machine, measured in
-the same run (`model.matmul_peak` at the shapes of FLOOR_SHAPES, the fastest of them, and
-the faster of a measurement before and after the rounds; XLA:CPU's rate depends on the
-shape by up to 2x): the QK dot's FLOPs over visible pairs at the rate of its operands (bf16 x bf16
--> float32 with the float32 QK product), the PV dot's at the float32 rate (the float32
-probabilities into it, MaxText's semantics, and values cast to float32), everything else
-free. No kernel that honours the contract with XLA:CPU's dots runs faster; a peer below
-it runs something the contract does not (torch SDPA bf16's PV dot takes bf16
+dots alone would take at the matmul rates XLA:CPU reaches on this machine, measured in the
+same run (`model.matmul_peak` at the shapes of FLOOR_SHAPES, the fastest of them, and the
+faster of a measurement before and after the rounds; XLA:CPU's rate depends on the shape
+by up to 2x): the QK dot's FLOPs over visible pairs at the rate of its operands (bf16 x
+bf16 -> float32 with the float32 QK product), the PV dot's at the float32 rate (the
+float32 probabilities into it, MaxText's semantics, and values cast to float32),
+everything else free. No kernel that honours the contract with XLA:CPU's dots runs faster;
+a peer below it runs something the contract does not (torch SDPA bf16's PV dot takes bf16
 probabilities, at the bf16 rate).
 """
 import os

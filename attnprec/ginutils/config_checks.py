@@ -86,12 +86,12 @@ def _binding_site(key, arg: str, statements: Sequence[Binding]) -> Tuple[str, st
 
 
 def check_kernel_settings(phases: Optional[Sequence[str]]) -> None:
-  """A `blockwise.*` binding (block sizes) is read only when the phase it applies to can
-  run the blockwise kernel ('blockwise', or 'auto' for every decode step and for long
+  """A `blockwise.*` binding (block sizes) is read only when the phase it applies to can run
+  the blockwise kernel ('blockwise', or 'auto' for every decode step and for long
   prefills); with another kernel it would be silently ignored, so it is an error naming
   the kernel each phase runs. (Under 'auto' a prefill's q_block / kv_block are read only
-  when it is long enough for blockwise: the run's kernel line says which kernel ran.) A scoped binding applies to its phase, an unscoped
-  one to every phase the runner reads."""
+  when it is long enough for blockwise: the run's kernel line says which kernel ran.) A
+  scoped binding applies to its phase, an unscoped one to every phase the runner reads."""
   if not phases:
     return
   from attnprec import kernels as kernel_lib

@@ -7,14 +7,15 @@ floor (`attnprec.contract`, `attnprec.errors`). Adding a kernel: write the modul
 its tests against `kernels.dot_product` and `contract.reference_attention_np`) and add it
 to `_MODULES` below.
 
-'auto' is not a kernel but a choice by shape, made from the static shapes while
-tracing: 'blockwise' for every decode step (one query: blockwise reads the cache as it
-lies, block by block, only up to the query's position, where the dense kernel reads it
-whole) and for a call with at least `AUTO_MIN_QUERIES` queries (a long prefill, where the
-dense kernel's [T, S] logits dominate) or at least `AUTO_MIN_KEYS` keys (a short prompt
-into a long cache), 'dot_product' otherwise (short prompts into short caches). Both
-honour the whole contract table, so the precision is the same either way; `resolve` says which one a call runs, and
-the compiled program shows it (`make inspect`: an online softmax in a loop is blockwise).
+'auto' is not a kernel but a choice by shape, made from the static shapes while tracing:
+'blockwise' for every decode step (one query: blockwise reads the cache as it lies, block
+by block, only up to the query's position, where the dense kernel reads it whole) and for
+a call with at least `AUTO_MIN_QUERIES` queries (a long prefill, where the dense kernel's
+[T, S] logits dominate) or at least `AUTO_MIN_KEYS` keys (a short prompt into a long
+cache), 'dot_product' otherwise (short prompts into short caches). Both honour the whole
+contract table, so the precision is the same either way; `resolve` says which one a call
+runs, and the compiled program shows it (`make inspect`: an online softmax in a loop is
+blockwise).
 """
 from typing import Dict, Optional, Tuple
 

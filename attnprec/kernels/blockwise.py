@@ -177,11 +177,11 @@ def blockwise_attention(q, k, v, *, mask=None,
   # K/V as [B, K, S, H]: each block's dots are plain batched matmuls over (B, K). The
   # model's cache lies so and passes its [B, S, K, H] view, so the transpose back cancels
   # (a caller's own arrays are transposed once). Slicing the view per block, and padding
-  # it, cost 68% of a decode step at 8 x 4001 (SmolLM2), so a decode step pads nothing:
-  # a last block that Sk does not divide starts at S - Sk (`clamp`); a prefill pads (the
-  # overlap measured 1.01-1.02x there). A decode step over 16-bit values or float8
-  # codes also slices their bits and reinterprets each block (`contract.bits_dtype`, each side on
-  # its own): the model's cache holds bf16 / f16 as uint16 and float8 as uint8
+  # it, cost 68% of a decode step at 8 x 4001 (SmolLM2), so a decode step pads nothing: a
+  # last block that Sk does not divide starts at S - Sk (`clamp`); a prefill pads (the
+  # overlap measured 1.01-1.02x there). A decode step over 16-bit values or float8 codes
+  # also slices their bits and reinterprets each block (`contract.bits_dtype`, each side
+  # on its own): the model's cache holds bf16 / f16 as uint16 and float8 as uint8
   # (`attnprec.cache`), so the two reinterpretations cancel, where XLA:CPU copied the
   # reinterpreted whole cache per layer and step (docs/performance.md).
   clamp = T == 1 and Sp != S
