@@ -6,14 +6,18 @@ attention dots, the softmax dtype) mean the same everywhere. Its `precision` kno
 `jax.lax.DotAlgorithmPreset`) do not: they say how the matmul unit multiplies float32
 operands, and that is the backend's business:
 
-  | platform | f32 x f32 at DEFAULT | HIGH          | HIGHEST        | bf16 x bf16 (any) |
-  | cpu      | f32                  | f32           | f32            | exact products    |
-  | tpu      | 1 bf16 pass          | 3 bf16 passes | 6 bf16 passes  | exact products    |
-  | cuda     | TF32 (Ampere+)       | TF32          | f32            | exact products    |
+  | platform | f32 x f32 at DEFAULT | HIGH          | HIGHEST        | bf16 x bf16 (any) | f16 x f16: DEFAULT / HIGH / HIGHEST |
+  | cpu      | f32                  | f32           | f32            | exact products    | exact products                      |
+  | tpu      | 1 bf16 pass          | 3 bf16 passes | 6 bf16 passes  | exact products    | 1 bf16 pass / 3 / 3 bf16 passes     |
+  | cuda     | TF32 (Ampere+)       | TF32          | f32            | exact products    | exact products                      |
 
 (`TABLE`, rendered by `markdown_table` into docs/contract.md). A float32 operand that
-only holds values of a 16-bit type (q and k upcast from bf16 for the float32 QK product)
-loses nothing to any of these: its values already fit a bf16 pass or TF32.
+only holds bf16 values (q and k upcast from bf16 for the float32 QK product) loses nothing
+to any of these: its values already fit a bf16 pass or TF32. float16 values do not fit a
+bf16 pass: on TPU a dot of float16 operands, or of float32 operands upcast from float16
+(XLA folds the upcast), multiplies in one bf16 pass at DEFAULT and in 3 passes at HIGH,
+at HIGHEST and under the 6-pass preset (`Platform.f16_products`, `f16_max`; measured on a
+TPU v5e with jax 0.10.2, results/tpu-f16/f16_products.py and its output).
 
 Which dot-algorithm presets each backend accepts (`Platform.presets`); jax lowers most
 presets for any platform and the backend's compiler refuses the rest, after the program
@@ -68,10 +72,28 @@ class Platform:
   bf16: str                        # what a bf16 x bf16 dot does
   presets: FrozenSet[str]          # DotAlgorithmPreset names the backend accepts
   presets_source: str
+  # lax Precision -> how a dot multiplies operands that hold float16 values (float16
+  # operands, or float32 ones upcast from float16); 'f16': exact products
+  f16_products: Dict[str, str] = dataclasses.field(
+      default_factory=lambda: dict.fromkeys(LAX_PRECISIONS, "f16"))
+  # the most a dot on float16 values keeps there under any dot algorithm (None: what
+  # the algorithm says)
+  f16_max: Optional[str] = None
+  f16_source: str = ""
 
   def arithmetic(self, precision: str) -> str:
     """'tf32', 'bf16', ... for a lax Precision name on f32 operands."""
     return self.f32_products[precision.upper()]
+
+  def f16_arithmetic(self, precision: Optional[str] = None,
+                     algorithm: Optional[str] = None) -> str:
+    """How a dot on operands holding float16 values multiplies: at a lax Precision name,
+    or under an algorithm's arithmetic ('bf16_3x', ...; capped at `f16_max`)."""
+    if algorithm is None:
+      return self.f16_products[precision.upper()]
+    if self.f16_max and ARITHMETIC_BITS[algorithm] > ARITHMETIC_BITS[self.f16_max]:
+      return self.f16_max
+    return algorithm
 
 
 TABLE: Dict[str, Platform] = {
@@ -89,7 +111,11 @@ TABLE: Dict[str, Platform] = {
         bf16="exact products, f32 accumulation in the MXU",
         presets=frozenset({"BF16_BF16_F32", "BF16_BF16_F32_X3", "BF16_BF16_F32_X6"}),
         presets_source="jax/tests/lax_test.py `testDotAlgorithm` and "
-                       "`testDotAlgorithmCasting`; the TPU compiler refuses the others"),
+                       "`testDotAlgorithmCasting`; the TPU compiler refuses the others",
+        f16_products={"DEFAULT": "bf16", "HIGH": "bf16_3x", "HIGHEST": "bf16_3x"},
+        f16_max="bf16_3x",
+        f16_source="measured on a TPU v5e with jax 0.10.2, float16 operands and float32 "
+                   "ones upcast from float16 alike: results/tpu-f16"),
     "cuda": Platform(
         name="cuda", backend="gpu", hardware="NVIDIA GPU, sm_80+ (Ampere)",
         f32_products={"DEFAULT": "tf32", "HIGH": "tf32", "HIGHEST": "f32"},
@@ -193,10 +219,14 @@ def describe_products(arithmetic: str, lhs_values: str, rhs_values: str) -> str:
 
 def markdown_table() -> str:
   """The per-platform table of docs/contract.md, from `TABLE` (a test compares them)."""
-  lines = ["| platform | f32 x f32 at DEFAULT | HIGH | HIGHEST | bf16 x bf16 | presets "
-           "accepted | source |", "|---|---|---|---|---|---|---|"]
+  lines = ["| platform | f32 x f32 at DEFAULT | HIGH | HIGHEST | bf16 x bf16 | f16 x f16 at "
+           "DEFAULT / HIGH / HIGHEST | presets accepted | source |",
+           "|---|---|---|---|---|---|---|---|"]
   for p in TABLE.values():
     f = [ARITHMETIC_TEXT[p.arithmetic(x)] for x in LAX_PRECISIONS]
-    lines.append(f"| {p.name}: {p.hardware} | {f[0]} | {f[1]} | {f[2]} | {p.bf16} | "
+    f16 = [p.f16_arithmetic(x) for x in LAX_PRECISIONS]
+    f16 = ("exact products" if set(f16) == {"f16"} else
+           " / ".join(ARITHMETIC_TEXT[a] for a in f16) + f" ({p.f16_source})")
+    lines.append(f"| {p.name}: {p.hardware} | {f[0]} | {f[1]} | {f[2]} | {p.bf16} | {f16} | "
                  f"{', '.join(sorted(p.presets))} | {p.presets_source} |")
   return "\n".join(lines)

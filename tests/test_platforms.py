@@ -9,7 +9,9 @@ machine): it passes the safe presets and fails, naming phase, layer and dot, on
 bf16-everywhere declared safe, on a kernel narrowing the QK accumulation and on a float32
 dot at DEFAULT where 'highest' was asked (TF32 on cuda, one bf16 pass on tpu).
 """
+import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +119,69 @@ def test_a_float32_dot_at_default_under_each_platform(platform, products):
   assert report.platform_problems(_dot(precision="HIGHEST"), "highest", platform) == []
 
 
+@pytest.mark.parametrize("platform,default,highest", [
+    ("cpu", "exact (f16 x f16 values)", "exact (f16 x f16 values)"),
+    ("tpu", "one bf16 pass", "3 bf16 passes"),
+    ("cuda", "exact (f16 x f16 values)", "exact (f16 x f16 values)")])
+def test_float16_dots_under_each_platform(platform, default, highest):
+  """float16 operands, and float32 ones upcast from float16, at DEFAULT and HIGHEST; on
+  tpu a 'highest' lowered at DEFAULT fails, and the 6-pass preset keeps 3 passes' bits."""
+  for dot in (_dot("f16", "f16"), _dot(lhs_source="f16", rhs_source="f16")):
+    assert report.products_text(dot, platform) == default
+    hi = dataclasses.replace(dot, precision="HIGHEST")
+    assert report.products_text(hi, platform) == highest
+    assert report.platform_problems(hi, "highest", platform) == []
+    problems = report.platform_problems(dot, "highest", platform)
+    if platform == "tpu":
+      assert len(problems) == 1 and "one bf16 pass" in problems[0] and \
+          "promises 3 bf16 passes" in problems[0], problems
+      x6 = dataclasses.replace(dot, algorithm="lhs_precision_type = bf16, "
+                               "rhs_precision_type = bf16, accumulation_type = f32, "
+                               "num_primitive_operations = 6")
+      assert report.products_text(x6, platform) == "3 bf16 passes"
+    else:
+      assert problems == []
+  # one float16 and one bf16 operand: the float16 row too; bf16 alone is exact anywhere
+  assert report.products_text(_dot("f16", "bf16"), platform) == default.replace(
+      "f16 x f16", "f16 x bf16")
+  assert report.products_text(_dot("bf16", "bf16"), platform) == "exact (bf16 x bf16 values)"
+
+
+def test_the_tpu_float16_row_is_what_a_tpu_measured():
+  """results/tpu-f16/f16_products.txt, run on a TPU v5e: each product of float16 values at
+  DEFAULT equals the product of the operands rounded to bf16 (and so for float32 ones
+  upcast from float16); at HIGH, HIGHEST and under the 3- and 6-pass presets the worst
+  product keeps the bits of the table's arithmetic within the emulation test's bounds."""
+  path = os.path.join(ROOT, "results", "tpu-f16", "f16_products.txt")
+  with open(path) as f:
+    text = f.read()
+  assert "backend: tpu" in text
+  rows = {}
+  for line in text.splitlines():
+    m = re.match(r"(.+?)\s+equal to exact:\s+([\d.]+)%\s+to one bf16 pass:\s+([\d.]+)%"
+                 r"\s+max rel err ([\d.e+-]+)", line)
+    if m:
+      rows[m.group(1).strip()] = (float(m.group(3)), float(m.group(4)))
+  row = platforms.TABLE["tpu"]
+  checked = 0
+  for name, (one_pass, err) in rows.items():
+    if not name.startswith(("f16 x f16", "f32(f16 values)")):
+      continue
+    preset = re.search(r"(BF16_BF16_F32\S*)", name)
+    if preset:
+      arithmetic = row.f16_arithmetic(algorithm=platforms.preset_arithmetic(preset[1]))
+    else:
+      arithmetic = row.f16_arithmetic(name.rsplit(", ", 1)[1])
+    if arithmetic == "bf16":
+      assert one_pass == 100.0, name
+    else:
+      bits = -np.log2(err)
+      want = platforms.ARITHMETIC_BITS[arithmetic]
+      assert want - 2 <= bits <= want + 1, (name, bits, arithmetic)
+    checked += 1
+  assert checked == 9, rows
+
+
 def test_the_docs_show_the_table():
   with open(os.path.join(ROOT, "docs", "contract.md")) as f:
     assert platforms.markdown_table() in f.read()
@@ -150,6 +215,27 @@ def test_safe_presets_pass_on_tpu_and_cuda(platform, precision, wv):
     assert {r["on_platform"] for r in forward if r["site"] == "wv"} == {wv}
   assert f"on {platform}" in audit.verdict(result)
   assert f"## On {platform}" in audit.to_markdown(result)
+
+
+@pytest.mark.parametrize("form", ["auto", "float32_dot"])
+def test_the_audit_reads_float16_dots_on_tpu_by_the_measured_row(form):
+  """dtype='float16' lowered for tpu: the qk dot and the dense projections (float16
+  operands, or float32 ones upcast from float16 in the float32_dot form) multiply in one
+  bf16 pass at 'default' and in 3 passes at 'highest' (the table's float16 row); the
+  probabilities into the wv dot are genuine float32 values and keep the float32 row."""
+  for asked, products, wv in (("default", "one bf16 pass", "one bf16 pass"),
+                              ("highest", "3 bf16 passes", "6 bf16 passes (~f32)")):
+    precision = Precision(dtype="float16", projection_form=form, einsum_precision=asked,
+                          matmul_precision=asked)
+    result = audit.run_audit(CONFIG, precision, precision, platform="tpu")
+    assert result["ok"], result["problems"]
+    for phase in audit.PHASES:
+      a = result["phases"][phase]
+      forward = [r for r in a["attention"] if not r["backward"]]
+      assert {r["on_platform"] for r in forward if r["site"] == "qk"} == {products}
+      assert {r["on_platform"] for r in forward if r["site"] == "wv"} == {wv}
+      projections = [r for r in a["dense"] if not r["backward"] and r["module"] != "unembed"]
+      assert projections and {r["on_platform"] for r in projections} == {products}, phase
 
 
 def test_bf16_everywhere_declared_safe_fails_naming_the_stage(monkeypatch):

@@ -111,15 +111,23 @@ def dot_arithmetic(dot: DotSite, platform: str, precision: Optional[str] = None)
   `platforms` table): as lowered (precision None) or had it been lowered with the
   precision name given (a lax Precision or a preset)."""
   row = platforms.check(platform)
+  # Operands holding float16 values (float16, or float32 upcast from it) have their own
+  # row on some platforms (TPU: one bf16 pass at DEFAULT).
+  values = (_values(dot.lhs, dot.lhs_source), _values(dot.rhs, dot.rhs_source))
+  f16 = "f16" in values and all(platforms.VALUE_BITS.get(v, 24) <= 11 for v in values)
   if precision is None:
     if dot.algorithm:
-      return platforms.algorithm_arithmetic(_fields(dot.algorithm))
+      arithmetic = platforms.algorithm_arithmetic(_fields(dot.algorithm))
+      return row.f16_arithmetic(algorithm=arithmetic) if f16 else arithmetic
     names = [n.strip() for n in dot.precision.split(",")]
   else:
     p = parse_precision(precision)
     if not isinstance(p, jax.lax.Precision):
-      return platforms.preset_arithmetic(p.name)
+      arithmetic = platforms.preset_arithmetic(p.name)
+      return row.f16_arithmetic(algorithm=arithmetic) if f16 else arithmetic
     names = [p.name]
+  if f16:
+    return min((row.f16_arithmetic(n) for n in names), key=platforms.ARITHMETIC_BITS.get)
   types = (dot.lhs, dot.rhs)
   if "f64" in types:
     return "f64"
@@ -141,7 +149,8 @@ def platform_problems(dot: DotSite, asked: str, platform: str,
   """The dot read under `platform`'s semantics: a FAIL where its products, as lowered,
   keep fewer bits than the precision asked for promises there (an f32 x f32 dot at
   DEFAULT where 'highest' was asked: TF32 on cuda, one bf16 pass on tpu). Operands that
-  hold 16-bit values lose nothing to either."""
+  hold bf16 values lose nothing to either; float16 values do on tpu
+  (`platforms.Platform.f16_products`)."""
   lhs, rhs = _values(dot.lhs, dot.lhs_source), _values(dot.rhs, dot.rhs_source)
   got, want = dot_arithmetic(dot, platform), dot_arithmetic(dot, platform, asked)
   if platforms.product_bits(got, lhs, rhs) >= platforms.product_bits(want, lhs, rhs):
