@@ -83,6 +83,30 @@ ENTRY %main (a: f32[4,4]) -> (bf16[4,4], bf16[4,4]) {
   assert profile.stage_of("x", instrs, comps) == "MLP activation"
 
 
+def test_a_constant_shared_with_the_kernel_does_not_make_the_mlp_activation_softmax():
+  """XLA shares one constant 1.0 among its uses: the silu's fusion of a bf16 MLP holds
+  the attention kernel's (op name .../attn/kernel/div), and its exponential is the
+  silu's; its time is the MLP activation's (it was filed under the softmax, 223 ms of a
+  bf16 prefill at 8 x 250 on SmolLM2's shapes)."""
+  text = """HloModule m
+
+%act (p0: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %one = f32[] constant(1), metadata={op_name="jit(f)/decoder/layer_0/attn/kernel/div"}
+  %b = f32[4,4]{1,0} broadcast(%one), dimensions={}, metadata={op_name="jit(f)/decoder/layer_0/mlp/jit(silu)"}
+  %e = f32[4,4]{1,0} exponential(%p0), metadata={op_name="jit(f)/decoder/layer_0/mlp/jit(silu)/exp"}
+  ROOT %a = f32[4,4]{1,0} add(%e, %b), metadata={op_name="jit(f)/decoder/layer_0/mlp/jit(silu)/add"}
+}
+
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  ROOT %x = f32[4,4]{1,0} fusion(%a), kind=kLoop, calls=%act
+}
+"""
+  instrs, comps = profile.parse_hlo(text)
+  assert profile.stage_of("x", instrs, comps) == "MLP activation"
+
+
 def test_every_dot_of_a_dense_prefill_gets_its_stage():
   """The dense kernel's QK and PV dots (which XLA:CPU may rewrite without metadata) are
   found from the data flow; every dot of the model is in a named stage, none in 'other'

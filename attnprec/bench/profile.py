@@ -128,7 +128,9 @@ def _dot_stage(op_name: str) -> str:
 
 
 def _elementwise_stage(ops: List[Instr]) -> str:
-  names = [i.op_name for i in ops if i.op_name]
+  # XLA shares one constant among every use of its value (a 1.0 of the kernel's and of the
+  # MLP's silu), so a constant's op name says nothing about the fusion it lands in
+  names = [i.op_name for i in ops if i.op_name and i.opcode != "constant"]
   # a fusion is what it computes: one of only converts / copies (a weight cast to bf16 at
   # its use, named after the projection) is data movement, not that stage's arithmetic
   codes = {i.opcode for i in ops} - {"fusion"}
