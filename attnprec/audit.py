@@ -97,11 +97,13 @@ expected_attention = contract_check.expected_stages
 
 
 # ----------------------------------------------------------------------------- contract
-def check_dense_dot(dot: DotSite, precision: Precision) -> List[str]:
+def check_dense_dot(dot: DotSite, precision: Precision,
+                    platform: str = platforms.DEFAULT_PLATFORM) -> List[str]:
   """The dense check of `attnprec.inspect`, plus: the unembedding returns f32 logits (and
-  so do the key projection under a key offset and the MLP's gate and up projections under
-  mlp_activation='float32'), every other projection the compute dtype (an f32 result
-  rounded to it right after the dot counts: one rounding of a float32 accumulation)."""
+  so do the key projection under a key offset and the MLP's gate and up projections where
+  the MLP's activation runs in float32 on `platform`: `Precision.mlp_form`), every other
+  projection the compute dtype (an f32 result rounded to it right after the dot counts:
+  one rounding of a float32 accumulation)."""
   problems = contract_check.check_dense(dot, precision)
   c = short(precision.compute_dtype)
   _, _, result = contract_check.effective(
@@ -110,10 +112,11 @@ def check_dense_dot(dot: DotSite, precision: Precision) -> List[str]:
   unembed = module == "unembed"
   # With a key offset the key projection's f32 accumulation stays f32 until the offset
   # is subtracted (the offset row; `offset_check` proves the one rounding after it).
-  # With mlp_activation='float32' the gate and up projections' f32 accumulations feed the
+  # With the float32 MLP activation the gate and up projections' f32 accumulations feed the
   # float32 activation (one rounding, of the product, into the down projection).
   wide = (unembed or (module == "attn/k" and precision.key_offset != "none")
-          or (module in ("mlp/gate", "mlp/up") and precision.mlp_activation == "float32"))
+          or (module in ("mlp/gate", "mlp/up")
+              and precision.mlp_form(platforms.check(platform).backend) == "float32"))
   want = "f32" if wide else c
   # The f32 accumulator rounded once to c right after the dot: `layers.project`'s
   # c x c -> f32 form, and the float32 dot on float32-carried weights.
@@ -317,7 +320,7 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
           b, precision.einsum_precision), "precision", label=a.label))
   dense_rows = []
   for d in report.dense:
-    p = check_dense_dot(d, precision) if not d.backward else \
+    p = check_dense_dot(d, precision, platform) if not d.backward else \
         contract_check.precision_problems(d, precision.matmul_precision)
     dense_rows.append(_row(phase, "dense", None, d, p,
                            "precision" if d.backward else "types+precision"))

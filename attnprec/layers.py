@@ -155,10 +155,10 @@ class MLP(hk.Module):
   def __call__(self, x_BxTxD):
     cfg, p = self.config, self.precision.matmul
     cw, form = self.precision.carrier_weights, projection_form(self.precision)
-    # 'float32' (`Precision.mlp_activation`): the gate and up projections' float32
-    # accumulations unrounded, the activation and the product in float32, one rounding
-    # to the compute dtype into the down projection.
-    wide = self.precision.mlp_activation == "float32"
+    # 'float32' (`Precision.mlp_form`: set, or 'auto' on a CPU without bf16 dots): the
+    # gate and up projections' float32 accumulations unrounded, the activation and the
+    # product in float32, one rounding to the compute dtype into the down projection.
+    wide = self.precision.mlp_form() == "float32"
     hidden = jnp.float32 if wide else None
     gate_BxTxF = Dense(cfg.mlp_hidden, precision=p, carrier=cw, form=form, out_dtype=hidden,
                        name="gate")(x_BxTxD)

@@ -46,8 +46,12 @@ PROJECTION_FORMS = ("auto", "compute_dtype_dot", "float32_dot")
 #              product in c (each op rounds to c): the compute dtype throughout;
 #   'float32'  the gate and up projections' float32 accumulations kept, the activation
 #              and the product in float32, one rounding to c into the down projection
-#              (fewer roundings, and faster on XLA:CPU: docs/performance.md).
-MLP_ACTIVATIONS = ("compute", "float32")
+#              (fewer roundings, and faster on XLA:CPU: docs/performance.md);
+#   'auto'     'float32' on XLA:CPU where the projection form in force is 'float32_dot'
+#              (a CPU without bf16 dots: the gate and up projections are float32 dots
+#              there, and the c activation's roundings are what made bf16 slower than
+#              float32), 'compute' everywhere else (`Precision.mlp_form`).
+MLP_ACTIVATIONS = ("auto", "compute", "float32")
 
 
 @checks.validated(
@@ -109,8 +113,8 @@ class Precision:
   # a dot-algorithm matmul_precision have one form only, so they take 'auto' alone.
   projection_form: str = "auto"
   # Where a 16-bit MLP's activation runs (MLP_ACTIVATIONS above); float32 compute has one
-  # way only, so it takes 'compute' alone.
-  mlp_activation: str = "compute"
+  # way only, so it takes 'auto' or 'compute' alone.
+  mlp_activation: str = "auto"
 
   def __post_init__(self):
     # Validate eagerly so a bad gin value fails at configuration time, not mid-trace.
@@ -119,7 +123,7 @@ class Precision:
     self.attention   # the attention knobs validate themselves (`AttentionFlags`)
     if not isinstance(self.carrier_weights, bool):
       raise choice_error("carrier_weights", self.carrier_weights, (True, False))
-    if self.mlp_activation != "compute" and self.compute_dtype == jnp.float32:
+    if self.mlp_activation == "float32" and self.compute_dtype == jnp.float32:
       raise UserError(f"precision.mlp_activation={self.mlp_activation!r} keeps a 16-bit "
                       f"MLP's activation in float32, but dtype='float32' computes every "
                       f"activation in float32 already: the setting would not be used. "
@@ -206,6 +210,27 @@ class Precision:
             and not float32_qk_form_problems(self.compute_dtype, self.attention,
                                              k_codes=k_codes))
 
+  def mlp_form(self, backend: Optional[str] = None) -> str:
+    """Where a gated MLP rounds on `backend` (default: the one traced for): 'compute' or
+    'float32' (MLP_ACTIVATIONS). 'auto' is 'float32' only on XLA:CPU where the projection
+    form in force is 'float32_dot' (the gate and up projections are float32 dots there:
+    their sums are kept instead of rounded, as the explicit 'float32' does). Float32
+    compute: 'compute' (one way only)."""
+    if self.mlp_activation != "auto":
+      return self.mlp_activation
+    if self.compute_dtype == jnp.float32:
+      return "compute"
+    backend = backend or _target_backend()
+    return ("float32" if backend == "cpu" and self.projection(backend) == "float32_dot"
+            else "compute")
+
+  def _mlp(self, backend: Optional[str] = None) -> str:
+    """' mlp_activation=float32' (set), ' mlp_activation=auto:float32' (resolved so), or ''."""
+    form = self.mlp_form(backend)
+    if form == "compute":
+      return ""
+    return f" mlp_activation={'auto:' if self.mlp_activation == 'auto' else ''}{form}"
+
   def describe_projection(self, backend: Optional[str] = None) -> str:
     """'' for float32 compute, else ' projections=FORM' (with why, for 'auto')."""
     form = self.projection(backend)
@@ -227,8 +252,7 @@ class Precision:
     return (f"dtype={self.dtype} {self.attention.describe()} "
             f"matmul_precision={self.matmul_precision} kernel={self.kernel}"
             + self._blocks() + self.describe_projection(backend)
-            + (f" mlp_activation={self.mlp_activation}"
-               if self.mlp_activation != "compute" else "")
+            + self._mlp(backend)
             + (" weights=float32-carried" if self.carrier_weights else "")
             + f" {self.cache_storage.describe()}")
 

@@ -4,7 +4,9 @@
 and the gating product in float32 and rounds once into the down projection. Compared
 here with a float64 NumPy MLP on the same bf16 values (an independent implementation):
 it is closer to it than 'compute' (every op rounded to bf16), and it is exactly that
-recipe. 'compute' (the default) is the model's MLP as before, bit for bit.
+recipe. 'compute' is the model's MLP as before, bit for bit. 'auto' (the default) is
+'float32' where the projection form in force is 'float32_dot' on XLA:CPU (a CPU without
+bf16 dots), 'compute' elsewhere.
 """
 import haiku as hk
 import jax
@@ -12,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attnprec import cpu_features
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.layers import MLP
-from attnprec.precision import Precision
+from attnprec.precision import Precision, target_backend
 
 CONFIG = ModelConfig(vocab_size=64, d_model=96, num_layers=1, num_heads=4, num_kv_heads=2,
                      head_dim=24, mlp_hidden=384, max_seq_len=64)
@@ -66,16 +69,60 @@ def test_float32_activation_is_closer_to_float64_and_is_its_recipe(rows):
   assert np.mean(np.abs(out["float32"] - want) <= 2 ** -7 * np.abs(want)) >= 0.999
 
 
-def test_compute_is_the_default_and_the_line_names_float32():
-  assert Precision().mlp_activation == "compute"
-  assert "mlp_activation" not in Precision(dtype="bfloat16").describe()
-  assert " mlp_activation=float32 " in Precision(dtype="bfloat16",
-                                                 mlp_activation="float32").describe()
+BF16 = dict(dtype="bfloat16")
+
+
+@pytest.mark.parametrize("kwargs,backend,features,want", [
+    (BF16, "cpu", (), "float32"),                         # no bf16 dots: float32_dot form
+    (BF16, "cpu", ("avx512_bf16",), "compute"),
+    (BF16, "tpu", (), "compute"),                         # 'auto' resolves for the target
+    (BF16, "gpu", (), "compute"),
+    ({**BF16, "projection_form": "float32_dot"}, "cpu", ("avx512_bf16",), "float32"),
+    ({**BF16, "projection_form": "float32_dot"}, "tpu", (), "compute"),
+    ({**BF16, "projection_form": "compute_dtype_dot"}, "cpu", (), "compute"),
+    ({**BF16, "matmul_precision": "BF16_BF16_F32"}, "cpu", (), "compute"),
+    ({**BF16, "mlp_activation": "compute"}, "cpu", (), "compute"),
+    ({**BF16, "mlp_activation": "float32"}, "tpu", (), "float32"),
+    (dict(dtype="float16"), "cpu", (), "float32"),
+    (dict(), "cpu", (), "compute"),                       # float32 compute: one way
+    (dict(mlp_activation="compute"), "cpu", (), "compute"),
+])
+def test_auto_is_the_default_and_resolves_by_the_projection_form(monkeypatch, kwargs,
+                                                                  backend, features, want):
+  monkeypatch.setattr(cpu_features, "bf16_features", lambda *a: features)
+  prec = Precision(**kwargs)
+  assert Precision().mlp_activation == "auto"
+  assert prec.mlp_form(backend) == want
+  with target_backend(backend):
+    assert prec.mlp_form() == want
+    line = prec.describe()
+  assert line == prec.describe(backend)
+  if want == "compute":
+    assert "mlp_activation" not in line
+  elif prec.mlp_activation == "auto":
+    assert " mlp_activation=auto:float32 " in line
+  else:
+    assert " mlp_activation=float32 " in line
+
+
+@pytest.mark.parametrize("features,same_as", [((), "float32"),
+                                              (("avx512_bf16",), "compute")])
+def test_auto_runs_the_form_it_resolves_to_bit_for_bit(monkeypatch, features, same_as):
+  """On a CPU without bf16 dots 'auto' is the float32 recipe, on one with them the
+  compute-dtype MLP: the same outputs, bit for bit, at a prefill's rows and a decode
+  step's."""
+  monkeypatch.setattr(cpu_features, "bf16_features", lambda *a: features)
+  for rows in (8, 256):
+    params, x = _setup(rows)
+    auto, other = (np.asarray(jax.jit(_mlp(Precision(dtype="bfloat16", mlp_activation=m))
+                                      .apply)(params, x), np.float64)
+                   for m in ("auto", same_as))
+    np.testing.assert_array_equal(auto, other)
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mlp_activation="float32"), "dtype='float32'"),
-    (dict(dtype="bfloat16", mlp_activation="f32"), "'compute', 'float32'")])
+    (dict(dtype="bfloat16", mlp_activation="f32"), "'auto', 'compute', 'float32'")])
 def test_a_setting_that_would_not_be_used_is_refused(kwargs, match):
   with pytest.raises(UserError, match=match):
     Precision(**kwargs)

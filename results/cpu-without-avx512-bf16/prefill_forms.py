@@ -9,6 +9,10 @@ repository root, with JAX on the CPU:
 prefill_2cores.txt (`taskset -c 0,1`) and prefill_13cores.txt ran the first four forms,
 before the last two were added and before the finiteness check; prefill_2cores_b.txt ran
   CASES=1x1000 R=7 FORMS="bf16 + flags, projection_form=auto;bf16 + flags, mlp_activation=float32;bf16, flags off" taskset -c 0,1 ...
+prefill_mlp_2cores.txt ran the first and the fifth form, before `mlp_activation = 'auto'`
+(then 'compute', the default); prefill_auto_2cores.txt, after it (where 'auto' is the
+fifth form's 'float32' on this CPU), ran
+  CASES=1x1000,8x250 R=7 FORMS="bf16 + flags, projection_form=auto;bf16 + flags, mlp_activation=compute" taskset -c 0,1 ...
 """
 import dataclasses, functools, os, statistics, sys, time
 sys.path.insert(0, os.getcwd())
@@ -30,6 +34,7 @@ FORMS = {
     'bf16 + flags, compute_dtype_dot': Precision(projection_form="compute_dtype_dot", **FLAGS),
     'bf16 + flags, float32_dot': Precision(projection_form="float32_dot", **FLAGS),
     'bf16 + flags, mlp_activation=float32': Precision(mlp_activation="float32", **FLAGS),
+    'bf16 + flags, mlp_activation=compute': Precision(mlp_activation="compute", **FLAGS),
     'bf16, flags off': Precision(dtype="bfloat16", kernel="auto"),
 }
 if os.environ.get('FORMS'):
@@ -51,7 +56,7 @@ for B, P in CASES:
     if not np.isfinite(np.asarray(compiled(pparams, prompt, lengths).last_BxV)).all():
       raise SystemExit(f'{B}x{P} {name}: non-finite logits')
     runs[name] = (compiled, pparams)
-    print(f'compiled {name}: projections={layers.projection_form(serving)}', flush=True)
+    print(f'compiled {name}: projections={layers.projection_form(serving)} mlp={serving.mlp_form()}', flush=True)
   ts = {n: [] for n in runs}
   for _ in range(R):
     for n, (c, p) in runs.items():
