@@ -287,6 +287,7 @@ def _on_platform(rows: List[dict], dots: List[DotSite], platform: str, knob: str
   and the problems of reading it there against `knob` = `asked` (in place)."""
   for r, d in zip(rows, dots, strict=True):
     r["on_platform"] = contract_check.products_text(d, platform)
+    r["narrowed"] = contract_check.narrows(d, platform)
     extra = contract_check.platform_problems(d, asked, platform, knob)
     r["problems"] = r["problems"] + extra
     r["ok"] = not r["problems"]
@@ -632,10 +633,25 @@ def verdict(result: dict) -> str:
     return (f"PASS: all {n} attention dots of the train step, prefill and decode step match "
             f"the contract for their phase's flags{on}{cache}"
             + (f"; so do the {compiled} dots this backend compiled them into."
-               if compiled else "."))
+               if compiled else ".") + narrowed_text(result))
   shown = "; ".join(result["problems"][:6])
   more = f" (+{len(result['problems']) - 6} more)" if len(result["problems"]) > 6 else ""
   return f"FAIL: {len(result['problems'])} mismatch(es): {shown}{more}"
+
+
+def narrowed_text(result: dict) -> str:
+  """' On tpu, N of the M dots ...' where the platform's products keep fewer bits than the
+  operands hold (f32 or f16 values at 'default': one bf16 pass on tpu, TF32 on cuda), as
+  the precision asked for allows there; '' where none does."""
+  rows = [r for ph in PHASES for r in result["phases"][ph]["attention"] +
+          result["phases"][ph]["dense"] if "narrowed" in r]
+  narrowed = [r for r in rows if r["narrowed"]]
+  if not narrowed:
+    return ""
+  kinds = ", ".join(sorted({r["on_platform"] for r in narrowed}))
+  return (f" On {result['platform']}, {len(narrowed)} of the {len(rows)} dots read multiply "
+          f"in fewer bits than their operands hold ({kinds}): what the precision asked for "
+          f"allows there (the table 'On {result['platform']}'); 'high' or 'highest' keeps more.")
 
 
 def quantized_cache_text(result: dict) -> str:

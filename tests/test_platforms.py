@@ -215,6 +215,10 @@ def test_safe_presets_pass_on_tpu_and_cuda(platform, precision, wv):
     assert {r["on_platform"] for r in forward if r["site"] == "wv"} == {wv}
   assert f"on {platform}" in audit.verdict(result)
   assert f"## On {platform}" in audit.to_markdown(result)
+  # bf16 + flags at 'default': the f32 probabilities into the wv dot lose bits there, and
+  # the verdict counts them; 'highest' keeps them
+  counted = f"fewer bits than their operands hold ({wv})" in audit.verdict(result)
+  assert counted is (precision is SAFE), audit.verdict(result)
 
 
 @pytest.mark.parametrize("form", ["auto", "float32_dot"])
@@ -229,6 +233,11 @@ def test_the_audit_reads_float16_dots_on_tpu_by_the_measured_row(form):
                           matmul_precision=asked)
     result = audit.run_audit(CONFIG, precision, precision, platform="tpu")
     assert result["ok"], result["problems"]
+    # the verdict says how many dots multiply in fewer bits than their operands hold
+    verdict = audit.verdict(result)
+    assert verdict.startswith("PASS")
+    assert (" dots read multiply in fewer bits than their operands hold (one bf16 pass)"
+            in verdict) is (asked == "default"), verdict
     for phase in audit.PHASES:
       a = result["phases"][phase]
       forward = [r for r in a["attention"] if not r["backward"]]

@@ -144,6 +144,15 @@ def products_text(dot: DotSite, platform: str) -> str:
                                      _values(dot.rhs, dot.rhs_source))
 
 
+def narrows(dot: DotSite, platform: str) -> bool:
+  """Whether the dot's products, as lowered, keep fewer significand bits on `platform` than
+  its widest operand's values hold (f32 values in one bf16 pass or TF32, f16 values in
+  one bf16 pass): what a precision of 'default' may ask for there, which the audit says."""
+  lhs, rhs = _values(dot.lhs, dot.lhs_source), _values(dot.rhs, dot.rhs_source)
+  widest = max(platforms.VALUE_BITS.get(v, 24) for v in (lhs, rhs))
+  return platforms.product_bits(dot_arithmetic(dot, platform), lhs, rhs) < widest
+
+
 def platform_problems(dot: DotSite, asked: str, platform: str,
                       knob: str = "einsum_precision") -> List[str]:
   """The dot read under `platform`'s semantics: a FAIL where its products, as lowered,
