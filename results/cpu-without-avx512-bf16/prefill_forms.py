@@ -14,12 +14,13 @@ prefill_mlp_2cores.txt ran the first and the fifth form, before `mlp_activation 
 fifth form's 'float32' on this CPU), ran
   CASES=1x1000,8x250 R=7 FORMS="bf16 + flags, projection_form=auto;bf16 + flags, mlp_activation=compute" taskset -c 0,1 ...
 """
-import dataclasses, functools, os, statistics, sys, time
+import os, statistics, sys, time
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attnprec import xla_env; xla_env.disable_excess_precision()
-import jax, jax.numpy as jnp, numpy as np
-from attnprec import cpu_features, decoding, layers
+import jax
+import programs
+from attnprec import cpu_features, layers
 from attnprec.model import init_params
 from attnprec.precision import Precision
 from smollm2_shapes import CONFIG
@@ -43,18 +44,10 @@ print('CPU:', cpu_features.describe(), '| cores:', os.cpu_count(), '| jax', jax.
       jax.default_backend(), flush=True)
 params = init_params(CONFIG, jax.random.PRNGKey(0))
 for B, P in CASES:
-  prompt = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (B, P)), jnp.int32)
-  lengths = jnp.full((B,), P, jnp.int32)
   runs = {}
   for name, prec in FORMS.items():
-    served, serving = decoding.for_serving(params, prec)
-    pparams = decoding.prefill_params(served, serving, B * P)
-    fn = jax.jit(functools.partial(decoding.prefill, config=CONFIG, precision=serving,
-                                   cache_length=P + 1))
-    compiled = fn.lower(pparams, prompt, lengths).compile()
-    # a timing of a broken program would read like any other: its logits must be finite
-    if not np.isfinite(np.asarray(compiled(pparams, prompt, lengths).last_BxV)).all():
-      raise SystemExit(f'{B}x{P} {name}: non-finite logits')
+    compiled, pparams, _, serving, prompt, lengths, _ = programs.compiled_prefill(
+        params, prec, B, P, P + 1)
     runs[name] = (compiled, pparams)
     print(f'compiled {name}: projections={layers.projection_form(serving)} mlp={serving.mlp_form()}', flush=True)
   ts = {n: [] for n in runs}

@@ -6,13 +6,17 @@ Written for a CPU without avx512_bf16, where bf16 + flags prefill stayed 1.04x (
 and 1.08x (8 x 250) fp32's time on 2 cores (qk_form_2cores.txt): what is the rest? From
 the repository root, with JAX on the CPU (no checkpoint, orbax or tqdm needed):
   CASES=1x1000,8x250 taskset -c 0,1 python3 results/cpu-without-avx512-bf16/profile_forms.py
+profile_2cores.txt ran before `mlp_activation = 'auto'` (its 'bf16 + flags' column is the
+'compute' activation, then the default) and before the profile tool stopped reading a
+shared constant's op name (it files the bf16 activation's fusion under the softmax).
 """
-import functools, os, sys
+import os, sys
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attnprec import xla_env; xla_env.disable_excess_precision()
-import jax, jax.numpy as jnp, numpy as np
-from attnprec import cpu_features, decoding, layers
+import jax
+import programs
+from attnprec import cpu_features, layers
 from attnprec.bench.cases import parse_cases
 from attnprec.bench.profile import STAGES, profile_program
 from attnprec.model import init_params
@@ -23,24 +27,16 @@ CASES = parse_cases(os.environ.get("CASES", "1x1000"))
 R = int(os.environ.get("R", 3))
 FLAGS = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True, kernel="auto")
 FORMS = {"fp32": Precision(kernel="auto"),
-         "bf16 + flags": Precision(**FLAGS),
+         "bf16 + flags, mlp_activation=compute": Precision(mlp_activation="compute", **FLAGS),
          "bf16 + flags, mlp_activation=float32": Precision(mlp_activation="float32", **FLAGS)}
 print("CPU:", cpu_features.describe(), "| cores:", len(os.sched_getaffinity(0)), "of",
       os.cpu_count(), "| jax", jax.__version__, jax.default_backend(), flush=True)
 params = init_params(CONFIG, jax.random.PRNGKey(0))
 for B, P in CASES:
-  prompt = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (B, P)),
-                       jnp.int32)
-  lengths = jnp.full((B,), P, jnp.int32)
   rows = {}
   for name, prec in FORMS.items():
-    served, serving = decoding.for_serving(params, prec)
-    pparams = decoding.prefill_params(served, serving, B * P)
-    fn = jax.jit(functools.partial(decoding.prefill, config=CONFIG, precision=serving,
-                                   cache_length=P + 1))
-    compiled = fn.lower(pparams, prompt, lengths).compile()
-    if not np.isfinite(np.asarray(compiled(pparams, prompt, lengths).last_BxV)).all():
-      raise SystemExit(f"{B}x{P} {name}: non-finite logits")
+    compiled, pparams, _, serving, prompt, lengths, _ = programs.compiled_prefill(
+        params, prec, B, P, P + 1)
     rows[name] = profile_program(compiled, lambda: compiled(pparams, prompt, lengths), R)
     print(f"profiled {B}x{P} {name}: projections={layers.projection_form(serving)} "
           f"wall {rows[name]['wall_ms']:.0f} ms, thunks {rows[name]['thunks_ms']:.0f} ms",

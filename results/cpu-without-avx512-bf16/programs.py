@@ -1,0 +1,73 @@
+"""The serving programs the one-off scripts beside this one time: SmolLM2's shapes
+(`smollm2_shapes.CONFIG`), random weights (the speed does not depend on the values), as
+`generate` runs them (`decoding.for_serving`; `prefill_params` for the prefill, the
+serving weights for a decode step, its state donated and copied outside the timed call).
+Every program is checked for finite logits before it is timed: a timing of a broken
+program would read like any other."""
+import functools, statistics, sys, time
+
+import jax, jax.numpy as jnp, numpy as np
+from attnprec import decoding
+from smollm2_shapes import CONFIG
+
+
+def prompt(B, P):
+  """[B, P] random token ids (seed 0) and their lengths."""
+  ids = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (B, P))
+  return jnp.asarray(ids, jnp.int32), jnp.full((B,), P, jnp.int32)
+
+
+def compiled_prefill(params, prec, B, P, cache_length):
+  """(the compiled prefill, its parameters, the serving weights and precision, the prompt,
+  its lengths, the prefill's state), the prefill's logits checked."""
+  tokens, lengths = prompt(B, P)
+  served, serving = decoding.for_serving(params, prec)
+  pparams = decoding.prefill_params(served, serving, B * P)
+  pre = jax.jit(functools.partial(decoding.prefill, config=CONFIG, precision=serving,
+                                  cache_length=cache_length)).lower(
+                                      pparams, tokens, lengths).compile()
+  state0 = jax.block_until_ready(pre(pparams, tokens, lengths))
+  if not np.isfinite(np.asarray(state0.last_BxV, np.float32)).all():
+    sys.exit(f"{B}x{P}: non-finite prefill logits under {prec.describe()}; not timed")
+  return pre, pparams, served, serving, tokens, lengths, state0
+
+
+def calls(params, prec, B, P):
+  """(run_prefill, run_step, the prefill's logits): each run_* times one call (seconds);
+  the decode step's logits checked too."""
+  pre, pparams, served, serving, tokens, lengths, state0 = compiled_prefill(
+      params, prec, B, P, P + 8)
+  first = jnp.argmax(state0.last_BxV, axis=-1).astype(jnp.int32)
+  step = jax.jit(functools.partial(decoding.decode_step, config=CONFIG, precision=serving),
+                 donate_argnums=1).lower(served, state0, first).compile()
+  after = np.asarray(step(served, jax.tree_util.tree_map(jnp.copy, state0), first).last_BxV)
+  if not np.isfinite(after).all():
+    sys.exit(f"{B}x{P}: non-finite decode-step logits under {prec.describe()}; not timed")
+
+  def run_prefill():
+    t0 = time.perf_counter(); jax.block_until_ready(pre(pparams, tokens, lengths))
+    return time.perf_counter() - t0
+
+  def run_step():
+    state = jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, state0))
+    t0 = time.perf_counter(); jax.block_until_ready(step(served, state, first))
+    return time.perf_counter() - t0
+  return run_prefill, run_step, np.asarray(state0.last_BxV, np.float32)
+
+
+def time_interleaved(label, runs, rounds, prefill=True, base="fp32"):
+  """runs: name -> (run_prefill, run_step). One warm call each, then `rounds` interleaved
+  rounds; prints each name's median prefill and decode step against `base`'s."""
+  pre_t, dec_t = {n: [] for n in runs}, {n: [] for n in runs}
+  for run_prefill, run_step in runs.values():
+    run_prefill(); run_step()
+  for _ in range(rounds):
+    for n, (run_prefill, run_step) in runs.items():
+      pre_t[n].append(run_prefill() if prefill else float("nan"))
+      run_step()
+      dec_t[n].append(run_step())
+  base_p, base_d = statistics.median(pre_t[base]), statistics.median(dec_t[base])
+  for n in runs:
+    p, d = statistics.median(pre_t[n]), statistics.median(dec_t[n])
+    print(f"{label} {n:28s} prefill {p:7.3f} s ({p / base_p:.2f}x {base})   decode step "
+          f"{1000 * d:7.1f} ms ({d / base_d:.2f}x {base})", flush=True)
