@@ -4,10 +4,12 @@
 serving weights for a decode step, its state donated and copied outside the timed call).
 Every program is checked for finite logits before it is timed: a timing of a broken
 program would read like any other."""
-import functools, statistics, sys, time
+import contextlib, functools, os, statistics, sys, time
 
 import jax, jax.numpy as jnp, numpy as np
-from attnprec import decoding
+from attnprec import cpu_features, decoding
+from attnprec.bench.cases import parse_cases
+from attnprec.model import init_params
 from smollm2_shapes import CONFIG
 
 
@@ -71,3 +73,28 @@ def time_interleaved(label, runs, rounds, prefill=True, base="fp32"):
     p, d = statistics.median(pre_t[n]), statistics.median(dec_t[n])
     print(f"{label} {n:28s} prefill {p:7.3f} s ({p / base_p:.2f}x {base})   decode step "
           f"{1000 * d:7.1f} ms ({d / base_d:.2f}x {base})", flush=True)
+
+
+def ab_main(forms, pair, describe):
+  """The A/B scripts' whole run: `forms` (name -> (Precision, a function making the
+  context manager to trace it in, or None)) over the cases of $CASES (default 1x1000,8x250), $R rounds (default 5),
+  prefill timed unless $PREFILL=0; the prefill logits of the two forms of `pair` compared;
+  `describe` (a Precision) printed with the machine."""
+  cases = parse_cases(os.environ.get("CASES", "1x1000,8x250"))
+  rounds = int(os.environ.get("R", 5))
+  prefill = os.environ.get("PREFILL", "1") != "0"
+  print("CPU:", cpu_features.describe(), "| cores:", os.cpu_count(), "| affinity:",
+        len(os.sched_getaffinity(0)), "| jax", jax.__version__, jax.default_backend(),
+        "|", describe.describe(), flush=True)
+  params = init_params(CONFIG, jax.random.PRNGKey(0))
+  for B, P in cases:
+    runs, logits = {}, {}
+    for name, (prec, context) in forms.items():
+      with context() if context else contextlib.nullcontext():
+        run_prefill, run_step, logits[name] = calls(params, prec, B, P)
+      runs[name] = (run_prefill, run_step)
+    a, b = pair
+    print(f"{B}x{P}: prefill logits, the two bf16 forms: max abs difference "
+          f"{np.abs(logits[a] - logits[b]).max():.2e} (logits up to "
+          f"{np.abs(logits[a]).max():.1f})", flush=True)
+    time_interleaved(f"{B}x{P}", runs, rounds, prefill)

@@ -23,20 +23,10 @@ import contextlib, os, sys
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attnprec import xla_env; xla_env.disable_excess_precision()
-import jax, numpy as np
 import programs
-from attnprec import cpu_features
-from attnprec.model import init_params
-from smollm2_shapes import CONFIG
 from attnprec.precision import Precision
-from attnprec.bench.cases import parse_cases
 
-CASES = parse_cases(os.environ.get("CASES", "1x1000,8x250"))
-R = int(os.environ.get("R", 5))
-PREFILL = os.environ.get("PREFILL", "1") != "0"
 SAFE = Precision(dtype="bfloat16", float32_qk_product=True, float32_logits=True, kernel="auto")
-FORMS = {"fp32": (Precision(kernel="auto"), True), "bf16 + flags": (SAFE, True),
-         "bf16 + flags, bf16 QK dot": (SAFE, False)}
 
 
 @contextlib.contextmanager
@@ -51,17 +41,6 @@ def qk_form(on: bool):
     Precision.float32_qk_operands = real
 
 
-print("CPU:", cpu_features.describe(), "| cores:", os.cpu_count(), "| affinity:",
-      len(os.sched_getaffinity(0)), "| jax", jax.__version__, jax.default_backend(),
-      "| bf16 + flags:", SAFE.describe_projection(), flush=True)
-params = init_params(CONFIG, jax.random.PRNGKey(0))
-for B, P in CASES:
-  runs, logits = {}, {}
-  for name, (prec, on) in FORMS.items():
-    with qk_form(on):
-      run_prefill, run_step, logits[name] = programs.calls(params, prec, B, P)
-    runs[name] = (run_prefill, run_step)
-  diff = np.abs(logits["bf16 + flags"] - logits["bf16 + flags, bf16 QK dot"]).max()
-  print(f"{B}x{P}: prefill logits, the two bf16 forms: max abs difference {diff:.2e} "
-        f"(logits up to {np.abs(logits['bf16 + flags']).max():.1f})", flush=True)
-  programs.time_interleaved(f"{B}x{P}", runs, R, PREFILL)
+programs.ab_main({"fp32": (Precision(kernel="auto"), None), "bf16 + flags": (SAFE, None),
+                  "bf16 + flags, bf16 QK dot": (SAFE, lambda: qk_form(False))},
+                 ("bf16 + flags", "bf16 + flags, bf16 QK dot"), SAFE)
