@@ -368,9 +368,10 @@ def test_cases_are_parsed_with_their_errors_named():
       parse_cases(bad)
 
 
-def test_a_checked_case_refuses_non_finite_logits():
-  """The one-off A/B scripts time only cases whose prefill and first decode step gave
-  finite logits: a NaN weight is refused by name, the same weights without it pass."""
+def test_a_bench_case_refuses_non_finite_logits():
+  """Every suite (the model bench, the profile, the one-off A/B scripts) times only cases
+  whose prefill and decode loop gave finite logits (`_AttnprecCase`): a NaN weight is
+  refused by name, the same weights without it pass."""
   import jax
   import jax.numpy as jnp
   from attnprec.bench import model as model_bench
@@ -382,13 +383,14 @@ def test_a_checked_case_refuses_non_finite_logits():
                        head_dim=8, mlp_hidden=32, max_seq_len=32)
   params = init_params(config, jax.random.PRNGKey(0))
   prompt = jnp.ones((1, 4), jnp.int32)
-  model_bench.checked_case(config, params, Precision(), prompt, label="clean")
+  clean = model_bench._AttnprecCase(config, params, Precision(), prompt, 1, label="clean")
+  assert clean.decode() > 0 and clean._decode_checked
   broken = jax.tree_util.tree_map(lambda x: x, params)
   name = next(k for k in broken if "mlp" in k)
   leaf = next(iter(broken[name]))
   broken[name] = {**broken[name], leaf: broken[name][leaf].at[0, 0].set(jnp.nan)}
   with pytest.raises(UserError, match="broken: non-finite logits after the prefill"):
-    model_bench.checked_case(config, broken, Precision(), prompt, label="broken")
+    model_bench._AttnprecCase(config, broken, Precision(), prompt, 1, label="broken")
 
 
 def test_attention_forms_takes_no_ratio_to_a_broken_baseline(monkeypatch):

@@ -178,3 +178,17 @@ def test_run_profile_calls_the_prefill_with_the_params_it_was_compiled_for(monke
   for bad in (("step",), ()):
     with pytest.raises(UserError, match="non-empty list of \\['prefill', 'decode'\\]"):
       profile.run_profile(models=("tiny",), phases=bad, load=lambda name: tiny)
+
+
+@pytest.mark.parametrize("phases", [("prefill",), ("decode",)])
+def test_a_broken_model_is_not_profiled(phases):
+  """A model whose logits are NaN has no profile worth reading: the case is refused by
+  name before anything is traced (it produced a clean-looking table before)."""
+  import types
+  params = model_lib.init_params(CONFIG, jax.random.PRNGKey(0))
+  params = jax.tree_util.tree_map(lambda w: w * jnp.nan, params)
+  with pytest.raises(UserError, match="profile tiny 1x16 bf16_flags: non-finite logits "
+                                      "after the prefill"):
+    profile.run_profile(models=("tiny",), cases=((1, 16),), presets=("bf16_flags",),
+                        rounds=1, phases=phases, progress=False,
+                        load=lambda m: types.SimpleNamespace(config=CONFIG, params=params))

@@ -152,13 +152,23 @@ def _programs(config, precision, steps, cache_length):
   return prefill, decode
 
 
+def _check_finite(label: str, what: str, logits) -> None:
+  """A UserError naming `label` unless `logits` are all finite: a broken program's
+  timings would read like any other's."""
+  if not np.isfinite(np.asarray(logits)).all():
+    raise UserError(f"{label}: non-finite logits after the {what}; not timed.")
+
+
 class _AttnprecCase:
   """Compiled prefill + decode of one (preset, B, P); `prefill()` / `decode()` time one
-  call each."""
+  call each. Every suite's timings come from here, so here the programs are checked:
+  the prefill's logits when it is built, the decode loop's on its first run
+  (`check_decode`); non-finite logits are a UserError naming `label`."""
 
   def __init__(self, config, params, precision, prompt_BxP, steps, weights="serving",
-               carried=None, carried_prefill=False):
+               carried=None, carried_prefill=False, label: Optional[str] = None):
     B, P = prompt_BxP.shape
+    self.label = label or f"{B}x{P} ({precision.describe()})"
     self.steps = steps
     self.weights = weights
     if weights == "serving":
@@ -194,7 +204,9 @@ class _AttnprecCase:
     self._prefill = c1.program
     self.state0 = jax.block_until_ready(self._prefill(self.prefill_params, self.prompt,
                                                       self.lengths))
+    _check_finite(self.label, "prefill", self.state0.last_BxV)
     self.first = jnp.argmax(self.state0.last_BxV, axis=-1).astype(jnp.int32)
+    self._decode_checked = False
     c2 = compilation.compile_lowerable(decode, self.params, self.state0, self.first)
     self._decode = c2.program
     self.compile_s = {"prefill": c1.seconds, "decode": c2.seconds}
@@ -212,8 +224,21 @@ class _AttnprecCase:
     state = jax.tree_util.tree_map(jnp.copy, self.state0)   # donated below: a fresh copy
     jax.block_until_ready(state)
     t0 = time.perf_counter()
-    jax.block_until_ready(self._decode(self.params, state, self.first))
-    return time.perf_counter() - t0
+    out = jax.block_until_ready(self._decode(self.params, state, self.first))
+    seconds = time.perf_counter() - t0
+    self.check_decode(out)
+    return seconds
+
+  def check_decode(self, out=None) -> None:
+    """Checks the decode loop's logits once: those of `out` (a run's output), or of a run
+    made here."""
+    if self._decode_checked:
+      return
+    if out is None:
+      out = self._decode(self.params, jax.tree_util.tree_map(jnp.copy, self.state0),
+                         self.first)
+    _check_finite(self.label, "decode step", out[0].last_BxV)
+    self._decode_checked = True
 
 
 class _TorchCase:
@@ -301,25 +326,12 @@ def read_bandwidth(mbytes: int = 256, reps: int = 5) -> float:
   return w.nbytes / statistics.median(times)
 
 
-def checked_case(config, params, precision: Precision, prompt_BxP, *, carried=None,
-                 label: str = "") -> "_AttnprecCase":
-  """An `_AttnprecCase` of one decode step (the one-off A/B scripts under results/) whose
-  prefill and first decode step gave finite logits; else a UserError naming `label`: a
-  broken program's timings would read like any other's."""
-  case = _AttnprecCase(config, params, precision, prompt_BxP, 1, carried=carried)
-  step, _ = case._decode(case.params, jax.tree_util.tree_map(jnp.copy, case.state0),
-                         case.first)
-  for what, x in (("prefill", case.state0.last_BxV), ("decode step", step.last_BxV)):
-    if not np.isfinite(np.asarray(x)).all():
-      raise UserError(f"{label}: non-finite logits after the {what}; not timed.")
-  return case
-
-
 def ab_cases(cases, presets, forms, *, model: str = "smollm2-135m"):
   """For each (batch, prompt) of `cases`, (B, P, {(preset, form): case}): every preset
-  (names in PRESETS) under every form (name -> a function of its Precision), each a
-  `checked_case` on one random prompt, the carried weights shared; the checkpoint loaded
-  once. What the one-off A/B scripts under results/ time, interleaved."""
+  (names in PRESETS) under every form (name -> a function of its Precision), each an
+  `_AttnprecCase` of one decode step on one random prompt (checked for finite logits),
+  the carried weights shared; the checkpoint loaded once. What the one-off A/B scripts
+  under results/ time, interleaved."""
   from attnprec import checkpoints
   ckpt = checkpoints.load(model)
   for B, P in cases:
@@ -327,9 +339,10 @@ def ab_cases(cases, presets, forms, *, model: str = "smollm2-135m"):
     carried, out = {}, {}
     for preset in presets:
       for form, change in forms.items():
-        out[(preset, form)] = checked_case(
-            ckpt.config, ckpt.params, change(PRESETS[preset]), prompt.astype(np.int32),
+        out[(preset, form)] = _AttnprecCase(
+            ckpt.config, ckpt.params, change(PRESETS[preset]), prompt.astype(np.int32), 1,
             carried=carried, label=f"{B}x{P} {preset} {form}")
+        out[(preset, form)].check_decode()
     yield B, P, out
 
 

@@ -323,11 +323,13 @@ def run_profile(*, models: Sequence[str] = ("smollm2-135m",),
         case = model_bench._AttnprecCase(ckpt.config, ckpt.params,
                                          model_bench.PRESETS[preset], prompt, 1,
                                          carried=carried, carried_prefill=preset in
-                                         model_bench.CARRIED_PREFILL)
+                                         model_bench.CARRIED_PREFILL,
+                                         label=f"profile {model} {B}x{P} {preset}")
         for phase in phases:
-          if phase == "prefill":
+          if phase == "prefill":    # its logits checked when the case was built
             row = profile_program(case._prefill, case.run_prefill, rounds)
           else:   # one decode step on a fresh copy of the prefill's state (it is donated)
+            case.check_decode()
             row = profile_program(
                 case._decode, lambda state: case._decode(case.params, state, case.first),
                 rounds, fresh=lambda: jax.tree_util.tree_map(jnp.copy, case.state0))
