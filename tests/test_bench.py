@@ -389,7 +389,8 @@ def test_a_bench_case_refuses_non_finite_logits():
   name = next(k for k in broken if "mlp" in k)
   leaf = next(iter(broken[name]))
   broken[name] = {**broken[name], leaf: broken[name][leaf].at[0, 0].set(jnp.nan)}
-  with pytest.raises(UserError, match="broken: non-finite logits after the prefill"):
+  with pytest.raises(UserError, match="The logits of the prefill of bench case broken were "
+                                      "not finite .*layer 0 MLP"):
     model_bench._AttnprecCase(config, broken, Precision(), prompt, 1, label="broken")
 
 

@@ -187,8 +187,8 @@ def test_a_broken_model_is_not_profiled(phases):
   import types
   params = model_lib.init_params(CONFIG, jax.random.PRNGKey(0))
   params = jax.tree_util.tree_map(lambda w: w * jnp.nan, params)
-  with pytest.raises(UserError, match="profile tiny 1x16 bf16_flags: non-finite logits "
-                                      "after the prefill"):
+  with pytest.raises(UserError, match="The logits of the prefill of bench case profile "
+                                      "tiny 1x16 bf16_flags were not finite"):
     profile.run_profile(models=("tiny",), cases=((1, 16),), presets=("bf16_flags",),
                         rounds=1, phases=phases, progress=False,
                         load=lambda m: types.SimpleNamespace(config=CONFIG, params=params))

@@ -152,23 +152,32 @@ def _programs(config, precision, steps, cache_length):
   return prefill, decode
 
 
-def _check_finite(label: str, what: str, logits) -> None:
-  """A UserError naming `label` unless `logits` are all finite: a broken program's
-  timings would read like any other's."""
-  if not np.isfinite(np.asarray(logits)).all():
-    raise UserError(f"{label}: non-finite logits after the {what}; not timed.")
+def _check_finite(label: str, what: str, logits, config, params, precision, prompt) -> None:
+  """The runners' NonFiniteError (`checkpoints.finite.nonfinite_error`: the first stage
+  whose output is not finite, from one more forward pass of `prompt`) naming `label`,
+  unless `logits` are all finite: a broken program's timings would read like any other's."""
+  logits = np.asarray(logits)
+  if np.isfinite(logits).all():
+    return
+  from attnprec.checkpoints import finite
+  where = finite.Where("NaN" if np.isnan(logits).any() else "Inf", "")
+  stage = finite.first_nonfinite_stage(config, params, prompt, precision)
+  raise finite.nonfinite_error(f"the logits of the {what} of bench case {label}", precision,
+                               where, stage, advice=" Not timed.")
 
 
 class _AttnprecCase:
   """Compiled prefill + decode of one (preset, B, P); `prefill()` / `decode()` time one
   call each. Every suite's timings come from here, so here the programs are checked:
   the prefill's logits when it is built, the decode loop's on its first run
-  (`check_decode`); non-finite logits are a UserError naming `label`."""
+  (`check_decode`); non-finite logits are the runners' NonFiniteError, naming `label`."""
 
   def __init__(self, config, params, precision, prompt_BxP, steps, weights="serving",
                carried=None, carried_prefill=False, label: Optional[str] = None):
     B, P = prompt_BxP.shape
-    self.label = label or f"{B}x{P} ({precision.describe()})"
+    self.label = label or f"{B}x{P}"
+    # what a non-finite result's diagnosis runs (`_check_finite`)
+    self._diagnose = (config, params, precision, prompt_BxP)
     self.steps = steps
     self.weights = weights
     if weights == "serving":
@@ -204,7 +213,7 @@ class _AttnprecCase:
     self._prefill = c1.program
     self.state0 = jax.block_until_ready(self._prefill(self.prefill_params, self.prompt,
                                                       self.lengths))
-    _check_finite(self.label, "prefill", self.state0.last_BxV)
+    _check_finite(self.label, "prefill", self.state0.last_BxV, *self._diagnose)
     self.first = jnp.argmax(self.state0.last_BxV, axis=-1).astype(jnp.int32)
     self._decode_checked = False
     c2 = compilation.compile_lowerable(decode, self.params, self.state0, self.first)
@@ -237,7 +246,7 @@ class _AttnprecCase:
     if out is None:
       out = self._decode(self.params, jax.tree_util.tree_map(jnp.copy, self.state0),
                          self.first)
-    _check_finite(self.label, "decode step", out[0].last_BxV)
+    _check_finite(self.label, "decode steps", out[0].last_BxV, *self._diagnose)
     self._decode_checked = True
 
 
