@@ -160,7 +160,8 @@ def _check_finite(label: str, what: str, logits, config, params, precision, prom
   if np.isfinite(logits).all():
     return
   from attnprec.checkpoints import finite
-  where = finite.Where("NaN" if np.isnan(logits).any() else "Inf", "")
+  where = finite.Where("NaN" if np.isnan(logits).any() else "Inf",
+                       f"in {int((~np.isfinite(logits)).sum())} of {logits.size} logits")
   stage = finite.first_nonfinite_stage(config, params, prompt, precision)
   raise finite.nonfinite_error(f"the logits of the {what} of bench case {label}", precision,
                                where, stage, advice=" Not timed.")
