@@ -203,9 +203,8 @@ class Precision:
     c x c -> float32 dot, which measured as fast or faster there (docs/performance.md).
     The products and the float32 accumulation are those of the c x c -> float32 dot;
     only the summation order may differ."""
-    backend = backend or _target_backend()
     k_codes = self.kv_cache_k_dtype if self.kv_cache_k_dtype in SCALED_KV_DTYPES else None
-    return (backend == "cpu" and self.projection(backend) == "float32_dot"
+    return (self._float32_dots_on_cpu(backend)
             and kernels.takes_float32_qk_form(self.kernel) and num_queries != 1
             and not float32_qk_form_problems(self.compute_dtype, self.attention,
                                              k_codes=k_codes))
@@ -220,9 +219,14 @@ class Precision:
       return self.mlp_activation
     if self.compute_dtype == jnp.float32:
       return "compute"
+    return "float32" if self._float32_dots_on_cpu(backend) else "compute"
+
+  def _float32_dots_on_cpu(self, backend: Optional[str] = None) -> bool:
+    """Whether `backend` (default: the one traced for) is XLA:CPU and the projection form
+    in force there is 'float32_dot': where the QK dot's float32 form and the 'auto' MLP
+    activation follow the projections."""
     backend = backend or _target_backend()
-    return ("float32" if backend == "cpu" and self.projection(backend) == "float32_dot"
-            else "compute")
+    return backend == "cpu" and self.projection(backend) == "float32_dot"
 
   def _mlp(self, backend: Optional[str] = None) -> str:
     """' mlp_activation=float32' (set), ' mlp_activation=auto:float32' (resolved so), or ''."""
