@@ -3,7 +3,9 @@
 `generate` runs them (`decoding.for_serving`; `prefill_params` for the prefill, the
 serving weights for a decode step, its state donated and copied outside the timed call).
 Every program is checked for finite logits before it is timed: a timing of a broken
-program would read like any other."""
+program would read like any other. (`attnprec.bench.model._AttnprecCase` does the same
+for a checkpoint in `make bench`; it is not used here because it needs packages the
+machine these ran on did not have, orbax and tqdm among them, and a checkpoint.)"""
 import contextlib, functools, os, statistics, sys, time
 
 import jax, jax.numpy as jnp, numpy as np
