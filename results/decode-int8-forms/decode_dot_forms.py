@@ -7,6 +7,9 @@ codes cast exactly per block:
   QK f32        the kernel's form on q and keys cast exactly to float32
   PV cur        BKGS,BKSH->BKGH   float32 probabilities x values cast to float32
   PV vals-lhs   BKSH,BKGS->BKHG   the values as the dot's left operand
+  QK mixed      the kernel's form as one `lax.dot_general` of bf16 q on the int8 codes as
+                they lie (mixed operand types): the operand types of the dot it compiles
+                to are printed
 Each form is compared with the kernel's form (max abs difference). From the repository
 root:  .venv/bin/python results/decode-int8-forms/decode_dot_forms.py  (decode_dot_forms.txt)
 """
@@ -29,6 +32,8 @@ forms = {
   "QK keys-rows bf16": (q, kb, lambda q, k: jnp.swapaxes(e("BKSH,BKGH->BKSG", k, q), 2, 3)),
   "QK cur int8": (q, kc, lambda q, k: e("BKGH,BKSH->BKGS", q, k.astype(BF))),
   "QK keys-rows int8": (q, kc, lambda q, k: jnp.swapaxes(e("BKSH,BKGH->BKSG", k.astype(BF), q), 2, 3)),
+  "QK mixed int8": (q, kc, lambda q, k: jax.lax.dot_general(
+      q, k, (((3,), (3,)), ((0, 1), (0, 1))), preferred_element_type=F)),
   "QK f32 bf16": (q, kb, lambda q, k: e("BKGH,BKSH->BKGS", q.astype(F), k.astype(F))),
   "QK f32 int8": (q, kc, lambda q, k: e("BKGH,BKSH->BKGS", q.astype(F), k.astype(F))),
   "PV cur bf16": (p, kb, lambda p, v: e("BKGS,BKSH->BKGH", p, v.astype(F))),
@@ -54,5 +59,12 @@ for _ in range(5):
     res[n].append(tm(lambda: c(a, b)) / nb)
 names = list(comp)
 for i, n in enumerate(names):
-  ref = {"QK f32 bf16": "QK cur bf16", "QK f32 int8": "QK cur int8"}.get(n, names[i - i % 2])
+  ref = f"{n[:2]} cur {n.split()[-1]}"   # the kernel's form, same dot and operands
   print(f"{n:22s} {statistics.median(res[n]):.3f} ms per block  {statistics.median(res[n]) / statistics.median(res[ref]):.2f}x  max diff vs cur {np.abs(outs[n] - outs[ref]).max():.2g}")
+import re
+hlo = comp["QK mixed int8"][0].as_text()
+types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+dots = re.findall(r"= (\w+)\[[^=]*\bdot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)
+print("QK mixed int8 compiles to:", "; ".join(
+    f"a dot of {types[a]} x {types[b]} -> {o}" for o, a, b in dots),
+    "| converts:", ", ".join(sorted(set(re.findall(r"= (\w+)\[[^=]*\bconvert\(", hlo)))))
