@@ -112,6 +112,25 @@ cases.append(("smollm2 decode 8x4001, int8", (q1, kc, vc),
 ROUNDS, CALLS = 7, 5
 print(f"CPU: {cpu_features.describe()}; jax {jax.__version__}; both flags; {ROUNDS} "
       f"interleaved rounds of {CALLS} calls, medians", flush=True)
+
+
+def blocks_taken(T, S, Tq, Sk, B=1):
+  """(blocks the mask-free branch takes, blocks computed) for causal attention of the
+  last T of S positions, as the kernel pads and positions them."""
+  Tp, Sp = -(-T // Tq) * Tq, -(-S // Sk) * Sk
+  q_pos = jnp.pad(jnp.broadcast_to(jnp.arange(S - T, S), (B, T)), ((0, 0), (0, Tp - T)))
+  k_pos = jnp.pad(jnp.broadcast_to(jnp.arange(S), (B, S)), ((0, 0), (0, Sp - S)))
+  kw = dict(causal=True, sliding_window=None)
+  full = variant._blocks_full(q_pos, k_pos, T, S, Tq, Sk, **kw)
+  need = variant._blocks_needed(q_pos, k_pos, T, S, Tq, Sk, **kw)
+  assert bool((need | ~full).all()), "a fully visible block the kernel would skip"
+  return int(full.sum()), int(need.sum())
+
+
+for T, S, Sk in ((1000, 1000, 256), (4096, 4096, 256), (1, 4001, 512)):
+  taken, computed = blocks_taken(T, S, min(512, T), Sk, B=1 if T > 1 else 8)
+  print(f"T = {T}, S = {S}: the mask-free branch takes {taken} of the {computed} blocks "
+        f"computed", flush=True)
 for label, args, kw in cases:
   fns = {m: jax.jit(lambda *a, m=m: m.blockwise_attention(*a, causal=True, flags=flags, **kw))
          for m in (blockwise, variant)}
