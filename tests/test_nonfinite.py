@@ -260,3 +260,19 @@ def test_one_error_path_whether_the_logits_were_kept_or_not(models):
   (message,) = messages
   assert message.startswith("The logits of the decode were not finite (NaN at step 0 of "
                             "prompt 0) under dtype=float16"), message
+
+
+def test_require_finite_counts_nan_and_inf_and_passes_finite_arrays():
+  """The check the one-off timing scripts run on every output before they report it."""
+  import jax.numpy as jnp
+  from attnprec.checkpoints.finite import require_finite
+  from attnprec.errors import NonFiniteError
+  ok = jnp.ones((2, 3), jnp.bfloat16)
+  assert require_finite("a form's output", ok) is ok
+  bad = np.ones((4, 5), np.float32)
+  bad[0, 0], bad[1, 2], bad[3, 4] = np.nan, np.inf, -np.inf
+  with pytest.raises(NonFiniteError, match=r"A form's output is not finite \(1 NaN and 2 "
+                     r"Inf of 20 values\)"):
+    require_finite("a form's output", bad)
+  with pytest.raises(NonFiniteError, match=r"\(1 NaN and 0 Inf of 2 values\)"):
+    require_finite("x", jnp.array([1.0, jnp.nan], jnp.bfloat16))

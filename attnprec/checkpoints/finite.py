@@ -1,5 +1,7 @@
 """NaN and Inf: found, counted, located, and never compared.
 
+* `require_finite(what, array)`: the array, or a `NonFiniteError` counting its NaN / Inf
+  (the one-off timing scripts under results/ check every output with it).
 * `check_params(params, origin)`: every weight finite, else a `UserError` naming each
   tensor (module/name) and how many of its values are NaN / Inf. `checkpoints.load` runs
   it on every model it loads (GGUF, HF directory, train run), after the params are
@@ -38,6 +40,18 @@ def count_nonfinite(array) -> Tuple[int, int]:
     nan += int(np.isnan(part).sum())
     inf += int(np.isinf(part).sum())
   return nan, inf
+
+
+def require_finite(what: str, array):
+  """`array` if every value is finite, else a NonFiniteError naming `what` and counting its
+  NaN and Inf values: what a timing or comparison script calls on each output before it
+  reports a time or a difference for it (a broken run's figures look like a clean one's)."""
+  nan, inf = count_nonfinite(array)
+  if nan or inf:
+    raise NonFiniteError(f"{what[:1].upper()}{what[1:]} is not finite ({nan} NaN and {inf} "
+                         f"Inf of {np.size(array)} values); no time or difference is "
+                         f"reported for it.")
+  return array
 
 
 def check_params(params, origin: str) -> None:
