@@ -18,12 +18,14 @@ PV dot, float32 probabilities x values cast to float32 -> float32 (the contract'
   ones65  cur with a column of ones appended to the values: the row sum of the
           probabilities out of the same dot (H + 1 = 65 columns), for the separate sum pass
   bf16p   bf16 probabilities x bf16 values -> float32 (not the contract's: flash kernels')
-Each form's output is checked against the current form's (float32 summation order only).
+Each form's output is checked finite (a form whose output is not stops the run) and
+compared with the current form's (float32 summation order only).
 Interleaved rounds, medians; from the repository root:
   .venv/bin/python results/attention-dot-forms/dot_forms.py   (dot_forms.txt)
 """
 import os, statistics, time
 import jax, jax.numpy as jnp, numpy as np
+from attnprec.checkpoints.finite import require_finite
 
 B, K, G, T, S, H = 1, 3, 3, 512, 256, 64
 R, CALLS = int(os.environ.get("R", 9)), 20
@@ -61,14 +63,12 @@ print(f"jax {jax.__version__} {jax.default_backend()}, {os.cpu_count()} cores; o
       f"B={B} K={K} G={G} Tq={T} Sk={S} H={H}; {R} rounds of {CALLS} calls, medians", flush=True)
 for dot, forms in (("QK", QK), ("PV", PV)):
   fns = {n: (jax.jit(f), a, back) for n, (f, a, back) in forms.items()}
-  ref = np.asarray(fns["cur"][0](*fns["cur"][1]))
+  outs = {n: require_finite(f"the {dot} dot's output in form {n}",
+                            np.asarray(back(f(*a)) if back else f(*a)))
+          for n, (f, a, back) in fns.items()}
+  rel = {n: float(np.max(np.abs(out - outs["cur"])) / np.max(np.abs(outs["cur"])))
+         for n, out in outs.items()}
   ts = {n: [] for n in fns}
-  for n, (f, a, back) in fns.items():
-    out = f(*a)
-    out = np.asarray(back(out) if back else out)
-    ts[n].append(None)
-    fns[n] = (f, a, float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))))
-    ts[n] = []
   for _ in range(R):
     for n, (f, a, _) in fns.items():
       jax.block_until_ready(f(*a))
@@ -79,7 +79,7 @@ for dot, forms in (("QK", QK), ("PV", PV)):
       ts[n].append((time.perf_counter() - t0) / CALLS)
   flops = 2 * B * K * G * T * S * H
   base = statistics.median(ts["cur"])
-  for n, (f, a, diff) in fns.items():
+  for n in fns:
     m = statistics.median(ts[n])
     print(f"{dot} {n:7s} {m * 1e3:7.3f} ms  {m / base:5.2f}x cur  {flops / m / 1e9:6.0f} GFLOP/s"
-          f"  max |diff| / max |cur| {diff:.1e}", flush=True)
+          f"  max |diff| / max |cur| {rel[n]:.1e}", flush=True)

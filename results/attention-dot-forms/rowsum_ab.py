@@ -3,13 +3,15 @@ appended to each value block, H + 1 = 65 columns: dot_forms.py's 'ones65') inste
 separate reduction of the probabilities, against the kernel as it is, interleaved. SmolLM2's
 heads (9 over 3, H = 64), bf16 with both flags, causal; prefill (T = S) and a decode step
 (batch 8, a cache of 4001, the caller's [B, S, K, H] arrays). The variant is made from the
-kernel's own source by one replacement (so it follows the kernel as it changes). From the
+kernel's own source by one replacement (so it follows the kernel as it changes). Outputs
+are checked finite before anything is timed (one that is not stops the run). From the
 repository root:  .venv/bin/python results/attention-dot-forms/rowsum_ab.py  (rowsum_ab.txt)
 """
 import functools, inspect, statistics, time, types
 import jax, jax.numpy as jnp, numpy as np
 from attnprec import xla_env; xla_env.disable_excess_precision()
 from attnprec import contract
+from attnprec.checkpoints.finite import require_finite
 from attnprec.kernels import blockwise
 
 OLD = '''    l_new = l_BxKxGxTq * correction + jnp.sum(probs_BxKxGxTqxSk, axis=-1, dtype=F32)
@@ -49,7 +51,8 @@ def ab(name, B, T, S, rounds, calls):
          "row sum in PV": jax.jit(functools.partial(variant.blockwise_attention, flags=FLAGS,
                                                     causal=True,
                                                     block_sizes=variant.BlockSizes()))}
-  outs = {n: np.asarray(f(q, k, v).astype(jnp.float32)) for n, f in fns.items()}
+  outs = {n: require_finite(f"the output of {name}, {n}",
+                            np.asarray(f(q, k, v).astype(jnp.float32))) for n, f in fns.items()}
   ts = {n: [] for n in fns}
   for _ in range(rounds):
     for n, f in fns.items():

@@ -6,8 +6,8 @@ SmolLM2's heads (9 over 3) and Qwen2.5-Coder-0.5B's (14 over 2), H = 64, bf16, c
 prefill at 1000 and 4096 tokens, and a decode step (batch 8, a cache of 4001; a bf16
 cache passed as bf16 arrays, and an int8 cache with per-token scales). The variant is
 made from the kernel's own source by replacements that each must match once (so it
-follows the kernel as it changes); outputs are compared bit for bit. From the
-repository root:
+follows the kernel as it changes); outputs are checked finite (a case that is not stops
+the run) and compared bit for bit. From the repository root:
   .venv/bin/python results/attention-xla-cpu/maskfree_ab.py  (maskfree_ab.txt)
 """
 import collections, os, statistics, sys, time, types
@@ -15,6 +15,7 @@ sys.path.insert(0, os.getcwd())
 from attnprec import xla_env; xla_env.disable_excess_precision()
 import jax, jax.numpy as jnp, numpy as np
 from attnprec import contract, cpu_features
+from attnprec.checkpoints.finite import require_finite
 from attnprec.kernels import blockwise
 
 src = open(blockwise.__file__).read().replace(
@@ -134,7 +135,8 @@ for T, S, Sk in ((1000, 1000, 256), (4096, 4096, 256), (1, 4001, 512)):
 for label, args, kw in cases:
   fns = {m: jax.jit(lambda *a, m=m: m.blockwise_attention(*a, causal=True, flags=flags, **kw))
          for m in (blockwise, variant)}
-  a, b = (np.asarray(f(*args), np.float32) for f in fns.values())
+  a, b = (require_finite(f"the output of {label}, {'variant' if m is variant else 'kernel'}",
+                         np.asarray(f(*args), np.float32)) for m, f in fns.items())
   res = collections.defaultdict(list)
   for _ in range(ROUNDS):
     for m, f in fns.items():

@@ -8,13 +8,14 @@ Qwen2.5-Coder-0.5B's (14 over 2) at 1000 and 4096 tokens. Two splits:
            (blocks i and nq - 1 - i) so both do the same number of key blocks; explicit
            query positions keep the causal mask and the block skipping exact.
   kv heads each device takes one kv head and its query heads (Qwen's K = 2 only).
-Outputs are compared with the one-device kernel's bit for bit. A process with two CPU
+Outputs are checked finite (one that is not stops the run) and compared with the
+one-device kernel's bit for bit. A process with two CPU
 devices also runs one device's program slower than a process with one, so each round also
 times the kernel in a child process with the default single device ('1-device process',
 the same inputs). From the repository root:
   .venv/bin/python results/attention-xla-cpu/two_devices.py  (two_devices.txt)
 """
-import os, statistics, subprocess, sys, time
+import os, statistics, subprocess, sys, tempfile, time
 CHILD = r'''
 import os, statistics, sys, time
 sys.path.insert(0, os.getcwd())
@@ -39,9 +40,12 @@ from attnprec import xla_env; xla_env.disable_excess_precision()
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 from attnprec import contract, cpu_features
+from attnprec.checkpoints.finite import require_finite
 from attnprec.kernels.blockwise import blockwise_attention
 
 TQ, ROUNDS, CALLS = 512, 7, 5
+TMP_DIR = tempfile.TemporaryDirectory(prefix="two_devices-")   # the child's output;
+TMP = TMP_DIR.name                                             # removed at exit
 BF = jnp.bfloat16
 FLAGS = contract.AttentionFlags(float32_qk_product=True, float32_logits=True)
 MESH = Mesh(np.array(jax.devices()[:2]), ("x",))
@@ -108,8 +112,11 @@ for name, N, K in (("smollm2", 9, 3), ("qwen2.5-coder-0.5b", 14, 2)):
     forms = {"one device": jax.jit(one_device), "queries split": jax.jit(split_queries(S))}
     if K % 2 == 0:
       forms["kv heads split"] = jax.jit(split_kv_heads)
-    ref = np.asarray(forms["one device"](q, k, v), np.float32)
-    same = {n: np.array_equal(ref, np.asarray(f(q, k, v), np.float32)) for n, f in forms.items()}
+    outs = {n: require_finite(f"the output of {name} {S}, {n}",
+                              np.asarray(f(q, k, v), np.float32)) for n, f in forms.items()}
+    ref = outs["one device"]
+    same = {n: np.array_equal(ref, out) for n, out in outs.items()}
+    child_out = os.path.join(TMP, "one_device_process.npy")
     res = {n: [] for n in forms}
     res["1-device process"] = []
     env = {k_: v_ for k_, v_ in os.environ.items() if k_ != "XLA_FLAGS"}
@@ -117,9 +124,10 @@ for name, N, K in (("smollm2", 9, 3), ("qwen2.5-coder-0.5b", 14, 2)):
       for n, f in forms.items():
         res[n].append(tm(lambda: f(q, k, v), CALLS))
       res["1-device process"].append(float(subprocess.run(
-          [sys.executable, "-c", CHILD, str(N), str(K), str(S), str(CALLS), "/tmp/one.npy"], env=env,
+          [sys.executable, "-c", CHILD, str(N), str(K), str(S), str(CALLS), child_out], env=env,
           capture_output=True, text=True, check=True).stdout.split()[-1]))
-    same["1-device process"] = np.array_equal(ref, np.load("/tmp/one.npy"))
+    same["1-device process"] = np.array_equal(ref, require_finite(
+        f"the output of {name} {S}, 1-device process", np.load(child_out)))
     base = statistics.median(res["one device"])
     print(f"{name} prefill {S}: " + "; ".join(
         f"{n} {statistics.median(t):.1f} ms ({statistics.median(t) / base:.2f}x"

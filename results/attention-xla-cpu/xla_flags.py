@@ -6,11 +6,14 @@ setting in its own process (XLA reads XLA_FLAGS once), the processes interleaved
   --xla_cpu_experimental_ynn_fusion_type=dot   only dots in YNNPACK fusions: the row max
                                            and row sum become XLA's own reductions, which
                                            can fuse the mask pass into the max
-The outputs are compared with the default's (max abs difference). From the repository root:
+The outputs are checked finite after every run (one that is not stops the run) and
+compared with the default's (max abs difference). From the repository root:
   .venv/bin/python results/attention-xla-cpu/xla_flags.py  (xla_flags.txt)
 """
-import os, statistics, subprocess, sys
+import os, statistics, subprocess, sys, tempfile
 import numpy as np
+sys.path.insert(0, os.getcwd())
+from attnprec.checkpoints.finite import require_finite
 
 SETTINGS = {"default": "", "prefer_vector_width=512": "--xla_cpu_prefer_vector_width=512",
             "ynn_fusion_type=dot": "--xla_cpu_experimental_ynn_fusion_type=dot"}
@@ -43,15 +46,18 @@ def run(flag, out):
 
 
 res = {n: [] for n in SETTINGS}
+tmp = tempfile.TemporaryDirectory(prefix="xla_flags-")   # removed at exit
+out = {n: os.path.join(tmp.name, f"{n}.npy") for n in SETTINGS}
 for r in range(ROUNDS):
   for n, flag in SETTINGS.items():
-    res[n].append(run(flag, f"/tmp/xla_flags_{n}.npy"))
-ref = np.load("/tmp/xla_flags_default.npy")
+    res[n].append(run(flag, out[n]))
+    require_finite(f"the kernel's output under {n}", np.load(out[n]))
+ref = np.load(out["default"])
 base = statistics.median(res["default"])
 print(f"blockwise kernel, SmolLM2's heads, {S} tokens, both flags; {ROUNDS} rounds of one "
       f"process per setting, median of {CALLS} calls each, medians over rounds")
 for n in SETTINGS:
   m = statistics.median(res[n])
-  diff = np.abs(np.load(f"/tmp/xla_flags_{n}.npy") - ref).max()
+  diff = np.abs(np.load(out[n]) - ref).max()
   print(f"{n:26s} {m:7.1f} ms  {m / base:.2f}x   max abs vs default {diff:.2g}  "
         f"(rounds: {', '.join(f'{x:.0f}' for x in res[n])})")

@@ -10,7 +10,8 @@ codes cast exactly per block:
   QK mixed      the kernel's form as one `lax.dot_general` of bf16 q on the int8 codes as
                 they lie (mixed operand types): the operand types of the dot it compiles
                 to are printed
-Each form is compared with the kernel's form (max abs difference). From the repository
+Each form's output is checked finite (one that is not stops the run) and compared with
+the kernel's form (max abs difference). From the repository
 root:  .venv/bin/python results/decode-int8-forms/decode_dot_forms.py  (decode_dot_forms.txt)
 """
 import collections, os, statistics, sys, time
@@ -18,6 +19,7 @@ sys.path.insert(0, os.getcwd())
 from attnprec import xla_env; xla_env.disable_excess_precision()
 import jax, jax.numpy as jnp, numpy as np
 from attnprec import cpu_features
+from attnprec.checkpoints.finite import require_finite
 print("CPU:", cpu_features.describe(), "| 5 interleaved rounds of 20 calls, medians", flush=True)
 F, BF = jnp.float32, jnp.bfloat16
 B, K, G, S, H, nb = 8, 3, 3, 512, 64, 8
@@ -47,7 +49,7 @@ for n, (a, blocks, fn) in forms.items():
     return jax.lax.scan(lambda acc, blk: (acc + fn(a, blk), None), jnp.zeros_like(fn(a, blocks[0])), blocks)[0]
   c = jax.jit(scan).lower(a, blocks).compile()
   comp[n] = (c, a, blocks)
-outs = {n: np.asarray(c(a, b)) for n, (c, a, b) in comp.items()}
+outs = {n: require_finite(f"the output of {n}", np.asarray(c(a, b))) for n, (c, a, b) in comp.items()}
 def tm(fn, R=20):
   jax.block_until_ready(fn()); ts = []
   for _ in range(R):
