@@ -33,7 +33,7 @@ import re
 import statistics
 import tempfile
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -241,15 +241,22 @@ def thunk_times(trace_dir: str) -> Dict[Tuple[str, str], float]:
   return dict(out)
 
 
-def profile_program(compiled, call, rounds: int = 3, fresh=None) -> dict:
-  """Per-stage time of `call()` (which runs `compiled`, a `jax.stages.Compiled`), from
-  `rounds` traced calls: {"stages": {stage: ms per call}, "wall_ms": median,
-  "thunks_ms": summed thunk time per call, "unattributed": [hlo ops not in the module]}.
-  fresh: made before each call, outside its wall time, and passed to it (`call(fresh())`):
-  the inputs a call donates (a decode step's state)."""
+class Trace(NamedTuple):
+  """`rounds` traced calls of one compiled program: its parsed HLO and its thunks' times."""
+  instrs: Dict[str, Instr]          # parse_hlo's instructions of the program's module
+  comps: Dict[str, List[str]]       # ... and its computations
+  op_us: Dict[str, float]           # {hlo op of the module: summed microseconds, all rounds}
+  walls: List[float]                # each traced call's wall time, seconds
+  rounds: int
+
+
+def trace_program(compiled, call, rounds: int = 3, fresh=None) -> Trace:
+  """Traces `rounds` calls of `call()` (which runs `compiled`, a `jax.stages.Compiled`)
+  after one untimed call, with XLA:CPU's per-thunk trace events. fresh: made before each
+  call, outside its wall time, and passed to it (`call(fresh())`): the inputs a call
+  donates (a decode step's state)."""
   text = compiled.as_text()
   instrs, comps = parse_hlo(text)
-  users = users_of(instrs)
   module = re.search(r"^HloModule\s+([\w.\-]+)", text, re.M).group(1)
   run = call if fresh is None else (lambda: call(jax.block_until_ready(fresh())))
   jax.block_until_ready(run())                       # warm
@@ -262,12 +269,22 @@ def profile_program(compiled, call, rounds: int = 3, fresh=None) -> dict:
         jax.block_until_ready(call() if fresh is None else call(args))
         walls.append(time.perf_counter() - t0)
     times = thunk_times(tmp)
+  return Trace(instrs, comps, {op: us for (mod, op), us in times.items() if mod == module},
+               walls, rounds)
+
+
+def profile_program(compiled, call, rounds: int = 3, fresh=None) -> dict:
+  """Per-stage time of `call()` (which runs `compiled`, a `jax.stages.Compiled`), from
+  `rounds` traced calls (`trace_program`): {"stages": {stage: ms per call}, "wall_ms":
+  median, "thunks_ms": summed thunk time per call, "unattributed": [hlo ops not in the
+  module]}. fresh: as for `trace_program`."""
+  trace = trace_program(compiled, call, rounds, fresh)
+  instrs, comps = trace.instrs, trace.comps
+  users = users_of(instrs)
   stages = collections.defaultdict(float)
   missing = []
-  seen = {op for mod, op in times if mod == module}
-  for (mod, op), us in times.items():
-    if mod != module:
-      continue
+  seen = set(trace.op_us)
+  for op, us in trace.op_us.items():
     if op not in instrs:
       missing.append(op)
       continue
@@ -283,7 +300,7 @@ def profile_program(compiled, call, rounds: int = 3, fresh=None) -> dict:
       stage = stage_of(op, instrs, comps, users)
     stages[stage] += us / 1e3 / rounds
   return {"stages": {s: stages.get(s, 0.0) for s in STAGES},
-          "wall_ms": statistics.median(walls) * 1e3,
+          "wall_ms": statistics.median(trace.walls) * 1e3,
           "thunks_ms": sum(stages.values()), "unattributed": sorted(set(missing))}
 
 

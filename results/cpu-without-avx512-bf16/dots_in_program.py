@@ -1,6 +1,7 @@
 """One-off: does a thunk trace say why bf16 + flags prefill at 8 x 250 stays 2-4% slower
 than fp32's in the float32 projection form (a CPU without bf16 dots runs that form under
-'auto')? XLA:CPU's per-thunk trace: the summed time per kind of thunk, with the YNNPACK fusions
+'auto')? XLA:CPU's per-thunk trace (`attnprec.bench.profile.trace_program`, as the profile suite
+takes it): the summed time per kind of thunk, with the YNNPACK fusions
 told apart by what they compute and their output shape. SmolLM2's shapes, random weights,
 the prefill as `generate` runs it (`programs.compiled_prefill`). The two programs are
 traced in turn, twice (fp32, bf16, fp32, bf16), 3 calls each. Run on the amx_bf16
@@ -12,14 +13,14 @@ run, and 7-8% more in an earlier run of the same traces (not kept); the summed t
 of one program moved 13% between its two traces. A 2-4% difference is below what these
 traces resolve on this machine.
 """
-import collections, os, re, sys, tempfile
+import collections, os, re, sys
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attnprec import xla_env; xla_env.disable_excess_precision()
 import jax
 import programs
 from attnprec import cpu_features, layers
-from attnprec.bench.profile import parse_hlo, thunk_times
+from attnprec.bench.profile import trace_program
 from attnprec.model import init_params
 from attnprec.precision import Precision
 from smollm2_shapes import CONFIG
@@ -37,33 +38,27 @@ for name, (compiled, *_rest) in built.items():
         f"mlp={serving.mlp_form()}", flush=True)
 
 
-def kind(op, instrs, comps, text):
+def kind(op, trace, text):
   """A thunk's kind: its name without the number; a YNNPACK fusion also by its output
   shape and the ops it computes."""
   base = re.sub(r"[.\d]+$", "", op)
   if base != "ynn_fusion":
     return base
   shape = re.search(r"%" + re.escape(op) + r" = (\S+) fusion", text).group(1)
-  ops = [instrs[c].opcode for comp in instrs[op].calls for c in comps.get(comp, [])
-         if instrs[c].opcode not in ("parameter", "bitcast", "constant")]
+  ops = [trace.instrs[c].opcode for comp in trace.instrs[op].calls
+         for c in trace.comps.get(comp, [])
+         if trace.instrs[c].opcode not in ("parameter", "bitcast", "constant")]
   return f"ynn {'/'.join(ops)} -> {shape.split('{')[0]}"
 
 
 for name in list(FORMS) * 2:
   compiled, pparams, _, _, prompt, lengths, _ = built[name]
+  trace = trace_program(compiled, lambda: compiled(pparams, prompt, lengths), CALLS)
   text = compiled.as_text()
-  instrs, comps = parse_hlo(text)
-  module = re.search(r"^HloModule\s+([\w.\-]+)", text, re.M).group(1)
-  jax.block_until_ready(compiled(pparams, prompt, lengths))
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp, create_perfetto_trace=True):
-      for _ in range(CALLS):
-        jax.block_until_ready(compiled(pparams, prompt, lengths))
-    times = thunk_times(tmp)
   total, count = collections.defaultdict(float), collections.Counter()
-  for (mod, op), us in times.items():
-    if mod == module and op in instrs:
-      k = kind(op, instrs, comps, text)
+  for op, us in trace.op_us.items():
+    if op in trace.instrs:
+      k = kind(op, trace, text)
       total[k] += us / 1e3 / CALLS
       count[k] += 1
   print(f"\n{name}: {sum(total.values()):.0f} ms of thunks per call; the {TOP} largest kinds")
