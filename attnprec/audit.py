@@ -70,6 +70,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 from typing import Dict, List, Optional
 
 import gin
@@ -82,7 +83,7 @@ from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.inspect import DotSite, cache_check, inspect_lowered, offset_check
-from attnprec.inspect import pallas_check
+from attnprec.inspect import mosaic, pallas_check
 from attnprec.kernels import blockwise
 from attnprec.kernels import pallas as pallas_kernel
 from attnprec.inspect import report as contract_check
@@ -295,10 +296,13 @@ def _on_platform(rows: List[dict], dots: List[DotSite], platform: str, knob: str
 
 def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig, *,
                   compile: bool = True, key_lengths: tuple = (),
-                  platform: str = platforms.DEFAULT_PLATFORM) -> dict:
+                  platform: str = platforms.DEFAULT_PLATFORM,
+                  compiled_text: Optional[str] = None) -> dict:
   """Checks one lowered program; returns a JSON-able dict with rows, problems, compiled.
   For a platform other than 'cpu' every dot is also read under its semantics; the
-  compiled checks run only where `platform` is the backend this process runs on."""
+  compiled checks run only where `platform` is the backend this process runs on, or on
+  `compiled_text`: what that backend compiled the same program into (a captured
+  fixture: tests/fixtures/tpu)."""
   report = inspect_lowered(lowered, expect=precision, function=phase)
   rows, problems = [], []
   cache = cache_check.expected_cache(precision, cache=phase != "train")
@@ -332,11 +336,11 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
                  precision.matmul_precision)
   layers = sorted(a.layer for a in attentions if isinstance(a.layer, int))
   attributed = len(layers) == len(attentions)
-  # Lowered for TPU / GPU, the 'pallas' kernel is one custom call per layer whose body
-  # the dot search cannot open: its attentions are checked from the jaxpr instead
-  # (`_check_pallas_bodies`, which also counts them).
-  opaque = (precision.kernel == "pallas" and platform != local_platform()
-            and not attentions)
+  # Lowered for TPU / GPU (from this machine or on it), the 'pallas' kernel is one custom
+  # call per layer whose body the dot search cannot open: its attentions are checked
+  # from the jaxpr and the Mosaic body instead (`_check_pallas_bodies`, which also
+  # counts them). Interpreted (lowered for cpu) its body is plain HLO, read as any.
+  opaque = precision.kernel == "pallas" and platform != "cpu" and not attentions
   if opaque:
     attributed = False
   elif config.scan_layers:
@@ -364,7 +368,7 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
          "layers_attributed": attributed, "attention": rows, "dense": dense_rows,
          "cache_expected": cache, "cache": cache_rows, "problems": problems,
          "ok": not problems}
-  if compile and platform != local_platform():
+  if compile and platform != local_platform() and compiled_text is None:
     out["compiled_skipped"] = NOT_COMPILED.format(platform=platform)
   elif compile:
     # Forward programs: attention dots whose op_name XLA dropped are told apart by
@@ -372,8 +376,12 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
     # gradient dots of the same shapes, so there they are only checked for accumulation.
     structure = {} if phase == "train" else dict(head_dim=config.head_dim,
                                                  key_lengths=key_lengths)
-    out["compiled"] = summarize_compiled(lowered.compile().as_text(), precision,
-                                         cache=cache, **structure)
+    text = compiled_text if compiled_text is not None else lowered.compile().as_text()
+    # every forward attention dot of the lowered program must be read back compiled
+    # (a kernel in a custom call is read from its body instead: `_check_pallas_bodies`)
+    expected = None if opaque else 2 * len(report.attentions)
+    out["compiled"] = summarize_compiled(text, precision, cache=cache, platform=platform,
+                                         expected_attention_dots=expected, **structure)
     problems += [f"{phase} {p}" for p in out["compiled"]["problems"]]
     out["problems"], out["ok"] = problems, not problems
   return out
@@ -381,13 +389,19 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
 
 def summarize_compiled(text: str, precision: Optional[Precision] = None, *,
                        cache: Optional[dict] = None, head_dim: Optional[int] = None,
-                       key_lengths: tuple = ()) -> dict:
+                       key_lengths: tuple = (), platform: str = platforms.DEFAULT_PLATFORM,
+                       expected_attention_dots: Optional[int] = None) -> dict:
   """The compiled program's dots grouped by (site, what the backend made of it, types,
-  verdict), its converts, and (with a `precision`) the problems of the compiled check,
-  the cache rows' (`cache`, from `cache_check.expected_cache`) included."""
+  the platform's rewrites, verdict), its converts, and (with a `precision`) the problems
+  of the compiled check read under `platform`'s semantics (`report.check_compiled_dot`),
+  the cache rows' (`cache`, from `cache_check.expected_cache`) included.
+
+  expected_attention_dots: the forward qk and wv dots the lowered program holds; reading
+  fewer in the compiled program is a problem (a reader that finds nothing never passes)."""
   s = compiled_program.compiled_summary(text, head_dim, key_lengths)
   checked = contract_check.check_compiled(text, precision, head_dim=head_dim,
-                                          key_lengths=key_lengths)["dots"] \
+                                          key_lengths=key_lengths,
+                                          platform=platform)["dots"] \
       if precision else [(d, []) for d in s["dots"]]
   if cache is not None:
     checked = [(d, ps + cache_check.check_compiled_cache(d, cache)) for d, ps in checked]
@@ -402,11 +416,14 @@ def summarize_compiled(text: str, precision: Optional[Precision] = None, *,
 
   rows = collections.OrderedDict()
   for d, ps in checked:
-    key = (where(d), d.via, d.described, "MISMATCH" if ps else
-           "listed" if d.backward else "ok")
+    rewrites = "; ".join(contract_check.platform_rewrites(d, precision, platform)) \
+        if precision else ""
+    precision_text = d.precision if d.precision != "default" else ""
+    key = (where(d), d.via, d.described + (f", {precision_text}" if precision_text else ""),
+           "MISMATCH" if ps else "listed" if d.backward else "ok", rewrites)
     row = rows.setdefault(key, {"site": key[0], "via": key[1], "types": key[2],
-                                "verdict": key[3], "count": 0, "layers": set(),
-                                "problems": []})
+                                "verdict": key[3], "rewrite": key[4], "count": 0,
+                                "layers": set(), "problems": []})
     row["count"] += 1
     row["layers"].add(d.layer)
     row["problems"] += [p for p in ps if p not in row["problems"]]
@@ -415,14 +432,29 @@ def summarize_compiled(text: str, precision: Optional[Precision] = None, *,
   problems = [] if precision is None else [
       f"compiled {d.site} dot{'' if d.layer is None else f' layer {d.layer}'} "
       f"[{d.via}: {d.described}]: {p}" for d, ps in checked for p in ps]
+  # Read: the forward qk / wv dots attributed by op_name or shape, and the batched dots
+  # whose op_name XLA dropped (XLA:CPU's train step), which are checked for their
+  # accumulation only and said to be so.
+  attributed = sum(1 for d in s["dots"] if d.site in ("qk", "wv") and not d.backward)
+  unnamed = sum(1 for d in s["dots"] if d.site == "other" and not d.name and d.batched)
+  read = attributed + unnamed
+  if expected_attention_dots is not None and read < expected_attention_dots:
+    problems.append(
+        f"compiled: {read} attention dots read where the lowered program has "
+        f"{expected_attention_dots}: the reader does not understand what this backend "
+        f"compiled, so it is unread, not checked")
   return {"dots": dict(sorted(dots.items())), "rows": table, "converts": s["converts"],
-          "fusions": s["fusions"], "problems": problems, "ok": not problems}
+          "fusions": s["fusions"], "attention_dots_read": read,
+          "attention_dots_attributed": attributed,
+          "attention_dots_lowered": expected_attention_dots, "problems": problems,
+          "ok": not problems}
 
 
 def run_audit(config: ModelConfig, train_precision: Precision, decode_precision: Precision,
               *, batch: int = 2, prompt_len: int = 8, new_tokens: int = 8,
               compile: bool = True, model_source: str = "model.* (gin)",
-              platform: str = platforms.DEFAULT_PLATFORM) -> dict:
+              platform: str = platforms.DEFAULT_PLATFORM,
+              compiled_texts: Optional[Dict[str, str]] = None) -> dict:
   """Lowers (and compiles) the three programs and checks each (`audit_program`): a
   JSON-able dict whose 'ok' is the verdict. The train step runs no KV cache, so the
   train precision's cache setting applies to no program (`train` refuses one); the
@@ -438,13 +470,24 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
   lengths = {prompt_len, cache_length}
   lengths |= {min(blocks.kv_block, n) for n in lengths}
   lengths.add(blockwise.decode_block_length(cache_length, blocks))
+  # What the backend compiled each program into: given (a captured fixture), compiled
+  # here where `platform` is this machine's backend, else not checked (NOT_COMPILED).
+  texts = dict(compiled_texts or {})
+  if compile and platform == local_platform():
+    for ph, (_, lowered) in programs.items():
+      if ph not in texts:
+        texts[ph] = lowered.compile().as_text()
   phases = {ph: audit_program(ph, lowered, prec, config, compile=compile,
-                              key_lengths=tuple(sorted(lengths)), platform=platform)
+                              key_lengths=tuple(sorted(lengths)), platform=platform,
+                              compiled_text=texts.get(ph))
             for ph, (prec, lowered) in programs.items()}
   for ph, (prec, t) in traced.items():
     if prec.kernel == pallas_kernel.NAME:
-      _check_pallas_bodies(phases[ph], t.jaxpr, prec,
-                           calls=1 if config.scan_layers else config.num_layers)
+      calls = 1 if config.scan_layers else config.num_layers
+      _check_pallas_bodies(phases[ph], t.jaxpr, prec, calls=calls)
+      if platform == "tpu":
+        _check_mosaic_bodies(phases[ph], texts.get(ph), programs[ph][1].as_text(), prec,
+                             calls=calls)
   problems = [p for ph in phases.values() for p in ph["problems"]]
   return {"model": model_source, "config": runs.config_dict(config),
           "sizes": {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens},
@@ -469,6 +512,67 @@ def _check_pallas_bodies(phase: dict, jaxpr, precision: Precision, calls: int):
   phase["problems"] = phase["problems"] + [f"{phase['phase']} {p}"
                                            for p in checked["problems"]]
   phase["ok"] = not phase["problems"]
+
+
+def _check_mosaic_bodies(phase: dict, compiled_text: Optional[str], lowered_text: str,
+                         precision: Precision, calls: int):
+  """A 'pallas' phase on tpu: every tpu_custom_call's Mosaic body, read back from the
+  compiled program (or, where it was not compiled here, from the program lowered for
+  tpu) by `attnprec.inspect.mosaic` and checked against the table. In the compiled
+  program there must be one call per layer (or one scanned); a call whose body cannot be
+  opened, or holds no attention, is unread: a problem, never a pass."""
+  source = "compiled" if compiled_text is not None else "lowered"
+  read = mosaic.read_calls(compiled_text if compiled_text is not None else lowered_text)
+  rows, problems = [], []
+  for call, body in read:
+    if isinstance(body, Exception):
+      ps = [f"Mosaic body of {call.name or call.kernel or 'a tpu_custom_call'} could not "
+            f"be opened ({type(body).__name__}: {str(body)[:200]}): unread, not checked"]
+      rows.append({"call": call.name, "kernel": call.kernel, "summary": None,
+                   "problems": ps, "ok": False})
+    else:
+      ps = mosaic.check_body(body, precision)
+      rows.append({"call": call.name, "kernel": body.kernel, "layer": _layer_of(call.name),
+                   "summary": mosaic.summary(body), "problems": ps, "ok": not ps})
+    problems += ps
+  if source == "compiled" and len(read) != calls:
+    problems.append(f"{len(read)} Mosaic kernel calls in the compiled program, expected "
+                    f"{calls} (one per layer)")
+  elif not read:
+    problems.append("no Mosaic kernel call in the program lowered for tpu: the 'pallas' "
+                    "attention is unread")
+  phase["mosaic"] = {"source": source, "calls": rows, "problems": problems}
+  phase["problems"] = phase["problems"] + [f"{phase['phase']} {p}" for p in problems]
+  phase["ok"] = not phase["problems"]
+
+
+def _layer_of(name: str) -> Optional[int]:
+  m = re.search(r"layer_(\d+)", name or "")
+  return int(m.group(1)) if m else None
+
+
+def mosaic_table(result: dict) -> str:
+  """Markdown: the Mosaic bodies (tpu) per phase: the QK result, the softmax dtypes, the
+  probabilities into the PV matmul and what its products keep on tpu, the verdict."""
+  lines = ["| phase | read from | calls | layers | QK matmul | exp / max / sum | PV matmul "
+           "| probabilities into PV | PV products on tpu | verdict |",
+           "|---|---|---:|---|---|---|---|---|---|---|"]
+  for ph in PHASES:
+    m = result["phases"][ph].get("mosaic")
+    if not m:
+      continue
+    groups = collections.OrderedDict()
+    for c in m["calls"]:
+      s = c["summary"] or {}
+      key = ("; ".join(s.get("qk", [])) or "unread",
+             " / ".join("/".join(s.get(k, [])) or "-" for k in ("exp", "max", "sum")),
+             "; ".join(s.get("pv", [])) or "-", "; ".join(s.get("probabilities", [])) or "-",
+             "; ".join(s.get("pv_products", [])) or "-", "ok" if c["ok"] else "MISMATCH")
+      groups.setdefault(key, []).append(c)
+    for key, cs in groups.items():
+      lines.append(f"| {ph} | {m['source']} | {len(cs)} | "
+                   f"{_layers(c.get('layer') for c in cs)} | " + " | ".join(key) + " |")
+  return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -601,15 +705,31 @@ def quantized_cache(result: dict) -> bool:
 
 def compiled_table(result: dict) -> str:
   """Markdown: one line per (phase, site, what the backend made of the dot, types)."""
-  lines = ["| phase | dot | layers | count | compiled as | lhs x rhs -> accumulation | "
-           "verdict |", "|---|---|---|---:|---|---|---|"]
+  rewrites = any(r.get("rewrite") for ph in PHASES
+                 for r in result["phases"][ph].get("compiled", {}).get("rows", []))
+  lines = ["| phase | dot | layers | count | compiled as | lhs x rhs -> result | "
+           + ("the platform's rewrite | " if rewrites else "") + "verdict |",
+           "|---|---|---|---:|---|---|---|" + ("---|" if rewrites else "")]
   for ph in PHASES:
     c = result["phases"][ph].get("compiled")
     if c is None:
       continue
     for r in c["rows"]:
       lines.append(f"| {ph} | {r['site']} | {r['layers']} | {r['count']} | {r['via']} | "
-                   f"{r['types']} | {r['verdict']} |")
+                   f"{r['types']} | " + (f"{r.get('rewrite') or '-'} | " if rewrites else "")
+                   + f"{r['verdict']} |")
+  def count(c):
+    unnamed = c["attention_dots_read"] - c.get("attention_dots_attributed",
+                                               c["attention_dots_read"])
+    return (f"{c['attention_dots_read'] - unnamed}"
+            + (f" (+{unnamed} batched dots whose op_name XLA dropped, accumulation "
+               f"checked)" if unnamed else "")
+            + f" for the lowered program's {c['attention_dots_lowered']}")
+  counts = [f"{ph}: {count(c)}" for ph in PHASES
+            for c in [result["phases"][ph].get("compiled")]
+            if c and c.get("attention_dots_lowered") is not None]
+  if counts:
+    lines += ["", "Forward attention dots read back compiled: " + "; ".join(counts) + "."]
   return "\n".join(lines)
 
 
@@ -630,6 +750,10 @@ def verdict(result: dict) -> str:
                  for ph in PHASES)
     if bodies:
       cache += f", and so do the {bodies} Pallas kernel bodies read from the jaxpr"
+    calls = sum(len(result["phases"][ph].get("mosaic", {}).get("calls", []))
+                for ph in PHASES)
+    if calls:
+      cache += f" and the {calls} Mosaic bodies of its tpu_custom_calls"
     return (f"PASS: all {n} attention dots of the train step, prefill and decode step match "
             f"the contract for their phase's flags{on}{cache}"
             + (f"; so do the {compiled} dots this backend compiled them into."
@@ -702,6 +826,14 @@ def to_markdown(result: dict) -> str:
              "Lowered for TPU or GPU a Pallas kernel is one custom call; its body is read "
              "from the program's jaxpr (`attnprec.inspect.pallas_check`). What Mosaic or "
              "Triton compiles it into is not visible here.", "", pallas_table(result), ""]
+  if any("mosaic" in ph[p] for p in PHASES):
+    head += ["## Mosaic kernel bodies (tpu_custom_call, read back and checked)", "",
+             "Each Pallas call's Mosaic module, opened from the call's backend_config "
+             "(`attnprec.inspect.mosaic`): the QK matmul's operand and result types "
+             "(`->bf16`: an f32 result truncated right after it), the softmax's exp, max "
+             "and sum dtypes, the probabilities into the PV matmul, and what its products "
+             "keep on tpu (f32 operands at DEFAULT: one bf16 pass).", "",
+             mosaic_table(result), ""]
   if any("compiled" in ph[p] for p in PHASES):
     head += ["## What this backend compiled (`lowered.compile().as_text()`), checked", "",
              "Every dot of the optimized HLO, as the backend made it (an XLA dot, a dot "
@@ -777,6 +909,8 @@ def audit_job(*, train_precision: Precision, decode_precision: Precision, run_di
     print(platform_table(result))
   if any("pallas" in result["phases"][ph] for ph in PHASES):
     print(pallas_table(result))
+  if any("mosaic" in result["phases"][ph] for ph in PHASES):
+    print(mosaic_table(result))
   if not_compiled(result):
     print(not_compiled(result))
   elif compile:

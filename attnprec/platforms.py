@@ -80,6 +80,17 @@ class Platform:
   # the algorithm says)
   f16_max: Optional[str] = None
   f16_source: str = ""
+  # What a compiled dot's result type is there: 'accumulation' (XLA:CPU, XLA:GPU: the
+  # type the products are summed in; a rounding after it is a separate convert) or
+  # 'storage' (TPU: the MXU sums in f32 whatever the HLO says; a `convolution`'s result
+  # type is what that f32 sum is rounded to and stored as).
+  dot_result: str = "accumulation"
+  # lax Precision -> the type the arithmetic takes f32 operands as (TPU at DEFAULT: one
+  # bf16 pass). The compiler may store a dot's operand, or a result that only such dots
+  # read, in that type: it rounds where the dot would round anyway, nothing is lost
+  # (`report.platform_rewrite` names each such rewrite).
+  operand_rounding: Dict[str, str] = dataclasses.field(default_factory=dict)
+  compiled_source: str = ""
 
   def arithmetic(self, precision: str) -> str:
     """'tf32', 'bf16', ... for a lax Precision name on f32 operands."""
@@ -115,7 +126,13 @@ TABLE: Dict[str, Platform] = {
         f16_products={"DEFAULT": "bf16", "HIGH": "bf16_3x", "HIGHEST": "bf16_3x"},
         f16_max="bf16_3x",
         f16_source="measured on a TPU v5e with jax 0.10.2, float16 operands and float32 "
-                   "ones upcast from float16 alike: results/tpu-f16"),
+                   "ones upcast from float16 alike: results/tpu-f16",
+        dot_result="storage", operand_rounding={"DEFAULT": "bf16"},
+        compiled_source="the TPU compiler's optimized HLO on a TPU v5e, jax 0.10.2 "
+                        "(tests/fixtures/tpu): every dot a `convolution`, its result "
+                        "type the stored type; in the float32 model at DEFAULT the wv "
+                        "dot's result is stored as bf16 and read only by the "
+                        "o-projection, a DEFAULT dot (one bf16 pass)"),
     "cuda": Platform(
         name="cuda", backend="gpu", hardware="NVIDIA GPU, sm_80+ (Ampere)",
         f32_products={"DEFAULT": "tf32", "HIGH": "tf32", "HIGHEST": "f32"},
@@ -126,6 +143,15 @@ TABLE: Dict[str, Platform] = {
         presets_source="XLA xla/service/algorithm_util.cc `IsSupportedDotAlgorithmOnGpu`; "
                        "the GPU compiler refuses the others"),
 }
+
+
+def stored_for_one_pass(platform: str, precisions, stored: str) -> bool:
+  """Whether values stored as `stored` lose nothing to the dots that read them on
+  `platform`, each multiplying at one of `precisions` (lax names, any case): every such
+  dot takes f32 operands as that type there (`Platform.operand_rounding`)."""
+  row = check(platform)
+  names = [str(p).upper() for p in precisions]
+  return bool(names) and all(row.operand_rounding.get(n) == stored for n in names)
 
 
 def check(platform) -> Platform:

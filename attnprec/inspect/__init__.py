@@ -49,7 +49,32 @@ def inspect_lowered(lowered, *, expect=None, function: str = "",
     raise UserError(f"Invalid argument expect={shorten(expect)} of inspect_lowered: must be "
                     f"an attnprec.precision.Precision or None (report only).")
   return Report(function=function, findings=find(lowered_graph(lowered)), expect=expect,
-                platform=platform)
+                platform=platform, kernels=kernel_calls(lowered.as_text()))
+
+
+# custom calls that hold a kernel body the dot search cannot open (GPU kernels, cuDNN)
+_KERNEL_TARGETS = ("__gpu$xla.gpu.triton", "mosaic_gpu", "cudnn", "__cudnn")
+
+
+def kernel_calls(text: str) -> list:
+  """Every kernel custom call of a lowered (or compiled) program: a tpu_custom_call's
+  Mosaic body read back (`mosaic.read_calls`), or, for a kernel call no reader here
+  opens (Triton, Mosaic GPU, cuDNN), an entry saying it is unread. [{'call', 'kernel',
+  'body' (a MosaicBody) or 'unread' (why)}]."""
+  from attnprec.inspect import mosaic
+  out = []
+  for call, body in mosaic.read_calls(text):
+    if isinstance(body, Exception):
+      out.append({"call": call.name, "kernel": call.kernel,
+                  "unread": f"its Mosaic body could not be opened ({type(body).__name__}: "
+                            f"{str(body).strip()[:200]})"})
+    else:
+      out.append({"call": call.name, "kernel": body.kernel, "body": body})
+  for target in _KERNEL_TARGETS:
+    n = text.count(f"@{target}") + text.count(f'custom_call_target="{target}')
+    out += [{"call": target, "kernel": target,
+             "unread": f"a {target} custom call: no reader here opens its body"}] * n
+  return out
 
 
 def attention_report(fn, *args, expect=None, **kwargs) -> Report:

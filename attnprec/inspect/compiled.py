@@ -66,9 +66,10 @@ def site(name: str) -> str:
 _HLO_INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<type>\w+)\[(?P<dims>[^\]]*)\]"
     r"(?:\{(?P<layout>[^}]*)\})? (?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$")
-# an instruction of a tuple type (a while loop, a conditional, a multi-output fusion)
+# an instruction of a tuple type (a while loop, a conditional, a multi-output fusion; the
+# TPU's layouts hold parentheses: '(f32[2,8]{1,0:T(2,128)S(1)}, ...)')
 _HLO_TUPLE_INSTR = re.compile(
-    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = \([^()]*\) "
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = \((?:[^()]|\([^()]*\))*\) "
     r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$")
 _INDEX = re.compile(r"\bindex=(\d+)")
 _LOOP_PARTS = re.compile(r"\b(?:body|condition|true_computation|false_computation)=%([\w.\-]+)")
@@ -83,6 +84,15 @@ _DIMENSIONS = re.compile(r"dimensions=\{([\d,]*)\}")
 _FUSION_KIND = re.compile(r'"kind":"([^"]+)"')      # backend_config's fusion kind
 _FUSION_KIND_HLO = re.compile(r"kind=(k\w+)")      # else HLO's own (kLoop, kCustom, ...)
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
+# A dot as the TPU compiler writes it: a `convolution` whose dim_labels name the lhs's
+# contracting ('f') and the rhs's ('i') dimensions, and whose precision is printed only
+# when it is not DEFAULT (`operand_precision={highest,highest}`) or as a dot algorithm.
+_DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_WINDOW_SIZE = re.compile(r"window=\{size=([\dx]+)")
+_GROUPS = re.compile(r"(?:feature|batch)_group_count=(\d+)")
+_OPERAND_PRECISION = re.compile(r"operand_precision=\{([\w,]*)\}")
+_ALGORITHM = re.compile(r"\balgorithm=(\w+)")
+_PRECISION_ORDER = ("default", "high", "highest")
 # custom-call targets that are a matrix product (oneDNN, XNNPACK, Eigen, BLAS, ...)
 _MATMUL_TARGET = re.compile(r"matmul|gemm|\bdot\b|_dot|dot_", re.IGNORECASE)
 
@@ -133,6 +143,14 @@ class CompiledDot:
   lhs_scaled: tuple = ()
   rhs_scaled: tuple = ()
   scaled_after: tuple = ()
+  # How the dot multiplies, as the compiled program states it: 'default', 'high',
+  # 'highest' (XLA's operand_precision; absent: DEFAULT) or 'algorithm NAME'.
+  precision: str = "default"
+  # Where its result goes: ((op_name, precision), ...) of the dots that read it (through
+  # moves and fusion boundaries), and whether nothing else does (a result that only
+  # dots read may be stored in the type those dots multiply in: `platforms`).
+  feeds: tuple = ()
+  feeds_only_dots: bool = False
 
   @property
   def backward(self) -> bool:
@@ -441,6 +459,41 @@ class _Program:
       found.update(self.scaled_after(t, ax, depth - 1))
     return tuple(sorted(found))
 
+  def readers(self, name: str, limit: int = 200) -> tuple:
+    """(the dots that read the value `name`, whether nothing but dots does), following
+    it through moves, fusion boundaries (into a fused parameter, out of a fusion whose
+    root it is or a tuple it roots) and tuple elements."""
+    dots, only, seen = [], True, set()
+    stack = [name]
+    while stack and len(seen) < limit:
+      n = stack.pop()
+      if n in seen or n not in self.instrs:
+        continue
+      seen.add(n)
+      i = self.instrs[n]
+      if i.root and i.computation in self.callers:
+        stack.append(self.callers[i.computation].name)
+      for user, k in self.users.get(n, []):
+        if _is_dot(user):
+          dots.append(user)
+        elif user.op in _PASS_THROUGH or user.op in ("get-tuple-element",):
+          stack.append(user.name)
+        elif user.op == "tuple" and user.root and user.computation in self.callers:
+          caller = self.callers[user.computation]
+          stack += [u.name for u, _ in self.users.get(caller.name, [])
+                    if u.op == "get-tuple-element" and _INDEX.search(u.rest)
+                    and int(_INDEX.search(u.rest).group(1)) == k]
+        elif user.op == "fusion":
+          called = _CALLS.search(user.rest)
+          param = self.params.get((called.group(1), k)) if called else None
+          if param:
+            stack.append(param)
+          else:
+            only = False
+        else:
+          only = False
+    return tuple(dots), only and bool(dots)
+
   def rounded_to(self, name: str, depth: int = 6) -> Optional[str]:
     """The 16-bit type the value `name` is converted down to by what uses it (through
     moves, into fusions and out of a fusion whose root it is), else None."""
@@ -465,6 +518,47 @@ class _Program:
       if found:
         return found
     return None
+
+
+def _precision(rest: str) -> str:
+  """The compiled dot's precision: 'default' (XLA prints none), the highest of its
+  operand_precision pair, or 'algorithm NAME'."""
+  algorithm = _ALGORITHM.search(rest)
+  if algorithm:
+    return f"algorithm {algorithm.group(1)}"
+  m = _OPERAND_PRECISION.search(rest)
+  if not m:
+    return "default"
+  names = [x.strip().lower() for x in m.group(1).split(",") if x.strip()]
+  return max(names, key=lambda x: _PRECISION_ORDER.index(x)
+             if x in _PRECISION_ORDER else -1) if names else "default"
+
+
+def _dot_shape(i: _Instr, prog: "_Program") -> tuple:
+  """(contracting sizes, batched) of a dot or of a convolution that is one: a
+  convolution's lhs contracting dim is its 'f' label; it is batched when its window
+  spans more than one element or it groups features or batches (how the TPU compiler
+  writes a batched dot_general)."""
+  lhs = prog.instrs.get(i.operands[0]) if i.operands else None
+  if i.op == "convolution":
+    labels = _DIM_LABELS.search(i.rest)
+    window = _WINDOW_SIZE.search(i.rest)
+    groups = [int(g) for g in _GROUPS.findall(i.rest)]
+    batched = bool(window and any(int(x) > 1 for x in window.group(1).split("x"))) or \
+        any(g > 1 for g in groups)
+    if not labels or lhs is None or len(labels.group(1)) != len(lhs.dims):
+      return (), batched
+    return tuple(lhs.dims[k] for k, c in enumerate(labels.group(1)) if c == "f"), batched
+  axes = _CONTRACTING.search(i.rest)
+  contracting = tuple(lhs.dims[int(a)] for a in axes.group(1).split(",") if a) \
+      if axes and lhs is not None and lhs.dims else ()
+  return contracting, "lhs_batch_dims" in i.rest
+
+
+def _is_dot(i: _Instr) -> bool:
+  target = _TARGET.search(i.rest) if i.op == "custom-call" else None
+  return (i.op in ("dot", "convolution") or bool(
+      target and _MATMUL_TARGET.search(target.group(1)))) and len(i.operands) >= 2
 
 
 def _layout(text: Optional[str]) -> Optional[tuple]:
@@ -504,6 +598,11 @@ def _moved_axis(op: str, src: _Instr, dst: _Instr, axis: int) -> Optional[int]:
   if op == "reshape":
     return _reshaped_axis(axis, src.dims, dst.dims)
   return _reshaped_axis(axis, src.dims, dst.dims, src.layout, dst.layout)
+
+
+def _op_name(i: _Instr) -> str:
+  m = _OP_NAME.search(i.rest)
+  return m.group(1) if m else ""
 
 
 def _dot_dims(rest: str, key: str) -> tuple:
@@ -574,18 +673,15 @@ def compiled_summary(text: str, head_dim: Optional[int] = None,
   dots, converts, fusions = [], {}, 0
   for i in prog.instrs.values():
     target = _TARGET.search(i.rest) if i.op == "custom-call" else None
-    if (i.op == "dot" or (target and _MATMUL_TARGET.search(target.group(1)))) and \
-        len(i.operands) >= 2:
+    if _is_dot(i):
       name = _OP_NAME.search(i.rest)
       via = ("custom-call " + target.group(1) if target else
-             f"dot in {prog.kind_of[i.computation]} fusion" if i.computation in prog.kind_of
-             else "dot")
+             f"{i.op} in {prog.kind_of[i.computation]} fusion"
+             if i.computation in prog.kind_of else i.op)
       types = [prog.instrs[o].type if o in prog.instrs else "?" for o in i.operands[:2]]
-      lhs = prog.instrs.get(i.operands[0])
-      axes = _CONTRACTING.search(i.rest)
-      contracting = tuple(lhs.dims[int(a)] for a in axes.group(1).split(",") if a) \
-          if axes and lhs is not None and lhs.dims else ()
-      batched = "lhs_batch_dims" in i.rest
+      contracting, batched = _dot_shape(i, prog)
+      readers, only_dots = prog.readers(i.name)
+      feeds = tuple((_op_name(r), _precision(r.rest)) for r in readers)
       inferred = None
       if batched and head_dim and head_dim not in key_lengths and len(contracting) == 1:
         inferred = ("qk" if contracting[0] == head_dim else
@@ -593,7 +689,8 @@ def compiled_summary(text: str, head_dim: Optional[int] = None,
       dot = CompiledDot(types[0], types[1], i.type, name.group(1) if name else "",
                         batched, via, prog.upcast_from(i.operands[0]),
                         prog.upcast_from(i.operands[1]), prog.rounded_to(i.name),
-                        contracting, inferred)
+                        contracting, inferred, precision=_precision(i.rest),
+                        feeds=feeds, feeds_only_dots=only_dots)
       dots.append(_cache_reads(dot, i, prog) if dot.site in ("qk", "wv") else dot)
     elif i.op == "convert" and i.operands:
       src = prog.instrs.get(i.operands[0])

@@ -84,3 +84,59 @@ def cudnn_inputs():
   """(args, kwargs) for `cudnn_attention`: bf16 q, k, v of B=1 T=S=16 N=K=4 H=32."""
   x = jax.ShapeDtypeStruct((1, 16, 4, 32), jnp.bfloat16)
   return (x, x, x), {}
+
+
+# ----------------------------------------------------------------------------- jax's TPU kernels
+# jax's own Pallas TPU attention kernels (jax.experimental.pallas.ops.tpu), on small shapes:
+# each is one tpu_custom_call whose Mosaic body `make inspect --platform=tpu` reads back
+# (`attnprec.inspect.mosaic`), here or on a TPU. Shapes: N query heads, T = S tokens.
+_TPU_T, _TPU_H = 256, 128
+
+
+def splash_attention(q_NxTxH, k_NxSxH, v_NxSxH):
+  """jax's splash attention (MaxText's TPU flash path), causal, 4 heads."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+      splash_attention_kernel as splash, splash_attention_mask as masks)
+  n, t = q_NxTxH.shape[0], q_NxTxH.shape[1]
+  kernel = splash.make_splash_mha(masks.MultiHeadMask([masks.CausalMask((t, t))] * n),
+                                  head_shards=1, q_seq_shards=1)
+  return kernel(q_NxTxH, k_NxSxH, v_NxSxH)
+
+
+def splash_inputs():
+  """(args, kwargs) for `splash_attention`: bf16 q, k, v [4, 256, 128]."""
+  x = jax.ShapeDtypeStruct((4, _TPU_T, _TPU_H), jnp.bfloat16)
+  return (x, x, x), {}
+
+
+def tpu_flash_attention(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH):
+  """jax.experimental.pallas.ops.tpu.flash_attention, causal."""
+  from jax.experimental.pallas.ops.tpu import flash_attention
+  return flash_attention.flash_attention(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, causal=True)
+
+
+def tpu_flash_inputs():
+  """(args, kwargs) for `tpu_flash_attention`: bf16 q, k, v [1, 2, 256, 128]."""
+  x = jax.ShapeDtypeStruct((1, 2, _TPU_T, _TPU_H), jnp.bfloat16)
+  return (x, x, x), {}
+
+
+def ragged_paged_attention(q_TxNxH, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+  """jax's ragged paged attention (the TPU serving kernel: a paged KV cache, sequences of
+  their own lengths), q 8 heads, kv 2 heads stored combined as 4."""
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
+  return kernel.ragged_paged_attention(q_TxNxH, kv_pages, kv_lens, page_indices,
+                                       cu_q_lens, num_seqs, sm_scale=_TPU_H ** -0.5,
+                                       num_kv_pages_per_block=4, num_queries_per_block=16)
+
+
+def ragged_paged_inputs():
+  """(args, kwargs) for `ragged_paged_attention`: 2 sequences, 32 query tokens, pages of
+  16 tokens, 8 pages per sequence, bf16."""
+  pages, page_size, per_seq, seqs = 32, 16, 8, 2
+  return (jax.ShapeDtypeStruct((32, 8, _TPU_H), jnp.bfloat16),
+          jax.ShapeDtypeStruct((pages, page_size, 4, _TPU_H), jnp.bfloat16),
+          jax.ShapeDtypeStruct((seqs,), jnp.int32),
+          jax.ShapeDtypeStruct((seqs, per_seq), jnp.int32),
+          jax.ShapeDtypeStruct((seqs + 1,), jnp.int32),
+          jax.ShapeDtypeStruct((1,), jnp.int32)), {}

@@ -159,6 +159,12 @@ def lowering_error(fn: str, platform: str, e: Exception, inputs: str) -> UserErr
                      f"machine has not ({type(e).__name__}: {first}). Lower it with "
                      f"implementation='xla' here, or run it on a GPU machine (make "
                      f"device-check).")
+  if "unsupported tpu device kind" in str(e).lower():
+    return UserError(f"Lowering {fn} for platform {platform!r} failed here: its Mosaic "
+                     f"lowering asks which TPU generation it runs on ({type(e).__name__}: "
+                     f"{first}), and this machine has no TPU. Run `make inspect ... "
+                     f"ARGS=--platform=tpu` on a TPU machine (docs/tpu.md), where the same "
+                     f"command reads its kernel body.")
   where = "" if platform == "cpu" else f" for platform {platform!r}"
   return UserError(f"Lowering {fn}{where} on the given inputs failed: {type(e).__name__}: "
                    f"{first} (inputs: {inputs}).")
@@ -193,6 +199,9 @@ def inspect_job(*, run_dir: str, fn: Optional[str] = None, inputs: Optional[str]
   print()
   print(report.dense_table())
   print()
+  if report.kernels:
+    print(report.kernel_table())
+    print()
   print(report.verdict())
   print(f"wrote {paths[0]} and {os.path.basename(paths[1])}")
   return report

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 from typing import Dict, List, Optional
 
 import jax
@@ -278,6 +279,48 @@ class Report:
   # the platform the program was lowered for (`attnprec.platforms`): other than 'cpu',
   # every dot is also read under its precision semantics (`platform_problems`)
   platform: str = platforms.DEFAULT_PLATFORM
+  # the program's kernel custom calls (`attnprec.inspect.kernel_calls`): Mosaic bodies
+  # read back (`attnprec.inspect.mosaic`), or unread with the reason
+  kernels: list = dataclasses.field(default_factory=list)
+
+  @property
+  def kernel_attentions(self) -> list:
+    """The kernel calls whose body holds an attention (a QK and a PV matmul)."""
+    return [k for k in self.kernels if "body" in k and k["body"].attention]
+
+  @property
+  def unread_kernels(self) -> list:
+    """Kernel calls that no reader opened, or whose body holds no attention found."""
+    return [k for k in self.kernels if "unread" in k or not k["body"].attention]
+
+  def kernel_problems(self) -> List[str]:
+    from attnprec.inspect import mosaic
+    out = [f"kernel {k['kernel'] or k['call']}: unread ({k['unread']})"
+           for k in self.kernels if "unread" in k]
+    if self.expect is not None:
+      out += [f"kernel {k['kernel']}: {p}" for k in self.kernels if "body" in k
+              for p in mosaic.check_body(k["body"], self.expect)]
+    return out
+
+  def kernel_table(self) -> str:
+    """Markdown: each kernel call's body as read (Mosaic), or why it is unread."""
+    from attnprec.inspect import mosaic
+    lines = ["| kernel | QK matmul (products) | exp / max / sum | PV matmul (products) | "
+             "probabilities into PV | verdict |", "|---|---|---|---|---|---|"]
+    for k in self.kernels:
+      if "unread" in k:
+        lines.append(f"| {k['kernel'] or k['call']} | unread: {k['unread']} | | | | UNREAD |")
+        continue
+      s = mosaic.summary(k["body"], self.platform if self.platform != "cpu" else "tpu")
+      ps = mosaic.check_body(k["body"], self.expect) if self.expect is not None else []
+      verdict = ("MISMATCH" if ps else "ok") if self.expect is not None else (
+          "read" if s["attention"] else "UNREAD (no attention found in it)")
+      pair = lambda a, b: "; ".join(f"{x} ({y})" for x, y in zip(s[a], s[b])) or "-"  # noqa: E731
+      lines.append(f"| {k['kernel']} | {pair('qk', 'qk_products')} | "
+                   f"{'/'.join(s['exp']) or '-'} / {'/'.join(s['max']) or '-'} / "
+                   f"{'/'.join(s['sum']) or '-'} | {pair('pv', 'pv_products')} | "
+                   f"{'; '.join(s['probabilities']) or '-'} | {verdict} |")
+    return "\n".join(lines)
 
   def with_compiled(self, lowered_or_text) -> "Report":
     """Also reads what the backend compiled (`lowered.compile().as_text()`, or that text)
@@ -305,10 +348,12 @@ class Report:
     if self.expect is None:
       return [f"attention {_where(a)}: logits cast down ({', '.join(a.downcasts)}) "
               f"between the QK^T product and the softmax"
-              for a in self.attentions if a.downcasts]
-    out = [] if self.attentions else [
+              for a in self.attentions if a.downcasts] + self.kernel_problems()
+    out = [] if self.attentions or self.kernel_attentions else [
         "no attention found, so the Precision cannot be checked: no dot -> softmax -> dot "
-        "pattern in the program (an attention inside a custom_call is invisible)"]
+        "pattern in the program" + (" and no kernel body read holds one"
+                                    if self.kernels else "")]
+    out += self.kernel_problems()
     for a in self.attentions:
       for stage, ps in check_attention(a, self.expect).items():
         out += [f"attention {_where(a)} {stage}: {p}" for p in ps]
@@ -356,7 +401,13 @@ class Report:
 
   # ------------------------------------------------------------------- rendering
   def verdict(self) -> str:
-    n = len(self.attentions)
+    n = len(self.attentions) + len(self.kernel_attentions)
+    unread = self.unread_kernels
+    if unread and not self.kernel_attentions and not self.attentions:
+      names = ", ".join(sorted({k["kernel"] or k["call"] for k in unread}))
+      return (f"UNREAD: the program's attention may sit in {len(unread)} kernel call(s) "
+              f"this reader cannot open or finds no attention in ({names}); nothing "
+              f"about its precision is known.")
     if not n:
       return "NO ATTENTION FOUND: no dot -> softmax -> dot pattern in the program."
     ps = self.problems()
@@ -366,8 +417,10 @@ class Report:
       return (f"{n} attention(s) found; no down-cast between a QK^T product and its "
               f"softmax. State a Precision (expect=...) for a verdict.")
     if not ps:
-      return (f"PASS: {n} attention(s) and {len(self.dense)} dense dot(s) match the "
-              f"contract for {self._expected_line()}.")
+      kernels = (f" ({len(self.kernel_attentions)} in Mosaic kernel bodies)"
+                 if self.kernel_attentions else "")
+      return (f"PASS: {n} attention(s){kernels} and {len(self.dense)} dense dot(s) match "
+              f"the contract for {self._expected_line()}.")
     shown = "; ".join(ps[:6])
     more = f" (+{len(ps) - 6} more)" if len(ps) > 6 else ""
     return f"FAIL: {len(ps)} mismatch(es): {shown}{more}"
@@ -434,11 +487,19 @@ class Report:
                              "upcast right before the dot; `f32->bf16`: a result cast "
                              "right after it.", "", self.attention_table(), "",
                              "## Dense dots", "", self.dense_table(), ""]
+                     + ([] if not self.kernels else
+                        ["## Kernel bodies (custom calls)", "",
+                         "A Pallas TPU kernel's Mosaic body, read from its tpu_custom_call "
+                         "(`attnprec.inspect.mosaic`): each matmul's types (`f32<-bf16`: "
+                         "extended from bf16; `->bf16`: truncated right after) and what its "
+                         "products keep on the TPU (f32 operands at DEFAULT: one bf16 "
+                         "pass), the softmax's exp / max / sum dtypes.", "",
+                         self.kernel_table(), ""])
                      + ([] if self.compiled is None else
                         ["## What the backend compiled", "", self.compiled_table(), ""]))
 
   def compiled_table(self) -> str:
-    lines = ["| dots | site | compiled as | lhs x rhs -> accumulation | verdict |",
+    lines = ["| dots | site | compiled as | lhs x rhs -> result | verdict |",
              "|---:|---|---|---|---|"]
     groups: Dict[tuple, int] = {}
     for d, ps in (self.compiled or {}).get("dots", []):
@@ -514,64 +575,189 @@ def _narrower(t: str, than: str) -> bool:
   return t in _WIDTH and than in _WIDTH and _WIDTH[t] < _WIDTH[than]
 
 
-def check_compiled_dot(dot, precision: Precision) -> List[str]:
+_MODULE = re.compile(r"/(attn/[qkvo]|mlp/\w+)/")
+
+
+def compiled_module(name: str) -> str:
+  """The model module a compiled dot's op_name names ('attn/o', 'mlp/down', 'unembed',
+  'attn_qk', ...), else the last scope before the op."""
+  m = _MODULE.search(name)
+  if m:
+    return m.group(1)
+  if "BTD,DV->BTV" in name:
+    return "unembed"
+  for scope in ("attn_qk", "attn_wv"):
+    if f"/{scope}/" in name:
+      return scope
+  parts = [p for p in name.split("/") if p]
+  return parts[-2] if len(parts) >= 2 else (name or "?")
+
+
+def _stored_ok(dot, stored: str, platform: str) -> bool:
+  """A result stored as `stored` that only dots read, each of which takes its f32
+  operands as `stored` on `platform` (one bf16 pass at DEFAULT on tpu): nothing lost."""
+  return dot.feeds_only_dots and platforms.stored_for_one_pass(
+      platform, [p for _, p in dot.feeds], stored)
+
+
+def _operand_ok(dot, t: str, platform: str) -> bool:
+  """An operand stored as `t` where the dot itself takes f32 operands as `t` there."""
+  return platforms.stored_for_one_pass(platform, [dot.precision], t)
+
+
+def platform_rewrites(dot, precision: Precision, platform: str = "cpu") -> List[str]:
+  """The narrowings of a compiled dot that `platform`'s arithmetic permits, in words
+  (`platforms.Platform.operand_rounding`): an operand stored narrower than the compute
+  dtype where the dot multiplies its f32 operands in that type anyway, a result stored
+  narrower than the contract's type where only such dots read it. [] where none."""
+  if platform == "cpu" or dot.backward:
+    return []
+  row = platforms.check(platform)
+  notes = []
+  c = expected_stages(precision)["qkv"]
+  for side, t in (("lhs", dot.lhs_from or dot.lhs_type), ("rhs", dot.rhs_from or dot.rhs_type)):
+    if _narrower(t, c) and _operand_ok(dot, t, platform):
+      notes.append(f"{side} stored as {t}: at {dot.precision.upper()} {row.name} multiplies "
+                   f"f32 operands in {platforms.ARITHMETIC_TEXT[row.arithmetic(dot.precision)]}")
+  want = _result_wanted(dot, precision, platform)
+  if want and _narrower(dot.result_type, want) and _stored_ok(dot, dot.result_type, platform):
+    readers = ", ".join(sorted({f"{compiled_module(n)} ({p.upper()})" for n, p in dot.feeds}))
+    notes.append(f"result stored as {dot.result_type}, not {want}: read only by {readers}, "
+                 f"which {row.name} multiplies in "
+                 f"{platforms.ARITHMETIC_TEXT[row.arithmetic(dot.feeds[0][1])]}")
+  return notes
+
+
+def _result_wanted(dot, precision: Precision, platform: str) -> Optional[str]:
+  """The narrowest result type the contract allows this compiled dot (None: no rule).
+  Where the result type is the accumulation type (cpu, cuda) the attention dots and the
+  dense projections must accumulate in f32; where it is the stored type (tpu: the MXU
+  sums in f32 whatever the HLO says) the qk dot must store the table's logits dtype and
+  the wv dot the attention's output dtype c (its f32 sum rounded once to c)."""
+  e = expected_stages(precision)
+  storage = platforms.check(platform).dot_result == "storage"
+  if dot.site == "qk":
+    return e["logits"] if e["logits"] == "f32" or storage else None
+  if dot.site == "wv":
+    return (e["output"] if storage else "f32") if e["probs"] == "f32" else None
+  if dot.site == "dense" and not is_preset(precision.matmul_precision):
+    return e["qkv"] if storage else "f32"
+  if dot.site == "other":
+    return "f32" if not storage else None
+  return None
+
+
+def _asked(dot, precision: Precision) -> str:
+  return precision.matmul_precision if dot.site == "dense" else precision.einsum_precision
+
+
+def compiled_precision_problems(dot, precision: Precision, platform: str = "cpu") -> List[str]:
+  """A compiled dot whose stated precision ('default', 'highest', an algorithm) keeps
+  fewer bits on `platform` than the phase's einsum_precision (attention) or
+  matmul_precision (dense) promises there, for operands whose values hold more: a FAIL
+  naming both (the float32 model at DEFAULT held to 'highest' on tpu: one bf16 pass)."""
+  if dot.site not in ("qk", "wv", "dense"):
+    return []
+  row = platforms.check(platform)
+  lhs, rhs = dot.lhs_from or dot.lhs_type, dot.rhs_from or dot.rhs_type
+  if "f32" not in (dot.lhs_type, dot.rhs_type):
+    return []          # 16-bit operands: every precision takes their values exactly
+
+  def arithmetic(name: str) -> str:
+    if name.startswith("algorithm "):
+      return platforms.algorithm_arithmetic(_algorithm_fields(name.split(" ", 1)[1]))
+    p = parse_precision(name)
+    if not isinstance(p, jax.lax.Precision):
+      return platforms.preset_arithmetic(p.name)
+    return row.arithmetic(p.name)
+
+  asked = _asked(dot, precision)
+  got, want = arithmetic(dot.precision), arithmetic(asked)
+  if platforms.product_bits(got, lhs, rhs) >= platforms.product_bits(want, lhs, rhs):
+    return []
+  knob = "matmul_precision" if dot.site == "dense" else "einsum_precision"
+  return [f"compiled at {dot.precision.upper()}: {platforms.describe_products(got, lhs, rhs)} "
+          f"on {platform}, but {knob}={asked!r} promises "
+          f"{platforms.describe_products(want, lhs, rhs)} there"]
+
+
+def _algorithm_fields(name: str) -> Dict[str, str]:
+  """XLA's algorithm names ('dot_bf16_bf16_f32_x3', 'dot_tf32_tf32_f32') as the fields
+  `platforms.algorithm_arithmetic` reads."""
+  parts = name.lower().removeprefix("dot_").split("_")
+  passes = parts[-1][1:] if parts[-1].startswith("x") else "1"
+  return {"lhs_precision_type": parts[0], "num_primitive_operations": passes}
+
+
+def check_compiled_dot(dot, precision: Precision, platform: str = "cpu") -> List[str]:
   """What the backend compiled a dot into (`inspect.compiled.CompiledDot`: an XLA dot, a dot
-  inside a library fusion, a matmul custom-call) against the contract: its result type is
-  its accumulation type, so
+  inside a library fusion, a matmul custom-call, a TPU `convolution`) against the
+  contract, read under `platform`'s meaning of a dot's result type
+  (`platforms.Platform.dot_result`; `_result_wanted`):
 
-    qk     with float32 logits: accumulates in f32 and is not rounded to 16 bits after;
-    wv     with float32 probabilities: accumulates in f32, and the probabilities do not
-           enter as 16-bit values (not both operands 16-bit or converted up from 16 bits);
-    dense  accumulates in f32 (`layers.project`), unless a dot-algorithm preset states
-           its own types (then only the lowered check applies);
+    qk     with float32 logits: keeps f32 (accumulated and stored), not rounded to 16
+           bits after; on tpu also: stores bf16 logits no narrower than the table's;
+    wv     with float32 probabilities: accumulates in f32 (tpu: stores at least the
+           output dtype c), and the probabilities do not enter as 16-bit values (not
+           both operands 16-bit or converted up from 16 bits);
+    dense  accumulates in f32 (tpu: stores at least c) unless a dot-algorithm preset
+           states its own types (then only the lowered check applies);
     other  a forward dot the audit cannot attribute may not accumulate below f32;
-    all    no operand is narrower than the compute dtype.
+    all    no operand is narrower than the compute dtype; the dot's precision keeps as
+           many bits on `platform` as the phase's einsum / matmul precision promises.
 
-  Gradient dots are listed only (the contract table is about the forward computation).
+  A narrowing the platform's arithmetic makes anyway is not a problem but a rewrite
+  (`platform_rewrites`: on tpu at DEFAULT, a value stored as bf16 for a dot that takes
+  its f32 operands in one bf16 pass). Gradient dots are checked for precision only.
   Returns the problems ([] where it honours the contract)."""
   if dot.backward:
-    return []
+    return compiled_precision_problems(dot, precision, platform)
   problems = []
   e = expected_stages(precision)
   c = e["qkv"]
   lhs, rhs = dot.lhs_from or dot.lhs_type, dot.rhs_from or dot.rhs_type
   for side, t in (("lhs", lhs), ("rhs", rhs)):
-    if _narrower(t, c):
+    if _narrower(t, c) and not _operand_ok(dot, t, platform):
       problems.append(f"compiled {dot.site} dot's {side} is {t}, narrower than the compute "
                       f"dtype {c}")
   acc = dot.result_type
+  want = _result_wanted(dot, precision, platform)
+  storage = platforms.check(platform).dot_result == "storage"
+  verb = "stores its result as" if storage else "accumulates in"
+  narrowed = want is not None and _narrower(acc, want) and not _stored_ok(dot, acc, platform)
   if dot.site == "qk" and e["logits"] == "f32":
-    if _narrower(acc, "f32"):
-      problems.append(f"compiled qk dot accumulates in {acc}; the contract requires f32 "
+    if narrowed:
+      problems.append(f"compiled qk dot {verb} {acc}; the contract requires f32 "
                       f"logits (float32_qk_product={precision.float32_qk_product})")
     elif dot.rounded_to:
       problems.append(f"compiled qk dot's f32 logits are rounded to {dot.rounded_to} right "
                       f"after it; the contract requires f32 logits")
+  elif dot.site == "qk" and narrowed:
+    problems.append(f"compiled qk dot {verb} {acc}, narrower than the logits dtype {want}")
   elif dot.site == "wv" and e["probs"] == "f32":
-    if _narrower(acc, "f32"):
-      problems.append(f"compiled wv dot accumulates in {acc}; the contract requires f32")
-    if all(t in ("bf16", "f16") for t in (lhs, rhs)):
+    if narrowed:
+      problems.append(f"compiled wv dot {verb} {acc}; the contract requires {want}")
+    if all(t in ("bf16", "f16") for t in (lhs, rhs)) and not (
+        _operand_ok(dot, lhs, platform) and _operand_ok(dot, rhs, platform)):
       problems.append(f"compiled wv dot takes {lhs} x {rhs}: the f32 probabilities enter "
                       f"narrowed (float32_logits={precision.float32_logits})")
-  elif dot.site == "dense" and not is_preset(precision.matmul_precision):
-    if _narrower(acc, "f32"):
-      problems.append(f"compiled dense dot accumulates in {acc}, expected f32 "
-                      f"(layers.project)")
-  elif dot.site == "other" and _narrower(acc, "f32"):
+  elif dot.site == "dense" and narrowed:
+    problems.append(f"compiled dense dot {verb} {acc}, expected {want} (layers.project)")
+  elif dot.site == "other" and narrowed:
     problems.append(f"a compiled dot the audit cannot attribute ({dot.name or 'no op_name'})"
                     f" accumulates in {acc}")
-  return problems
+  return problems + compiled_precision_problems(dot, precision, platform)
 
 
 def check_compiled(text: str, precision: Precision, *, head_dim: Optional[int] = None,
-                   key_lengths: tuple = ()) -> dict:
+                   key_lengths: tuple = (), platform: str = "cpu") -> dict:
   """The compiled program (`lowered.compile().as_text()`) checked dot by dot:
   {'dots': [(CompiledDot, problems)], 'problems': [...], 'ok': bool}. head_dim and
   key_lengths attribute attention dots whose op_name XLA dropped (`compiled.compiled_summary`;
   pass them for forward programs only)."""
   from attnprec.inspect import compiled
   summary = compiled.compiled_summary(text, head_dim, key_lengths)
-  checked = [(d, check_compiled_dot(d, precision)) for d in summary["dots"]]
+  checked = [(d, check_compiled_dot(d, precision, platform)) for d in summary["dots"]]
   problems = [f"compiled {d.site} dot{'' if d.layer is None else f' (layer {d.layer})'} "
               f"[{d.via}, {d.described}]: {p}" for d, ps in checked for p in ps]
   return {"dots": checked, "summary": summary, "problems": problems, "ok": not problems}

@@ -22,10 +22,13 @@ dots, not the reads. A query that sees no key returns 0, as blockwise.
 Precision (`contract.stage_dtypes`, chex-asserted in the kernel body at trace time): the
 qk dot takes q and k in c (the query scale on q in c, or on the float32 logits, as the
 table says: `Prepared.queries` / `contract.scale_logits`) with
-`preferred_element_type` = the logits dtype (the TPU body: float32, rounded once to c right
-after the dot where the logits are c: Mosaic's matmul accumulates in 32 bits only, so a
-c-result dot is that on TPU anyway); soft-cap, mask, max and exp in the softmax
-dtype; the wv dot takes the probabilities and v in the probs dtype and returns float32.
+`preferred_element_type` = float32, rounded once to c right after the dot where the
+logits are c (Mosaic's matmul accumulates in 32 bits only, so the TPU forces this form;
+the interpreted and Triton bodies are the same code); soft-cap, mask, max and exp in the
+softmax dtype; the wv dot takes the probabilities and v in the probs dtype and returns
+float32. On a TPU an f32 operand at DEFAULT is multiplied in one bf16 pass: float32
+probabilities enter the MXU rounded to bf16 there (jax's splash attention does the same;
+`make inspect` / the audit read it from the Mosaic body, `attnprec.inspect.mosaic`).
 The two dots sit in the contract's named scopes. `attnprec.inspect.pallas_check` reads
 the kernel body back from the jaxpr and checks every dot, exp, max and sum against the
 table (`make audit` does, for kernel 'pallas'). What a backend compiles the body into
@@ -34,8 +37,10 @@ whatever its declared result type (a bf16 logits dot = an f32 accumulation round
 to bf16, as XLA's dots on TPU and GPU).
 
 Knobs: float32_qk_product, float32_logits honoured; einsum_precision 'default' and
-'highest' honoured (both dots get it); 'high' and every dot-algorithm preset refused by
-name: Mosaic's lowering of a dot in a Pallas TPU kernel takes only DEFAULT and HIGHEST.
+'highest' honoured (both dots get it; under 'highest' their operands enter as float32,
+the only operands Mosaic multiplies at contract_precision<fp32>); 'high' and every
+dot-algorithm preset refused by name: Mosaic's lowering of a dot in a Pallas TPU kernel
+takes only DEFAULT and HIGHEST.
 The key offset acts before any kernel (the layer subtracts it): honoured. An unscaled
 cache (float32 / bfloat16 storage) arrives as c: honoured; a quantized cache (int8 /
 float8 codes with scales) is refused by name (the scales have no place in this body yet).
@@ -137,14 +142,21 @@ def make_body(geo: Geometry, stages, *, einsum, scale, logits_soft_cap=None,
   body(q_ref [Tq, Hp], k_ref [Sp, Hp], v_ref [Sp, Hp], qpos_ref [Tq, 1],
        kpos_ref [1, Sp], (mask_ref [Tq, Sp] int32,) o_ref [Tq, Hp]).
 
-  platform: 'interpret' (CPU), 'tpu' or 'gpu'. The TPU body's qk dot returns float32
-  and c logits are that result rounded once to c (Mosaic's matmul accumulates in 32 bits
-  only; a c-result dot is the same thing on TPU); elsewhere the dot's result type is the
-  logits dtype itself. The GPU body divides 16-bit logits by the soft-cap in float32 and
-  rounds the quotient to their dtype (Triton's lowering has no 16-bit division; the
-  result is the 16-bit quotient exactly: float32 has more than 2 * 8 + 2 bits)."""
-  accumulate32 = platform == "tpu"
+  platform: 'interpret' (CPU), 'tpu' or 'gpu'. One body for all three: the qk dot returns
+  float32 and c logits are that result rounded once to c (Mosaic's matmul accumulates in
+  32 bits only, so this is the form the TPU forces; the interpreter computes the same);
+  under einsum_precision 'highest' both dots take float32 operands (Mosaic refuses
+  contract_precision<fp32> on 16-bit ones). The GPU body alone divides 16-bit logits by
+  the soft-cap in float32 and rounds the quotient to their dtype (Triton's lowering has
+  no 16-bit division; the result is the 16-bit quotient exactly: float32 has more than
+  2 * 8 + 2 bits). Interpreted on XLA:CPU, the rounding of c logits holds only with
+  excess precision off (`attnprec.xla_env`, which every runner and test sets): XLA:CPU
+  otherwise drops the f32 -> c -> f32 round trip and keeps float32 logits."""
   divide32 = platform == "gpu"
+  # 'highest': float32 operands into both matmuls (Mosaic takes contract_precision<fp32>
+  # only on f32 operands; 16-bit values are exact in f32, so the products are the same).
+  highest = einsum == jax.lax.Precision.HIGHEST
+  operand = (lambda x: x.astype(F32)) if highest else (lambda x: x)
   Tq, Sk, S = geo.Tq, geo.Sk, geo.S
   nk = geo.Sp // Sk
   sm, c = stages["softmax"], stages["output"]
@@ -163,9 +175,12 @@ def make_body(geo: Geometry, stages, *, einsum, scale, logits_soft_cap=None,
       keys = pl.ds(start, Sk)
       k_SkxHp, v_SkxHp = k_ref[keys, :], v_ref[keys, :]
       with jax.named_scope(contract.QK_SCOPE):
+        # One form on every platform: a float32 result, rounded once to c where the
+        # logits are c (Mosaic's matmul accumulates in 32 bits only; so do Triton's and
+        # XLA:CPU's, so this is what a c-result dot computes everywhere).
         logits_TqxSk = jnp.einsum(
-            "TH,SH->TS", q_TqxHp, k_SkxHp, precision=einsum,
-            preferred_element_type=F32 if accumulate32 else stages["logits"])
+            "TH,SH->TS", operand(q_TqxHp), operand(k_SkxHp), precision=einsum,
+            preferred_element_type=F32)
         logits_TqxSk = logits_TqxSk.astype(stages["logits"])
       chex.assert_shape(logits_TqxSk, (Tq, Sk))
       chex.assert_type(logits_TqxSk, stages["logits"])
@@ -194,7 +209,8 @@ def make_body(geo: Geometry, stages, *, einsum, scale, logits_soft_cap=None,
       l_new = l_Tqx1 * correction + jnp.sum(probs_TqxSk.astype(F32), axis=1,
                                             keepdims=True)
       with jax.named_scope(contract.WV_SCOPE):
-        pv_TqxHp = jnp.einsum("TS,SH->TH", probs_TqxSk, v_SkxHp.astype(stages["probs"]),
+        pv_TqxHp = jnp.einsum("TS,SH->TH", operand(probs_TqxSk),
+                              operand(v_SkxHp.astype(stages["probs"])),
                               precision=einsum, preferred_element_type=F32)
       return m_new, l_new, acc_TqxHp * correction + pv_TqxHp
 
