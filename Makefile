@@ -22,7 +22,18 @@ SIZES_GIN ?=
 RUN ?= runs/recall
 gin_files = $(foreach f,$(or $(GIN),$(1)),--gin_file=$(f))
 
-.PHONY: setup test train decode audit inspect study nextline sinks eval sizes bench plot device-check clean
+.PHONY: setup test test-tpu tpu-wheels tpu-fixtures train decode audit inspect study nextline sinks eval sizes bench plot device-check clean
+
+# The TPU path (docs/tpu.md): the machine's own JAX with libtpu, attnprec's other needs
+# installed beside it by scripts/tpu_install.sh (from .whl-tpu/, the machine's own index
+# or PyPI), no .venv. One process holds the chip: the TPU suite runs without -n.
+TPU_SITE ?= /tmp/attnprec-site
+TPU_TESTS ?= tests/test_tpu.py tests/test_tpu_fixtures.py tests/test_kernels.py \
+  tests/test_pallas.py tests/test_attention.py tests/test_stage_dtypes.py \
+  tests/test_platforms.py tests/test_audit.py tests/test_inspect.py
+# The wheels a TPU machine without a registry needs, pinned (docs/tpu.md).
+TPU_WHEELS ?= chex==0.1.92 dm-haiku==0.0.17 jmp==0.0.4 tabulate==0.10.0 gin-config==0.5.0 gguf==0.19.0
+on_tpu = python3 -c 'import jax, sys; sys.exit(jax.default_backend() != "tpu")' 2>/dev/null
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +46,26 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 setup: $(VENV)/.installed
 
+# The CPU suite, everywhere (CI's): JAX_PLATFORMS=cpu keeps its two workers off an
+# accelerator (on a TPU machine the second would fail to take the chip).
 test: setup
-	$(PY) -m pytest -q -n 2 tests
+	@if ls /dev/accel0 /dev/vfio/0 >/dev/null 2>&1; then echo "make test: an accelerator is \
+	here; this runs the CPU suite (make test-tpu runs the TPU suite, docs/tpu.md)"; fi
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 tests
+
+# On a TPU machine: kernels, contract, platform, audit and model tests on the TPU, one
+# process; the TPU-only cases (tests/test_tpu.py) run here and skip on CPU.
+test-tpu:
+	bash -c '. scripts/tpu_install.sh $(TPU_SITE) && python3 -m pytest -q -p no:cacheprovider -p no:xdist $(TPU_TESTS) $(ARGS)'
+
+# On a machine with a registry: the wheels a TPU machine without one needs, into .whl-tpu/.
+tpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+	  --implementation cp --platform manylinux2014_x86_64 -d .whl-tpu $(TPU_WHEELS)
+
+# On a TPU: the compiled programs CPU CI reads (tests/fixtures/tpu).
+tpu-fixtures:
+	bash -c '. scripts/tpu_install.sh $(TPU_SITE) && python3 scripts/capture_tpu_fixtures.py $(ARGS)'
 
 train: setup
 	$(PY) runners/train.py $(call gin_files,$(TRAIN_GIN)) $(ARGS)
@@ -72,11 +101,13 @@ sizes: setup
 bench: setup
 	$(PY) runners/bench.py --out=bench $(ARGS)
 
-# On a machine with an NVIDIA GPU: the cuda audit on the compiled program, the kernels'
-# speed and error (Pallas if registered, cuDNN), the flags' cost per phase. Elsewhere:
-# one line, exit 0.
-device-check: setup
-	$(PY) runners/device_check.py $(ARGS)
+# On a TPU (the TPU path above) or an NVIDIA GPU: the audit on the compiled program, the
+# kernels' speed and error (against float64; jax's splash on a TPU, cuDNN on a GPU), the
+# flags' cost per phase. Elsewhere: one line, exit 0.
+device-check:
+	@if $(on_tpu); then \
+	  bash -c '. scripts/tpu_install.sh $(TPU_SITE) && python3 runners/device_check.py $(ARGS)'; \
+	else $(MAKE) --no-print-directory setup && $(PY) runners/device_check.py $(ARGS); fi
 
 plot: setup
 	$(PY) runners/plot.py --run_dir=$(RUN)

@@ -145,6 +145,14 @@ TABLE: Dict[str, Platform] = {
 }
 
 
+def f32_rounding_unit(platform: str, precision: str = "DEFAULT") -> float:
+  """2^-b, b the significand bits (implicit bit counted) a dot at `precision` keeps of
+  f32 operands on `platform`: 2^-24 for f32 arithmetic, 2^-8 for one bf16 pass (a TPU at
+  DEFAULT), 2^-11 for TF32. The unit a float32 computation's error is bounded in
+  (tests/platform_bounds.py)."""
+  return 2.0 ** -ARITHMETIC_BITS[check(platform).arithmetic(precision)]
+
+
 def stored_for_one_pass(platform: str, precisions, stored: str) -> bool:
   """Whether values stored as `stored` lose nothing to the dots that read them on
   `platform`, each multiplying at one of `precisions` (lax names, any case): every such

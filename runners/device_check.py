@@ -1,5 +1,18 @@
 """Device check: `python runners/device_check.py [--out=DIR]` (`make device-check`).
 
+On a TPU it checks what can only be checked there:
+  audit    the compiled audit on this TPU (the tiny recall architecture under
+           fp32_attention, highest, blockwise and pallas; the bf16 program held to
+           fp32_attention's contract must FAIL): every attention dot read back from what
+           the TPU compiled, the Pallas kernel's Mosaic bodies;
+  kernels  prefill attention at Qwen2-7B's shape (B=1, S=2048, N=28, K=4, H=128, bf16,
+           causal): dot_product (bf16 and both flags), blockwise, pallas (both flags) and
+           jax's splash attention (K/V repeated to N heads): median time, max |error| and
+           relative L2 against the float64 reference;
+  flags    the cost of the flags per phase (bf16 vs bf16 + both flags: train step,
+           prefill, decode step; `bench.model.flag_cost`) on SmolLM2-135M's shape with
+           random weights, its 30 layers scanned (no checkpoint travels to the TPU).
+
 On a machine with an NVIDIA GPU it checks what can only be checked there:
   audit    the precision audit for 'cuda' on the compiled program (the tiny recall
            architecture under fp32_attention and highest): what XLA:GPU made of every dot;
@@ -14,7 +27,8 @@ On a machine with an NVIDIA GPU it checks what can only be checked there:
 Results go to <out>/device_check.json and device_check.md (atomic writes); a part that
 fails is recorded with its error and the others still run.
 
-On a machine without a GPU it exits 0 after one line saying so, and writes nothing.
+On a machine without an accelerator it exits 0 after one line saying so, and writes
+nothing.
 Exit codes: 0 done (also: no GPU), 2 bad input, 3 the cuda audit found a mismatch, 1 a
 crash (attnprec.cli).
 """
@@ -54,20 +68,36 @@ def _median_s(fn, *args, reps: int = 20) -> float:
   return statistics.median(times)
 
 
-def audit_part() -> dict:
+def audit_part(platform: str = "cuda") -> dict:
   from attnprec import audit
   from attnprec.config import ModelConfig
   from attnprec.precision import Precision
   config = ModelConfig(vocab_size=13, d_model=16, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=8, mlp_hidden=32, max_seq_len=64)
+  safe = Precision(dtype="bfloat16")
+  presets = [("fp32_attention", safe),
+             ("highest", Precision(dtype="float32", einsum_precision="highest",
+                                   matmul_precision="highest"))]
+  if platform == "tpu":
+    presets += [("blockwise", Precision(dtype="bfloat16", kernel="blockwise")),
+                ("pallas", Precision(dtype="bfloat16", kernel="pallas"))]
   out = {}
-  for name, p in (("fp32_attention", Precision(dtype="bfloat16")),
-                  ("highest", Precision(dtype="float32", einsum_precision="highest",
-                                        matmul_precision="highest"))):
-    r = audit.run_audit(config, p, p, platform="cuda", compile=True)
+  for name, p in presets:
+    train = safe if p.kernel == "pallas" else p
+    r = audit.run_audit(config, train, p, platform=platform, compile=True)
     out[name] = {"ok": r["ok"], "compiled_checked": audit.not_compiled(r) is None,
                  "problems": r["problems"][:20],
                  "compiled": audit.compiled_table(r), "verdict": audit.verdict(r)}
+    if any("mosaic" in r["phases"][ph] for ph in audit.PHASES):
+      out[name]["mosaic"] = audit.mosaic_table(r)
+  if platform == "tpu":
+    # the bf16 program's compiled text held to fp32_attention's contract: must FAIL
+    bf16 = Precision(dtype="bfloat16", float32_qk_product=False, float32_logits=False)
+    traced = audit.trace_programs(config, bf16, bf16, platform=platform)
+    texts = {ph: t.lower().compile().as_text() for ph, (_, t) in traced.items()}
+    r = audit.run_audit(config, safe, safe, platform=platform, compiled_texts=texts)
+    out["bf16 program held to fp32_attention (must FAIL)"] = {
+        "ok": not r["ok"], "verdict": audit.verdict(r)[:600]}
   return out
 
 
@@ -108,6 +138,74 @@ def kernels_part() -> dict:
   return out
 
 
+TPU_SHAPE = dict(B=1, S=2048, N=28, K=4, H=128)
+
+
+def tpu_kernels_part() -> dict:
+  """Qwen2-7B's attention shape on the TPU: attnprec's kernels and jax's splash."""
+  from attnprec import contract, kernels
+  from attnprec.precision import Precision
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+      splash_attention_kernel as splash, splash_attention_mask as masks)
+  B, S, N, K, H = (TPU_SHAPE[x] for x in "BSNKH")
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((B, S, n, H)).astype(np.float32) for n in (N, K, K))
+  qkv = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+  exact = [np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in qkv]
+  want = contract.reference_attention_np(*exact, mask=np.tril(np.ones((S, S), bool)))
+  pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  fns = {}
+  for label, kernel, flags in (("dot_product bf16", "dot_product", False),
+                               ("dot_product both flags", "dot_product", True),
+                               ("blockwise both flags", "blockwise", True),
+                               ("pallas both flags", "pallas", True)):
+    prec = Precision(dtype="bfloat16", kernel=kernel, float32_qk_product=flags,
+                     float32_logits=flags)
+    fns[label] = jax.jit(lambda q, k, v, prec=prec: kernels.attend(
+        prec, q, k, v, mask=contract.CausalMask(pos, pos)))
+  kernel = splash.make_splash_mha(masks.MultiHeadMask([masks.CausalMask((S, S))] * N),
+                                  head_shards=1, q_seq_shards=1)
+
+  def splash_fn(q, k, v):      # [B, S, N, H] -> splash's [N, S, H], K/V repeated to N
+    g = N // K
+    qs = jnp.transpose(q[0], (1, 0, 2)) * jnp.asarray(H ** -0.5, q.dtype)
+    ks, vs = (jnp.repeat(jnp.transpose(x[0], (1, 0, 2)), g, axis=0) for x in (k, v))
+    return jnp.transpose(kernel(qs, ks, vs), (1, 0, 2))[None]
+  fns["jax splash (flags-on semantics)"] = jax.jit(splash_fn)
+  out = {"shape": TPU_SHAPE, "dtype": "bfloat16", "reference": "float64 NumPy on the bf16 "
+         "inputs", "rows": {}}
+  for name, fn in fns.items():
+    try:
+      t = _median_s(fn, *qkv)
+      got = np.asarray(jnp.asarray(fn(*qkv), jnp.float32), np.float64)
+      out["rows"][name] = {"median_ms": 1e3 * t,
+                           "max_abs_error": float(np.max(np.abs(got - want))),
+                           "rel_l2": float(np.linalg.norm(got - want) / np.linalg.norm(want))}
+    except Exception as e:  # noqa: BLE001 -- recorded, the other kernels still run
+      out["rows"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+  base = out["rows"].get("jax splash (flags-on semantics)", {}).get("median_ms")
+  for row in out["rows"].values():
+    if base and "median_ms" in row:
+      row["time_vs_splash"] = row["median_ms"] / base
+  return out
+
+
+def tpu_flags_part() -> dict:
+  """The flags' cost per phase on SmolLM2-135M's shape, random weights, layers scanned."""
+  from attnprec.bench import model as model_bench
+  from attnprec.config import ModelConfig
+  from attnprec.model import init_params
+  config = ModelConfig(vocab_size=49152, d_model=576, num_layers=30, num_heads=9,
+                       num_kv_heads=3, head_dim=64, mlp_hidden=1536, max_seq_len=4096,
+                       rope_base=100000.0, tie_embeddings=True, scan_layers=True)
+  params = init_params(config, jax.random.PRNGKey(0))
+  result = model_bench.flag_cost(config, params, (8, 1024), 1024, 3, lambda *a, **k: None,
+                                 np.random.default_rng(0))
+  return {"model": "SmolLM2-135M's shape, random weights, scan_layers",
+          "case": "batch 8, 1024-token prefill and decode steps, 1024-token train step",
+          **{k: result[k] for k in ("flags_over_no_flags", "median_s")}}
+
+
 def flags_part() -> dict:
   from attnprec import checkpoints
   from attnprec.bench import model as model_bench
@@ -127,25 +225,31 @@ def to_markdown(result: dict) -> str:
 
 def check(out_dir: str) -> int:
   platform = here()
-  if platform != "cuda":
-    print(f"device-check: no GPU on this machine (jax backend {jax.default_backend()!r}); "
-          f"nothing to check, nothing written.")
+  if platform not in ("cuda", "tpu"):
+    print(f"device-check: no GPU or TPU on this machine (jax backend "
+          f"{jax.default_backend()!r}); nothing to check, nothing written.")
     return cli.EXIT_OK
   runs.check_output_dir(out_dir, flag="--out")
-  result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "parts": {}}
-  for name, part in (("audit (cuda, compiled)", audit_part), ("kernels", kernels_part),
-                     ("flag cost per phase", flags_part)):
+  result = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
+            "jax": jax.__version__, "platform": platform, "parts": {}}
+  parts = ((f"audit ({platform}, compiled)", lambda: audit_part(platform)),
+           ("kernels", tpu_kernels_part if platform == "tpu" else kernels_part),
+           ("flag cost per phase", tpu_flags_part if platform == "tpu" else flags_part))
+  runs.ensure_dir(out_dir)
+  for name, part in parts:
     print(f"device-check: {name} ...", flush=True)
+    t0 = time.perf_counter()
     try:
       result["parts"][name] = part()
     except Exception as e:  # noqa: BLE001 -- recorded; the next part still runs
       result["parts"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-  runs.ensure_dir(out_dir)
-  runs.atomic_write(os.path.join(out_dir, "device_check.json"),
-                    json.dumps(result, indent=1, default=str) + "\n")
-  runs.atomic_write(os.path.join(out_dir, "device_check.md"), to_markdown(result))
+    result["parts"][name]["seconds"] = round(time.perf_counter() - t0, 1)
+    # written after each part: a run stopped midway keeps what it measured
+    runs.atomic_write(os.path.join(out_dir, "device_check.json"),
+                      json.dumps(result, indent=1, default=str) + "\n")
+    runs.atomic_write(os.path.join(out_dir, "device_check.md"), to_markdown(result))
   print(to_markdown(result))
-  audited = result["parts"]["audit (cuda, compiled)"]
+  audited = result["parts"][f"audit ({platform}, compiled)"]
   ok = all(v.get("ok", False) for v in audited.values()) if "error" not in audited else False
   return cli.EXIT_OK if ok else cli.EXIT_MISMATCH
 

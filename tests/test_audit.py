@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 
+import jax
 import pytest
 
 from attnprec import audit, decoding, ginutils
@@ -28,6 +29,14 @@ PRESETS = sorted(glob.glob(os.path.join(ginutils.REPO_GIN_DIR, "precision", "*.g
 # their cache rows back from the prefill and decode programs (tests at the end).
 KV_PRESETS = [p for p in PRESETS if os.path.basename(p).startswith("kv_")]
 RUNNER = os.path.join(os.path.dirname(ginutils.REPO_GIN_DIR), "runners", "audit.py")
+
+# Tests of what XLA:CPU compiled (its fusions, its rewrites, its dropped op_names): the
+# programs are lowered for cpu, so only a CPU backend compiles them. What a TPU compiled
+# is tested in tests/test_tpu_fixtures.py (captured programs) and tests/test_tpu.py.
+xla_cpu = pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="reads what XLA:CPU compiled; a TPU's compiled program is tested in "
+           "tests/test_tpu_fixtures.py and tests/test_tpu.py")
 
 
 def _phases(files, bindings=()):
@@ -152,6 +161,7 @@ def test_blockwise_dropping_float32_logits_fails(monkeypatch):
   assert not result["phases"]["decode"]["ok"]
 
 
+@xla_cpu
 def test_compiled_summary_shows_the_backend_rewrite():
   """On CPU, the bf16 attention dots compile to f32 dots; the bf16 roundings the program
   asks for appear as f32->bf16 converts (excess precision is disabled in conftest)."""
@@ -189,6 +199,7 @@ def _narrow_qk_kernel(monkeypatch):
   monkeypatch.setattr(dot_product, "jnp", NarrowQK())
 
 
+@xla_cpu
 @pytest.mark.parametrize("preset", ["bf16.gin", "fp32_attention.gin", "fp32.gin"])
 def test_compiled_programs_pass(preset):
   """The compiled check passes the shipped presets in every phase, and sees every dot:
@@ -206,6 +217,7 @@ def test_compiled_programs_pass(preset):
   assert "so do the" in audit.verdict(result)
 
 
+@xla_cpu
 def test_a_kernel_narrowing_the_qk_product_fails_lowered_and_compiled(monkeypatch):
   """float32_qk_product=True, but the kernel forms the product with a bf16 result (cast
   to f32 after): the lowered check sees a bf16 qk result; the compiled check sees the f32
@@ -224,6 +236,7 @@ def test_a_kernel_narrowing_the_qk_product_fails_lowered_and_compiled(monkeypatc
   assert "MISMATCH" in audit.compiled_table(result)
 
 
+@xla_cpu
 def test_decode_ignoring_the_flags_fails_the_compiled_check_too(monkeypatch):
   """The seed's bug (decode drops both flags) in the compiled program: the qk logits are
   rounded to bf16 and the wv dot reads bf16 probabilities; training stays clean."""
@@ -237,6 +250,7 @@ def test_decode_ignoring_the_flags_fails_the_compiled_check_too(monkeypatch):
     assert any("probabilities enter narrowed" in q for q in compiled), compiled
 
 
+@xla_cpu
 def test_dots_whose_op_name_xla_dropped_are_attributed_by_shape(monkeypatch):
   """With one kv head XLA:CPU rewrites the attention dots and drops their op_name; in
   the prefill and decode programs they are told apart by the dimension they contract
@@ -263,6 +277,7 @@ def _safe_decode_text():
       decoding.serving_precision(safe)
 
 
+@xla_cpu
 def test_a_backend_narrowing_the_accumulation_is_seen_only_in_the_compiled_program():
   """No XLA:CPU setting found narrows a dot the lowered program states in f32 (default,
   --xla_cpu_use_onednn and --xla_cpu_use_xnnpack compile these programs to the same
@@ -359,6 +374,7 @@ def test_runner_exit_codes_and_files(tmp_path, monkeypatch):
   assert "MISMATCH" in (broken / "audit.md").read_text()
 
 
+@xla_cpu
 def test_inspect_report_checks_the_compiled_program_too(monkeypatch):
   """`attnprec.inspect`'s Report.with_compiled: the same compiled check as the audit."""
   import jax
@@ -443,6 +459,7 @@ def test_kv_presets_pass_with_their_cache_rows_read_back(preset, kernel):
 @pytest.mark.parametrize("preset,kernel", [(KV_INT8, "dot_product"), (KV_INT8, "blockwise"),
                                            (KV_FP8, "dot_product")],
                          ids=["kv_int8-dot_product", "kv_int8-blockwise", "kv_fp8-dot_product"])
+@xla_cpu
 def test_kv_presets_pass_the_compiled_check(preset, kernel):
   """As compiled: the attention dots read the codes (converted from s8 / f8e4m3fn), the
   qk result is multiplied by the key scale in f32 and the probabilities by the value
@@ -460,6 +477,7 @@ def test_kv_presets_pass_the_compiled_check(preset, kernel):
   assert "cache's codes and scales match its rows" in audit.verdict(result)
 
 
+@xla_cpu
 @pytest.mark.parametrize("kernel", KV_KERNELS)
 def test_a_per_channel_key_scale_is_read_back_on_q(kernel):
   """kv_cache_k_scale = 'channel': the scale multiplies q (float32, float32_qk_product)
@@ -523,6 +541,7 @@ def _lowered_problems(result, phase):
   return [q for q in result["phases"][phase]["problems"] if " compiled " not in f" {q}"]
 
 
+@xla_cpu
 @pytest.mark.parametrize("kernel", KV_KERNELS)
 def test_a_quantized_query_fails_lowered_and_compiled(monkeypatch, kernel):
   """q rounded through float8 before the qk dot, in every phase."""
@@ -540,6 +559,7 @@ def test_a_quantized_query_fails_lowered_and_compiled(monkeypatch, kernel):
   assert "MISMATCH" in audit.cache_table(result)
 
 
+@xla_cpu
 @pytest.mark.parametrize("kernel", KV_KERNELS)
 def test_a_key_scale_applied_after_a_bf16_cast_fails(monkeypatch, kernel):
   """The per-token key scale multiplies the logits after they are cast to bf16 (the
@@ -558,6 +578,7 @@ def test_a_key_scale_applied_after_a_bf16_cast_fails(monkeypatch, kernel):
     assert any("logits are rounded to bf16 right after" in q for q in compiled), compiled
 
 
+@xla_cpu
 def test_quantized_probabilities_fail_lowered_and_compiled(monkeypatch):
   import jax.numpy as jnp
   _scale_columns_variant(monkeypatch, value=lambda real, x, s, dtype: real(
@@ -571,6 +592,7 @@ def test_quantized_probabilities_fail_lowered_and_compiled(monkeypatch):
     assert any("the probabilities are quantized" in q for q in compiled), compiled
 
 
+@xla_cpu
 def test_a_key_scale_rounded_to_bf16_fails_lowered_and_compiled(monkeypatch):
   """The f32 key scale rounded through bf16 before it multiplies the f32 logits."""
   import jax.numpy as jnp

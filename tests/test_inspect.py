@@ -279,7 +279,7 @@ def test_attnprecs_kernels_agree_with_the_audit(kernel, flags):
   programs = audit.lower_programs(CONFIG, prec, prec)
   for phase, (served, lowered) in programs.items():
     # the precision each program runs (decode: `decoding.for_serving`'s, weights carried)
-    assert served == (prec if phase == "train" else decoding.serving_precision(prec))
+    assert served == (prec if phase == "train" else decoding.serving_precision(prec, "cpu"))
     other = dataclasses.replace(served, float32_qk_product=not qk,
                                 **({"kernel": "dot_product"} if kernel == "jax_nn" else {}))
     r = inspect_lowered(lowered, expect=served)

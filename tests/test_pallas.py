@@ -24,8 +24,9 @@ from attnprec.errors import UserError
 from attnprec.inspect import pallas_check
 from attnprec.kernels import dot_product, pallas
 from attnprec.precision import Precision
+from platform_bounds import MODEL_UNITS, tol
 
-ATOL = RTOL = 2e-5          # tests/test_kernels.py: every kernel vs float64
+ATOL = RTOL = tol(2e-5)     # tests/test_kernels.py: every kernel vs float64
 B, N, H = 2, 4, 16
 BF16 = jnp.bfloat16
 
@@ -221,7 +222,8 @@ def test_model_prefill_and_decode_match_dot_product():
     return out.logits, step.logits
 
   chex.assert_trees_all_close(run("pallas", params, tokens),
-                              run("dot_product", params, tokens), atol=1e-4, rtol=1e-4)
+                              run("dot_product", params, tokens),
+                              atol=tol(1e-4, MODEL_UNITS), rtol=tol(1e-4, MODEL_UNITS))
 
 
 def test_the_train_phase_refuses_pallas_before_anything_runs():
