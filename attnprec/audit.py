@@ -894,7 +894,8 @@ def audit_job(*, train_precision: Precision, decode_precision: Precision, run_di
                      model_source=source, platform=platform)
   markdown = to_markdown(result)
   runs.atomic_write(os.path.join(run_dir, "audit.json"),
-                    json.dumps(result, indent=1, default=str) + "\n")
+                    json.dumps(dict(result, provenance=runs.provenance()), indent=1,
+                               default=str) + "\n")
   runs.atomic_write(os.path.join(run_dir, "audit.md"), markdown)
   print(f"model: {source}")
   backend = platforms.TABLE[platform].backend     # 'auto' forms as the programs ran them

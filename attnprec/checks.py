@@ -33,10 +33,18 @@ def _is_real(v) -> bool:
   return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+# The largest integer any setting may take unless its rule says otherwise: every
+# integer the project reads sizes an array, indexes one or seeds a generator, and JAX's
+# integer arrays (and the positions, lengths and ids in them) are int32. Past it a value
+# would end in an OverflowError deep in numpy or XLA, not in a message.
+INT_MAX = 2 ** 31 - 1
+
+
 def integer(min: Optional[int] = None, max: Optional[int] = None) -> Rule:
-  """An int (not a bool) in [min, max]."""
+  """An int (not a bool) in [min, max]; max defaults to INT_MAX (int32)."""
+  max = INT_MAX if max is None else max
   what = ("an integer" + (f" >= {min}" if min is not None else "")
-          + (f" and <= {max}" if max is not None else ""))
+          + f" and <= {max}" + (" (int32)" if max == INT_MAX else ""))
 
   def rule(v):
     if not _is_int(v) or (min is not None and v < min) or (max is not None and v > max):
@@ -70,8 +78,41 @@ def boolean(v) -> Optional[str]:
 
 
 def string(v) -> Optional[str]:
+  """A non-empty string of valid text: it encodes as UTF-8 (no lone surrogate, which a
+  tokenizer, a JSON record or a log line cannot hold)."""
   if not isinstance(v, str) or not v:
     return "must be a non-empty string"
+  return text(v)
+
+
+def text(v) -> Optional[str]:
+  """A string that encodes as UTF-8 (empty allowed)."""
+  if not isinstance(v, str):
+    return "must be a string"
+  try:
+    v.encode("utf-8")
+  except UnicodeEncodeError as e:
+    return (f"must be valid text: it holds a lone surrogate {v[e.start]!r} at character "
+            f"{e.start}, which UTF-8 cannot encode")
+
+
+def regular_file(v) -> Optional[str]:
+  """The path of an existing regular file (not a directory, a FIFO or a device: reading
+  one of those can block forever or never end)."""
+  import os
+  import stat
+  problem = string(v)
+  if problem:
+    return problem
+  try:
+    mode = os.stat(v).st_mode
+  except OSError as e:
+    return f"must name a readable file ({e.strerror})"
+  if not stat.S_ISREG(mode):
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device or socket")
+    return f"must name a regular file, not {kind}"
+  return None
 
 
 def one_of(*choices) -> Rule:

@@ -175,6 +175,9 @@ def main(argv: Sequence[str], *, prog: str, doc: str, examples: Sequence[str],
                              f"[--gin_bindings='NAME = VALUE' ...] [--run_dir=DIR]")
     p.add_argument("--run_dir", default=default_run_dir, metavar="DIR",
                    help="where outputs are written")
+    p.add_argument("--replace_run_dir", action="store_true",
+                   help="replace a run directory another runner made, whole (the old "
+                        "one is kept until this run succeeds)")
     if options is not None:
       options(p)
     return p
@@ -186,15 +189,24 @@ def main(argv: Sequence[str], *, prog: str, doc: str, examples: Sequence[str],
       return
     args, unknown = parser().parse_known_args(rest)
     own = [a.option_strings[0] for a in parser()._actions  # noqa: SLF001
-           if a.option_strings and a.dest not in ("help", "run_dir")]
+           if a.option_strings and a.dest not in ("help", "run_dir", "replace_run_dir")]
     if unknown:
       raise UserError(f"Unknown argument(s) {unknown}; valid: --gin_file=PATH, "
                       f"--gin_bindings='NAME=VALUE', --gin.NAME=VALUE, --run_dir=DIR, "
-                      + "".join(f"{o}=..., " for o in own) + "--help.")
+                      f"--replace_run_dir, " + "".join(f"{o}=..., " for o in own)
+                      + "--help.")
     ginutils.parse(list(default_files) + files, bindings, reads=reads, prog=prog)
     runs.check_output_dir(args.run_dir, flag="--run_dir")
-    values = {k: v for k, v in vars(args).items() if k != "run_dir"}
-    body(args.run_dir, **values)
+    # the directory is this runner's, or another's replaced whole (runs.claim)
+    finish = runs.claim(args.run_dir, prog, replace=args.replace_run_dir)
+    values = {k: v for k, v in vars(args).items() if k not in ("run_dir", "replace_run_dir")}
+    ok = False
+    try:
+      body(args.run_dir, **values)
+      ok = True
+    finally:
+      if finish is not None:
+        finish(ok)
 
   run_dir = _run_dir_flag(argv, default_run_dir)
   if any(a in ("-h", "--help") for a in argv):

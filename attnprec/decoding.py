@@ -39,7 +39,12 @@ class Greedy:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
 
 
-_POSITIVE = checks.number(gt=0)
+# A sampling temperature divides float32 logits: below this the quotient heads for
+# float32's overflow (a temperature of 1e-46 is 0 in float32: inf logits, NaN in the
+# sampler's softmax while the run would report finite logits). For the most likely
+# token, use Greedy().
+MIN_TEMPERATURE = 1e-6
+_POSITIVE = checks.number(ge=MIN_TEMPERATURE)
 
 
 @gin.configurable

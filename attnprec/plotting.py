@@ -9,7 +9,6 @@ Training curves, run_dir/metrics.jsonl -> run_dir/metrics.png. Left: train loss 
 logged step) and held-out eval loss (every eval). Right: train and eval token accuracy.
 Written at the end of every training run and by `make plot RUN=...`.
 """
-import json
 import os
 from typing import Dict, List
 
@@ -39,18 +38,13 @@ def save_figure(fig, path: str, dpi: int = 120) -> str:
 
 
 def read_metrics(run_dir: str) -> List[Dict]:
-  """The records of run_dir/metrics.jsonl (a line cut short by a kill is skipped)."""
+  """The records of run_dir/metrics.jsonl (`runs.read_metrics`: each line checked; a
+  last line cut short by a kill is skipped)."""
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.isfile(path):
     raise UserError(f"{run_dir!r} has no metrics.jsonl; train into it first "
                     f"(make train ARGS=--run_dir={run_dir}).")
-  records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
+  records, _ = runs.read_metrics(path)      # every line checked
   if not records:
     raise UserError(f"{path} holds no metrics yet (fewer steps than train.log_every?).")
   return records

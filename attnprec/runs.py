@@ -8,6 +8,7 @@ remove them again when the run is interrupted (`attnprec.cli.run`).
 """
 import contextlib
 import dataclasses
+import functools
 import errno as errno_lib
 import fcntl
 import json
@@ -137,13 +138,73 @@ def check_output_dir(path: str, *, flag: str = "--run_dir") -> str:
   return path
 
 
+# ----------------------------------------------------------------------------- ownership
+OWNER_FILE = ".attnprec-run.json"
+
+
+def owner(run_dir: str) -> Optional[str]:
+  """The runner that made `run_dir` (its OWNER_FILE), None where none is recorded. A
+  marker that is not a runner's record is a UserError naming the file."""
+  path = os.path.join(run_dir, OWNER_FILE)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, UnicodeDecodeError, ValueError) as e:
+    raise UserError(f"{path} is not the JSON record of the runner that made {run_dir!r} "
+                    f"({type(e).__name__}: {e}). Remove the directory, or choose another "
+                    f"--run_dir.") from None
+  if not isinstance(data, dict) or not isinstance(data.get("runner"), str):
+    raise UserError(f"{path} must be a JSON object with a string 'runner' (the runner "
+                    f"that made {run_dir!r}); it holds {str(data)[:120]!r}. Remove the "
+                    f"directory, or choose another --run_dir.")
+  return data["runner"]
+
+
+def claim(run_dir: str, runner: str, *, replace: bool = False):
+  """Makes `run_dir` this runner's before anything is written: records `runner` in a new
+  directory (or in one that holds no record: a run directory made before records were
+  kept is adopted); refuses one another runner made, unless `replace`, which moves that
+  directory aside whole (one rename) and returns `finish(ok)`: called when the run ends,
+  it deletes the old directory after a run that succeeded and puts it back, whole, after
+  one that did not. Returns None where nothing was moved."""
+  made_by = owner(run_dir) if os.path.isdir(run_dir) else None
+  moved = None
+  if made_by is not None and made_by != runner:
+    if not replace:
+      raise UserError(
+          f"Run directory {run_dir!r} was made by the {made_by!r} runner ({OWNER_FILE}); "
+          f"{runner!r} would write its own results over that run's and leave the rest "
+          f"beside them. Choose another --run_dir, or pass --replace_run_dir to replace "
+          f"the directory whole (the old one is kept until this run succeeds).")
+    moved = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(run_dir)) or ".",
+                             prefix=f".{os.path.basename(os.path.abspath(run_dir))}.replaced-")
+    os.rmdir(moved)
+    os.rename(run_dir, moved)
+  ensure_dir(run_dir)
+  if made_by != runner:
+    atomic_write(os.path.join(run_dir, OWNER_FILE),
+                 json.dumps({"runner": runner}) + "\n")
+  if moved is None:
+    return None
+
+  def finish(ok: bool) -> None:
+    if ok:
+      shutil.rmtree(moved, ignore_errors=True)
+    else:
+      shutil.rmtree(run_dir, ignore_errors=True)
+      os.rename(moved, run_dir)
+  return finish
+
+
 def remove_if_empty(path: str) -> None:
-  """Removes directory `path` if it holds no file but the run lock (only empty
-  directories): what a run that failed before writing anything leaves."""
+  """Removes directory `path` if it holds no file but the run lock and the owner record
+  (only empty directories): what a run that failed before writing anything leaves."""
   if not os.path.isdir(path) or os.path.islink(path):
     return
   for _, _, files in os.walk(path):
-    if any(f != LOCK_FILE for f in files):
+    if any(f not in (LOCK_FILE, OWNER_FILE) for f in files):
       return
   shutil.rmtree(path, ignore_errors=True)
 
@@ -197,10 +258,46 @@ def atomic_write(path: str, data, mode: str = "w") -> None:
   _record(path)
 
 
-def write_json(run_dir: str, name: str, obj: Any) -> str:
+def write_json(run_dir: str, name: str, obj: Any, *, provenance: bool = False) -> str:
+  """Writes obj as JSON (atomically). provenance: a result's file, which gets a
+  'provenance' entry (`provenance()`: the code, the XLA settings, the machine)."""
+  if provenance and isinstance(obj, dict):
+    obj = dict(obj, provenance=globals()["provenance"]())
   path = os.path.join(run_dir, name)
   atomic_write(path, json.dumps(obj, indent=1, default=_jsonable) + "\n")
   return path
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> Optional[str]:
+  """`git describe --always --dirty` of the checkout this code runs from (None outside a
+  git checkout): a figure names the code that made it, and '-dirty' says the tree had
+  uncommitted changes."""
+  import subprocess
+  try:
+    out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                         text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def provenance() -> Dict[str, Any]:
+  """Where a result comes from: the commit and whether the tree was clean, the XLA
+  settings that change numerics (`xla_env.describe`: excess precision, the dot library,
+  a user's numerics flags) and XLA_FLAGS as given, jax / jaxlib, the backend, the device
+  and the machine."""
+  import platform as host
+  import jax
+  import jaxlib
+  from attnprec import xla_env
+  commit = code_version()
+  device = jax.devices()[0]
+  return {"commit": commit, "clean": None if commit is None else not commit.endswith("-dirty"),
+          "xla": xla_env.describe(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+          "backend": jax.default_backend(), "device": getattr(device, "device_kind", str(device)),
+          "machine": f"{host.machine()}, {os.cpu_count()} cores", "python": host.python_version()}
 
 
 def _jsonable(x):
@@ -244,20 +341,47 @@ class MetricsWriter:
 
   def rewind(self, step: int) -> None:
     """Drops records after `step` (written by a run that was killed after its last
-    checkpoint), so a resumed run's log has each step once."""
+    checkpoint), so a resumed run's log has each step once. Every record is checked
+    first (`read_metrics`)."""
     if not os.path.isfile(self.path):
       return
-    with open(self.path) as f:
-      lines = [line for line in f if line.strip()]
-    keep = []
-    for line in lines:
-      try:
-        if json.loads(line).get("step", 0) <= step:
-          keep.append(line if line.endswith("\n") else line + "\n")
-      except json.JSONDecodeError:
-        pass  # a line cut short by a kill
-    if keep != lines:
-      atomic_write(self.path, "".join(keep))
+    records, text = read_metrics(self.path)
+    keep = "".join(json.dumps(r, default=_jsonable) + "\n" for r in records
+                   if r["step"] <= step)
+    if keep != text:
+      atomic_write(self.path, keep)
+
+
+def read_metrics(path: str):
+  """(records, the file's text) of a metrics.jsonl, every line checked: a JSON object
+  with an integer 'step'. Only a last line cut short by a kill (no newline) is dropped;
+  any other line that is not such a record, or a file that is not UTF-8, is a UserError
+  naming the file and the line."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except UnicodeDecodeError as e:
+    raise UserError(f"{path} is not UTF-8 text (byte {e.start}): not a metrics file a "
+                    f"training wrote. Move it away, or use another --run_dir.") from None
+  records = []
+  for number, line in enumerate(text.split("\n")[:-1], start=1):
+    if not line.strip():
+      continue
+    try:
+      obj = json.loads(line)
+    except json.JSONDecodeError as e:
+      obj, why = None, f"not JSON ({e.msg})"
+    else:
+      why = None if isinstance(obj, dict) else f"a JSON {type(obj).__name__}, not an object"
+    if why is None and not (isinstance(obj.get("step"), int)
+                            and not isinstance(obj.get("step"), bool)):
+      why = f"its 'step' is {obj.get('step')!r}, not an integer"
+    if why:
+      raise UserError(f"{path}, line {number}: {why}. A training writes one JSON object "
+                      f"per line with its step; the file was edited or written by other "
+                      f"code. Fix or remove that line, or move the file away.")
+    records.append(obj)
+  return records, text
 
 
 def save_params(run_dir: str, params) -> str:

@@ -138,7 +138,7 @@ def _write(out, name, text, mode="w"):
 
 
 def _write_model(out, result):
-  runs.write_json(out, "model.json", result)
+  runs.write_json(out, "model.json", result, provenance=True)
   _write(out, "model.md", model_bench.to_markdown(result))
 
 
@@ -167,7 +167,7 @@ def run_attention(args):
       decode_seq_lens=args.decode_seq_lens,
       kernels=args.kernels, presets=args.presets,
       include_torch=not args.no_torch)
-  runs.write_json(args.out, "results.json", result)
+  runs.write_json(args.out, "results.json", result, provenance=True)
   table = bench.to_markdown(result)
   _write(args.out, "results.md", table)
   bench.plot(result, os.path.join(args.out, "results.png"))
@@ -185,7 +185,7 @@ def run_projections(args):
   else:
     results = {xla_env.in_force(): projection_bench.run(
         parts=tuple(parts), micro_rounds=args.rounds or 5, model_rounds=args.rounds or 3)}
-  runs.write_json(args.out, "projections.json", results)
+  runs.write_json(args.out, "projections.json", results, provenance=True)
   text = "\n".join(f"## XLA:CPU setting: {k}\n\n{projection_bench.to_markdown(r)}"
                    for k, r in results.items())
   _write(args.out, "projections.md", text)
@@ -195,7 +195,7 @@ def run_projections(args):
 
 def run_profile(args):
   def write(result):
-    runs.write_json(args.out, "profile.json", result)
+    runs.write_json(args.out, "profile.json", result, provenance=True)
     _write(args.out, "profile.md", profile_bench.to_markdown(result))
 
   result = profile_bench.run_profile(
@@ -210,7 +210,7 @@ def run_profile(args):
 
 def run_attention_forms(args):
   def write(result):
-    runs.write_json(args.out, "attention_forms.json", result)
+    runs.write_json(args.out, "attention_forms.json", result, provenance=True)
     _write(args.out, "attention_forms.md", forms_bench.to_markdown(result))
 
   shapes = ([m.strip() for m in args.model.split(",") if m.strip()] if args.model
@@ -232,8 +232,8 @@ def run_compile(args):
         f"{','.join(compile_bench.PROGRAMS)}, {args.rounds or 1} round(s)", flush=True)
   result = compile_bench.run(
       depths=depths, rounds=args.rounds or 1, log=lambda m: print(m, flush=True),
-      on_row=lambda partial: runs.write_json(args.out, "compile.json", partial))
-  runs.write_json(args.out, "compile.json", result)
+      on_row=lambda partial: runs.write_json(args.out, "compile.json", partial, provenance=True))
+  runs.write_json(args.out, "compile.json", result, provenance=True)
   table = compile_bench.to_markdown(result)
   _write(args.out, "compile.md", table)
   print(table)

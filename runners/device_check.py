@@ -231,7 +231,8 @@ def check(out_dir: str) -> int:
     return cli.EXIT_OK
   runs.check_output_dir(out_dir, flag="--out")
   result = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
-            "jax": jax.__version__, "platform": platform, "parts": {}}
+            "jax": jax.__version__, "platform": platform, "provenance": runs.provenance(),
+            "parts": {}}
   parts = ((f"audit ({platform}, compiled)", lambda: audit_part(platform)),
            ("kernels", tpu_kernels_part if platform == "tpu" else kernels_part),
            ("flag cost per phase", tpu_flags_part if platform == "tpu" else flags_part))
@@ -250,7 +251,8 @@ def check(out_dir: str) -> int:
     runs.atomic_write(os.path.join(out_dir, "device_check.md"), to_markdown(result))
   print(to_markdown(result))
   audited = result["parts"][f"audit ({platform}, compiled)"]
-  ok = all(v.get("ok", False) for v in audited.values()) if "error" not in audited else False
+  ok = all(v.get("ok", False) for v in audited.values() if isinstance(v, dict)) \
+      if "error" not in audited else False
   return cli.EXIT_OK if ok else cli.EXIT_MISMATCH
 
 

@@ -354,7 +354,8 @@ def test_runner_exit_codes_and_files(tmp_path, monkeypatch):
   assert runner.main(["--gin_file=precision/bf16.gin", f"--run_dir={ok_dir}"] + small) == 0
   result = json.loads((ok_dir / "audit.json").read_text())
   assert result["ok"] and "PASS" in (ok_dir / "audit.md").read_text()
-  assert sorted(os.listdir(ok_dir)) == ["audit.json", "audit.md"]   # no temp files left
+  # no temp files left; the owner record names the runner (runs.claim)
+  assert sorted(os.listdir(ok_dir)) == [".attnprec-run.json", "audit.json", "audit.md"]
 
   # a missing gin file / a context longer than the model: exit 2, nothing written
   bad = tmp_path / "bad"

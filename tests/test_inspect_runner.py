@@ -51,7 +51,7 @@ def test_exit_codes_files_and_errors(tmp_path, capsys):
   ok = tmp_path / "ok"
   # no Precision stated, nothing flagged: 0, both files, no temp files left
   assert runner.main(MAXTEXT + [f"--run_dir={ok}"]) == 0
-  assert sorted(os.listdir(ok)) == ["inspect.json", "inspect.md"]
+  assert sorted(os.listdir(ok)) == [".attnprec-run.json", "inspect.json", "inspect.md"]
   result = json.loads((ok / "inspect.json").read_text())
   assert len(result["attentions"]) == 1 and result["ok"]
   assert result["attentions"][0]["qk"]["lhs_source"] == "bf16"

@@ -149,8 +149,9 @@ def test_study_signal_keeps_older_files_removes_its_own(tmp_path, monkeypatch):
 
 
 def test_write_failure_in_decode_exit_2_and_nothing_left(tmp_path, monkeypatch):
-  """A full disk while decode writes results.json: exit 2, one paragraph naming the file
-  and the cause, no temporary file, and the new run directory removed."""
+  """A full disk when decode writes its first file (its run directory's owner record,
+  `runs.OWNER_FILE`, before results.json): exit 2, one paragraph naming the file and the
+  cause, no temporary file, and the new run directory removed."""
   import errno
   recall_eval = importlib.import_module("attnprec.jobs.recall_eval")
   monkeypatch.setattr(recall_eval, "evaluate", lambda params, config, task, precision,
@@ -172,8 +173,8 @@ def test_write_failure_in_decode_exit_2_and_nothing_left(tmp_path, monkeypatch):
   assert rc == 2, err
   lines = err.strip().splitlines()
   assert len(lines) == 1 and "Traceback" not in err, err
-  assert lines[0].startswith(f"decode: error: Cannot write '{run_dir}/results.json': No space "
-                             f"left on device (ENOSPC).")
+  assert lines[0].startswith(f"decode: error: Cannot write '{run_dir}/{runs.OWNER_FILE}': No "
+                             f"space left on device (ENOSPC).")
   assert not run_dir.exists()
 
 

@@ -17,26 +17,13 @@ import numpy as np
 import pytest
 
 from attnprec import audit, contract, kernels
-from attnprec.config import ModelConfig
 from attnprec.precision import Precision
 from platform_bounds import KERNEL_UNITS, tol
+from tpu_cases import CONFIG, PRESETS, SAFE
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "tpu",
     reason="needs a TPU (make test-tpu on a TPU machine; docs/tpu.md)")
-
-CONFIG = ModelConfig(vocab_size=98, d_model=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                     head_dim=32, mlp_hidden=256, max_seq_len=512)
-SAFE = Precision(dtype="bfloat16")
-PRESETS = {
-    "fp32_attention": SAFE,
-    "bf16": Precision(dtype="bfloat16", float32_qk_product=False, float32_logits=False),
-    "fp32": Precision(dtype="float32"),
-    "highest": Precision(dtype="float32", einsum_precision="highest",
-                         matmul_precision="highest"),
-    "blockwise": Precision(dtype="bfloat16", kernel="blockwise"),
-    "pallas": Precision(dtype="bfloat16", kernel="pallas"),
-}
 
 
 def _inputs(seed=0, B=2, T=64, N=4, K=2, H=64):
@@ -121,8 +108,9 @@ def test_interpreted_and_mosaic_pallas_bodies_agree(qk, logits, einsum):
   units = 2 if einsum == "highest" and not logits else KERNEL_UNITS
   assert diff <= units * 2.0 ** -8, (diff, float(np.abs(tpu - ref).max()),
                                      float(np.abs(cpu - ref).max()))
-  if not qk:     # bf16 logits of offset keys: both bodies round them, far from float64
-    assert float(np.abs(cpu - ref).max()) > 0.25 and float(np.abs(tpu - ref).max()) > 0.25
+  if not qk:     # bf16 logits of offset keys: both bodies round them, beyond the bound
+    far = KERNEL_UNITS * 2.0 ** -8     # (0.074 measured on a TPU v5e, both bodies)
+    assert float(np.abs(cpu - ref).max()) > far and float(np.abs(tpu - ref).max()) > far
 
 
 # ----------------------------------------------------------------------------- inspect

@@ -19,23 +19,10 @@ import os
 import pytest
 
 from attnprec import audit
-from attnprec.config import ModelConfig
 from attnprec.inspect import compiled, mosaic
-from attnprec.precision import Precision
+from tpu_cases import CONFIG, PRESETS, SAFE
 
 HERE = os.path.join(os.path.dirname(__file__), "fixtures", "tpu")
-CONFIG = ModelConfig(vocab_size=98, d_model=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                     head_dim=32, mlp_hidden=256, max_seq_len=512)
-SAFE = Precision(dtype="bfloat16")
-PRESETS = {
-    "fp32_attention": SAFE,
-    "bf16": Precision(dtype="bfloat16", float32_qk_product=False, float32_logits=False),
-    "fp32": Precision(dtype="float32"),
-    "highest": Precision(dtype="float32", einsum_precision="highest",
-                         matmul_precision="highest"),
-    "blockwise": Precision(dtype="bfloat16", kernel="blockwise"),
-    "pallas": Precision(dtype="bfloat16", kernel="pallas"),
-}
 
 
 def fixture(name: str) -> str:

@@ -55,7 +55,7 @@ def test_default_corpus_is_stdlib_and_described():
 
 
 def test_bad_text_settings_are_user_errors(tmp_path, corpus):
-  with pytest.raises(UserError, match="Cannot read text file"):
+  with pytest.raises(UserError, match="text.files.*must name a readable file"):
     text.TextTask(files=(str(tmp_path / "missing.txt"),))
   with pytest.raises(UserError, match="heldout_fraction"):
     text.TextTask(files=corpus, heldout_fraction=1.0)

@@ -93,22 +93,10 @@ def humaneval_eval(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
   return summary
 
 
-def code_version() -> Optional[str]:
-  """`git describe --always --dirty` of the checkout that computed a record (None outside
-  a git checkout): records computed by other code say so."""
-  import subprocess
-  try:
-    out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                         text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
-  except (OSError, subprocess.SubprocessError):
-    return None
-  return out.stdout.strip() or None if out.returncode == 0 else None
-
-
 def _decode_preset(log, name, precision, ckpt, todo, prompts, ends_ExL, batch,
                    max_new_tokens, limits) -> None:
   tok = ckpt.tokenizer
-  code = code_version()
+  code = runs.code_version()
   gen = common.Generator(ckpt, precision, batch=batch, max_new_tokens=max_new_tokens,
                          ends_ExL=ends_ExL)
   bar = tqdm(total=len(todo), desc=name, unit="problem", dynamic_ncols=True)
@@ -175,7 +163,7 @@ def write_report(run_dir, log, presets, items, *, reference, baseline, max_new_t
                     for r in summary["presets"])
   md = (f"# HumanEval pass@1, {model}, greedy, up to {max_new_tokens} new tokens\n\n"
         f"{table}\nOutcomes per preset:\n{kinds}\n")
-  runs.write_json(run_dir, "results.json", summary)
+  runs.write_json(run_dir, "results.json", summary, provenance=True)
   runs.atomic_write(os.path.join(run_dir, "results.md"), md)
   report.plot(summary, os.path.join(run_dir, "humaneval.png"),
               title=f"HumanEval pass@1, {model}", divergence=True)

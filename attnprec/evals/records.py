@@ -82,29 +82,79 @@ class ItemLog:
             if p == preset and (want is None or i in want)}
 
 
+# What a record must hold, per task (the header's 'task'): field -> its type. Every
+# record is checked when the file is read (`check_record`): a field missing or of
+# another type (a verdict edited to the string "false", or to NaN) is an error naming
+# the file, the line and the field, never a count.
+COMMON = {"preset": str, "item": str, "correct": bool, "finite": bool}
+SCHEMAS = {
+    "humaneval": dict(COMMON, tokens=list, kind=str),
+    "retrieval": dict(COMMON, length=int, tokens=int, close_ok=bool),
+}
+
+
+def check_record(record, task: Optional[str]) -> Optional[str]:
+  """None if `record` is a record of `task` (`SCHEMAS`), else what is wrong with it."""
+  if not isinstance(record, dict):
+    return f"it is a JSON {type(record).__name__}, not an object"
+  schema = SCHEMAS.get(task, {"preset": str, "item": str})
+  for field, kind in schema.items():
+    if field not in record:
+      return f"field {field!r} is missing (a {task} record has " \
+             f"{', '.join(repr(f) for f in schema)})"
+    value = record[field]
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is str and field == "item" and isinstance(value, int):
+      ok = True                                  # item ids may be written as numbers
+    if not ok:
+      return (f"field {field!r} is {value!r} ({type(value).__name__}), not a "
+              f"{kind.__name__}")
+  return None
+
+
 def parse(path: str):
-  """(meta, {(preset, item): record}, the file's text without broken lines, its text) of
-  a results file, read only. Lines cut short by a kill, or that are not records, are left
-  out; a file without a header line is a UserError."""
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
+  """(meta, {(preset, item): record}, the file's text without a last line cut short by a
+  kill, its text) of a results file, read only, every record checked (`check_record`).
+  A file without a header line, a complete line that is not a record of the header's
+  task, two different records of one (preset, item), or a file that is not UTF-8 text is
+  a UserError naming the file, the line and what is wrong."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except UnicodeDecodeError as e:
+    raise UserError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}): not a "
+                    f"results file an eval wrote. Move it away, or use another "
+                    f"--run_dir.") from None
   # The last piece is "" after a final newline, or a line cut short by a kill.
   complete = text.split("\n")[:-1]
-  good, header, recs = [], None, {}
-  for line in complete:
+  good, header, recs, lines = [], None, {}, {}
+
+  def bad(number: int, why: str) -> UserError:
+    return UserError(f"{path}, line {number}: {why}. The file was edited or written by "
+                     f"other code, so its records are not counted: fix or remove that "
+                     f"line, or move the file away to start over.")
+
+  for number, line in enumerate(complete, start=1):
     if not line.strip():
       continue
     try:
       obj = json.loads(line)
-    except json.JSONDecodeError:
-      continue                         # a line cut short by a kill
-    if header is None and isinstance(obj, dict) and "meta" in obj:
+    except json.JSONDecodeError as e:
+      raise bad(number, f"not a JSON record ({e.msg})") from None
+    if header is None:
+      if not (isinstance(obj, dict) and isinstance(obj.get("meta"), dict)):
+        break
       header = obj["meta"]
       good.append(line)
       continue
-    if not isinstance(obj, dict) or "preset" not in obj or "item" not in obj:
-      continue
-    recs[(obj["preset"], str(obj["item"]))] = obj
+    why = check_record(obj, header.get("task"))
+    if why:
+      raise bad(number, why)
+    key = (obj["preset"], str(obj["item"]))
+    if key in recs and recs[key] != obj:
+      raise bad(number, f"a second, different record of preset {key[0]!r}, item "
+                        f"{key[1]!r} (the first is line {lines[key]})")
+    recs[key], lines[key] = obj, number
     good.append(line)
   if header is None:
     raise UserError(f"{path} is not a results file of an evaluation (no header line): "

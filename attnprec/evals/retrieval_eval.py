@@ -438,7 +438,7 @@ def write_report(run_dir, log, presets, by_length, *, reference, baseline, model
              "kernel": kernel or "each preset's own", "reference": reference, "baseline": baseline, "alpha": ALPHA,
              "lengths": lengths, "pooled": pooled, "by_position": positions,
              "departure": departs}
-  runs.write_json(run_dir, "results.json", summary)
+  runs.write_json(run_dir, "results.json", summary, provenance=True)
   md = markdown(summary)
   runs.atomic_write(os.path.join(run_dir, "results.md"), md)
   if lengths:

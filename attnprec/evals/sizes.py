@@ -316,7 +316,7 @@ def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str
          "retrieval": list(retrieval), "study_rows": rows, "table": "\n".join(lines)}
   runs.ensure_dir(run_dir)
   png = plot_layers(labels, rows, presets, os.path.join(run_dir, "sizes_error_by_layer.png"))
-  runs.write_json(run_dir, "sizes.json", out)
+  runs.write_json(run_dir, "sizes.json", out, provenance=True)
   text = (f"# {' vs '.join(labels)}\n\nStudies: {', '.join(studies)}; HumanEval: "
           f"{', '.join(d or 'not run' for d in humaneval) or 'not run'}; retrieval: "
           f"{', '.join(d or 'not run' for d in retrieval) or 'not run'}.\n\n"

@@ -82,6 +82,12 @@ def parse_shapes(text: str) -> tuple:
                       f"DTYPE[D0,D1,...] separated by spaces, e.g. 'bf16[2,8,4,16] i32[]', "
                       f"with DTYPE one of: {', '.join(SHAPE_DTYPES)}.")
     dims = tuple(int(d) for d in m.group("dims").replace(" ", "").split(",") if d)
+    if m.group("dtype") in ("f64", "i64") and not jax.config.jax_enable_x64:
+      raise UserError(f"inspect.shapes={text!r} asks for {m.group('dtype')}, but 64-bit "
+                      f"types are off in this process (jax_enable_x64 is False), so jax "
+                      f"would lower {m.group('dtype')[0]}32 instead and the report would "
+                      f"describe another program. Set JAX_ENABLE_X64=1 in the environment, "
+                      f"or use f32 / i32.")
     out.append(jax.ShapeDtypeStruct(dims, SHAPE_DTYPES[m.group("dtype")]))
   return tuple(out)
 

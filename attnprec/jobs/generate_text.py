@@ -62,6 +62,11 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
                     f"prompt.")
   ids = (tok.encode_chat([{"role": "user", "content": prompt}])
          if chat and tok.chat_template else tok.encode(prompt))
+  if eos_id is not None and eos_id >= ckpt.config.vocab_size:
+    raise UserError(f"Invalid generate_text.eos_id = {eos_id}: the vocabulary of {model!r} "
+                    f"has ids 0..{ckpt.config.vocab_size - 1}, so no token could end the "
+                    f"answer. Give an id in that range, or None for the tokenizer's own "
+                    f"({tok.eos_id}).")
   eos = tok.eos_id if eos_id is None else eos_id
   # Bucketed: prompts of other lengths in the same bucket reuse the compiled program.
   plan = serving.plan(ckpt.config, precision, [ids], max_new_tokens=max_new_tokens,
@@ -114,6 +119,6 @@ def generate_text(*, precision: Precision, run_dir: str, model: str = "smollm2-1
           f"(reference {ref_compiled.describe()})")
     if not isinstance(sampler, decoding.Greedy):
       print("(the sampler is not greedy, so disagreement includes sampling noise)")
-  path = runs.write_json(run_dir, "results.json", result)
+  path = runs.write_json(run_dir, "results.json", result, provenance=True)
   print(f"wrote {path}")
   return result

@@ -11,7 +11,7 @@ from typing import Sequence
 import gin
 import numpy as np
 
-from attnprec import checkpoints, checks, keyoffset, runs
+from attnprec import checkpoints, checks, keyoffset, runs, xla_env
 from attnprec.checkpoints import finite
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
@@ -83,6 +83,7 @@ def recall_eval(*, precision: Precision, run_dir: str, checkpoint: str = "recall
         f"with {task.num_pairs} pairs)")
   print(f"decode precision:    {precision.describe()}")
   print(f"reference precision: {REFERENCE.describe()}")
+  print(xla_env.describe())     # what XLA runs with (a user's own XLA_FLAGS wins)
   got = evaluate(params, config, task, precision, pair_counts, num_prompts, num_queries, seed)
   ref = evaluate(params, config, task, REFERENCE, pair_counts, num_prompts, num_queries, seed)
   rows = []
@@ -96,7 +97,7 @@ def recall_eval(*, precision: Precision, run_dir: str, checkpoint: str = "recall
   results = {"checkpoint": checkpoint, "precision": dataclasses.asdict(precision),
              "reference_precision": dataclasses.asdict(REFERENCE), "num_prompts": num_prompts,
              "rows": rows, "table": table}
-  runs.write_json(run_dir, "results.json", results)
+  runs.write_json(run_dir, "results.json", results, provenance=True)
   print(f"wrote {os.path.join(run_dir, 'results.json')}")
   return results
 

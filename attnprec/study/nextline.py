@@ -52,16 +52,24 @@ FIRST_TOKENS = ("endoftext", "none")
 
 
 def source_tokens(tokenizer, modules: Sequence[str]) -> List[List[int]]:
-  """Token ids of each module's source file (modules without a source file skipped)."""
+  """Token ids of each module's source file. A module that does not import, or has no
+  Python source file (a C extension, a built-in), is a UserError naming it: results list
+  the modules they read, so none may be skipped."""
   out = []
   for name in modules:
     try:
       path = inspect.getsourcefile(importlib.import_module(name))
-    except (ImportError, TypeError):
-      continue
-    if path:
-      with open(path, encoding="utf-8") as f:
-        out.append(tokenizer.encode(f.read(), add_bos=False))
+    except (ImportError, TypeError) as e:
+      raise UserError(f"nextline.modules names {name!r}, which has no Python source here "
+                      f"({type(e).__name__}: {e}); the task's text is the modules' "
+                      f"source files. Name importable pure-Python modules, e.g. "
+                      f"{', '.join(repr(m) for m in FILES[:3])}.") from None
+    if not path:
+      raise UserError(f"nextline.modules names {name!r}, which has no source file (a "
+                      f"built-in or compiled module). Name pure-Python modules, e.g. "
+                      f"{', '.join(repr(m) for m in FILES[:3])}.")
+    with open(path, encoding="utf-8") as f:
+      out.append(tokenizer.encode(f.read(), add_bos=False))
   return out
 
 
@@ -250,7 +258,7 @@ def nextline(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
   result = {"model": ckpt.source, "first_token": first_token,
             "first_token_ids": prefix, "windows": windows, "length": length,
             "modules": list(modules), "lines": n_lines, "configs": rows}
-  runs.write_json(run_dir, "results.json", result)
+  runs.write_json(run_dir, "results.json", result, provenance=True)
   text = report(result)
   runs.atomic_write(os.path.join(run_dir, "report.md"), text + "\n")
   plot(result, f"{run_dir}/nextline.png")

@@ -349,4 +349,4 @@ def write_outputs(run_dir: str, res: dict) -> None:
     for fig in figs.values():
       plt.close(fig)
   runs.atomic_write(os.path.join(run_dir, "report.md"), to_markdown(res))
-  runs.write_json(run_dir, "results.json", res)
+  runs.write_json(run_dir, "results.json", res, provenance=True)

@@ -494,7 +494,7 @@ def sinks_job(*, run_dir: str, model: str = "qwen2.5-coder-0.5b", length: int = 
           bar.set_postfix_str(f"injected KL, {v}, {name}")
           result["injected"][v][name] = injected_kl(cfg, m.params, t, prec, layers)
           bar.update()
-  runs.write_json(run_dir, "sinks.json", result)
+  runs.write_json(run_dir, "sinks.json", result, provenance=True)
   runs.atomic_write(os.path.join(run_dir, "report.md"), report(result) + "\n")
   paths = plot(result, os.path.join(run_dir, "sinks"), model)
   print(report(result))

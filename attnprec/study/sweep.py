@@ -170,6 +170,12 @@ def _check_environment():
                     f"study). `make study` and runners/study.py set it.")
 
 
+# The lengths swept by default (gin/runs/study.gin binds the same): recall pair counts,
+# real models' context lengths in tokens.
+PAIR_COUNTS = (8, 16, 24, 32, 48)
+CONTEXT_LENGTHS = (256, 512)
+
+
 @gin.configurable("study", denylist=["run_dir"])
 @checks.validated(
     "study", model=checks.string,
@@ -184,8 +190,8 @@ def _check_environment():
     query_scale_multiplier=checks.number(gt=0), logit_offset=checks.number(ge=0),
     seed=checks.integer(min=0), text=checks.optional(checks.one_of(*inputs.TEXTS)))
 def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequence[str]] = None,
-          extra_presets: Sequence[str] = (), pair_counts: Sequence[int] = (8, 16, 24, 32),
-          context_lengths: Sequence[int] = (256, 512), batch: int = 32,
+          extra_presets: Sequence[str] = (), pair_counts: Sequence[int] = PAIR_COUNTS,
+          context_lengths: Sequence[int] = CONTEXT_LENGTHS, batch: int = 32,
           decode_steps: int = 8, greedy_steps: int = 16, num_queries: int = 16, logit_positions: int = 64,
           float64_max_tokens: int = 1024, float64_batch: int = 2, timing_rounds: int = 3,
           query_scale_multiplier: float = 1.0, logit_offset: float = 0.0, seed: int = 0,
@@ -223,6 +229,18 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
   config = m.config
   if query_scale_multiplier != 1.0:
     config = dataclasses.replace(config, query_scale=config.effective_query_scale * query_scale_multiplier)
+  # The lengths the other kind of model reads: a value other than the default
+  # (gin/runs/study.gin's) was set for this study and would not be read.
+  unread, value, default = (("context_lengths", context_lengths, CONTEXT_LENGTHS)
+                            if m.kind == "recall" else
+                            ("pair_counts", pair_counts, PAIR_COUNTS))
+  if tuple(value) != tuple(default):
+    used = "pair_counts" if m.kind == "recall" else "context_lengths"
+    raise UserError(f"study.{unread} = {tuple(value)} is read only for "
+                    f"{'real models' if m.kind == 'recall' else 'the recall model'}; the "
+                    f"{'recall model' if m.kind == 'recall' else 'real model'} {model!r} "
+                    f"reads study.{used} instead, so the setting would not be used. Set "
+                    f"study.{used}, or remove the binding.")
   lengths = list(pair_counts if m.kind == "recall" else context_lengths)
   if not lengths:
     raise UserError(f"No context lengths: set study.{'pair_counts' if m.kind == 'recall' else 'context_lengths'}.")

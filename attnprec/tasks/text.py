@@ -57,6 +57,7 @@ def _load(files: Tuple[str, ...], heldout_fraction: float):
 
 
 @checks.validated("text", seq_len=checks.at_least(2),
+                  files=checks.sequence_of(checks.regular_file, nonempty=False),
                   heldout_fraction=checks.number(gt=0, lt=1))
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TextTask:

@@ -1,0 +1,108 @@
+"""What a resumed evaluation reads back is checked, never taken at its word
+(`attnprec.evals.records`): every record against its task's schema, one record per
+(preset, item), UTF-8 text; each failure a UserError naming the file, the line and the
+field. Fed the edits a person or another program makes to a records file."""
+import json
+
+import pytest
+
+from attnprec.errors import UserError
+from attnprec.evals import records
+
+META = {"task": "humaneval", "model": "m"}
+GOOD = {"preset": "bf16", "item": "HumanEval/0", "correct": True, "finite": True,
+        "tokens": [1, 2], "kind": "passed"}
+
+
+def _write(path, *recs, header=True):
+  lines = ([json.dumps({"meta": META})] if header else []) + [
+      r if isinstance(r, str) else json.dumps(r) for r in recs]
+  path.write_text("".join(line + "\n" for line in lines))
+
+
+def test_good_records_resume_and_a_line_cut_short_is_dropped(tmp_path):
+  path = tmp_path / "items.jsonl"
+  _write(path, GOOD, dict(GOOD, item="HumanEval/1"))
+  with open(path, "a") as f:
+    f.write('{"preset": "bf16", "item": "Huma')                  # a kill mid-write
+  log = records.ItemLog(str(path), META)
+  assert set(log.records()) == {("bf16", "HumanEval/0"), ("bf16", "HumanEval/1")}
+  assert path.read_text().endswith("\n")
+
+
+@pytest.mark.parametrize("edit,says", [
+    (dict(GOOD, correct="false"), "field 'correct' is 'false' (str), not a bool"),
+    ('{"preset": "bf16", "item": "HumanEval/0", "correct": NaN, "finite": true, '
+     '"tokens": [], "kind": "x"}', "field 'correct' is nan (float), not a bool"),
+    ({k: v for k, v in GOOD.items() if k != "finite"}, "field 'finite' is missing"),
+    (dict(GOOD, correct=1), "field 'correct' is 1 (int), not a bool"),
+    ("[1, 2, 3]", "it is a JSON list, not an object"),
+    ('{"preset": "bf16", "item"', "not a JSON record"),
+])
+def test_an_edited_record_is_an_error_naming_the_line_and_field(tmp_path, edit, says):
+  path = tmp_path / "items.jsonl"
+  _write(path, dict(GOOD, item="HumanEval/1"), edit)
+  with pytest.raises(UserError, match="line 3") as e:
+    records.ItemLog(str(path), META)
+  assert says in str(e.value) and str(path) in str(e.value)
+
+
+def test_two_different_records_of_one_item_conflict(tmp_path):
+  path = tmp_path / "items.jsonl"
+  _write(path, GOOD, dict(GOOD, correct=False))
+  with pytest.raises(UserError, match=r"line 3: a second, different record of preset "
+                                      r"'bf16', item 'HumanEval/0' \(the first is line 2\)"):
+    records.ItemLog(str(path), META)
+  _write(path, GOOD, GOOD)                    # the same record twice: one record
+  assert len(records.ItemLog(str(path), META).records()) == 1
+
+
+def test_a_file_that_is_not_utf8_is_an_error(tmp_path):
+  path = tmp_path / "items.jsonl"
+  path.write_bytes(json.dumps({"meta": META}).encode() + b"\n\xff\xfe\n")
+  with pytest.raises(UserError, match="is not UTF-8 text"):
+    records.ItemLog(str(path), META)
+
+
+def test_the_retrieval_schema_holds_its_own_fields(tmp_path):
+  meta = {"task": "retrieval"}
+  path = tmp_path / "items.jsonl"
+  rec = {"preset": "a", "item": "L1-c0-q0", "correct": True, "finite": True,
+         "length": 1024, "tokens": 1000, "close_ok": True}
+  path.write_text(json.dumps({"meta": meta}) + "\n" + json.dumps(dict(rec, length="1k"))
+                  + "\n")
+  with pytest.raises(UserError, match="field 'length' is '1k' \\(str\\), not a int"):
+    records.ItemLog(str(path), meta)
+
+
+def test_integers_past_int32_and_text_that_is_not_utf8_are_refused_by_rule():
+  """One mechanism for every configurable (`attnprec.checks`): integer rules stop at
+  int32 unless they say otherwise, string rules take valid text only."""
+  from attnprec import checks
+  assert checks.at_least(1)(2 ** 31 - 1) is None
+  assert "<= 2147483647 (int32)" in checks.at_least(1)(2 ** 31)
+  assert "<= 2147483647" in checks.integer(min=0)(10 ** 30)
+  assert checks.string("a prompt") is None
+  assert "lone surrogate '\\ud800' at character 2" in checks.string("ab\ud800c")
+
+
+@pytest.mark.parametrize("content,says", [
+    ('[{"step": 1}]\n', "line 1: a JSON list, not an object"),
+    ('{"step": 1, "loss": 2.0}\n{"step": "2"}\n', "line 2: its 'step' is '2'"),
+    ('{"step": 1}\nnot json\n', "line 2: not JSON"),
+])
+def test_a_metrics_file_that_is_not_a_trainings_is_an_error(tmp_path, content, says):
+  from attnprec import plotting, runs
+  (tmp_path / "metrics.jsonl").write_text(content)
+  with pytest.raises(UserError, match=says):
+    runs.MetricsWriter(str(tmp_path)).rewind(5)
+  with pytest.raises(UserError, match=says):
+    plotting.read_metrics(str(tmp_path))
+
+
+def test_metrics_rewind_keeps_earlier_steps_and_drops_a_cut_line(tmp_path):
+  from attnprec import runs
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 3.0}\n{"step": 5, "loss": 2.0}\n{"step": 9')
+  runs.MetricsWriter(str(tmp_path)).rewind(4)
+  assert path.read_text() == '{"step": 1, "loss": 3.0}\n'

@@ -1,0 +1,99 @@
+"""Run directories are owned: the runner that made one records itself in it
+(`runs.OWNER_FILE`); another runner refuses it (exit 2) unless --replace_run_dir, which
+replaces it whole: the old directory is kept until the new run succeeds and put back
+if it fails. Tried through `cli.main`, the one entry every gin runner goes through, with
+a body that writes a results file as the runners do."""
+import json
+import os
+
+import pytest
+
+from attnprec import cli, runs
+from attnprec.errors import UserError
+
+
+def _runner(prog, tmp_path, fail=False):
+  """A runner named `prog` whose body writes results.json (and fails if asked)."""
+  def body(run_dir):
+    if fail == "early":
+      raise UserError(f"{prog} failed before writing anything")
+    runs.atomic_write(os.path.join(run_dir, "results.json"), json.dumps({"by": prog}))
+    if fail:
+      raise UserError(f"{prog} failed on purpose")
+  return lambda argv: cli.main(argv, prog=prog, doc=f"{prog}: a test runner.",
+                               examples=[], default_files=[],
+                               default_run_dir=str(tmp_path / "default"), body=body)
+
+
+def _results(d):
+  with open(d / "results.json") as f:
+    return json.load(f)["by"]
+
+
+def test_another_runner_refuses_a_directory_it_did_not_make(tmp_path, capsys):
+  d = tmp_path / "run"
+  assert _runner("study", tmp_path)([f"--run_dir={d}"]) == 0
+  assert runs.owner(str(d)) == "study"
+  (d / "report.md").write_text("the study's report")
+  assert _runner("decode", tmp_path)([f"--run_dir={d}"]) == cli.EXIT_USER_ERROR
+  err = capsys.readouterr().err
+  assert "was made by the 'study' runner" in err and "--replace_run_dir" in err
+  assert _results(d) == "study" and (d / "report.md").exists()
+  # the same runner again (a resume, a rerun) is its own directory
+  assert _runner("study", tmp_path)([f"--run_dir={d}"]) == 0
+
+
+def test_replacing_is_whole_and_kept_until_the_new_run_succeeds(tmp_path):
+  d = tmp_path / "run"
+  assert _runner("study", tmp_path)([f"--run_dir={d}"]) == 0
+  (d / "report.md").write_text("the study's report")
+  # a replacing run that fails puts the old directory back, whole
+  assert _runner("decode", tmp_path, fail=True)([f"--run_dir={d}", "--replace_run_dir"]) \
+      == cli.EXIT_USER_ERROR
+  assert runs.owner(str(d)) == "study" and _results(d) == "study"
+  assert (d / "report.md").exists()
+  # one that succeeds leaves only its own files, and nothing beside the directory
+  assert _runner("decode", tmp_path)([f"--run_dir={d}", "--replace_run_dir"]) == 0
+  assert runs.owner(str(d)) == "decode" and _results(d) == "decode"
+  assert not (d / "report.md").exists()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_directory_without_a_record_is_adopted_and_a_broken_record_refused(tmp_path):
+  d = tmp_path / "old"
+  d.mkdir()
+  (d / "results.json").write_text(json.dumps({"by": "someone"}))
+  assert _runner("eval", tmp_path)([f"--run_dir={d}"]) == 0
+  assert runs.owner(str(d)) == "eval"
+  (d / runs.OWNER_FILE).write_text("[1, 2]")
+  with pytest.raises(UserError, match="must be a JSON object with a string 'runner'"):
+    runs.owner(str(d))
+
+
+def test_a_first_run_that_fails_before_writing_leaves_no_directory(tmp_path):
+  """The owner record alone is no output: the directory goes, as before records."""
+  d = tmp_path / "new"
+  assert _runner("decode", tmp_path, fail="early")([f"--run_dir={d}"]) == cli.EXIT_USER_ERROR
+  assert not d.exists()
+
+
+def test_a_result_file_carries_its_provenance(tmp_path):
+  """`runs.write_json(..., provenance=True)`, which every runner's results file uses:
+  the code (commit, clean tree), the XLA settings that change numerics, the machine."""
+  import jax
+  from attnprec import xla_env
+  path = runs.write_json(str(tmp_path), "results.json", {"rows": [1]}, provenance=True)
+  with open(path) as f:
+    p = json.load(f)["provenance"]
+  assert p["xla"] == xla_env.describe() and p["jax"] == jax.__version__
+  assert p["backend"] == jax.default_backend() and "cores" in p["machine"]
+  assert p["commit"] is None or p["clean"] == (not p["commit"].endswith("-dirty"))
+  # a setting XLA_FLAGS makes that changes precision is named in the record
+  flags = os.environ.get("XLA_FLAGS", "")
+  try:
+    os.environ["XLA_FLAGS"] = "--xla_allow_excess_precision=true"
+    p = runs.provenance()
+    assert "excess precision ALLOWED by your XLA_FLAGS" in p["xla"]
+    assert p["xla_flags"] == "--xla_allow_excess_precision=true"
+  finally:
+    os.environ["XLA_FLAGS"] = flags

@@ -1,0 +1,51 @@
+"""Settings a job would not read, and values it could not honour, are refused before it
+runs (one paragraph naming the setting and what is read instead)."""
+import pytest
+
+from attnprec.errors import UserError
+
+
+def test_the_study_refuses_lengths_the_model_would_not_read(tmp_path):
+  from attnprec.study.sweep import study
+  with pytest.raises(UserError, match=r"study.context_lengths = \(64,\) is read only for "
+                                      r"real models.*reads study.pair_counts instead"):
+    study(run_dir=str(tmp_path / "s"), model="recall-tiny", presets=("bf16",),
+          context_lengths=(64,), progress=False)
+
+
+def test_inspect_refuses_64_bit_shapes_that_jax_would_lower_as_32_bit():
+  import jax
+  from attnprec.inspect import job
+  assert not jax.config.jax_enable_x64
+  with pytest.raises(UserError, match="asks for f64, but 64-bit types are off"):
+    job.parse_shapes("f64[2,8]")
+  assert job.parse_shapes("f32[2,8]")[0].shape == (2, 8)
+
+
+def test_nextline_refuses_a_module_it_cannot_read():
+  from attnprec.study import nextline
+
+  class Tok:
+    def encode(self, text, add_bos=False):
+      return [len(text)]
+  assert nextline.source_tokens(Tok(), ["json"])           # a pure-Python module
+  with pytest.raises(UserError, match="nextline.modules names 'no_such_module_x'"):
+    nextline.source_tokens(Tok(), ["json", "no_such_module_x"])
+  with pytest.raises(UserError, match="names 'sys', which has no"):
+    nextline.source_tokens(Tok(), ["sys"])
+
+
+def test_a_text_file_must_be_a_regular_file(tmp_path):
+  """A FIFO given as a text file would block the reader forever: refused by rule."""
+  import os
+  from attnprec import checks
+  from attnprec.tasks.text import TextTask
+  fifo = tmp_path / "pipe"
+  os.mkfifo(fifo)
+  assert checks.regular_file(str(fifo)) == "must name a regular file, not a FIFO"
+  assert checks.regular_file(str(tmp_path)) == "must name a regular file, not a directory"
+  with pytest.raises(UserError, match="not a FIFO"):
+    TextTask(files=(str(fifo),))
+  ok = tmp_path / "t.txt"
+  ok.write_text("hello, world " * 40)
+  assert TextTask(files=(str(ok),), seq_len=16).files == (str(ok),)
