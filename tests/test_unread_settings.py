@@ -49,3 +49,19 @@ def test_a_text_file_must_be_a_regular_file(tmp_path):
   ok = tmp_path / "t.txt"
   ok.write_text("hello, world " * 40)
   assert TextTask(files=(str(ok),), seq_len=16).files == (str(ok),)
+
+
+def test_a_request_too_large_for_the_machine_is_refused_with_its_estimate(tmp_path):
+  from attnprec import memory
+  from attnprec.jobs.recall_eval import recall_eval
+  from attnprec.precision import Precision
+  with pytest.raises(UserError, match=r"recall_eval.num_prompts = 100000000 .* needs at "
+                                      r"least [\d.]+ GiB .* of this machine's"):
+    recall_eval(precision=Precision(), run_dir=str(tmp_path / "r"), num_prompts=10 ** 8)
+  from attnprec.config import ModelConfig
+  config = ModelConfig(vocab_size=100, d_model=64, num_layers=2, num_heads=2,
+                       num_kv_heads=1, head_dim=32, mlp_hidden=128, max_seq_len=512)
+  small = memory.batch_bytes(config, 4, 64, 64)
+  assert memory.check_fits("x", small, total=2 ** 30) is None
+  with pytest.raises(UserError, match="x needs at least 1.0 GiB"):
+    memory.check_fits("x", 2 ** 30, total=2 ** 30)

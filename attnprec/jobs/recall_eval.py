@@ -11,7 +11,7 @@ from typing import Sequence
 import gin
 import numpy as np
 
-from attnprec import checkpoints, checks, keyoffset, runs, xla_env
+from attnprec import checkpoints, checks, keyoffset, memory, runs, xla_env
 from attnprec.checkpoints import finite
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
@@ -79,6 +79,10 @@ def recall_eval(*, precision: Precision, run_dir: str, checkpoint: str = "recall
     if not 1 <= p <= task.max_pairs:
       raise UserError(f"recall_eval.pair_counts has {p}; valid pair counts for this "
                       f"checkpoint's task are 1..{task.max_pairs}.")
+  longest = max(task.context_len(p, num_queries) for p in pair_counts)
+  memory.check_fits(f"recall_eval.num_prompts = {num_prompts} (episodes of up to {longest} "
+                    f"tokens, all in one batch)",
+                    memory.batch_bytes(config, num_prompts, longest, longest))
   print(f"checkpoint: {checkpoint} ({config.num_layers} layers, d={config.d_model}, trained "
         f"with {task.num_pairs} pairs)")
   print(f"decode precision:    {precision.describe()}")

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from attnprec import checks, runs
+from attnprec import checks, memory, runs
 from attnprec.checkpoints import finite
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE
@@ -244,6 +244,11 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
   lengths = list(pair_counts if m.kind == "recall" else context_lengths)
   if not lengths:
     raise UserError(f"No context lengths: set study.{'pair_counts' if m.kind == 'recall' else 'context_lengths'}.")
+  longest = (max(m.task.context_len(p, num_queries) for p in lengths) if m.kind == "recall"
+             else max(lengths))
+  memory.check_fits(f"study.batch = {batch} (sequences of up to {longest} tokens, with "
+                    f"{decode_steps} decode steps)",
+                    memory.batch_bytes(config, batch, longest, longest + decode_steps))
   text_info = None
   if m.kind == "recall" and text is not None:
     raise UserError(f"study.text={text!r} sets the text of a real model's study; the "
