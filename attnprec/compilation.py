@@ -19,14 +19,21 @@ with the entries it replaced. JAX writes entries directly (no temporary files), 
 killed write can only leave such a truncated entry, which the next compile replaces;
 `enable()` also removes, at start, entries that are empty or not compressed data at all
 (also those of the small helper programs jax compiles outside `compile_lowerable`).
+
+An entry is also checked against the SHA-256 recorded when `compile_lowerable` wrote it
+(`DIGESTS`, beside the cache): another program's entry copied under its key is valid
+cache data that JAX would load, silently, as this program; it is removed and compiled
+afresh like a corrupt one.
 """
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import threading
 import time
 import warnings
+from typing import Optional
 
 import jax
 
@@ -106,15 +113,21 @@ def _listen() -> None:
 
 
 class _MissKeys(logging.Handler):
-  """Collects the cache keys JAX logs for its persistent-cache misses."""
+  """Collects the cache keys JAX logs for its persistent-cache misses and hits."""
 
   def __init__(self):
     super().__init__(logging.DEBUG)
     self.keys = []
+    self.hit_keys = []
 
   def emit(self, record):
-    if "PERSISTENT COMPILATION CACHE MISS" in str(record.msg) and len(record.args) >= 2:
+    msg = str(record.msg)
+    if len(record.args or ()) < 2:
+      return
+    if "PERSISTENT COMPILATION CACHE MISS" in msg:
       self.keys.append(str(record.args[1]))
+    elif "Persistent compilation cache hit" in msg:
+      self.hit_keys.append(str(record.args[1]))
 
 
 @dataclasses.dataclass
@@ -123,6 +136,7 @@ class _Watch:
   hits: int = 0
   read_errors: int = 0
   miss_keys: list = dataclasses.field(default_factory=list)
+  hit_keys: list = dataclasses.field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -150,6 +164,7 @@ def _watched():
       watch.requests = _COUNTS["requests"] - start["requests"]
       watch.hits = _COUNTS["hits"] - start["hits"]
     watch.miss_keys = handler.keys
+    watch.hit_keys = handler.hit_keys
     for w in caught:
       if _READ_ERROR in str(w.message):
         watch.read_errors += 1
@@ -207,14 +222,74 @@ class Compiled:
     return note + f", {self.new_entries} new program(s) written to the compilation cache"
 
 
+# ----------------------------------------------------------------------------- digests
+DIGESTS = "jax-compilation-digests"
+
+
+def _digest_path(key: str) -> Optional[str]:
+  return str(cache_dir(DIGESTS) / key) if jax.config.jax_compilation_cache_dir else None
+
+
+def _entry_sha256(key: str) -> Optional[str]:
+  entry = os.path.join(jax.config.jax_compilation_cache_dir or "", key + _ENTRY_SUFFIX)
+  try:
+    with open(entry, "rb") as f:
+      return hashlib.sha256(f.read()).hexdigest()
+  except OSError:
+    return None
+
+
+def record_digests(keys) -> None:
+  """Writes the SHA-256 of each new entry beside the cache (`DIGESTS`): what a later
+  hit must still read."""
+  for key in keys:
+    path, digest = _digest_path(key), _entry_sha256(key)
+    if path and digest:
+      with contextlib.suppress(OSError):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+          f.write(digest)
+        os.replace(tmp, path)
+
+
+def replaced_entries(keys) -> list:
+  """The keys among `keys` (cache hits) whose entry is no longer the one written for it:
+  another program's bytes put under its name. An entry without a recorded digest (written
+  before digests were kept, or by another program) gets one now."""
+  swapped = []
+  for key in keys:
+    path, digest = _digest_path(key), _entry_sha256(key)
+    if not path or digest is None:
+      continue
+    try:
+      with open(path) as f:
+        recorded = f.read().strip()
+    except OSError:
+      record_digests([key])
+      continue
+    if recorded != digest:
+      swapped.append(key)
+  return swapped
+
+
 def compile_lowerable(jitted, *args, **kwargs) -> Compiled:
   """`jitted.lower(*args, **kwargs).compile()`, timed, with what the persistent cache did:
-  requests, hits, entries added; a corrupt entry is replaced (see the module docstring)."""
+  requests, hits, entries added; a corrupt entry is replaced (see the module docstring),
+  and so is an entry whose bytes are not those written for its key (its SHA-256 is kept
+  beside the cache when it is written: another program's entry copied over it would
+  otherwise be loaded, silently, as this program)."""
   before = entries()
   t0 = time.perf_counter()
   with _watched() as watch:
     program = jitted.lower(*args, **kwargs).compile()
   replaced = 0
+  swapped = replaced_entries(watch.hit_keys)
+  if swapped:
+    for key in swapped:
+      with contextlib.suppress(OSError):
+        os.unlink(_digest_path(key))
+    watch.miss_keys = list(watch.miss_keys) + swapped
+    watch.read_errors += len(swapped)
   if watch.read_errors and watch.miss_keys:
     replaced = _remove_entries(watch.miss_keys)
     if replaced:
@@ -224,5 +299,7 @@ def compile_lowerable(jitted, *args, **kwargs) -> Compiled:
       jax.clear_caches()
       with _watched():
         program = jitted.lower(*args, **kwargs).compile()
+  record_digests(watch.miss_keys)
+  hits = watch.hits - len(swapped)
   return Compiled(program, time.perf_counter() - t0, entries() - before,
-                  watch.requests, watch.hits, replaced)
+                  watch.requests, hits, replaced)

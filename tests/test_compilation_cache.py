@@ -126,3 +126,22 @@ def test_enable_removes_entries_that_are_not_compressed_data(cache_dir):
   good.write_bytes(b"\x78\x9c" + b"\0" * 8)
   compilation.enable()
   assert not junk.exists() and not other.exists() and good.exists()
+
+
+def test_an_entry_replaced_by_another_programs_is_not_loaded(cache_dir):
+  """Another program of the same signature copied over an entry (its bytes are valid
+  cache data, so nothing else would notice): the SHA-256 kept when the entry was written
+  no longer matches, so the entry is compiled afresh and replaced, not loaded."""
+  x = jax.ShapeDtypeStruct((3,), jnp.float32)
+  compilation.compile_lowerable(_program(3.0), x)
+  mine = {p.name for p in cache_dir.iterdir() if p.name.endswith("-cache")}
+  compilation.compile_lowerable(_program(5.0), x)
+  other = [p for p in cache_dir.iterdir() if p.name.endswith("-cache") and p.name not in mine]
+  assert len(mine) == 1 and len(other) == 1
+  (cache_dir / mine.pop()).write_bytes(other[0].read_bytes())   # same signature, other math
+  jax.clear_caches()
+  again = compilation.compile_lowerable(_program(3.0), x)
+  assert not again.cached and again.replaced == 1, again
+  assert jnp.allclose(again.program(jnp.ones(3)), 3.0 * jnp.tanh(1.0) + 1.0)
+  jax.clear_caches()
+  assert compilation.compile_lowerable(_program(3.0), x).cached   # the fresh entry is good
