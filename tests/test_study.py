@@ -294,16 +294,28 @@ def test_the_configurations_table_names_the_kv_cache():
   assert rows[3].endswith("| kv_cache=k:int8/channel,v:int8/token |")
 
 
-def test_the_held_out_text_is_the_projects_own_docs(tmp_path):
-  """'project_docs' is README.md then docs/*.md by name; a checkout without them, or an
+def test_the_held_out_text_is_the_projects_own_docs_frozen_and_pinned(tmp_path):
+  """'project_docs' is README.md then docs/*.md by name as of HELDOUT_COMMIT, frozen in a
+  shipped file and pinned by its SHA-256; another text, a checkout without them, or an
   unknown text, is refused by name."""
+  import gzip
+  import hashlib
   from attnprec.study import inputs
   text = inputs.load_text("project_docs")
+  assert hashlib.sha256(text.encode()).hexdigest() == inputs.HELDOUT_SHA256
+  assert text.startswith("# attnprec") and "## Where to go next" in text
+  try:                                  # made again from its commit, byte for byte
+    assert inputs.freeze_project_docs() == text
+  except Exception as e:  # noqa: BLE001 -- a clone without the commit: said, not hidden
+    if "CalledProcessError" not in type(e).__name__:
+      raise
   files = inputs.project_docs_files()
   assert os.path.basename(files[0]) == "README.md" and len(files) > 2
   assert [os.path.basename(f) for f in files[1:]] == sorted(os.path.basename(f) for f in files[1:])
-  with open(files[0], encoding="utf-8") as f:
-    assert text.startswith(f.read().strip())
+  edited = tmp_path / "edited.txt.gz"
+  edited.write_bytes(gzip.compress(text.replace("attnprec", "attnprex", 1).encode()))
+  with pytest.raises(UserError, match="not the pinned"):
+    inputs.heldout_text(str(edited))
   info = inputs.describe_text(text, "project_docs")
   assert info["text"] == "project_docs" and "held-out" in info["source"]
   assert info["chars"] == len(text)

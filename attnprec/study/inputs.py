@@ -9,8 +9,11 @@ Two texts (`study.text`):
                   was trained: a model may have seen it.
   'project_docs'  held-out text: this project's own README.md and docs/*.md (sorted by
                   name), prose and tables written in 2026, after every shipped model was
-                  released, so no model can have trained on it. It changes with the project,
-                  so results record the commit's files as a SHA-256.
+                  released, so no model can have trained on it. Frozen: the files as of
+                  commit HELDOUT_COMMIT, joined (`freeze_project_docs`), shipped as
+                  assets/heldout/project_docs.txt.gz and pinned by its SHA-256
+                  (HELDOUT_SHA256): a study reads exactly that text or refuses to run, so
+                  a held-out run can be made again byte for byte from any commit.
 Results record the source, the character count and a SHA-256 of the text.
 """
 import hashlib
@@ -70,6 +73,8 @@ def project_docs_files(root: str = PROJECT_ROOT) -> List[str]:
 
 
 def project_docs_text(root: str = PROJECT_ROOT) -> str:
+  """The living README.md + docs/*.md of a checkout, joined (what `freeze_project_docs`
+  froze at HELDOUT_COMMIT); the study reads the frozen text, `heldout_text`."""
   parts = []
   for path in project_docs_files(root):
     with open(path, encoding="utf-8") as f:
@@ -77,10 +82,49 @@ def project_docs_text(root: str = PROJECT_ROOT) -> str:
   return "\n\n".join(parts)
 
 
-TEXTS = {"stdlib": stdlib_text, "project_docs": project_docs_text}
+# The held-out text, frozen: README.md + docs/*.md of this commit, joined as
+# `project_docs_text` joins them, gzipped into HELDOUT_FILE.
+HELDOUT_COMMIT = "99216bb"
+HELDOUT_SHA256 = "f5d0cb83e7883901e0261559ec2e7c38140df0f9e3ea2ede349c8c50144478da"
+HELDOUT_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "assets", "heldout", "project_docs.txt.gz")
+
+
+def freeze_project_docs(rev: str = HELDOUT_COMMIT, root: str = PROJECT_ROOT) -> str:
+  """README.md + docs/*.md as of git revision `rev`, joined (how HELDOUT_FILE was made:
+  `python -c "from attnprec.study import inputs; print(inputs.freeze_project_docs())"`)."""
+  import subprocess
+  git = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True, text=True,  # noqa: E731
+                                  check=True).stdout
+  names = sorted(n for n in git("ls-tree", "--name-only", rev, "docs/").split()
+                 if n.endswith(".md"))
+  return "\n\n".join(git("show", f"{rev}:{f}").strip() for f in ["README.md"] + names)
+
+
+def heldout_text(path: str = HELDOUT_FILE, sha256: str = HELDOUT_SHA256) -> str:
+  """The frozen held-out text, checked against its pinned SHA-256; any other text is a
+  UserError (a held-out run on an unknown text can never be made again)."""
+  import gzip
+  try:
+    with gzip.open(path, "rb") as f:
+      data = f.read()
+  except (OSError, EOFError) as e:
+    raise UserError(f"The held-out text {path} cannot be read ({e}); reinstall attnprec, "
+                    f"or use study.text='stdlib'.") from None
+  got = hashlib.sha256(data).hexdigest()
+  if got != sha256:
+    raise UserError(f"The held-out text {path} has SHA-256 {got[:16]}..., not the pinned "
+                    f"{sha256[:16]}... (README.md + docs/*.md of commit {HELDOUT_COMMIT}): "
+                    f"the study reads only that text. Restore the file from the "
+                    f"repository, or use study.text='stdlib'.")
+  return data.decode("utf-8")
+
+
+TEXTS = {"stdlib": stdlib_text, "project_docs": heldout_text}
 SOURCES = {"stdlib": "Python stdlib docstrings (attnprec.study.inputs.DOC_MODULES)",
-           "project_docs": "held-out text: the project's own README.md and docs/*.md, "
-                           "written after the model's release"}
+           "project_docs": f"held-out text: the project's own README.md and docs/*.md as of "
+                           f"commit {HELDOUT_COMMIT}, written after the model's release "
+                           f"(frozen, SHA-256 {HELDOUT_SHA256[:16]})"}
 
 
 def load_text(name: str) -> str:
