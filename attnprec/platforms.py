@@ -91,6 +91,10 @@ class Platform:
   # (`report.platform_rewrite` names each such rewrite).
   operand_rounding: Dict[str, str] = dataclasses.field(default_factory=dict)
   compiled_source: str = ""
+  # The kernel `precision.kernel = 'auto'` runs for a decode step there (one query over
+  # the cache), and the measurement it rests on.
+  auto_decode: str = "blockwise"
+  auto_source: str = ""
 
   def arithmetic(self, precision: str) -> str:
     """'tf32', 'bf16', ... for a lax Precision name on f32 operands."""
@@ -115,7 +119,11 @@ TABLE: Dict[str, Platform] = {
         presets=frozenset({"F16_F16_F16", "F32_F32_F32", "F64_F64_F64", "BF16_BF16_F32",
                            "BF16_BF16_F32_X3", "BF16_BF16_F32_X6"}),
         presets_source="jax/_src/lax/lax.py `_dot_general_lower`, which refuses the "
-                       "others when lowering"),
+                       "others when lowering",
+        auto_decode="blockwise",
+        auto_source="SmolLM2-135M on XLA:CPU: blockwise decode steps took 0.62-1.06x the "
+                    "dense kernel's time over caches of 33-501 positions "
+                    "(docs/performance.md, 'Short caches')"),
     "tpu": Platform(
         name="tpu", backend="tpu", hardware="TPU, MXU",
         f32_products={"DEFAULT": "bf16", "HIGH": "bf16_3x", "HIGHEST": "bf16_6x"},
@@ -128,6 +136,11 @@ TABLE: Dict[str, Platform] = {
         f16_source="measured on a TPU v5e with jax 0.10.2, float16 operands and float32 "
                    "ones upcast from float16 alike: results/tpu-f16",
         dot_result="storage", operand_rounding={"DEFAULT": "bf16"},
+        auto_decode="dot_product",
+        auto_source="a TPU v5e: attention alone at batch 8, caches of 8k and 32k, the "
+                    "blockwise decode step took 1.6-2.8x the dense kernel's time; a whole "
+                    "decode step of Qwen2.5-0.5B's shape at batch 1 (cache ~4k) took "
+                    "~6x its time under blockwise",
         compiled_source="the TPU compiler's optimized HLO on a TPU v5e, jax 0.10.2 "
                         "(tests/fixtures/tpu): every dot a `convolution`, its result "
                         "type the stored type; in the float32 model at DEFAULT the wv "

@@ -250,6 +250,12 @@ class Precision:
   def _qk_form(self, backend: Optional[str] = None) -> str:
     return " qk_dot=float32_dot(queries>1)" if self.float32_qk_operands(backend) else ""
 
+  def platform(self, backend: Optional[str] = None) -> str:
+    """The `platforms` name of the backend traced for ('cpu', 'tpu', 'cuda'): where
+    'auto' choices resolve (`kernels.resolve`)."""
+    from attnprec import platforms
+    return platforms.local_platform(backend or _target_backend()) or "cpu"
+
   def describe(self, backend: Optional[str] = None) -> str:
     """The precision line; 'auto' forms resolved for `backend` (default: the one traced
     for, `target_backend`, else this machine's)."""

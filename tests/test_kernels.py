@@ -480,6 +480,12 @@ class AutoTest(parameterized.TestCase):
     self.assertEqual(kernels.resolve("auto", 1, 8), "blockwise")       # decode step
     self.assertEqual(kernels.resolve("auto", 1, n), "blockwise")
     self.assertEqual(kernels.resolve("jax_nn", 10 * m, 10 * n), "jax_nn")
+    # a decode step runs the platform's choice (platforms.Platform.auto_decode): the dense
+    # kernel on a TPU, where blockwise decode steps were measured slower; prefills do not
+    # change with the platform
+    self.assertEqual(kernels.resolve("auto", 1, n, "tpu"), "dot_product")
+    self.assertEqual(kernels.resolve("auto", 1, n, "cpu"), "blockwise")
+    self.assertEqual(kernels.resolve("auto", m, m, "tpu"), "blockwise")
     with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'pallas', 'auto'"):
       kernels.resolve("autox", 1)
     with self.assertRaisesRegex(UserError, "'autox'.*'auto'"):

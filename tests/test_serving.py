@@ -80,8 +80,8 @@ def test_resolved_kernels_are_what_the_program_runs(length, new, prefill, step):
   assert (p.prefill_kernel, p.step_kernel) == (prefill, step)
   assert p.kernel_line() == (
       f"attention kernel: prefill ({p.padded_length} tokens) {prefill}, decode steps (cache "
-      f"of {p.cache_length}) {step} (kernel=auto: blockwise for decode steps and from 256 "
-      f"queries or 512 keys)")
+      f"of {p.cache_length}) {step} (kernel=auto on cpu: blockwise for decode steps, "
+      f"blockwise from 256 queries or 512 keys)")
   prompt_BxP, lengths_B = p.padded()
   lowered = decoding.generate.lower(PARAMS, prompt_BxP, lengths_B, jax.random.PRNGKey(0),
                                     config=CONFIG, precision=p.precision, sampler=p.sampler,

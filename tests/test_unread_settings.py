@@ -65,3 +65,20 @@ def test_a_request_too_large_for_the_machine_is_refused_with_its_estimate(tmp_pa
   assert memory.check_fits("x", small, total=2 ** 30) is None
   with pytest.raises(UserError, match="x needs at least 1.0 GiB"):
     memory.check_fits("x", 2 ** 30, total=2 ** 30)
+
+
+def test_auto_decodes_with_the_platforms_kernel_in_the_program_lowered_for_it():
+  """kernel='auto' traced for a TPU (the audit's --platform=tpu on this machine): its
+  decode step holds the dense kernel (no online softmax), on XLA:CPU the blockwise one."""
+  from attnprec import audit
+  from attnprec.config import ModelConfig
+  from attnprec.precision import Precision
+  config = ModelConfig(vocab_size=13, d_model=16, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=8, mlp_hidden=32, max_seq_len=64)
+  p = Precision(dtype="bfloat16", kernel="auto")
+  from attnprec.inspect import inspect_lowered
+  for platform, online in (("tpu", False), ("cpu", True)):
+    lowered = audit.lower_programs(config, Precision(dtype="bfloat16"), p,
+                                   platform=platform)["decode"][1]
+    (att,) = inspect_lowered(lowered).attentions
+    assert att.online == online, platform

@@ -70,11 +70,12 @@ class Plan:
   def kernel_line(self) -> str:
     """'attention kernel: prefill (P tokens) X, decode steps (cache of S) Y'."""
     auto = self.precision.kernel == kernels.AUTO
+    platform = self.serving.platform()
     return (f"attention kernel: prefill ({self.padded_length} tokens) {self.prefill_kernel}, "
             f"decode steps (cache of {self.cache_length}) {self.step_kernel}" + (
-                f" (kernel=auto: blockwise for decode steps and from "
-                f"{kernels.AUTO_MIN_QUERIES} queries or {kernels.AUTO_MIN_KEYS} keys)"
-                if auto else ""))
+                f" (kernel=auto on {platform}: {kernels.resolve('auto', 1, 0, platform)} for "
+                f"decode steps, blockwise from {kernels.AUTO_MIN_QUERIES} queries or "
+                f"{kernels.AUTO_MIN_KEYS} keys)" if auto else ""))
 
   def padded(self):
     """(prompt_BxP int32, lengths_B int32): the rows the program runs."""
@@ -136,8 +137,8 @@ def plan(config: ModelConfig, precision: Precision, prompts: Sequence[Sequence[i
               bucketed=bucket and P == decoding.bucket_length(longest),
               max_new_tokens=max_new_tokens, cache_length=S, ends=_ends(ends),
               keep_end=keep_end, sampler=sampler, return_logits=return_logits,
-              prefill_kernel=kernels.resolve(precision.kernel, P, S),
-              step_kernel=kernels.resolve(precision.kernel, 1, S),
+              prefill_kernel=kernels.resolve(precision.kernel, P, S, serving.platform(backend)),
+              step_kernel=kernels.resolve(precision.kernel, 1, S, serving.platform(backend)),
               cache=cache_line(config, serving, S, batch))
 
 

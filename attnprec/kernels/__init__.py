@@ -7,9 +7,11 @@ floor (`attnprec.contract`, `attnprec.errors`). Adding a kernel: write the modul
 its tests against `kernels.dot_product` and `contract.reference_attention_np`) and add it
 to `_MODULES` below.
 
-'auto' is not a kernel but a choice by shape, made from the static shapes while tracing:
-'blockwise' for every decode step (one query: blockwise reads the cache as it lies, block
-by block, only up to the query's position, where the dense kernel reads it whole) and for
+'auto' is not a kernel but a choice by shape and platform, made from the static shapes
+while tracing: for every decode step the platform's choice (`platforms.Platform.
+auto_decode`: 'blockwise' on XLA:CPU, which reads the cache as it lies, block by block,
+only up to the query's position, where the dense kernel reads it whole; 'dot_product' on a
+TPU, where the blockwise decode step was measured 1.6-2.8x slower), 'blockwise' for
 a call with at least `AUTO_MIN_QUERIES` queries (a long prefill, where the dense kernel's
 [T, S] logits dominate) or at least `AUTO_MIN_KEYS` keys (a short prompt into a long
 cache), 'dot_product' otherwise (short prompts into short caches). Both honour the whole
@@ -19,7 +21,7 @@ blockwise).
 """
 from typing import Dict, Optional, Tuple
 
-from attnprec import contract
+from attnprec import contract, platforms
 from attnprec.errors import UserError, choice_error
 from attnprec.kernels import blockwise, dot_product, jax_nn, pallas
 
@@ -47,15 +49,20 @@ def get(name: str) -> contract.KernelSpec:
   return REGISTRY[name]
 
 
-def resolve(name: str, num_queries: int, num_keys: int = 0) -> str:
+def resolve(name: str, num_queries: int, num_keys: int = 0,
+            platform: Optional[str] = None) -> str:
   """The kernel a call with `num_queries` queries over `num_keys` keys runs under
-  `precision.kernel = name` (one query: a decode step)."""
+  `precision.kernel = name` (one query: a decode step) on `platform` ('cpu', 'tpu',
+  'cuda'; None: 'cpu'). A decode step runs the platform's `auto_decode`
+  (`platforms.Platform`: blockwise on XLA:CPU, dot_product on a TPU, as measured there)."""
   if name not in CHOICES:
     raise choice_error("attention kernel", name, CHOICES)
   if name != AUTO:
     return name
+  if num_queries == 1:
+    return platforms.check(platform or "cpu").auto_decode
   long = num_queries >= AUTO_MIN_QUERIES or num_keys >= AUTO_MIN_KEYS
-  return "blockwise" if long or num_queries == 1 else "dot_product"
+  return "blockwise" if long else "dot_product"
 
 
 def runs_blockwise(name: str) -> bool:
@@ -98,7 +105,8 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
   `precision.kernel` may be 'auto' (`resolve`: by the static numbers of queries T and
   keys S).
   """
-  kernel = get(resolve(precision.kernel, q.shape[1], k.shape[1]))
+  platform = precision.platform() if hasattr(precision, "platform") else None
+  kernel = get(resolve(precision.kernel, q.shape[1], k.shape[1], platform))
   why = kernel.refusal(precision, logits_soft_cap=logits_soft_cap)
   if why:
     raise UserError(why)
