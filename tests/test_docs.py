@@ -17,6 +17,7 @@ import functools
 import glob
 import importlib
 import inspect
+import json
 import os
 import re
 import shlex
@@ -588,3 +589,20 @@ def test_readme_python_example_names_what_exists():
           problems.append(f"{label} has no parameter {kw.arg!r}")
   assert checked >= 2, (checked, problems)
   assert not problems, "\n".join(problems)
+
+
+def test_the_readme_headline_table_is_the_sizes_record():
+  """Every row of the README's headline table is a row of the sizes run it quotes
+  (results/sizes-qwen2.5-coder/sizes.json, written by `make sizes`), to the character:
+  an edited figure, or a record made again without the README following, fails."""
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    readme = f.read()
+  section = readme.split("## Headline result", 1)[1].split("\n## ", 1)[0]
+  rows = [line for line in section.splitlines() if line.startswith("| ")
+          and not line.startswith("| measure")]
+  assert len(rows) >= 10, rows
+  path = os.path.join(ROOT, "results", "sizes-qwen2.5-coder", "sizes.json")
+  with open(path, encoding="utf-8") as f:
+    recorded = set(json.load(f)["table"].splitlines())
+  missing = [r for r in rows if r not in recorded]
+  assert not missing, missing
