@@ -209,13 +209,17 @@ def trace_programs(config: ModelConfig, train_precision: Precision,
     # bf16 compute the dense dots run on float32-carried weights). Under kernel 'auto' the
     # short prefill runs dot_product and the decode step blockwise, so both kernels are
     # seen.
+    # the weights as `generate` holds them while serving (`decoding.for_serving`:
+    # float32-carried on XLA:CPU, stored in the compute dtype on a TPU or GPU)
+    served = jax.eval_shape(lambda p: decoding.for_serving(p, decode_precision, target)[0],
+                            params)
     decode_precision = decoding.serving_precision(decode_precision, target)
     prefill = jax.jit(functools.partial(decoding.prefill, config=config,
                                         precision=decode_precision,
                                         cache_length=cache_length))
     # the prefill on the weights `generate` gives it (`decoding.prefill_params`)
     prefill_params = jax.eval_shape(lambda p: decoding.prefill_params(
-        p, decode_precision, batch * prompt_len), params)
+        p, decode_precision, batch * prompt_len), served)
     out["prefill"] = (decode_precision, prefill.trace(prefill_params, tokens_BxP, lengths_B))
     # stored as the decode phase's cache setting says, as `decoding.prefill` stores it
     cache = jax.eval_shape(lambda: init_cache(config, batch, cache_length,
@@ -225,7 +229,7 @@ def trace_programs(config: ModelConfig, train_precision: Precision,
                                                               jnp.float32), lengths_B)
     step = jax.jit(functools.partial(decoding.decode_step, config=config,
                                      precision=decode_precision))
-    out["decode"] = (decode_precision, step.trace(params, dstate, lengths_B))
+    out["decode"] = (decode_precision, step.trace(served, dstate, lengths_B))
   return out
 
 

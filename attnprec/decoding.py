@@ -122,14 +122,17 @@ def compute_params(params, precision: Precision):
 
 
 def serving_precision(precision: Precision, backend: Optional[str] = None) -> Precision:
-  """The Precision the decode programs run under `for_serving`: `carrier_weights` set
-  on XLA:CPU with a 16-bit compute dtype and a plain `matmul_precision` (a dot-algorithm
-  preset names its own operand types, so it keeps the cast at use)."""
+  """The Precision the decode programs run under `for_serving`: with a 16-bit compute
+  dtype and a plain `matmul_precision` (a dot-algorithm preset names its own operand
+  types, so it keeps the cast at use), `carrier_weights` on XLA:CPU and `stored_weights`
+  elsewhere (a TPU, a GPU: weights read from memory at every decode step, in half the
+  bytes)."""
   backend = backend or jax.default_backend()
-  if (backend != "cpu" or precision.compute_dtype == jnp.float32 or
+  if (precision.compute_dtype == jnp.float32 or
       precision.matmul_precision.upper() in ALGORITHM_PRESETS):
-    return dataclasses.replace(precision, carrier_weights=False)
-  return dataclasses.replace(precision, carrier_weights=True)
+    return dataclasses.replace(precision, carrier_weights=False, stored_weights=False)
+  cpu = backend == "cpu"
+  return dataclasses.replace(precision, carrier_weights=cpu, stored_weights=not cpu)
 
 
 def for_serving(params, precision: Precision, backend: Optional[str] = None):
@@ -143,10 +146,14 @@ def for_serving(params, precision: Precision, backend: Optional[str] = None):
   rounding to the compute dtype either way. A prefill program is given `prefill_params`
   (those casts made once) instead. Float32-held rather than bf16-stored
   (`compute_params`): the decode step is faster (docs/performance.md). The attention kernels and
-  their precision contract are untouched. Elsewhere (GPU/TPU, float32 compute, a dot-algorithm
-  `matmul_precision`) the params are returned as given, with `carrier_weights` off.
+  their precision contract are untouched. On a TPU or GPU with a 16-bit compute dtype the
+  matrices are stored in that dtype instead (`compute_params`, `stored_weights`): the
+  same values, and a decode step, which reads every weight, reads half the bytes. Float32
+  compute or a dot-algorithm `matmul_precision`: the params as given, neither set.
   Rounding is idempotent; call it outside any loop (`generate` does, before its loop)."""
   serving = serving_precision(precision, backend)
+  if serving.stored_weights:
+    return compute_params(params, precision), serving
   if not serving.carrier_weights:
     return params, serving
   c = precision.compute_dtype

@@ -61,7 +61,7 @@ MLP_ACTIVATIONS = ("auto", "compute", "float32")
     float32_qk_product=checks.boolean, float32_logits=checks.boolean,
     kernel=lambda v: checks.one_of(*kernels.CHOICES)(v),
     block_sizes=checks.instance_of(BlockSizes, "a BlockSizes (gin: blockwise.*)"),
-    carrier_weights=checks.boolean,
+    carrier_weights=checks.boolean, stored_weights=checks.boolean,
     kv_cache_k_dtype=checks.one_of(*KV_CACHE_DTYPES),
     kv_cache_v_dtype=checks.one_of(*KV_CACHE_DTYPES),
     kv_cache_k_scale=checks.optional(checks.one_of("token", "channel")),
@@ -90,6 +90,12 @@ class Precision:
   # dtype) with no cast at each use. For XLA:CPU, which has no bf16 dot units and would
   # convert bf16 weights to float32 again in every decode step.
   carrier_weights: bool = False
+  # Set by `decoding.for_serving` on a TPU or GPU, never by gin: the weight matrices are
+  # stored in the (16-bit) compute dtype while serving, the values every projection would
+  # cast them to at each use, cast once: the same products (float32 sums may differ in
+  # order), half the bytes each decode step reads (on XLA:CPU the float32-carried form is
+  # faster: `carrier_weights`).
+  stored_weights: bool = False
   # The KV cache's storage (read by prefill, which writes it, and by every decode step),
   # separately for keys and values (`attnprec.kvquant`, the contract's cache rows):
   #   'compute' (default): values of the compute dtype, exactly today's cache;
@@ -121,8 +127,9 @@ class Precision:
     parse_dtype(self.dtype)
     parse_precision(self.matmul_precision)
     self.attention   # the attention knobs validate themselves (`AttentionFlags`)
-    if not isinstance(self.carrier_weights, bool):
-      raise choice_error("carrier_weights", self.carrier_weights, (True, False))
+    for name in ("carrier_weights", "stored_weights"):
+      if not isinstance(getattr(self, name), bool):
+        raise choice_error(name, getattr(self, name), (True, False))
     if self.mlp_activation == "float32" and self.compute_dtype == jnp.float32:
       raise UserError(f"precision.mlp_activation={self.mlp_activation!r} keeps a 16-bit "
                       f"MLP's activation in float32, but dtype='float32' computes every "
@@ -264,6 +271,7 @@ class Precision:
             + self._blocks() + self.describe_projection(backend)
             + self._mlp(backend)
             + (" weights=float32-carried" if self.carrier_weights else "")
+            + (f" weights={self.dtype}-stored" if self.stored_weights else "")
             + f" {self.cache_storage.describe()}")
 
   def _blocks(self) -> str:
@@ -303,8 +311,8 @@ REFERENCE = Precision(dtype="float32", matmul_precision="highest", float32_qk_pr
 # constructing `Precision` directly in code never reads gin bindings. block_sizes is not
 # bound directly: `phase_precision` fills it from `blockwise.*`.
 # Filled in by code, never bound: block_sizes from `blockwise.*` (phase_precision),
-# carrier_weights by `decoding.for_serving`.
-NOT_BINDABLE = ("block_sizes", "carrier_weights")
+# carrier_weights and stored_weights by `decoding.for_serving`.
+NOT_BINDABLE = ("block_sizes", "carrier_weights", "stored_weights")
 precision_root = gin.external_configurable(Precision, "precision", denylist=list(NOT_BINDABLE))
 
 

@@ -1,4 +1,6 @@
 """Decoding with a KV cache equals the full forward pass; causality by gradients."""
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -91,7 +93,8 @@ BF16_FLAGS = Precision(dtype="bfloat16", float32_qk_product=True, float32_logits
 def test_for_serving_carries_bf16_weight_values_in_float32():
   """On CPU with bf16 compute, `for_serving` rounds the weight matrices to bf16 values
   (held in float32: exactly representable, so casting them to bf16 loses nothing) and
-  leaves norm scales and biases alone; float32 compute and other backends are untouched."""
+  leaves norm scales and biases alone; float32 compute is untouched, and other backends
+  store the matrices in bf16 instead (`stored_weights`)."""
   params, prec = decoding.for_serving(PARAMS, BF16_FLAGS, backend="cpu")
   assert prec.carrier_weights and not BF16_FLAGS.carrier_weights
   for (mod, name), x in ((k, v) for mod in params for k, v in
@@ -107,7 +110,9 @@ def test_for_serving_carries_bf16_weight_values_in_float32():
   assert prec2 == prec
   jax.tree_util.tree_map(np.testing.assert_array_equal, again, params)
   assert decoding.for_serving(PARAMS, FP32, backend="cpu") == (PARAMS, FP32)
-  assert decoding.for_serving(PARAMS, BF16_FLAGS, backend="gpu") == (PARAMS, BF16_FLAGS)
+  stored, on_gpu = decoding.for_serving(PARAMS, BF16_FLAGS, backend="gpu")
+  assert on_gpu == dataclasses.replace(BF16_FLAGS, stored_weights=True)
+  assert stored["decoder/embed"]["embeddings"].dtype == jnp.bfloat16
   preset = Precision(dtype="bfloat16", matmul_precision="BF16_BF16_F32")
   assert decoding.for_serving(PARAMS, preset, backend="cpu") == (PARAMS, preset)
 

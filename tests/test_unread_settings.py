@@ -82,3 +82,41 @@ def test_auto_decodes_with_the_platforms_kernel_in_the_program_lowered_for_it():
                                    platform=platform)["decode"][1]
     (att,) = inspect_lowered(lowered).attentions
     assert att.online == online, platform
+
+
+def test_serving_on_a_tpu_stores_the_weights_in_the_compute_dtype_with_the_same_numbers():
+  """decoding.for_serving for a TPU (or GPU): weight matrices stored in bf16, the values
+  each projection casts them to at its use, so the logits are those of the float32
+  weights cast at every use: the same products, float32 sums that may differ in order
+  (here, on XLA:CPU, by at most a few float32 ulps); the precision line says so."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from attnprec import decoding
+  from attnprec.config import ModelConfig
+  from attnprec.model import init_params
+  from attnprec.precision import Precision
+  config = ModelConfig(vocab_size=50, d_model=32, num_layers=2, num_heads=2,
+                       num_kv_heads=1, head_dim=16, mlp_hidden=64, max_seq_len=64)
+  params = init_params(config, jax.random.PRNGKey(0))
+  prec = Precision(dtype="bfloat16")
+  stored, serving = decoding.for_serving(params, prec, backend="tpu")
+  assert serving.stored_weights and not serving.carrier_weights
+  assert "weights=bfloat16-stored" in serving.describe("tpu")
+  assert stored["decoder/layer_0/attn/q"]["w"].dtype == jnp.bfloat16
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 50, (2, 12)), jnp.int32)
+  lengths = jnp.asarray([12, 9], jnp.int32)
+  run = lambda p, pr: decoding.prefill(p, tokens, lengths, config=config,  # noqa: E731
+                                       precision=pr, cache_length=16)
+  plain = dataclasses_replace(serving, stored_weights=False)
+  a, b = run(stored, serving), run(params, plain)
+  np.testing.assert_allclose(np.asarray(a.last_BxV), np.asarray(b.last_BxV),
+                             rtol=2.0 ** -20, atol=2.0 ** -22)
+  # float32 compute and XLA:CPU keep their forms
+  assert not decoding.serving_precision(Precision(), "tpu").stored_weights
+  assert decoding.serving_precision(prec, "cpu").carrier_weights
+
+
+def dataclasses_replace(obj, **kw):
+  import dataclasses
+  return dataclasses.replace(obj, **kw)
