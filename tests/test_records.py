@@ -106,3 +106,12 @@ def test_metrics_rewind_keeps_earlier_steps_and_drops_a_cut_line(tmp_path):
   path.write_text('{"step": 1, "loss": 3.0}\n{"step": 5, "loss": 2.0}\n{"step": 9')
   runs.MetricsWriter(str(tmp_path)).rewind(4)
   assert path.read_text() == '{"step": 1, "loss": 3.0}\n'
+
+
+def test_a_comparison_of_records_from_different_code_says_so():
+  from attnprec.evals import report
+  same = {"a": {"1": {"code_version": "abc"}}, "b": {"1": {"code_version": "abc"}}}
+  assert report.mixed_code_note(report.code_versions(same)) is None
+  mixed = {"a": {"1": {"code_version": "abc"}}, "b": {"1": {}, "2": {"code_version": "def"}}}
+  note = report.mixed_code_note(report.code_versions(mixed))
+  assert "more than one version of the code" in note and "b: def, unrecorded" in note

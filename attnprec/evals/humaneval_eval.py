@@ -154,15 +154,18 @@ def write_report(run_dir, log, presets, items, *, reference, baseline, max_new_t
     row.update(sp, kinds=kinds, max_steps=sp["batches"] * max_new_tokens,
                tok_s=f"{sp['tokens_per_s']:.1f}" if sp["tokens_per_s"] else "–",
                steps_run=f"{sp['steps']} / {sp['batches'] * max_new_tokens}")
+  versions = report.code_versions(recs)
   summary.update(task="humaneval", model=model, max_new_tokens=max_new_tokens,
                  xla=xla_env.describe(),
-                 sandbox_protections=list(sandbox.available_protections()))
+                 sandbox_protections=list(sandbox.available_protections()),
+                 code_versions=versions, mixed_code=report.mixed_code_note(versions))
   table = report.markdown(summary, extra_columns=("tok_s", "steps_run"))
   kinds = "\n".join(f"- {r['preset']}: " + ", ".join(f"{k} {v}" for k, v in
                                                       sorted(r["kinds"].items()))
                     for r in summary["presets"])
+  mixed = f"**{summary['mixed_code']}**\n\n" if summary["mixed_code"] else ""
   md = (f"# HumanEval pass@1, {model}, greedy, up to {max_new_tokens} new tokens\n\n"
-        f"{table}\nOutcomes per preset:\n{kinds}\n")
+        f"{mixed}{table}\nOutcomes per preset:\n{kinds}\n")
   runs.write_json(run_dir, "results.json", summary, provenance=True)
   runs.atomic_write(os.path.join(run_dir, "results.md"), md)
   report.plot(summary, os.path.join(run_dir, "humaneval.png"),

@@ -56,6 +56,24 @@ def compare(a_name: str, a: Dict[str, dict], b_name: str, b: Dict[str, dict],
   return out
 
 
+def code_versions(records: Records) -> Dict[str, List[str]]:
+  """{preset: the code versions its records were computed by} ('unrecorded' for records
+  written before records named their code)."""
+  return {p: sorted({str(r.get("code_version") or "unrecorded") for r in recs.values()})
+          for p, recs in records.items()}
+
+
+def mixed_code_note(versions: Dict[str, List[str]]) -> Optional[str]:
+  """A sentence where the compared records were computed by more than one code version
+  (a comparison that pairs results of different code says so), else None."""
+  every = sorted({v for vs in versions.values() for v in vs})
+  if len(every) <= 1:
+    return None
+  return ("The records compared here were computed by more than one version of the code ("
+          + "; ".join(f"{p}: {', '.join(vs)}" for p, vs in versions.items())
+          + "): a difference between presets may be one between code versions.")
+
+
 def best_case_detectable(n: int, alpha: float = 0.05, power: float = 0.8) -> float:
   """The smallest difference d the exact McNemar test detects with `power` on n pairs in
   the most favourable case (every discordant pair in one direction: P(only A) = d, P(only

@@ -367,6 +367,7 @@ def _score_length(log, name, precision, ckpt, contexts, batch, tok) -> None:
                   prefix_len=max(len(c.prefix_ids) for c in contexts),
                   suffix_len=max(len(i.question_ids) + len(i.value_ids)
                                  for c in contexts for i in c.items))
+  code, line = runs.code_version(), scorer.precision.describe()   # each record names them
   bar = tqdm(total=left, desc=f"{name} L{n}", unit="item", dynamic_ncols=True)
   with bar:
     for c, items in todo:
@@ -385,7 +386,8 @@ def _score_length(log, name, precision, ckpt, contexts, batch, tok) -> None:
             "seconds": s.batch_seconds / s.batch_rows + prefill_s / len(items),
             "batch_seconds": s.batch_seconds, "batch_rows": s.batch_rows,
             "prefill_seconds": prefill_s,
-            "compile_seconds": s.compile_seconds + (prefill_compile_s if k == 0 else 0.0)})
+            "compile_seconds": s.compile_seconds + (prefill_compile_s if k == 0 else 0.0),
+            "code_version": code, "precision": line})
         bar.update(1)
       bar.set_postfix(prefill=f"{prefill_s:.1f}s",
                       compile=f"{prefill_compile_s + scored[0].compile_seconds:.0f}s")
@@ -434,10 +436,12 @@ def write_report(run_dir, log, presets, by_length, *, reference, baseline, model
   departs = {p: {"vs_reference": departure(lengths, p, reference),
                  "vs_baseline": departure(lengths, p, baseline) if baseline else None}
              for p in recs if p != reference}
+  versions = report.code_versions(recs)
   summary = {"task": "retrieval", "model": model, "first_token": first_token,
              "kernel": kernel or "each preset's own", "reference": reference, "baseline": baseline, "alpha": ALPHA,
              "lengths": lengths, "pooled": pooled, "by_position": positions,
-             "departure": departs}
+             "departure": departs, "code_versions": versions,
+             "mixed_code": report.mixed_code_note(versions)}
   runs.write_json(run_dir, "results.json", summary, provenance=True)
   md = markdown(summary)
   runs.atomic_write(os.path.join(run_dir, "results.md"), md)
@@ -463,6 +467,7 @@ def markdown(summary: dict) -> str:
   out = [f"# UUID key-value retrieval, {summary['model']}, teacher-forced value "
          f"(first token: {summary['first_token']}; attention kernel: "
          f"{summary['kernel']})", "",
+         *([f"**{summary['mixed_code']}**", ""] if summary.get("mixed_code") else []),
          "Accuracy % (Wilson 95%) [correct/scored] per prompt length (tokens):", "",
          "| preset | " + " | ".join(str(n) for n in cols) + " |",
          "|---" * (len(cols) + 1) + "|"]
