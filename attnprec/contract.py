@@ -73,6 +73,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnprec import platforms
 from attnprec.errors import UserError, choice_error
 
 # ----------------------------------------------------------------------------- names
@@ -532,6 +533,12 @@ def prepare(q, k, v, flags: AttentionFlags, *, scale=None,
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = check_heads(q, k, v)
+  # A precision the platform traced for does not honour is refused here, in every
+  # kernel, not run as something else (a TPU runs no F32_F32_F32 dot).
+  traced = platforms.local_platform(platforms.TRACED_FOR.get() or jax.default_backend())
+  why = traced and platforms.refusal(traced, flags.einsum_precision)
+  if why:
+    raise UserError(why)
   stages = stage_dtypes(q.dtype, flags)
   rows = check_cache_operands(q, k, v, kv_cache, kv_scales, flags)
   return Prepared(B=B, T=T, S=S, N=N, K=K, G=G, H=H, flags=flags, stages=stages,

@@ -36,6 +36,7 @@ its dots converted to c).
 
 This module is the ground floor: plain data and string checks, no jax.
 """
+import contextvars
 import dataclasses
 from typing import Dict, FrozenSet, Optional
 
@@ -173,6 +174,12 @@ def stored_for_one_pass(platform: str, precisions, stored: str) -> bool:
   row = check(platform)
   names = [str(p).upper() for p in precisions]
   return bool(names) and all(row.operand_rounding.get(n) == stored for n in names)
+
+
+# The JAX backend a program is traced for, when not the one this process runs on (the
+# audit and inspect lowering for tpu / cuda from a CPU machine; `precision.target_backend`
+# sets it): 'auto' choices resolve for it, and a kernel refuses a precision it refuses.
+TRACED_FOR = contextvars.ContextVar("attnprec_target_backend", default=None)
 
 
 def check(platform) -> Platform:

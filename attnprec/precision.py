@@ -11,7 +11,6 @@ Strings are used for dtypes and precisions (simpler for users and gin files); th
 validated here, once, with errors that name the valid values.
 """
 import contextlib
-import contextvars
 import dataclasses
 from typing import Optional
 
@@ -19,7 +18,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import checks, cpu_features, kernels
+from attnprec import checks, cpu_features, kernels, platforms
 # The names of dtypes and dot precisions live on the ground floor (the kernels use them);
 # re-exported here, where users look for them.
 from attnprec.contract import (ALGORITHM_PRESETS, DTYPES, KEY_OFFSETS,  # noqa: F401
@@ -260,7 +259,6 @@ class Precision:
   def platform(self, backend: Optional[str] = None) -> str:
     """The `platforms` name of the backend traced for ('cpu', 'tpu', 'cuda'): where
     'auto' choices resolve (`kernels.resolve`)."""
-    from attnprec import platforms
     return platforms.local_platform(backend or _target_backend()) or "cpu"
 
   def describe(self, backend: Optional[str] = None) -> str:
@@ -281,7 +279,8 @@ class Precision:
 
 # The backend a program is traced for, when not the one this process runs on (the audit
 # and inspect lowering for tpu / cuda from a CPU machine): 'auto' forms resolve for it.
-_TARGET = contextvars.ContextVar("attnprec_target_backend", default=None)
+# The variable lives on the ground floor (`platforms.TRACED_FOR`): the kernels read it too.
+_TARGET = platforms.TRACED_FOR
 
 
 def _target_backend() -> str:

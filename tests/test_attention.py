@@ -126,6 +126,21 @@ def test_heads_not_divisible_is_a_clear_error(n, k):
     dot_product.dot_product_attention(q, kv, kv)
 
 
+def test_a_kernel_traced_for_a_platform_refuses_what_it_does_not_honour():
+  """Traced for a TPU (`precision.target_backend`, as the audit and inspect do for
+  --platform=tpu), every kernel refuses F32_F32_F32 before anything is lowered: a TPU has
+  no such dot, and would run another."""
+  from attnprec.precision import target_backend
+  q, k, v = _inputs(3)
+  flags = contract.AttentionFlags(einsum_precision="F32_F32_F32")
+  with target_backend("tpu"):
+    with pytest.raises(UserError, match="Platform 'tpu' cannot honour einsum_precision="
+                                        "'F32_F32_F32'"):
+      jax.jit(lambda *x: dot_product.dot_product_attention(*x, flags=flags)).trace(q, k, v)
+  if local() == "cpu":                                   # XLA:CPU honours it
+    assert dot_product.dot_product_attention(q, k, v, flags=flags).shape == q.shape
+
+
 def test_invalid_precision_name_lists_valid_ones():
   q = jnp.zeros((1, 2, 2, 8))
   with pytest.raises(UserError, match="valid values are: 'default', 'high', 'highest'"):
@@ -136,13 +151,16 @@ def test_invalid_precision_name_lists_valid_ones():
 @pytest.mark.parametrize("name", ["DEFAULT", "High", "highest", "BF16_BF16_F32",
                                   "F32_F32_F32"])
 def test_precision_names_accepted(name):
-  """Every name is taken; its float32 result is within the bound of the arithmetic it
-  selects on this platform (f32 on XLA:CPU for all; on a TPU DEFAULT and BF16_BF16_F32
-  one bf16 pass, 'high' 3 passes, 'highest' 6)."""
-  if platforms.refusal(local(), name):
-    pytest.skip(f"{name} is refused on {local()} (platforms.refusal; the audit and the "
-                f"runners refuse it before anything runs, tests/test_platforms.py)")
+  """Every name the platform honours is taken; its float32 result is within the bound of
+  the arithmetic it selects there (f32 on XLA:CPU for all; on a TPU DEFAULT and
+  BF16_BF16_F32 one bf16 pass, 'high' 3 passes, 'highest' 6). A name the platform does
+  not honour (F32_F32_F32 on a TPU) is refused by the kernel itself, naming it."""
   q, k, v = _inputs(3)
+  if platforms.refusal(local(), name):
+    with pytest.raises(UserError, match=f"cannot honour einsum_precision={name!r}"):
+      dot_product.dot_product_attention(
+          q, k, v, flags=contract.AttentionFlags(einsum_precision=name))
+    return
   out = dot_product.dot_product_attention(
       q, k, v, flags=contract.AttentionFlags(einsum_precision=name))
   np.testing.assert_allclose(out, _ref(q, k, v), atol=tol(2e-5, precision=name))
