@@ -70,7 +70,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 from typing import Dict, List, Optional
 
 import gin
@@ -490,8 +489,7 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
       calls = 1 if config.scan_layers else config.num_layers
       _check_pallas_bodies(phases[ph], t.jaxpr, prec, calls=calls)
       if platform == "tpu":
-        _check_mosaic_bodies(phases[ph], texts.get(ph), programs[ph][1].as_text(), prec,
-                             calls=calls)
+        _check_mosaic_bodies(phases[ph], texts.get(ph), programs[ph][1], prec, calls=calls)
   problems = [p for ph in phases.values() for p in ph["problems"]]
   return {"model": model_source, "config": runs.config_dict(config),
           "sizes": {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens},
@@ -518,7 +516,7 @@ def _check_pallas_bodies(phase: dict, jaxpr, precision: Precision, calls: int):
   phase["ok"] = not phase["problems"]
 
 
-def _check_mosaic_bodies(phase: dict, compiled_text: Optional[str], lowered_text: str,
+def _check_mosaic_bodies(phase: dict, compiled_text: Optional[str], lowered,
                          precision: Precision, calls: int):
   """A 'pallas' phase on tpu: every tpu_custom_call's Mosaic body, read back from the
   compiled program (or, where it was not compiled here, from the program lowered for
@@ -526,7 +524,7 @@ def _check_mosaic_bodies(phase: dict, compiled_text: Optional[str], lowered_text
   program there must be one call per layer (or one scanned); a call whose body cannot be
   opened, or holds no attention, is unread: a problem, never a pass."""
   source = "compiled" if compiled_text is not None else "lowered"
-  read = mosaic.read_calls(compiled_text if compiled_text is not None else lowered_text)
+  read = mosaic.read_calls(compiled_text if compiled_text is not None else lowered.as_text())
   rows, problems = [], []
   for call, body in read:
     if isinstance(body, Exception):
@@ -551,7 +549,7 @@ def _check_mosaic_bodies(phase: dict, compiled_text: Optional[str], lowered_text
 
 
 def _layer_of(name: str) -> Optional[int]:
-  m = re.search(r"layer_(\d+)", name or "")
+  m = compiled_program.LAYER.search(name or "")
   return int(m.group(1)) if m else None
 
 

@@ -170,6 +170,13 @@ def claim(run_dir: str, runner: str, *, replace: bool = False):
   it deletes the old directory after a run that succeeded and puts it back, whole, after
   one that did not. Returns None where nothing was moved."""
   made_by = owner(run_dir) if os.path.isdir(run_dir) else None
+  if replace and made_by in (None, runner):
+    raise UserError(f"--replace_run_dir replaces a run directory another runner made, but "
+                    f"{run_dir!r} " + ("does not exist yet" if not os.path.isdir(run_dir)
+                                       else f"holds no other runner's run "
+                                            f"({made_by or 'no'!r} record)")
+                    + f": there is nothing to replace, so the flag would not be used. Drop "
+                      f"it.")
   moved = None
   if made_by is not None and made_by != runner:
     if not replace:
@@ -192,9 +199,14 @@ def claim(run_dir: str, runner: str, *, replace: bool = False):
   def finish(ok: bool) -> None:
     if ok:
       shutil.rmtree(moved, ignore_errors=True)
-    else:
-      shutil.rmtree(run_dir, ignore_errors=True)
-      os.rename(moved, run_dir)
+      return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.rename(moved, run_dir)
+    # What the failed run wrote went with its directory; the paths now name the old
+    # run's files, which the caller's clean-up of a failed run must not remove.
+    root = os.path.abspath(run_dir) + os.sep
+    for written in _tracked:
+      written[:] = [p for p in written if not p.startswith(root)]
   return finish
 
 

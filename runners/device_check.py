@@ -124,18 +124,30 @@ def kernels_part() -> dict:
          f"absent: attnprec.kernels has {', '.join(kernels.NAMES)}",
          "cudnn": "q, k, v in bf16: the probabilities enter its wv dot in bf16 "
                   "(attnprec/kernels/jax_nn.py)", "rows": {}}
+  out.update(rows=timed_rows(fns, qkv, want, base="dot_product"), time_vs_base="dot_product")
+  return out
+
+
+def timed_rows(fns: dict, qkv: tuple, want, *, base: str) -> dict:
+  """{name: median_ms, max_abs_error, rel_l2 (against `want`), time_vs_<base>} per
+  function, or {error} for one that failed: a non-finite output is an error
+  (`checkpoints.finite.require_finite`), never timed or compared as if it were one."""
+  from attnprec.checkpoints.finite import require_finite
+  rows = {}
   for name, fn in fns.items():
     try:
+      got = np.asarray(jnp.asarray(fn(*qkv), jnp.float32), np.float64)
+      require_finite(f"the output of {name}", got)
       t = _median_s(fn, *qkv)
-      err = float(np.max(np.abs(np.asarray(fn(*qkv), np.float64) - want)))
-      out["rows"][name] = {"median_s": t, "max_abs_error": err}
+      rows[name] = {"median_ms": 1e3 * t, "max_abs_error": float(np.max(np.abs(got - want))),
+                    "rel_l2": float(np.linalg.norm(got - want) / np.linalg.norm(want))}
     except Exception as e:  # noqa: BLE001 -- recorded, the other kernels still run
-      out["rows"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-  dense = out["rows"].get("dot_product", {}).get("median_s")
-  for row in out["rows"].values():
-    if dense and "median_s" in row:
-      row["vs_dot_product"] = row["median_s"] / dense
-  return out
+      rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+  reference = rows.get(base, {}).get("median_ms")
+  for row in rows.values():
+    if reference and "median_ms" in row:
+      row["time_vs_base"] = row["median_ms"] / reference
+  return rows
 
 
 TPU_SHAPE = dict(B=1, S=2048, N=28, K=4, H=128)
@@ -174,19 +186,8 @@ def tpu_kernels_part() -> dict:
   fns["jax splash (flags-on semantics)"] = jax.jit(splash_fn)
   out = {"shape": TPU_SHAPE, "dtype": "bfloat16", "reference": "float64 NumPy on the bf16 "
          "inputs", "rows": {}}
-  for name, fn in fns.items():
-    try:
-      t = _median_s(fn, *qkv)
-      got = np.asarray(jnp.asarray(fn(*qkv), jnp.float32), np.float64)
-      out["rows"][name] = {"median_ms": 1e3 * t,
-                           "max_abs_error": float(np.max(np.abs(got - want))),
-                           "rel_l2": float(np.linalg.norm(got - want) / np.linalg.norm(want))}
-    except Exception as e:  # noqa: BLE001 -- recorded, the other kernels still run
-      out["rows"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-  base = out["rows"].get("jax splash (flags-on semantics)", {}).get("median_ms")
-  for row in out["rows"].values():
-    if base and "median_ms" in row:
-      row["time_vs_splash"] = row["median_ms"] / base
+  base = "jax splash (flags-on semantics)"
+  out.update(rows=timed_rows(fns, qkv, want, base=base), time_vs_base=base)
   return out
 
 
@@ -217,7 +218,9 @@ def flags_part() -> dict:
 
 
 def to_markdown(result: dict) -> str:
-  lines = [f"# Device check: {result['device']}", "", f"jax {result['jax']}", ""]
+  lines = [f"# Device check: {result['device']}", "", f"jax {result['jax']}", "",
+           "" if result.get("complete") else "**Incomplete: the run stopped before its "
+           "last part; the parts below are those it finished.**", ""]
   for name, part in result["parts"].items():
     lines += [f"## {name}", "", "```", json.dumps(part, indent=1, default=str), "```", ""]
   return "\n".join(lines)
@@ -232,7 +235,7 @@ def check(out_dir: str) -> int:
   runs.check_output_dir(out_dir, flag="--out")
   result = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
             "jax": jax.__version__, "platform": platform, "provenance": runs.provenance(),
-            "parts": {}}
+            "complete": False, "parts": {}}
   parts = ((f"audit ({platform}, compiled)", lambda: audit_part(platform)),
            ("kernels", tpu_kernels_part if platform == "tpu" else kernels_part),
            ("flag cost per phase", tpu_flags_part if platform == "tpu" else flags_part))
@@ -249,6 +252,10 @@ def check(out_dir: str) -> int:
     runs.atomic_write(os.path.join(out_dir, "device_check.json"),
                       json.dumps(result, indent=1, default=str) + "\n")
     runs.atomic_write(os.path.join(out_dir, "device_check.md"), to_markdown(result))
+  result["complete"] = True        # every part ran (a stopped run's file says False)
+  runs.atomic_write(os.path.join(out_dir, "device_check.json"),
+                    json.dumps(result, indent=1, default=str) + "\n")
+  runs.atomic_write(os.path.join(out_dir, "device_check.md"), to_markdown(result))
   print(to_markdown(result))
   audited = result["parts"][f"audit ({platform}, compiled)"]
   ok = all(v.get("ok", False) for v in audited.values() if isinstance(v, dict)) \

@@ -48,21 +48,10 @@ PRESETS = {
 }
 
 
-def code_version():
-  """`git describe --always --dirty` here; None where the tree is no git checkout (a
-  copy sent to a TPU machine: pass ATTNPREC_COMMIT)."""
-  import subprocess
-  try:
-    out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                         text=True, timeout=10)
-  except (OSError, subprocess.SubprocessError):
-    return None
-  return out.stdout.strip() or None if out.returncode == 0 else None
-
-
 def write(out: str, name: str, text: str) -> None:
-  with gzip.GzipFile(os.path.join(out, name + ".gz"), "wb", mtime=0) as f:
-    f.write(text.encode())
+  """name.gz in out, written atomically (a stopped capture leaves no truncated fixture)."""
+  runs.atomic_write(os.path.join(out, name + ".gz"), gzip.compress(text.encode(), mtime=0),
+                    mode="wb")
 
 
 def jax_kernels(out: str) -> None:
@@ -106,9 +95,9 @@ def main(argv=None) -> int:
               "platform_version": getattr(jax.devices()[0].client, "platform_version", ""),
               "config": runs.config_dict(CONFIG), "batch": 2, "prompt_len": 8,
               "new_tokens": 8, "presets": {n: list(p) for n, (_, p) in PRESETS.items()},
-              "commit": os.environ.get("ATTNPREC_COMMIT") or code_version()}
-  with open(os.path.join(args.out, "manifest.json"), "w") as f:
-    json.dump(manifest, f, indent=1, default=str)
+              "commit": os.environ.get("ATTNPREC_COMMIT") or runs.code_version()}
+  runs.atomic_write(os.path.join(args.out, "manifest.json"),
+                    json.dumps(manifest, indent=1, default=str) + "\n")
   print(f"wrote {args.out}")
   return 0
 

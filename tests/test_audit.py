@@ -31,12 +31,16 @@ KV_PRESETS = [p for p in PRESETS if os.path.basename(p).startswith("kv_")]
 RUNNER = os.path.join(os.path.dirname(ginutils.REPO_GIN_DIR), "runners", "audit.py")
 
 # Tests of what XLA:CPU compiled (its fusions, its rewrites, its dropped op_names): the
-# programs are lowered for cpu, so only a CPU backend compiles them. What a TPU compiled
-# is tested in tests/test_tpu_fixtures.py (captured programs) and tests/test_tpu.py.
+# programs are lowered for cpu and `run_audit` compiles only for the backend this process
+# runs on, so elsewhere they have no compiled program to read. What a TPU compiled is
+# tested in tests/test_tpu_fixtures.py and tests/test_tpu.py for the attention and dense
+# dots; the quantized KV cache's compiled rows (kv_int8 / kv_fp8) are not yet tested on
+# a TPU's compiled program.
 xla_cpu = pytest.mark.skipif(
     jax.default_backend() != "cpu",
-    reason="reads what XLA:CPU compiled; a TPU's compiled program is tested in "
-           "tests/test_tpu_fixtures.py and tests/test_tpu.py")
+    reason="reads what XLA:CPU compiled (lowered for cpu, compiled only on a CPU backend); "
+           "the TPU's compiled attention and dense dots are tested in "
+           "tests/test_tpu_fixtures.py and tests/test_tpu.py, its KV-cache rows not yet")
 
 
 def _phases(files, bindings=()):

@@ -634,12 +634,14 @@ class ScaleTest(parameterized.TestCase):
   @parameterized.product(kernel=kernels.NAMES, H=(64, 128, 256))
   def test_output_at_the_bf16_floor_with_both_flags(self, kernel, H):
     # Where float32 dots at DEFAULT do not multiply in float32 (a TPU: one bf16 pass) the
-    # float32 probabilities are rounded to bf16 in the PV dot at DEFAULT (1.25x the floor
-    # measured on a TPU v5e): the floor is reached there under 'highest'.
+    # float32 probabilities are rounded to bf16 in the PV dot at DEFAULT (1.25-1.34x the
+    # floor measured on a TPU v5e): the floor is reached there under 'highest'. jax_nn
+    # takes no precision, so there it is held to the bound of that one more rounding, of
+    # the same relative size as the output's own: twice the floor.
     einsum = "default" if exact_f32_dots() else "highest"
+    bound = 1.05
     if kernel == "jax_nn" and einsum != "default":
-      self.skipTest("jax.nn.dot_product_attention takes no precision: on this platform its "
-                    "PV dot rounds the probabilities to bf16 at DEFAULT")
+      einsum, bound = "default", 2.0
     q, k, v = self._inputs(H)
     pos = jnp.arange(self.S)[None]
     cmask = CausalMask(pos, pos)
@@ -648,7 +650,7 @@ class ScaleTest(parameterized.TestCase):
     prec = Precision(dtype="bfloat16", kernel=kernel,        # both flags on (default)
                      einsum_precision=einsum)
     err = self._rel(kernels.attend(prec, q, k, v, mask=cmask), ref)
-    self.assertLessEqual(err, 1.05 * floor, (err, floor))
+    self.assertLessEqual(err, bound * floor, (err, floor))
     # The old way (q * scale rounded to bf16, then an unscaled product) for contrast.
     q_scaled = q * jnp.asarray(H ** -0.5, jnp.bfloat16)
     old = self._rel(kernels.attend(prec, q_scaled, k, v, mask=cmask, scale=1.0), ref)

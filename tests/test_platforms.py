@@ -334,3 +334,17 @@ def test_the_jax_nn_kernel_with_cudnn_is_refused_for_cuda_here():
     job.lower_for(fn, "cuda", (x, x, x), {})
   message = str(job.lowering_error("jax_nn_attention", "cuda", raised.value, "shapes"))
   assert "for platform 'cuda' failed" in message and "cuDNN" in message
+
+
+def test_device_check_reports_no_figure_for_a_non_finite_kernel():
+  """A kernel whose output is NaN gets an error row, not a time and an error of NaN."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "device_check", os.path.join(ROOT, "runners", "device_check.py"))
+  runner = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(runner)
+  x = jnp.ones((2, 3))
+  rows = runner.timed_rows({"good": lambda q: q, "broken": lambda q: q * jnp.nan}, (x,),
+                           np.ones((2, 3)), base="good")
+  assert rows["good"]["max_abs_error"] == 0.0 and rows["good"]["time_vs_base"] == 1.0
+  assert set(rows["broken"]) == {"error"} and "not finite" in rows["broken"]["error"]

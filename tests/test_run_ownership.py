@@ -97,3 +97,32 @@ def test_a_result_file_carries_its_provenance(tmp_path):
     assert p["xla_flags"] == "--xla_allow_excess_precision=true"
   finally:
     os.environ["XLA_FLAGS"] = flags
+
+
+def test_replace_with_nothing_to_replace_is_refused(tmp_path, capsys):
+  """--replace_run_dir where no other runner's run is: the flag would not be used."""
+  d = tmp_path / "run"
+  assert _runner("decode", tmp_path)([f"--run_dir={d}", "--replace_run_dir"]) == \
+      cli.EXIT_USER_ERROR
+  assert "does not exist yet" in capsys.readouterr().err and not d.exists()
+  assert _runner("decode", tmp_path)([f"--run_dir={d}"]) == 0
+  assert _runner("decode", tmp_path)([f"--run_dir={d}", "--replace_run_dir"]) == \
+      cli.EXIT_USER_ERROR
+  assert "holds no other runner's run ('decode' record)" in capsys.readouterr().err
+
+
+def test_an_interrupted_replacing_run_puts_the_old_directory_back(tmp_path):
+  """Ctrl-C (or SIGTERM, which the runners raise as an interrupt) while replacing: the
+  old run comes back whole, nothing of the new one stays."""
+  d = tmp_path / "run"
+  assert _runner("study", tmp_path)([f"--run_dir={d}"]) == 0
+
+  def interrupted(run_dir):
+    runs.atomic_write(os.path.join(run_dir, "results.json"), json.dumps({"by": "decode"}))
+    raise KeyboardInterrupt
+
+  rc = cli.main([f"--run_dir={d}", "--replace_run_dir"], prog="decode", doc="d.",
+                examples=[], default_files=[], default_run_dir=str(d), body=interrupted)
+  assert rc == cli.EXIT_INTERRUPTED
+  assert runs.owner(str(d)) == "study" and _results(d) == "study"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -21,7 +21,7 @@ from typing import Dict, Optional
 from attnprec.contract import QK_SCOPE, WV_SCOPE
 from attnprec.inspect.finder import is_code
 
-_LAYER = re.compile(r"layer_(\d+)")
+LAYER = re.compile(r"layer_(\d+)")   # a Haiku layer module's name in an op_name
 
 
 # ----------------------------------------------------------------------------- sites
@@ -164,7 +164,7 @@ class CompiledDot:
 
   @property
   def layer(self) -> Optional[int]:
-    m = _LAYER.search(self.name)
+    m = LAYER.search(self.name)
     return int(m.group(1)) if m else None
 
   @property

@@ -207,7 +207,6 @@ def read_body(b64: str, kernel: str = "") -> MosaicBody:
             result = op.results[0]
             precision = _PRECISION.search(str(op.attributes["precision"])) \
                 if "precision" in op.attributes else None
-            users = [_name(u.owner) for u in result.uses]
             rounded = next((_element(u.owner.results[0].type) for u in result.uses
                             if _name(u.owner) in ("arith.truncf", "tpu.truncf")), None)
             role, probs = "other", None
@@ -215,7 +214,6 @@ def read_body(b64: str, kernel: str = "") -> MosaicBody:
               role = "qk"
             elif _from_exp(lhs) or _from_exp(rhs):
               role, probs = "pv", "lhs" if _from_exp(lhs) else "rhs"
-            del users
             matmuls.append(Matmul(
                 _element(lhs.type), _element(rhs.type), _element(result.type),
                 "highest" if precision and precision.group(1) == "fp32" else "default",
