@@ -47,6 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from attnprec import cli, platforms, runs  # noqa: E402
+from attnprec.errors import UserError  # noqa: E402
 
 EXAMPLES = ["python runners/device_check.py --out=runs/device_check"]
 SHAPE = dict(B=1, S=2048, N=8, K=8, H=64)
@@ -226,7 +227,10 @@ def to_markdown(result: dict) -> str:
   return "\n".join(lines)
 
 
-def check(out_dir: str) -> int:
+PARTS = ("audit", "kernels", "flags")
+
+
+def check(out_dir: str, wanted=PARTS) -> int:
   platform = here()
   if platform not in ("cuda", "tpu"):
     print(f"device-check: no GPU or TPU on this machine (jax backend "
@@ -235,10 +239,12 @@ def check(out_dir: str) -> int:
   runs.check_output_dir(out_dir, flag="--out")
   result = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
             "jax": jax.__version__, "platform": platform, "provenance": runs.provenance(),
-            "complete": False, "parts": {}}
-  parts = ((f"audit ({platform}, compiled)", lambda: audit_part(platform)),
-           ("kernels", tpu_kernels_part if platform == "tpu" else kernels_part),
-           ("flag cost per phase", tpu_flags_part if platform == "tpu" else flags_part))
+            "parts_run": list(wanted), "complete": False, "parts": {}}
+  parts = (("audit", f"audit ({platform}, compiled)", lambda: audit_part(platform)),
+           ("kernels", "kernels", tpu_kernels_part if platform == "tpu" else kernels_part),
+           ("flags", "flag cost per phase",
+            tpu_flags_part if platform == "tpu" else flags_part))
+  parts = [(name, part) for key, name, part in parts if key in wanted]
   runs.ensure_dir(out_dir)
   for name, part in parts:
     print(f"device-check: {name} ...", flush=True)
@@ -252,12 +258,14 @@ def check(out_dir: str) -> int:
     runs.atomic_write(os.path.join(out_dir, "device_check.json"),
                       json.dumps(result, indent=1, default=str) + "\n")
     runs.atomic_write(os.path.join(out_dir, "device_check.md"), to_markdown(result))
-  result["complete"] = True        # every part ran (a stopped run's file says False)
+  result["complete"] = True        # every part asked for ran (a stopped run's says False)
   runs.atomic_write(os.path.join(out_dir, "device_check.json"),
                     json.dumps(result, indent=1, default=str) + "\n")
   runs.atomic_write(os.path.join(out_dir, "device_check.md"), to_markdown(result))
   print(to_markdown(result))
-  audited = result["parts"][f"audit ({platform}, compiled)"]
+  audited = result["parts"].get(f"audit ({platform}, compiled)")
+  if audited is None:              # not asked for: nothing to fail on
+    return cli.EXIT_OK
   ok = all(v.get("ok", False) for v in audited.values() if isinstance(v, dict)) \
       if "error" not in audited else False
   return cli.EXIT_OK if ok else cli.EXIT_MISMATCH
@@ -268,12 +276,21 @@ def main(argv) -> int:
                               sections=["It reads no gin files: the options below are its "
                                         "configuration."])
   parser.add_argument("--out", default="runs/device_check", metavar="DIR",
-                      help="where results are written (on a GPU machine)")
+                      help="where results are written (on a GPU or TPU machine)")
+  parser.add_argument("--parts", default=",".join(PARTS), metavar="LIST",
+                      help="which parts to run, comma-separated, in the order above "
+                           f"(default: all of {', '.join(PARTS)})")
   outcome = {}
 
   def body():
     args = parser.parse_args(argv)
-    outcome["rc"] = check(args.out)
+    wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
+    bad = [p for p in wanted if p not in PARTS]
+    if bad or not wanted:
+      what = ("unknown part(s) " + ", ".join(map(repr, bad))) if bad else "no part named"
+      raise UserError(f"--parts={args.parts!r}: {what}; the parts are "
+                      f"{', '.join(PARTS)} (comma-separated, any subset).")
+    outcome["rc"] = check(args.out, tuple(p for p in PARTS if p in wanted))
 
   rc = cli.run("device_check", body)
   return outcome.get("rc", rc) if rc == cli.EXIT_OK else rc
