@@ -294,8 +294,35 @@ def code_version() -> Optional[str]:
   return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+SOURCE_DIRS = ("attnprec", "runners", "gin")
+
+
+def source_digest() -> str:
+  """SHA-256 (first 16 hex digits) of the code that makes a figure: every .py, .gin and
+  asset file under attnprec/, runners/ and gin/ by relative path and content. Unlike the
+  commit it needs no git metadata: a copy of the tree sent to another machine (a TPU
+  without the repository's history) names its code by it, and any checkout recomputes it
+  (`python -c 'from attnprec import runs; print(runs.source_digest())'`) to find the
+  commit a figure came from."""
+  import hashlib
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  h = hashlib.sha256()
+  for top in SOURCE_DIRS:
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, top)):
+      dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
+      for name in sorted(filenames):
+        if name.endswith((".pyc", ".pyo")) or name.startswith("."):
+          continue
+        path = os.path.join(dirpath, name)
+        h.update(os.path.relpath(path, root).encode() + b"\0")
+        with open(path, "rb") as f:
+          h.update(hashlib.sha256(f.read()).digest())
+  return h.hexdigest()[:16]
+
+
 def provenance() -> Dict[str, Any]:
-  """Where a result comes from: the commit and whether the tree was clean, the XLA
+  """Where a result comes from: the commit and whether the tree was clean, the digest of
+  the source (`source_digest`: the code, also where git metadata is absent or stale), the XLA
   settings that change numerics (`xla_env.describe`: excess precision, the dot library,
   a user's numerics flags) and XLA_FLAGS as given, jax / jaxlib, the backend, the device
   and the machine."""
@@ -306,7 +333,7 @@ def provenance() -> Dict[str, Any]:
   commit = code_version()
   device = jax.devices()[0]
   return {"commit": commit, "clean": None if commit is None else not commit.endswith("-dirty"),
-          "xla": xla_env.describe(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "source": source_digest(), "xla": xla_env.describe(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "jax": jax.__version__, "jaxlib": jaxlib.__version__,
           "backend": jax.default_backend(), "device": getattr(device, "device_kind", str(device)),
           "machine": f"{host.machine()}, {os.cpu_count()} cores", "python": host.python_version()}

@@ -23,11 +23,14 @@ ok=1
 if ls "$ROOT"/.whl-tpu/*.whl >/dev/null 2>&1; then
   $PIP --no-index --no-deps --upgrade --target "$DIR/wheels" "$ROOT"/.whl-tpu/*.whl || ok=0
 fi
-if [ -d /opt/pypi/simple ]; then
+if [ -f "$DIR/index/.attnprec-installed" ]; then
+  :   # installed by an earlier run into this folder: the index part is not repeated
+elif [ -d /opt/pypi/simple ]; then
   $PIP --only-binary=:all: --index-url file:///opt/pypi/simple --target "$DIR/index" $NEEDS || ok=0
 elif ! python3 -c "import optax, orbax.checkpoint, ml_collections" 2>/dev/null; then
   $PIP --target "$DIR/index" $NEEDS chex dm-haiku gin-config gguf || ok=0
 fi
+[ "$ok" = 1 ] && touch "$DIR/index/.attnprec-installed"
 case ":${PYTHONPATH:-}:" in
   *":$DIR/wheels:"*) ;;
   *) export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT:$DIR/wheels:$DIR/index" ;;

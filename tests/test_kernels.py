@@ -504,7 +504,8 @@ class AutoTest(parameterized.TestCase):
     prec = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True)
     run = jax.jit(lambda p, *x: kernels.attend(p, *x, mask=cmask), static_argnums=0)
     out = run(Precision(kernel="auto", **prec), q, k, v)
-    chosen = kernels.resolve("auto", T, S)
+    # the platform attend resolves for: the one this test runs on
+    chosen = kernels.resolve("auto", T, S, Precision(kernel="auto", **prec).platform())
     want = run(Precision(kernel=chosen, **prec), q, k, v)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
     ref = contract.reference_attention_np(q, k, v, mask=cmask.dense())
@@ -657,7 +658,7 @@ class ScaleTest(parameterized.TestCase):
     if H == 128:
       self.assertGreater(old, 1.5 * floor, (old, floor))
     else:                      # 1/8 and 1/16 are powers of two: exact in bf16 either way
-      self.assertLessEqual(old, 1.05 * floor, (old, floor))
+      self.assertLessEqual(old, bound * floor, (old, floor))
 
   @parameterized.parameters("dot_product", "blockwise")
   def test_flags_off_keep_the_scale_on_q_in_c(self, kernel):

@@ -5,6 +5,7 @@ if it fails. Tried through `cli.main`, the one entry every gin runner goes throu
 a body that writes a results file as the runners do."""
 import json
 import os
+from unittest import mock
 
 import pytest
 
@@ -97,6 +98,33 @@ def test_a_result_file_carries_its_provenance(tmp_path):
     assert p["xla_flags"] == "--xla_allow_excess_precision=true"
   finally:
     os.environ["XLA_FLAGS"] = flags
+
+
+def test_the_source_digest_names_the_code_without_git(tmp_path):
+  """A copy of the code without .git (what a device gets) has the same digest as this
+  checkout; one changed byte in a runner, or a new gin file, changes it; caches do not."""
+  import shutil
+  root = os.path.dirname(os.path.dirname(os.path.abspath(runs.__file__)))
+  copy = tmp_path / "copy"
+  for top in runs.SOURCE_DIRS:
+    shutil.copytree(os.path.join(root, top), copy / top,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+  digest = runs.source_digest()
+  assert runs.provenance()["source"] == digest and len(digest) == 16
+
+  def of_copy():
+    with mock.patch.object(runs, "__file__", str(copy / "attnprec" / "runs.py")):
+      return runs.source_digest()
+  assert of_copy() == digest
+  (copy / "attnprec" / "__pycache__").mkdir(exist_ok=True)
+  (copy / "attnprec" / "__pycache__" / "x.pyc").write_bytes(b"cache")
+  assert of_copy() == digest
+  runner = copy / "runners" / "decode.py"
+  runner.write_bytes(runner.read_bytes() + b" ")
+  changed = of_copy()
+  assert changed != digest
+  (copy / "gin" / "new.gin").write_text("x = 1\n")
+  assert of_copy() not in (digest, changed)
 
 
 def test_replace_with_nothing_to_replace_is_refused(tmp_path, capsys):
