@@ -39,6 +39,29 @@ from attnprec.layers import MLP, Attention, RMSNorm, project, projection_form
 from attnprec.precision import Precision
 
 
+# What a train step recomputes in its backward pass instead of keeping (`train.remat`):
+# nothing; each layer's attention (its [T, S] logits and probabilities, the dense
+# kernels' largest residuals); each whole block (only the residual stream between blocks
+# is kept). Recomputation runs the same program, so the same precision.
+REMAT = ("none", "attention", "block")
+
+
+def check_remat(remat: str) -> str:
+  if remat not in REMAT:
+    raise UserError(f"train.remat = {remat!r} is not a rematerialisation choice; valid: "
+                    f"{', '.join(map(repr, REMAT))} ('none': keep every residual; "
+                    "'attention': recompute each layer's attention in the backward pass; "
+                    "'block': recompute each whole block, keeping only the residual stream).")
+  return remat
+
+
+def _remat(fn, remat: str, level: str, scanned: bool):
+  """fn wrapped in `hk.remat` where `remat` names this level ('attention' or 'block').
+  Outside a scan the recomputation is kept from being merged back into the forward pass
+  (prevent_cse); inside one the scan already keeps them apart (jax.checkpoint's advice)."""
+  return hk.remat(fn, prevent_cse=not scanned) if remat == level else fn
+
+
 class Output(NamedTuple):
   logits: jax.Array                 # [B, T, V] float32
   cache: Optional[KVCache]          # updated cache (None without one); a StackedKVCache
@@ -51,6 +74,7 @@ class Block(hk.Module):
   precision: Precision
   layer: int               # the layer (scanned: any layer of the one kind, e.g. 0)
   scanned: bool = False     # the body of a scan over all layers
+  remat: str = "none"       # `REMAT`: 'attention' recomputes the attention in backward
   name: Optional[str] = None
 
   def __call__(self, x_BxTxD, positions_BxT, mask, cache: Optional[LayerCache] = None,
@@ -59,8 +83,12 @@ class Block(hk.Module):
     cfg = self.config
     norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.norm_plus_one)
     h_BxTxD = norm(name="pre_attn_norm")(x_BxTxD)
-    h_BxTxD, cache = Attention(cfg, self.precision, self.layer, self.scanned, name="attn")(
-        h_BxTxD, positions_BxT, mask, cache, lengths_B)
+    attn = Attention(cfg, self.precision, self.layer, self.scanned, name="attn")
+    if cache is None:   # training: what the backward pass keeps is the remat's choice
+      h_BxTxD = _remat(lambda h: attn(h, positions_BxT, mask, None, lengths_B)[0],
+                       self.remat, "attention", self.scanned)(h_BxTxD)
+    else:
+      h_BxTxD, cache = attn(h_BxTxD, positions_BxT, mask, cache, lengths_B)
     if cfg.post_attn_norm:
       h_BxTxD = norm(name="post_attn_norm")(h_BxTxD)
     x_BxTxD = x_BxTxD + h_BxTxD
@@ -75,6 +103,7 @@ class Block(hk.Module):
 class Decoder(hk.Module):
   config: ModelConfig       # architecture
   precision: Precision      # this phase's numerics
+  remat: str = "none"       # `REMAT`, read without a cache (a train step's forward)
   name: Optional[str] = "decoder"
 
   def __call__(self, tokens_BxT, positions_BxT=None, cache: Optional[KVCache] = None,
@@ -117,9 +146,14 @@ class Decoder(hk.Module):
                         "the cache with the config that runs it.")
       new_layers = []
       for i in range(cfg.num_layers):
-        x_BxTxD, layer_cache = Block(cfg, prec, i, name=f"layer_{i}")(
-            x_BxTxD, positions_BxT, masks[cfg.window(i)],
-            cache.layers[i] if cache is not None else None, lengths_B)
+        block = Block(cfg, prec, i, remat=self.remat, name=f"layer_{i}")
+        if cache is None:
+          x_BxTxD = _remat(lambda x, b=block, m=masks[cfg.window(i)]: b(
+              x, positions_BxT, m, None, lengths_B)[0], self.remat, "block", False)(x_BxTxD)
+          layer_cache = None
+        else:
+          x_BxTxD, layer_cache = block(x_BxTxD, positions_BxT, masks[cfg.window(i)],
+                                       cache.layers[i], lengths_B)
         chex.assert_type(x_BxTxD, c)
         new_layers.append(layer_cache)
       new_cache = KVCache(layers=tuple(new_layers)) if cache is not None else None
@@ -162,11 +196,14 @@ class Decoder(hk.Module):
       # through a view that writes its new rows in place (`cache.LayerCache.layer`).
       x_BxTxD, stack = carry
       view = None if stack is None else stack.replace(layer=layer)
-      x_BxTxD, view = Block(cfg, prec, 0, scanned=True, name=layout.STACKED_BLOCK)(
+      x_BxTxD, view = Block(cfg, prec, 0, scanned=True, remat=self.remat,
+                            name=layout.STACKED_BLOCK)(
           x_BxTxD, positions_BxT, mask, view, lengths_B)
       chex.assert_type(x_BxTxD, c)
       return (x_BxTxD, None if view is None else view.replace(layer=None)), None
 
+    if cache is None:
+      block = _remat(block, self.remat, "block", True)
     scan = hk.layer_stack(cfg.num_layers, with_per_layer_inputs=True,
                           name=layout.STACKED_SCAN)
     (x_BxTxD, stack), _ = scan(block)(
@@ -175,15 +212,16 @@ class Decoder(hk.Module):
     return x_BxTxD, (None if cache is None else StackedKVCache(stack=stack))
 
 
-def transformed(config: ModelConfig) -> hk.Transformed:
+def transformed(config: ModelConfig, remat: str = "none") -> hk.Transformed:
   """Pure init/apply for `config`; apply(params, tokens, positions=None, cache=None, *,
   precision, logits_at_B=None, lengths_B=None) -> Output. `precision` is a static,
-  per-phase value."""
+  per-phase value; `remat` (`REMAT`) what a gradient of a cache-less call recomputes."""
+  check_remat(remat)
 
   def fn(tokens_BxT, positions_BxT=None, cache=None, *, precision: Precision,
          logits_at_B=None, lengths_B=None):
-    return Decoder(config, precision)(tokens_BxT, positions_BxT, cache, logits_at_B,
-                                      lengths_B)
+    return Decoder(config, precision, remat)(tokens_BxT, positions_BxT, cache, logits_at_B,
+                                             lengths_B)
 
   return hk.without_apply_rng(hk.transform(fn))
 

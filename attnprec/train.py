@@ -69,9 +69,11 @@ def make_optimizer(*, learning_rate: float = 3e-3, warmup_steps: int = 100,
                      optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
 
 
-def loss_fn(params, tokens_BxT, loss_mask_BxT, *, config: ModelConfig, precision: Precision):
-  """Mean next-token cross-entropy over the masked targets; also token accuracy."""
-  logits_BxTxV = model_lib.transformed(config).apply(
+def loss_fn(params, tokens_BxT, loss_mask_BxT, *, config: ModelConfig, precision: Precision,
+            remat: str = "none"):
+  """Mean next-token cross-entropy over the masked targets; also token accuracy. `remat`
+  (`model.REMAT`): what its gradient recomputes instead of keeping."""
+  logits_BxTxV = model_lib.transformed(config, remat).apply(
       params, tokens_BxT[:, :-1], precision=precision).logits
   targets_BxT = tokens_BxT[:, 1:]
   mask_BxT = loss_mask_BxT[:, 1:]
@@ -100,14 +102,17 @@ def eval_rng(seed: int) -> np.random.Generator:
 
 
 def make_update(config: ModelConfig, precision: Precision, optimizer, *,
-                skip_nonfinite: bool = False, faults: Optional[Faults] = None):
+                skip_nonfinite: bool = False, faults: Optional[Faults] = None,
+                remat: str = "none"):
   """The jitted train step: (state, tokens_BxT, mask_BxT) -> (state, metrics).
+  `remat` (`model.REMAT`, `train.remat`): what the backward pass recomputes.
 
   metrics: loss, accuracy, grad_norm, param_norm (after the update) and `finite` (all
   three finite). With `skip_nonfinite`, a non-finite step leaves params and optimizer
   state unchanged (a select inside the program); step and data position still advance.
   """
-  base_loss = functools.partial(loss_fn, config=config, precision=precision)
+  base_loss = functools.partial(loss_fn, config=config, precision=precision,
+                                remat=model_lib.check_remat(remat))
   faults = faults or Faults()
 
   def update(state: TrainState, tokens_BxT, loss_mask_BxT):
@@ -176,13 +181,14 @@ def check_kernel(precision: Precision) -> None:
                   seed=checks.integer(min=0), log_every=checks.at_least(1),
                   eval_every=checks.at_least(1), eval_batch=checks.at_least(1),
                   target_accuracy=checks.optional(checks.number(ge=0, le=1)),
-                  checkpoint_every=checks.at_least(1), keep_checkpoints=checks.at_least(1))
+                  checkpoint_every=checks.at_least(1), keep_checkpoints=checks.at_least(1),
+                  remat=checks.one_of(*model_lib.REMAT))
 def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
           files: Optional[dict] = None, steps: int = 600, batch_size: int = 64, seed: int = 0,
           log_every: int = 25, eval_every: int = 200, eval_batch: int = 256,
           target_accuracy: Optional[float] = None, checkpoint_every: int = 100,
           keep_checkpoints: int = 3, skip_nonfinite_steps: bool = False, plot: bool = True,
-          progress: bool = True) -> dict:
+          progress: bool = True, remat: str = "none") -> dict:
   """Trains `config` on `task` into `run_dir`, resuming from its newest checkpoint.
 
   `task` has train_batch(rng, batch) -> (tokens_BxT int32, loss_mask_BxT float32) and
@@ -193,7 +199,9 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   (the last `keep_checkpoints` kept), and at the end params.npz and metrics.png. Stops
   early once held-out token accuracy reaches `target_accuracy`. A non-finite loss or
   gradient norm stops training with NonFiniteError (or is skipped, with
-  `skip_nonfinite_steps`). Returns the last metrics.
+  `skip_nonfinite_steps`). `remat` (`model.REMAT`): what the backward pass recomputes
+  instead of keeping ('block': the residual stream alone is kept; the same numbers, more
+  FLOPs, less memory). Returns the last metrics.
   """
   faults = fault_injection()   # test-only; nothing bound in shipped gin files
   keyoffset.check(config, precision.key_offset, phase="train")
@@ -240,7 +248,8 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
       end = start
 
     update = jax.jit(make_update(config, precision, optimizer,
-                                 skip_nonfinite=skip_nonfinite_steps, faults=faults),
+                                 skip_nonfinite=skip_nonfinite_steps, faults=faults,
+                                 remat=remat),
                      out_shardings=(state_sh, sharding.NamedSharding(mesh, sharding.P())),
                      donate_argnums=0)
     eval_loss = jax.jit(functools.partial(loss_fn, config=config, precision=precision))

@@ -11,7 +11,14 @@ On a TPU it checks what can only be checked there:
            relative L2 against the float64 reference;
   flags    the cost of the flags per phase (bf16 vs bf16 + both flags: train step,
            prefill, decode step; `bench.model.flag_cost`) on SmolLM2-135M's shape with
-           random weights, its 30 layers scanned (no checkpoint travels to the TPU).
+           random weights, its 30 layers scanned (no checkpoint travels to the TPU);
+  train    Qwen2.5-0.5B's shape (random weights, scanned) train step at 1 x 4096 and
+           8 x 2048 per `train.remat` (none, attention, block): compiled memory, whether it
+           fits, step time and MFU over the measured bf16 matmul peak;
+  decode   its decode step as served (bf16 + both flags, 'auto') at batch 1 / cache 4k
+           and batch 8 / cache 1k against its HBM floor (weights + cache bytes over the
+           measured read bandwidth).
+`--parts` runs a subset (each part fits one call on a borrowed device).
 
 On a machine with an NVIDIA GPU it checks what can only be checked there:
   audit    the precision audit for 'cuda' on the compiled program (the tiny recall
@@ -208,6 +215,107 @@ def tpu_flags_part() -> dict:
           **{k: result[k] for k in ("flags_over_no_flags", "median_s")}}
 
 
+# Qwen2.5-0.5B's architecture (random weights: no checkpoint travels to a device), its 24
+# layers scanned: the whole-model parts on a TPU.
+QWEN05 = dict(vocab_size=151936, d_model=896, num_layers=24, num_heads=14, num_kv_heads=2,
+              head_dim=64, mlp_hidden=4864, max_seq_len=32768, rope_base=1e6,
+              tie_embeddings=True, qkv_bias=True, scan_layers=True)
+TRAIN_CASES = ((1, 4096), (8, 2048))
+DECODE_CASES = ((1, 4096), (8, 1024))
+
+
+def _qwen05():
+  from attnprec.config import ModelConfig
+  from attnprec.model import init_params
+  config = ModelConfig(**QWEN05)
+  return config, init_params(config, jax.random.PRNGKey(0))
+
+
+def _train_flops(config, params, B: int, T: int) -> float:
+  """A train step's model FLOPs: 3x (forward + 2 backward) the forward's matmuls, every
+  layer matrix and the unembedding per token, and causal attention's two [T, T] products
+  (half of them hidden, counted as computed: the dense kernel computes them)."""
+  from attnprec import layout
+  # a layer matrix is 2-D, or 3-D stacked [L, ...] in the scanned layout
+  dense = sum(x.size for module, group in params.items() for x in group.values()
+              if "embed" not in module
+              and x.ndim == (3 if module.startswith(layout.STACKED + "/") else 2))
+  unembed = config.d_model * config.vocab_size
+  attn = 2 * 2 * T * T * config.num_heads * config.head_dim * config.num_layers
+  return 3.0 * (2.0 * B * T * (dense + unembed) + B * attn)
+
+
+def tpu_train_part() -> dict:
+  """Qwen2.5-0.5B's train step (bf16 + both flags, the dense kernel, AdamW) per
+  `train.remat`: whether it fits (compiled memory), its time and MFU over the measured
+  bf16 matmul peak."""
+  import dataclasses as dc
+  from attnprec import train
+  from attnprec.bench import model as model_bench
+  from attnprec.model import REMAT
+  from attnprec.precision import Precision
+  config, params = _qwen05()
+  peak = model_bench.matmul_peak((4096, 4096, 4096))["bf16"]
+  optimizer = train.make_optimizer(total_steps=10)
+  state = train.TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32),
+                           jax.random.PRNGKey(0))
+  prec = Precision(dtype="bfloat16", kernel="dot_product")
+  capacity = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  out = {"model": "Qwen2.5-0.5B's shape, random weights, scan_layers",
+         "precision": prec.describe(), "bf16_peak_tflops": peak / 1e12,
+         "device_bytes": capacity, "cases": {}}
+  for B, T in TRAIN_CASES:
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (B, T + 1)),
+                         jnp.int32)
+    mask = jnp.ones((B, T + 1), jnp.float32)
+    for remat in REMAT:
+      key = f"{B}x{T} remat={remat}"
+      row = out["cases"][key] = {}
+      try:
+        t0 = time.perf_counter()
+        fn = jax.jit(train.make_update(config, prec, optimizer, remat=remat))
+        compiled = fn.lower(state, tokens, mask).compile()
+        row["compile_s"] = round(time.perf_counter() - t0, 1)
+        m = compiled.memory_analysis()
+        row["temp_gb"] = m.temp_size_in_bytes / 1e9
+        row["args_gb"] = m.argument_size_in_bytes / 1e9
+        t = _median_s(compiled, state, tokens, mask, reps=5)
+        row["step_ms"] = 1e3 * t
+        row["mfu"] = _train_flops(config, params, B, T) / t / peak
+      except Exception as e:  # noqa: BLE001 -- recorded: a step that does not fit says so
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+  return out
+
+
+def tpu_decode_part() -> dict:
+  """Qwen2.5-0.5B's decode step as served (bf16 + both flags, 'auto'), against its HBM
+  floor: the weights' and the cache's bytes over the measured read bandwidth."""
+  from attnprec.bench import model as model_bench
+  config, params = _qwen05()
+  bandwidth = model_bench.read_bandwidth(1024)
+  prec = model_bench.PRESETS["bf16_flags"]
+  out = {"model": "Qwen2.5-0.5B's shape, random weights, scan_layers",
+         "read_gbps": bandwidth / 1e9, "cases": {}}
+  steps, carried = 16, {}
+  for B, P in DECODE_CASES:
+    key = f"{B}x{P}"
+    try:
+      prompt = np.random.default_rng(0).integers(0, config.vocab_size, (B, P)).astype(np.int32)
+      case = model_bench._AttnprecCase(config, params, prec, prompt, steps, carried=carried)
+      step = statistics.median(case.decode() for _ in range(5)) / steps
+      weights = model_bench.weight_bytes(case.params)
+      cache = 2 * config.num_layers * B * (P + steps) * config.num_kv_heads * \
+          config.head_dim * 2
+      floor = (weights + cache) / bandwidth
+      out["cases"][key] = {"weights": case.weights, "precision": case.precision.describe(),
+                           "step_ms": 1e3 * step, "floor_ms": 1e3 * floor,
+                           "over_floor": step / floor, "weight_gb": weights / 1e9,
+                           "cache_gb": cache / 1e9}
+    except Exception as e:  # noqa: BLE001 -- recorded, the next case still runs
+      out["cases"][key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+  return out
+
+
 def flags_part() -> dict:
   from attnprec import checkpoints
   from attnprec.bench import model as model_bench
@@ -227,7 +335,7 @@ def to_markdown(result: dict) -> str:
   return "\n".join(lines)
 
 
-PARTS = ("audit", "kernels", "flags")
+PARTS = ("audit", "kernels", "flags", "train", "decode")
 
 
 def check(out_dir: str, wanted=PARTS) -> int:
@@ -243,7 +351,10 @@ def check(out_dir: str, wanted=PARTS) -> int:
   parts = (("audit", f"audit ({platform}, compiled)", lambda: audit_part(platform)),
            ("kernels", "kernels", tpu_kernels_part if platform == "tpu" else kernels_part),
            ("flags", "flag cost per phase",
-            tpu_flags_part if platform == "tpu" else flags_part))
+            tpu_flags_part if platform == "tpu" else flags_part),
+           ("train", "train step per remat (Qwen2.5-0.5B's shape)", tpu_train_part),
+           ("decode", "decode step against its HBM floor (Qwen2.5-0.5B's shape)",
+            tpu_decode_part))
   parts = [(name, part) for key, name, part in parts if key in wanted]
   runs.ensure_dir(out_dir)
   for name, part in parts:

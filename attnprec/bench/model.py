@@ -191,10 +191,13 @@ class _AttnprecCase:
       if key not in carried:
         carried[key], _ = decoding.for_serving(params, precision)
       self.params, precision = carried[key], serving
-      self.weights = "carried" if precision.carrier_weights else "float32"
+      self.weights = ("carried" if precision.carrier_weights else
+                      f"{jnp.dtype(precision.compute_dtype).name}-stored"
+                      if precision.stored_weights else "float32")
     else:   # "cast": float32, cast at each use; "stored": in the compute dtype
       self.params = decoding.compute_params(params, precision) if weights == "stored" else \
           params
+    self.precision = precision          # as the programs run it (serving: its weights)
     self.prompt = jnp.asarray(prompt_BxP)
     self.lengths = jnp.full((B,), P, jnp.int32)
     # the prefill reads what `generate` gives it (`decoding.prefill_params`: with carried

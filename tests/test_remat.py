@@ -1,0 +1,83 @@
+"""`train.remat`: what the backward pass recomputes ('none', 'attention', 'block').
+
+Recomputation runs the same forward program: float32 gradients are bit for bit those
+without remat, bf16 ones within one bf16 rounding of them (the recomputed forward lands
+in other fusions, so gradient sums may round in another order), and the lowered program
+has no dot of a kind the one without remat lacks (operand and result types, precision).
+What it buys is memory: the compiled train step's temporaries shrink from 'none' to
+'attention' to 'block' (XLA:CPU's memory analysis, scanned layers: the form the large
+models train in)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnprec import train
+from attnprec.config import ModelConfig
+from attnprec.errors import UserError
+from attnprec.model import REMAT, init_params, transformed
+from attnprec.precision import Precision
+
+T = 128   # long enough that the attention's [T, S] logits matter
+
+
+def _config(scan: bool) -> ModelConfig:
+  return ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=8, mlp_hidden=64, max_seq_len=T + 1, scan_layers=scan)
+
+
+def _grad_fn(config, dtype, remat):
+  """The loss's gradient under `remat`, jitted, dense kernel (its logits are kept)."""
+  prec = Precision(dtype=dtype, kernel="dot_product")
+  return jax.jit(jax.grad(lambda p, t, m: train.loss_fn(p, t, m, config=config,
+                                                        precision=prec, remat=remat)[0]))
+
+
+def _batch():
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T + 1))
+  return jnp.asarray(tokens, jnp.int32), jnp.ones((2, T + 1), jnp.float32)
+
+
+def _dot_kinds(text: str) -> set:
+  """(operand and result element types, precision) of every dot_general in StableHLO."""
+  kinds = set()
+  for line in text.splitlines():
+    if "stablehlo.dot_general" not in line:
+      continue
+    sig = line.rsplit(" : ", 1)[1]
+    types = tuple(re.findall(r"x([a-z]+\d*)>", sig))
+    prec = re.search(r"precision = \[([^\]]*)\]", line)
+    kinds.add((types, prec.group(1) if prec else ""))
+  return kinds
+
+
+@pytest.mark.parametrize("scan,dtype", [(False, "float32"), (True, "bfloat16")],
+                         ids=["unrolled-float32", "scanned-bfloat16"])
+def test_remat_recomputes_the_same_numbers_in_less_memory(scan, dtype):
+  config = _config(scan)
+  params = init_params(config, jax.random.PRNGKey(0))
+  args = (params,) + _batch()
+  programs = {r: _grad_fn(config, dtype, r).lower(*args) for r in REMAT}
+  kinds = {r: _dot_kinds(p.as_text()) for r, p in programs.items()}
+  compiled = {r: p.compile() for r, p in programs.items()}
+  assert kinds["none"], "no dot_general read: the comparison below would check nothing"
+  want = jax.tree.leaves(compiled["none"](*args))
+  for remat in ("attention", "block"):
+    assert kinds[remat] == kinds["none"], remat
+    for g, w in zip(jax.tree.leaves(compiled[remat](*args)), want):
+      if dtype == "float32":
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+      else:   # float32 sums of bf16 products, in other fusions: one bf16 rounding
+        scale = float(np.abs(np.asarray(w)).max())
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0,
+                                   atol=2.0 ** -8 * max(scale, 1e-30))
+  if scan:
+    temp = {r: c.memory_analysis().temp_size_in_bytes for r, c in compiled.items()}
+    assert temp["block"] < temp["attention"] < temp["none"], temp
+
+
+def test_a_remat_choice_that_is_not_one_is_refused():
+  with pytest.raises(UserError, match=r"train.remat = 'blocks'.*'none', 'attention', 'block'"):
+    transformed(_config(False), "blocks")
