@@ -13,7 +13,8 @@ On a TPU it checks what can only be checked there:
            prefill, decode step; `bench.model.flag_cost`) on SmolLM2-135M's shape with
            random weights, its 30 layers scanned (no checkpoint travels to the TPU);
   train    Qwen2.5-0.5B's shape (random weights, scanned) train step at 1 x 4096 and
-           8 x 2048 per `train.remat` (none, attention, block): compiled memory, whether it
+           8 x 2048, dense and blockwise kernels, per `train.remat` (none, attention,
+           block): compiled memory, whether it
            fits, step time and MFU over the measured bf16 matmul peak;
   decode   its decode step as served (bf16 + both flags, 'auto') at batch 1 / cache 4k
            and batch 8 / cache 1k against its HBM floor (weights + cache bytes over the
@@ -39,6 +40,7 @@ nothing.
 Exit codes: 0 done (also: no GPU), 2 bad input, 3 the cuda audit found a mismatch, 1 a
 crash (attnprec.cli).
 """
+import itertools
 import json
 import os
 import statistics
@@ -221,6 +223,7 @@ QWEN05 = dict(vocab_size=151936, d_model=896, num_layers=24, num_heads=14, num_k
               head_dim=64, mlp_hidden=4864, max_seq_len=32768, rope_base=1e6,
               tie_embeddings=True, qkv_bias=True, scan_layers=True)
 TRAIN_CASES = ((1, 4096), (8, 2048))
+TRAIN_KERNELS = ("dot_product", "blockwise")
 DECODE_CASES = ((1, 4096), (8, 1024))
 
 
@@ -234,21 +237,22 @@ def _qwen05():
 def _train_flops(config, params, B: int, T: int) -> float:
   """A train step's model FLOPs: 3x (forward + 2 backward) the forward's matmuls, every
   layer matrix and the unembedding per token, and causal attention's two [T, T] products
-  (half of them hidden, counted as computed: the dense kernel computes them)."""
+  over the visible half (the useful work; the dense kernel computes the hidden half too,
+  so its MFU understates what it multiplies)."""
   from attnprec import layout
   # a layer matrix is 2-D, or 3-D stacked [L, ...] in the scanned layout
   dense = sum(x.size for module, group in params.items() for x in group.values()
               if "embed" not in module
               and x.ndim == (3 if module.startswith(layout.STACKED + "/") else 2))
   unembed = config.d_model * config.vocab_size
-  attn = 2 * 2 * T * T * config.num_heads * config.head_dim * config.num_layers
+  attn = 2 * T * T * config.num_heads * config.head_dim * config.num_layers   # causal
   return 3.0 * (2.0 * B * T * (dense + unembed) + B * attn)
 
 
 def tpu_train_part() -> dict:
-  """Qwen2.5-0.5B's train step (bf16 + both flags, the dense kernel, AdamW) per
-  `train.remat`: whether it fits (compiled memory), its time and MFU over the measured
-  bf16 matmul peak."""
+  """Qwen2.5-0.5B's train step (bf16 + both flags, AdamW) per kernel (the dense one and
+  blockwise, which keeps no [T, S] logits) and `train.remat`: whether it fits (compiled
+  memory), its time and MFU over the measured bf16 matmul peak."""
   import dataclasses as dc
   from attnprec import train
   from attnprec.bench import model as model_bench
@@ -259,17 +263,17 @@ def tpu_train_part() -> dict:
   optimizer = train.make_optimizer(total_steps=10)
   state = train.TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32),
                            jax.random.PRNGKey(0))
-  prec = Precision(dtype="bfloat16", kernel="dot_product")
   capacity = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
   out = {"model": "Qwen2.5-0.5B's shape, random weights, scan_layers",
-         "precision": prec.describe(), "bf16_peak_tflops": peak / 1e12,
+         "precision": Precision(dtype="bfloat16").describe(), "bf16_peak_tflops": peak / 1e12,
          "device_bytes": capacity, "cases": {}}
   for B, T in TRAIN_CASES:
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (B, T + 1)),
                          jnp.int32)
     mask = jnp.ones((B, T + 1), jnp.float32)
-    for remat in REMAT:
-      key = f"{B}x{T} remat={remat}"
+    for kernel, remat in itertools.product(TRAIN_KERNELS, REMAT):
+      prec = Precision(dtype="bfloat16", kernel=kernel)
+      key = f"{B}x{T} {kernel} remat={remat}"
       row = out["cases"][key] = {}
       try:
         t0 = time.perf_counter()

@@ -73,7 +73,10 @@ def test_remat_recomputes_the_same_numbers_in_less_memory(scan, dtype):
         scale = float(np.abs(np.asarray(w)).max())
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0,
                                    atol=2.0 ** -8 * max(scale, 1e-30))
-  if scan:
+  if scan and jax.default_backend() == "cpu":
+    # A TPU's analysis of a program this small reports no temporaries at all (0 for each,
+    # measured on a v5e); there the memory is measured at Qwen2.5-0.5B's size instead
+    # (`make device-check ARGS=--parts=train`, results/tpu-device-check).
     temp = {r: c.memory_analysis().temp_size_in_bytes for r, c in compiled.items()}
     assert temp["block"] < temp["attention"] < temp["none"], temp
 
