@@ -63,9 +63,31 @@ def _remat(fn, remat: str, level: str, scanned: bool):
 
 
 class Output(NamedTuple):
-  logits: jax.Array                 # [B, T, V] float32
+  logits: Optional[jax.Array]       # [B, T, V] float32 (None when `hidden_only`)
   cache: Optional[KVCache]          # updated cache (None without one); a StackedKVCache
                                     # with model.scan_layers
+  hidden: Optional[jax.Array] = None  # [B, T, D] after the final norm, when `hidden_only`
+
+
+def unembed(x_BxTxD, w_DxV, config: ModelConfig, precision: Precision) -> jax.Array:
+  """The logits [B, T, V] float32 of final-norm outputs: the one unembedding every caller
+  runs (the decoder's own, and a loss that unembeds a chunk of tokens at a time)."""
+  logits_BxTxV = project(x_BxTxD, w_DxV, "BTD,DV->BTV", precision=precision.matmul,
+                         carrier=precision.carrier_weights, out_dtype=jnp.float32,
+                         form=projection_form(precision))
+  if config.final_logit_soft_cap is not None:
+    cap = config.final_logit_soft_cap
+    logits_BxTxV = cap * jnp.tanh(logits_BxTxV / cap)
+  chex.assert_type(logits_BxTxV, jnp.float32)
+  return logits_BxTxV
+
+
+def unembedding(params, config: ModelConfig) -> jax.Array:
+  """The unembedding matrix [D, V] float32 in `params` (the embedding's transpose when
+  tied)."""
+  if config.tie_embeddings:
+    return params["decoder/embed"]["embeddings"].T
+  return params["decoder/unembed"]["w"]
 
 
 @dataclasses.dataclass
@@ -107,7 +129,8 @@ class Decoder(hk.Module):
   name: Optional[str] = "decoder"
 
   def __call__(self, tokens_BxT, positions_BxT=None, cache: Optional[KVCache] = None,
-               logits_at_B: Optional[jax.Array] = None, lengths_B=None) -> Output:
+               logits_at_B: Optional[jax.Array] = None, lengths_B=None,
+               hidden_only: bool = False) -> Output:
     """lengths_B: each sequence's real tokens (a right-padded prompt; None: all T), read
     only by the 'prefill_mean' key offset (`attnprec.keyoffset`).
 
@@ -168,14 +191,10 @@ class Decoder(hk.Module):
       with hk.name_scope("unembed"):
         w_DxV = hk.get_parameter("w", (cfg.d_model, cfg.vocab_size), jnp.float32,
                                  init=hk.initializers.VarianceScaling(1.0, "fan_in", "normal"))
-    logits_BxTxV = project(x_BxTxD, w_DxV, "BTD,DV->BTV", precision=prec.matmul,
-                           carrier=prec.carrier_weights, out_dtype=jnp.float32,
-                           form=projection_form(prec))
-    if cfg.final_logit_soft_cap is not None:
-      cap = cfg.final_logit_soft_cap
-      logits_BxTxV = cap * jnp.tanh(logits_BxTxV / cap)
+    if hidden_only:
+      return Output(None, new_cache, x_BxTxD)
+    logits_BxTxV = unembed(x_BxTxD, w_DxV, cfg, prec)
     chex.assert_shape(logits_BxTxV, (B, T, cfg.vocab_size))
-    chex.assert_type(logits_BxTxV, jnp.float32)
     return Output(logits_BxTxV, new_cache)
 
   @hk.transparent
@@ -214,14 +233,14 @@ class Decoder(hk.Module):
 
 def transformed(config: ModelConfig, remat: str = "none") -> hk.Transformed:
   """Pure init/apply for `config`; apply(params, tokens, positions=None, cache=None, *,
-  precision, logits_at_B=None, lengths_B=None) -> Output. `precision` is a static,
+  precision, logits_at_B=None, lengths_B=None, hidden_only=False) -> Output. `precision` is a static,
   per-phase value; `remat` (`REMAT`) what a gradient of a cache-less call recomputes."""
   check_remat(remat)
 
   def fn(tokens_BxT, positions_BxT=None, cache=None, *, precision: Precision,
-         logits_at_B=None, lengths_B=None):
+         logits_at_B=None, lengths_B=None, hidden_only=False):
     return Decoder(config, precision, remat)(tokens_BxT, positions_BxT, cache, logits_at_B,
-                                             lengths_B)
+                                             lengths_B, hidden_only)
 
   return hk.without_apply_rng(hk.transform(fn))
 

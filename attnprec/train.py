@@ -69,20 +69,50 @@ def make_optimizer(*, learning_rate: float = 3e-3, warmup_steps: int = 100,
                      optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
 
 
-def loss_fn(params, tokens_BxT, loss_mask_BxT, *, config: ModelConfig, precision: Precision,
-            remat: str = "none"):
-  """Mean next-token cross-entropy over the masked targets; also token accuracy. `remat`
-  (`model.REMAT`): what its gradient recomputes instead of keeping."""
-  logits_BxTxV = model_lib.transformed(config, remat).apply(
-      params, tokens_BxT[:, :-1], precision=precision).logits
-  targets_BxT = tokens_BxT[:, 1:]
-  mask_BxT = loss_mask_BxT[:, 1:]
+def _loss_sums(logits_BxTxV, targets_BxT, mask_BxT):
+  """(sum of masked next-token NLL, count of masked correct argmaxes), float32."""
   logp_BxTxV = jax.nn.log_softmax(logits_BxTxV, axis=-1)
   nll_BxT = -jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+  correct_BxT = jnp.argmax(logits_BxTxV, -1) == targets_BxT
+  return (nll_BxT * mask_BxT).sum(), (correct_BxT * mask_BxT).sum()
+
+
+def loss_fn(params, tokens_BxT, loss_mask_BxT, *, config: ModelConfig, precision: Precision,
+            remat: str = "none", loss_chunk: int = 0):
+  """Mean next-token cross-entropy over the masked targets; also token accuracy. `remat`
+  (`model.REMAT`): what its gradient recomputes instead of keeping. `loss_chunk` > 0:
+  the unembedding, softmax and NLL run over that many tokens of each sequence at a time,
+  each chunk recomputed in the backward pass, so the float32 [B, T, V] logits never
+  exist whole (with a large vocabulary the largest tensor of a train step); the same
+  products, the sums in another order."""
+  model = model_lib.transformed(config, remat)
+  inputs_BxT, targets_BxT = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
+  mask_BxT = loss_mask_BxT[:, 1:]
+  if not loss_chunk:
+    logits_BxTxV = model.apply(params, inputs_BxT, precision=precision).logits
+    nll, correct = _loss_sums(logits_BxTxV, targets_BxT, mask_BxT)
+  else:
+    h_BxTxD = model.apply(params, inputs_BxT, precision=precision, hidden_only=True).hidden
+    w_DxV = model_lib.unembedding(params, config)
+    B, T, D = h_BxTxD.shape
+    n = -(-T // loss_chunk)
+    pad = n * loss_chunk - T            # padded tokens are masked out
+
+    def chunks(x):
+      x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+      return jnp.swapaxes(x.reshape((B, n, loss_chunk) + x.shape[2:]), 0, 1)
+
+    @jax.checkpoint
+    def chunk_sums(args):
+      h_BxCxD, t_BxC, m_BxC = args
+      return _loss_sums(model_lib.unembed(h_BxCxD, w_DxV, config, precision), t_BxC, m_BxC)
+
+    nll_N, correct_N = jax.lax.map(chunk_sums, (chunks(h_BxTxD), chunks(targets_BxT),
+                                                chunks(mask_BxT)))
+    nll, correct = nll_N.sum(), correct_N.sum()
   denom = jnp.maximum(mask_BxT.sum(), 1.0)
-  loss = (nll_BxT * mask_BxT).sum() / denom
-  acc = ((jnp.argmax(logits_BxTxV, -1) == targets_BxT) * mask_BxT).sum() / denom
-  return loss, {"loss": loss, "accuracy": acc}
+  loss = nll / denom
+  return loss, {"loss": loss, "accuracy": correct / denom}
 
 
 def init_state(config: ModelConfig, optimizer, seed: int) -> TrainState:
@@ -103,16 +133,17 @@ def eval_rng(seed: int) -> np.random.Generator:
 
 def make_update(config: ModelConfig, precision: Precision, optimizer, *,
                 skip_nonfinite: bool = False, faults: Optional[Faults] = None,
-                remat: str = "none"):
+                remat: str = "none", loss_chunk: int = 0):
   """The jitted train step: (state, tokens_BxT, mask_BxT) -> (state, metrics).
-  `remat` (`model.REMAT`, `train.remat`): what the backward pass recomputes.
+  `remat` (`model.REMAT`, `train.remat`): what the backward pass recomputes;
+  `loss_chunk` (`train.loss_chunk`): tokens per chunk of the loss's unembedding (0: all).
 
   metrics: loss, accuracy, grad_norm, param_norm (after the update) and `finite` (all
   three finite). With `skip_nonfinite`, a non-finite step leaves params and optimizer
   state unchanged (a select inside the program); step and data position still advance.
   """
   base_loss = functools.partial(loss_fn, config=config, precision=precision,
-                                remat=model_lib.check_remat(remat))
+                                remat=model_lib.check_remat(remat), loss_chunk=loss_chunk)
   faults = faults or Faults()
 
   def update(state: TrainState, tokens_BxT, loss_mask_BxT):
@@ -182,13 +213,13 @@ def check_kernel(precision: Precision) -> None:
                   eval_every=checks.at_least(1), eval_batch=checks.at_least(1),
                   target_accuracy=checks.optional(checks.number(ge=0, le=1)),
                   checkpoint_every=checks.at_least(1), keep_checkpoints=checks.at_least(1),
-                  remat=checks.one_of(*model_lib.REMAT))
+                  remat=checks.one_of(*model_lib.REMAT), loss_chunk=checks.integer(min=0))
 def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
           files: Optional[dict] = None, steps: int = 600, batch_size: int = 64, seed: int = 0,
           log_every: int = 25, eval_every: int = 200, eval_batch: int = 256,
           target_accuracy: Optional[float] = None, checkpoint_every: int = 100,
           keep_checkpoints: int = 3, skip_nonfinite_steps: bool = False, plot: bool = True,
-          progress: bool = True, remat: str = "none") -> dict:
+          progress: bool = True, remat: str = "none", loss_chunk: int = 0) -> dict:
   """Trains `config` on `task` into `run_dir`, resuming from its newest checkpoint.
 
   `task` has train_batch(rng, batch) -> (tokens_BxT int32, loss_mask_BxT float32) and
@@ -201,7 +232,8 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   gradient norm stops training with NonFiniteError (or is skipped, with
   `skip_nonfinite_steps`). `remat` (`model.REMAT`): what the backward pass recomputes
   instead of keeping ('block': the residual stream alone is kept; the same numbers, more
-  FLOPs, less memory). Returns the last metrics.
+  FLOPs, less memory); `loss_chunk` > 0: the loss unembeds that many tokens at a time
+  (`loss_fn`). Returns the last metrics.
   """
   faults = fault_injection()   # test-only; nothing bound in shipped gin files
   keyoffset.check(config, precision.key_offset, phase="train")
@@ -249,10 +281,11 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
 
     update = jax.jit(make_update(config, precision, optimizer,
                                  skip_nonfinite=skip_nonfinite_steps, faults=faults,
-                                 remat=remat),
+                                 remat=remat, loss_chunk=loss_chunk),
                      out_shardings=(state_sh, sharding.NamedSharding(mesh, sharding.P())),
                      donate_argnums=0)
-    eval_loss = jax.jit(functools.partial(loss_fn, config=config, precision=precision))
+    eval_loss = jax.jit(functools.partial(loss_fn, config=config, precision=precision,
+                                          loss_chunk=loss_chunk))
     draw_eval = getattr(task, "eval_batch", task.train_batch)
     eval_data = [sharding.put_batch(mesh, x) for x in draw_eval(eval_rng(seed), eval_batch)]
 

@@ -14,7 +14,7 @@ On a TPU it checks what can only be checked there:
            random weights, its 30 layers scanned (no checkpoint travels to the TPU);
   train    Qwen2.5-0.5B's shape (random weights, scanned) train step at 1 x 4096 and
            8 x 2048, dense and blockwise kernels, per `train.remat` (none, attention,
-           block): compiled memory, whether it
+           block) and `train.loss_chunk` (0, 1024): compiled memory, whether it
            fits, step time and MFU over the measured bf16 matmul peak;
   decode   its decode step as served (bf16 + both flags, 'auto') at batch 1 / cache 4k
            and batch 8 / cache 1k against its HBM floor (weights + cache bytes over the
@@ -40,7 +40,6 @@ nothing.
 Exit codes: 0 done (also: no GPU), 2 bad input, 3 the cuda audit found a mismatch, 1 a
 crash (attnprec.cli).
 """
-import itertools
 import json
 import os
 import statistics
@@ -223,7 +222,11 @@ QWEN05 = dict(vocab_size=151936, d_model=896, num_layers=24, num_heads=14, num_k
               head_dim=64, mlp_hidden=4864, max_seq_len=32768, rope_base=1e6,
               tie_embeddings=True, qkv_bias=True, scan_layers=True)
 TRAIN_CASES = ((1, 4096), (8, 2048))
-TRAIN_KERNELS = ("dot_product", "blockwise")
+# (kernel, train.remat, train.loss_chunk) per row: what each buys, one at a time
+TRAIN_ROWS = (("dot_product", "none", 0), ("dot_product", "attention", 0),
+              ("dot_product", "block", 0), ("blockwise", "block", 0),
+              ("dot_product", "attention", 1024), ("dot_product", "block", 1024),
+              ("blockwise", "block", 1024))
 DECODE_CASES = ((1, 4096), (8, 1024))
 
 
@@ -250,13 +253,13 @@ def _train_flops(config, params, B: int, T: int) -> float:
 
 
 def tpu_train_part() -> dict:
-  """Qwen2.5-0.5B's train step (bf16 + both flags, AdamW) per kernel (the dense one and
-  blockwise, which keeps no [T, S] logits) and `train.remat`: whether it fits (compiled
-  memory), its time and MFU over the measured bf16 matmul peak."""
+  """Qwen2.5-0.5B's train step (bf16 + both flags, AdamW) per `TRAIN_ROWS`: kernel (the
+  dense one, or blockwise, which keeps no [T, S] logits), `train.remat` and
+  `train.loss_chunk`: whether it fits (compiled memory), its time and MFU over the
+  measured bf16 matmul peak."""
   import dataclasses as dc
   from attnprec import train
   from attnprec.bench import model as model_bench
-  from attnprec.model import REMAT
   from attnprec.precision import Precision
   config, params = _qwen05()
   peak = model_bench.matmul_peak((4096, 4096, 4096))["bf16"]
@@ -271,13 +274,14 @@ def tpu_train_part() -> dict:
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (B, T + 1)),
                          jnp.int32)
     mask = jnp.ones((B, T + 1), jnp.float32)
-    for kernel, remat in itertools.product(TRAIN_KERNELS, REMAT):
+    for kernel, remat, chunk in TRAIN_ROWS:
       prec = Precision(dtype="bfloat16", kernel=kernel)
-      key = f"{B}x{T} {kernel} remat={remat}"
+      key = f"{B}x{T} {kernel} remat={remat} loss_chunk={chunk}"
       row = out["cases"][key] = {}
       try:
         t0 = time.perf_counter()
-        fn = jax.jit(train.make_update(config, prec, optimizer, remat=remat))
+        fn = jax.jit(train.make_update(config, prec, optimizer, remat=remat,
+                                       loss_chunk=chunk))
         compiled = fn.lower(state, tokens, mask).compile()
         row["compile_s"] = round(time.perf_counter() - t0, 1)
         m = compiled.memory_analysis()
