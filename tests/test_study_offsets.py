@@ -111,7 +111,8 @@ def test_the_model_returns_logits_and_cache_only(setup):
   params, tokens, cfg, _, _ = setup
   apply = model_lib.transformed(cfg).apply
   plain = apply(params, tokens, precision=REFERENCE)
-  assert plain._fields == ("logits", "cache")
+  # `hidden` is filled only when a loss asks for it (`hidden_only`), never by a probe
+  assert plain._fields == ("logits", "cache", "hidden") and plain.hidden is None
   logits, attn, queries = measure.collect(cfg, params, tokens, REFERENCE)
   np.testing.assert_array_equal(np.asarray(logits), np.asarray(plain.logits))
   assert len(attn) == len(queries) == cfg.num_layers
