@@ -5,7 +5,8 @@ same file `--gin_file=gin/precision/bf16.gin` binds for a runner. The study and 
 evals read it with gin's own parser (`gin.config_parser`), not into gin's global config,
 so a sweep can hold many at once: one road from a preset file to a `Precision`, with
 gin's syntax. Fields a file leaves out take `Precision`'s defaults. A name is a file stem
-in gin/precision/ ('bf16') or a path to such a file.
+in gin/precision/ ('bf16') or a path to such a file. The benches' named configurations
+are `variant`s of these files (one registry: a precision is written once, in its file).
 """
 import dataclasses
 import glob
@@ -88,6 +89,24 @@ def load_preset(name: str) -> Tuple[str, Precision]:
   path = preset_path(name)
   short = os.path.splitext(os.path.basename(path))[0]
   return short, Precision(**bindings(path))
+
+
+def variant(name: str, **overrides) -> Precision:
+  """The preset `name` with fields it leaves unbound set (the kernel, the projection form,
+  the key offset, ...): how the benches name a variation of a gin preset, so each
+  precision is written once, in its file. Setting a field the file binds is refused: a
+  variant of 'bf16' cannot quietly be another precision."""
+  path = preset_path(name)
+  bound = bindings(path)
+  clash = sorted(set(overrides) & set(bound))
+  if clash:
+    raise UserError(f"A variant of precision preset {name!r} sets "
+                    f"{', '.join(f'{k}={overrides[k]!r}' for k in clash)}, which {path} "
+                    f"binds ({', '.join(f'{k}={bound[k]!r}' for k in clash)}). A variant "
+                    f"may set only fields its preset leaves unbound: "
+                    f"{', '.join(f for f in _fields() if f not in bound)}; for another "
+                    f"precision, start from another preset ({', '.join(available())}).")
+  return Precision(**bound, **overrides)
 
 
 def load_sweep(names, extra=()) -> List[Tuple[str, Precision]]:

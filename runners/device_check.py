@@ -80,16 +80,14 @@ def _median_s(fn, *args, reps: int = 20) -> float:
 def audit_part(platform: str = "cuda") -> dict:
   from attnprec import audit
   from attnprec.config import ModelConfig
-  from attnprec.precision import Precision
+  from attnprec.presets import variant
   config = ModelConfig(vocab_size=13, d_model=16, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=8, mlp_hidden=32, max_seq_len=64)
-  safe = Precision(dtype="bfloat16")
-  presets = [("fp32_attention", safe),
-             ("highest", Precision(dtype="float32", einsum_precision="highest",
-                                   matmul_precision="highest"))]
+  safe = variant("fp32_attention")
+  presets = [("fp32_attention", safe), ("highest", variant("highest"))]
   if platform == "tpu":
-    presets += [("blockwise", Precision(dtype="bfloat16", kernel="blockwise")),
-                ("pallas", Precision(dtype="bfloat16", kernel="pallas"))]
+    presets += [("blockwise", variant("fp32_attention", kernel="blockwise")),
+                ("pallas", variant("fp32_attention", kernel="pallas"))]
   out = {}
   for name, p in presets:
     train = safe if p.kernel == "pallas" else p
@@ -101,7 +99,7 @@ def audit_part(platform: str = "cuda") -> dict:
       out[name]["mosaic"] = audit.mosaic_table(r)
   if platform == "tpu":
     # the bf16 program's compiled text held to fp32_attention's contract: must FAIL
-    bf16 = Precision(dtype="bfloat16", float32_qk_product=False, float32_logits=False)
+    bf16 = variant("bf16")
     traced = audit.trace_programs(config, bf16, bf16, platform=platform)
     texts = {ph: t.lower().compile().as_text() for ph, (_, t) in traced.items()}
     r = audit.run_audit(config, safe, safe, platform=platform, compiled_texts=texts)
@@ -112,7 +110,7 @@ def audit_part(platform: str = "cuda") -> dict:
 
 def kernels_part() -> dict:
   from attnprec import contract, kernels
-  from attnprec.precision import Precision
+  from attnprec.presets import variant
   B, S, N, K, H = (SHAPE[x] for x in "BSNKH")
   rng = np.random.default_rng(0)
   q, k, v = (rng.standard_normal((B, S, n, H)).astype(np.float32) for n in (N, K, K))
@@ -123,7 +121,7 @@ def kernels_part() -> dict:
   for name in ("dot_product", "pallas"):
     if name not in kernels.NAMES:
       continue
-    prec = Precision(dtype="bfloat16", kernel=name)
+    prec = variant("fp32_attention", kernel=name)
     fns[name] = jax.jit(lambda q, k, v, prec=prec: kernels.attend(
         prec, q, k, v, mask=contract.CausalMask(pos, pos)))
   fns["jax_nn_cudnn"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
@@ -165,7 +163,7 @@ TPU_SHAPE = dict(B=1, S=2048, N=28, K=4, H=128)
 def tpu_kernels_part() -> dict:
   """Qwen2-7B's attention shape on the TPU: attnprec's kernels and jax's splash."""
   from attnprec import contract, kernels
-  from attnprec.precision import Precision
+  from attnprec.presets import variant
   from jax.experimental.pallas.ops.tpu.splash_attention import (
       splash_attention_kernel as splash, splash_attention_mask as masks)
   B, S, N, K, H = (TPU_SHAPE[x] for x in "BSNKH")
@@ -180,8 +178,7 @@ def tpu_kernels_part() -> dict:
                                ("dot_product both flags", "dot_product", True),
                                ("blockwise both flags", "blockwise", True),
                                ("pallas both flags", "pallas", True)):
-    prec = Precision(dtype="bfloat16", kernel=kernel, float32_qk_product=flags,
-                     float32_logits=flags)
+    prec = variant("fp32_attention" if flags else "bf16", kernel=kernel)
     fns[label] = jax.jit(lambda q, k, v, prec=prec: kernels.attend(
         prec, q, k, v, mask=contract.CausalMask(pos, pos)))
   kernel = splash.make_splash_mha(masks.MultiHeadMask([masks.CausalMask((S, S))] * N),
@@ -260,7 +257,7 @@ def tpu_train_part() -> dict:
   import dataclasses as dc
   from attnprec import train
   from attnprec.bench import model as model_bench
-  from attnprec.precision import Precision
+  from attnprec.presets import variant
   config, params = _qwen05()
   peak = model_bench.matmul_peak((4096, 4096, 4096))["bf16"]
   optimizer = train.make_optimizer(total_steps=10)
@@ -268,14 +265,14 @@ def tpu_train_part() -> dict:
                            jax.random.PRNGKey(0))
   capacity = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
   out = {"model": "Qwen2.5-0.5B's shape, random weights, scan_layers",
-         "precision": Precision(dtype="bfloat16").describe(), "bf16_peak_tflops": peak / 1e12,
+         "precision": variant("fp32_attention").describe(), "bf16_peak_tflops": peak / 1e12,
          "device_bytes": capacity, "cases": {}}
   for B, T in TRAIN_CASES:
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (B, T + 1)),
                          jnp.int32)
     mask = jnp.ones((B, T + 1), jnp.float32)
     for kernel, remat, chunk in TRAIN_ROWS:
-      prec = Precision(dtype="bfloat16", kernel=kernel)
+      prec = variant("fp32_attention", kernel=kernel)
       key = f"{B}x{T} {kernel} remat={remat} loss_chunk={chunk}"
       row = out["cases"][key] = {}
       try:

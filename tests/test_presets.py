@@ -47,3 +47,43 @@ def test_preset_defaults_and_comments(tmp_path):
                   "precision.float32_logits = False\n")
   assert presets.load_preset(str(path)) == (
       "mine", Precision(dtype="bfloat16", float32_logits=False))
+
+
+def test_a_variant_sets_only_what_its_preset_leaves_unbound():
+  """`presets.variant`: the benches' named configurations are gin presets plus fields the
+  file does not bind; one that would redefine the preset's precision is refused."""
+  v = presets.variant("bf16", kernel="blockwise", key_offset="bias")
+  assert v == Precision(dtype="bfloat16", float32_qk_product=False, float32_logits=False,
+                        kernel="blockwise", key_offset="bias")
+  with pytest.raises(UserError, match=r"variant of precision preset 'bf16' sets "
+                     r"float32_logits=True, which .*bf16.gin binds \(float32_logits=False\)"
+                     r".*may set only fields .*kernel"):
+    presets.variant("bf16", float32_logits=True)
+
+
+def test_no_bench_restates_a_precision():
+  """One registry: no `Precision(...)` in the benches or the device check sets a field a
+  gin preset binds (dtype, the flags, einsum / matmul precision, the cache's dtypes and
+  scales); they name a preset (`presets.variant`) instead. Read from the source (ast)."""
+  import ast
+  import glob
+  import os
+  root = os.path.dirname(os.path.dirname(os.path.abspath(presets.__file__)))
+  bound = set().union(*(presets.bindings(presets.preset_path(n))
+                        for n in presets.available()))
+  assert {"dtype", "float32_qk_product", "float32_logits"} <= bound
+  files = sorted(glob.glob(os.path.join(root, "attnprec", "bench", "*.py"))) + \
+      [os.path.join(root, "runners", "device_check.py")]
+  restated, calls = [], 0
+  for path in files:
+    with open(path) as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Precision":
+        calls += 1
+        named = {k.arg for k in node.keywords if k.arg} & bound
+        if named:
+          restated.append(f"{os.path.relpath(path, root)}:{node.lineno} sets "
+                          f"{sorted(named)}")
+  assert calls, "no Precision(...) call read: the check would find nothing"
+  assert not restated, restated

@@ -37,18 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnprec import kernels as kernel_lib
-from attnprec import plotting
+from attnprec import plotting, presets
 from attnprec.contract import CausalMask
 from attnprec.errors import UserError
 from attnprec.precision import Precision
 
+# The attention flags' settings, as the gin presets (gin/precision/) bind them.
 PRESETS: Dict[str, dict] = {
-    "bf16": dict(dtype="bfloat16", float32_qk_product=False, float32_logits=False),
-    "fp32_qk": dict(dtype="bfloat16", float32_qk_product=True, float32_logits=False),
-    "fp32_logits": dict(dtype="bfloat16", float32_qk_product=False, float32_logits=True),
-    "fp32_attention": dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True),
-    "fp32": dict(dtype="float32", float32_qk_product=True, float32_logits=True),
-}
+    name: presets.bindings(presets.preset_path(name))
+    for name in ("bf16", "fp32_qk", "fp32_logits", "fp32_attention", "fp32")}
 # Every registered kernel but 'pallas' by default: on CPU Pallas runs in its interpreter
 # (a correctness path, not a speed one); `--kernels=pallas` still benches it.
 KERNELS = tuple(k for k in kernel_lib.NAMES if k != "pallas")

@@ -38,9 +38,9 @@ import numpy as np
 
 from attnprec import contract, cpu_features
 from attnprec.bench.model import matmul_peak
+from attnprec.presets import variant
 from attnprec.errors import UserError
 from attnprec.kernels.blockwise import BlockSizes, blockwise_attention
-from attnprec.precision import Precision
 
 SHAPES: Dict[str, Tuple[int, int]] = {"smollm2-135m": (9, 3), "qwen2.5-coder-0.5b": (14, 2)}
 HEAD_DIM = 64
@@ -51,8 +51,7 @@ DEFAULT_BLOCKS = ((BlockSizes().q_block, BlockSizes().kv_block), (512, 512), (25
 FLAGS = contract.AttentionFlags(float32_qk_product=True, float32_logits=True)
 # what a bf16 model with both flags runs (the QK dot's form follows this CPU: float32
 # casts where it has no bf16 dots, `Precision.float32_qk_operands`)
-PRECISION = Precision(dtype="bfloat16", float32_qk_product=True, float32_logits=True,
-                      kernel="blockwise")
+PRECISION = variant("fp32_attention", kernel="blockwise")
 FLOOR = "contract floor"
 # (m, k, n) dots the floor's rates are measured at: the projections' peak shape, a square
 # one and a long one; the fastest rate of each dtype counts

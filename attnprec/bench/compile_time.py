@@ -30,7 +30,7 @@ from attnprec import decoding, train
 from attnprec import model as model_lib
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
-from attnprec.precision import Precision
+from attnprec.presets import variant
 
 DEPTHS = (2, 8, 32, 80)
 QUICK_DEPTHS = (2, 8)
@@ -39,7 +39,7 @@ LAYOUTS = ("unrolled", "scanned")
 # A small model whose depth is the variable: d=256, 4 heads (and 4 kv heads) of 64.
 BASE = ModelConfig(vocab_size=1024, d_model=256, num_layers=2, num_heads=4, num_kv_heads=4,
                    head_dim=64, mlp_hidden=1024, max_seq_len=256)
-PRECISION = Precision(dtype="bfloat16")      # bf16 compute, both attention flags on
+PRECISION = variant("fp32_attention")      # bf16 compute, both attention flags on
 B, P, S, T = 1, 32, 64, 32
 _OP = re.compile(r"^\s*(?:%[\w#:.]+(?:, %[\w#:.]+)* = )?\"?([a-z_]+\.[a-z_.]+)", re.M)
 _HLO_INSTR = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = ", re.M)

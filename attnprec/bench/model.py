@@ -62,63 +62,53 @@ from attnprec.bench.cases import LONG_CASES  # noqa: F401  (`--cases=long`)
 from attnprec.cache import cache_bytes
 from attnprec.errors import UserError
 from attnprec.precision import Precision
+from attnprec.presets import variant
 
 # fp32 / bf16_flags / bf16 run what `make decode` runs: kernel 'auto' (`kernels.resolve`:
-# blockwise for every decode step and for a prefill of >= kernels.AUTO_MIN_QUERIES tokens).
-_FLAGS = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True)
+# blockwise for a prefill of >= kernels.AUTO_MIN_QUERIES tokens, the platform's choice
+# for a decode step). Each is a `presets.variant` of a gin preset (gin/precision/): the
+# precision comes from its file, a variant sets only what the file leaves unbound.
+_AUTO = dict(kernel="auto")
 PRESETS: Dict[str, Precision] = {
-    "fp32": Precision(kernel="auto"),
-    "bf16_flags": Precision(kernel="auto", **_FLAGS),
-    "bf16": Precision(dtype="bfloat16", float32_qk_product=False, float32_logits=False,
-                      kernel="auto"),
+    "fp32": variant("fp32", **_AUTO),
+    "bf16_flags": variant("fp32_attention", **_AUTO),
+    "bf16": variant("bf16", **_AUTO),
     # the dense kernel in prefill too
-    "fp32_dense": Precision(kernel="dot_product"),
-    "bf16_flags_dense": Precision(kernel="dot_product", **_FLAGS),
+    "fp32_dense": variant("fp32", kernel="dot_product"),
+    "bf16_flags_dense": variant("fp32_attention", kernel="dot_product"),
     # the blockwise (flash-style) kernel in prefill and decode steps
-    "bf16_flags_blockwise": Precision(kernel="blockwise", **_FLAGS),
+    "bf16_flags_blockwise": variant("fp32_attention", kernel="blockwise"),
     # bf16 + flags with the weights STORED in bfloat16 (`decoding.compute_params`)
-    "bf16_flags_bf16w": Precision(kernel="auto", **_FLAGS),
+    "bf16_flags_bf16w": variant("fp32_attention", **_AUTO),
     # bf16 + flags with float32 weights cast to bf16 at every use (no `for_serving`)
-    "bf16_flags_cast": Precision(kernel="auto", **_FLAGS),
+    "bf16_flags_cast": variant("fp32_attention", **_AUTO),
     # bf16 + flags with the prefill on the float32-carried weights too, cast to bf16 at
     # every use (the form `decoding.prefill_params` replaced: the same numbers)
-    "bf16_flags_carried_prefill": Precision(kernel="auto", **_FLAGS),
+    "bf16_flags_carried_prefill": variant("fp32_attention", **_AUTO),
     # bf16 + flags with a quantized KV cache (codes + float32 per-token scales): the
     # cache rows of the contract; against bf16_flags, the same flags with a bf16 cache
-    "bf16_flags_kv_int8": Precision(kernel="auto", kv_cache_k_dtype="int8",
-                                    kv_cache_v_dtype="int8", kv_cache_k_scale="token",
-                                    kv_cache_v_scale="token", **_FLAGS),
-    "bf16_flags_kv_fp8": Precision(kernel="auto", kv_cache_k_dtype="float8_e4m3fn",
-                                   kv_cache_v_dtype="float8_e4m3fn",
-                                   kv_cache_k_scale="token", kv_cache_v_scale="token",
-                                   **_FLAGS),
+    "bf16_flags_kv_int8": variant("kv_int8", **_AUTO),
+    "bf16_flags_kv_fp8": variant("kv_fp8", **_AUTO),
     # the key offset (`attnprec.keyoffset`): its cost against bf16 / bf16_flags (one float32
     # subtraction per key; the key projection left in float32 until it). 'bias' needs a
     # model with a key bias (Qwen2); 'prefill_mean' runs on any.
-    "bf16_offset": Precision(dtype="bfloat16", float32_qk_product=False,
-                             float32_logits=False, kernel="auto", key_offset="bias"),
-    "bf16_offset_mean": Precision(dtype="bfloat16", float32_qk_product=False,
-                                  float32_logits=False, kernel="auto",
-                                  key_offset="prefill_mean"),
-    "bf16_flags_offset": Precision(kernel="auto", key_offset="bias", **_FLAGS),
+    "bf16_offset": variant("bf16", key_offset="bias", **_AUTO),
+    "bf16_offset_mean": variant("bf16", key_offset="prefill_mean", **_AUTO),
+    "bf16_flags_offset": variant("fp32_attention", key_offset="bias", **_AUTO),
     # the projection form forced (`precision.projection_form`; 'auto' picks by the CPU):
     # float32 dots on bf16 values, what 'auto' runs on a CPU without a bf16 dot
     # instruction; and bf16 dots at every row count
-    "bf16_flags_f32dot": Precision(kernel="auto", projection_form="float32_dot", **_FLAGS),
-    "bf16_f32dot": Precision(dtype="bfloat16", float32_qk_product=False,
-                             float32_logits=False, kernel="auto",
-                             projection_form="float32_dot"),
-    "bf16_flags_c_dot": Precision(kernel="auto", projection_form="compute_dtype_dot",
-                                  **_FLAGS),
+    "bf16_flags_f32dot": variant("fp32_attention", projection_form="float32_dot", **_AUTO),
+    "bf16_f32dot": variant("bf16", projection_form="float32_dot", **_AUTO),
+    "bf16_flags_c_dot": variant("fp32_attention", projection_form="compute_dtype_dot",
+                                **_AUTO),
     # the MLP's activation in float32 (`precision.mlp_activation`), with each form
-    "bf16_flags_f32act": Precision(kernel="auto", mlp_activation="float32", **_FLAGS),
-    "bf16_f32act": Precision(dtype="bfloat16", float32_qk_product=False,
-                             float32_logits=False, kernel="auto", mlp_activation="float32"),
-    "bf16_flags_f32dot_f32act": Precision(kernel="auto", projection_form="float32_dot",
-                                          mlp_activation="float32", **_FLAGS),
-    "bf16_f32dot_f32act": Precision(dtype="bfloat16", float32_qk_product=False,
-                                    float32_logits=False, kernel="auto",
-                                    projection_form="float32_dot", mlp_activation="float32"),
+    "bf16_flags_f32act": variant("fp32_attention", mlp_activation="float32", **_AUTO),
+    "bf16_f32act": variant("bf16", mlp_activation="float32", **_AUTO),
+    "bf16_flags_f32dot_f32act": variant("fp32_attention", projection_form="float32_dot",
+                                        mlp_activation="float32", **_AUTO),
+    "bf16_f32dot_f32act": variant("bf16", projection_form="float32_dot",
+                                  mlp_activation="float32", **_AUTO),
 }
 BF16_WEIGHTS = ("bf16_flags_bf16w",)
 # the prefill on the float32-carried weights, cast at each use (before `prefill_params`)

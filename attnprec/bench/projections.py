@@ -47,12 +47,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnprec import decoding, layers, xla_env
+from attnprec import decoding, layers, presets, xla_env
 from attnprec import model as model_lib
 from attnprec.bench.model import round_robin  # one interleaving and warm-up rule
 from attnprec.cache import init_cache
 from attnprec.errors import UserError
 from attnprec.precision import Precision
+from attnprec.presets import variant
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -159,13 +160,13 @@ MODEL_FORMS = {
     "current/carried": ("current", "carried"),
     "current/stored": ("current", "stored"),
 }
-_FLAGS = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True, kernel="auto")
+_FLAGS = dict(presets.bindings(presets.preset_path("fp32_attention")), kernel="auto")
 
 
 def _model_inputs(name, params):
   form, held = MODEL_FORMS[name]
   if name == "fp32":
-    return params, Precision(kernel="auto")
+    return params, variant("fp32", kernel="auto")
   precision = Precision(**_FLAGS)
   if held == "stored":
     return decoding.compute_params(params, precision), precision
