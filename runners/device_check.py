@@ -19,7 +19,9 @@ On a TPU it checks what can only be checked there:
   decode   its decode step as served (bf16 + both flags, 'auto') at batch 1 / cache 4k
            and batch 8 / cache 1k against its HBM floor (weights + cache bytes over the
            measured read bandwidth).
-`--parts` runs a subset (each part fits one call on a borrowed device).
+`--parts` runs a subset (each part fits one call on a borrowed device). `--tables=DIR`
+prints the docs' TPU tables rendered from DIR's files (`attnprec.bench.device_tables`;
+docs/performance.md quotes them to the character), on any machine.
 
 On a machine with an NVIDIA GPU it checks what can only be checked there:
   audit    the precision audit for 'cuda' on the compiled program (the tiny recall
@@ -393,6 +395,9 @@ def main(argv) -> int:
                                         "configuration."])
   parser.add_argument("--out", default="runs/device_check", metavar="DIR",
                       help="where results are written (on a GPU or TPU machine)")
+  parser.add_argument("--tables", default=None, metavar="DIR",
+                      help="print the docs' TPU tables rendered from DIR's device-check "
+                           "files (attnprec.bench.device_tables) and exit; needs no device")
   parser.add_argument("--parts", default=",".join(PARTS), metavar="LIST",
                       help="which parts to run, comma-separated, in the order above "
                            f"(default: all of {', '.join(PARTS)})")
@@ -400,6 +405,16 @@ def main(argv) -> int:
 
   def body():
     args = parser.parse_args(argv)
+    if args.tables is not None:
+      from attnprec.bench import device_tables
+      rendered = device_tables.tables(args.tables)
+      if not rendered:
+        raise UserError(f"--tables={args.tables!r}: no device-check file there (looked "
+                        f"for {', '.join(device_tables.FILES.values())}).")
+      for name, table in rendered.items():
+        print(f"{name}:\n{table}\n")
+      outcome["rc"] = cli.EXIT_OK
+      return
     wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
     bad = [p for p in wanted if p not in PARTS]
     if bad or not wanted:

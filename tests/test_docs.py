@@ -606,3 +606,17 @@ def test_the_readme_headline_table_is_the_sizes_record():
     recorded = set(json.load(f)["table"].splitlines())
   missing = [r for r in rows if r not in recorded]
   assert not missing, missing
+
+
+def test_the_tpu_tables_are_the_device_check_records():
+  """docs/performance.md's TPU tables (kernels, the flags' cost per phase, decode against
+  its floor, the train step per remat and loss chunk) are what `device_tables` renders
+  from results/tpu-device-check/, to the character: a figure edited by hand, or a run
+  made again without the docs following, fails."""
+  from attnprec.bench import device_tables
+  with open(os.path.join(ROOT, "docs", "performance.md"), encoding="utf-8") as f:
+    section = f.read().split("## On a TPU v5e", 1)[1]
+  rendered = device_tables.tables(os.path.join(ROOT, "results", "tpu-device-check"))
+  assert set(rendered) == {"kernels", "flags", "decode", "train"}, sorted(rendered)
+  missing = [name for name, table in rendered.items() if table not in section]
+  assert not missing, missing
