@@ -95,12 +95,13 @@ def loss_fn(params, tokens_BxT, loss_mask_BxT, *, config: ModelConfig, precision
     h_BxTxD = model.apply(params, inputs_BxT, precision=precision, hidden_only=True).hidden
     w_DxV = model_lib.unembedding(params, config)
     B, T, D = h_BxTxD.shape
-    n = -(-T // loss_chunk)
-    pad = n * loss_chunk - T            # padded tokens are masked out
+    C = min(loss_chunk, T)              # a chunk longer than the sequence: one chunk
+    n = -(-T // C)
+    pad = n * C - T                     # padded tokens are masked out
 
     def chunks(x):
       x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-      return jnp.swapaxes(x.reshape((B, n, loss_chunk) + x.shape[2:]), 0, 1)
+      return jnp.swapaxes(x.reshape((B, n, C) + x.shape[2:]), 0, 1)
 
     @jax.checkpoint
     def chunk_sums(args):

@@ -103,8 +103,11 @@ def test_a_chunked_loss_is_the_same_loss_in_less_memory(tied):
   tokens, mask = _batch()
   mask = mask.at[1, -7:].set(0.0)      # a masked tail: counted by neither form
   args = (params, tokens, mask)
-  whole, chunked = (_grad_fn(config, "float32", "none", c, aux=True).lower(*args).compile()
-                    for c in (0, 48))
+  whole, chunked, huge = (_grad_fn(config, "float32", "none", c, aux=True)
+                          .lower(*args).compile() for c in (0, 48, 2 ** 31 - 1))
+  # a chunk longer than the sequence is one chunk, not a padded array of 2^31 tokens
+  np.testing.assert_allclose(float(huge(*args)[1]["loss"]), float(whole(*args)[1]["loss"]),
+                             rtol=1e-6)
   (g0, m0), (g1, m1) = whole(*args), chunked(*args)
   np.testing.assert_allclose(float(m1["loss"]), float(m0["loss"]), rtol=1e-6)
   assert float(m1["accuracy"]) == float(m0["accuracy"])
