@@ -87,6 +87,7 @@ def run(prog: str, body: Callable[[], object], *, output_dir: Optional[str] = No
   removed too (no mix of a half-done run's outputs and older ones), unless
   `keep_partial` (training: its checkpoints are the point).
   """
+  runs.code_identity()   # the code this run starts from, named by every result it writes
   existed = output_dir is None or os.path.lexists(output_dir)
   partial = False
   with runs.track_writes() as written, _handled_signals(_raise_interrupted):

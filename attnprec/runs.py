@@ -8,7 +8,6 @@ remove them again when the run is interrupted (`attnprec.cli.run`).
 """
 import contextlib
 import dataclasses
-import functools
 import errno as errno_lib
 import fcntl
 import json
@@ -280,11 +279,29 @@ def write_json(run_dir: str, name: str, obj: Any, *, provenance: bool = False) -
   return path
 
 
-@functools.lru_cache(maxsize=1)
+_STARTED_FROM: Dict[str, Any] = {}
+
+
+def code_identity() -> Dict[str, Any]:
+  """{commit, clean, source} of the code this process runs, read once, at its first call
+  (every runner makes it as it starts: `cli.run`): a result written at the end of a long
+  run names the code the run started from, not what the tree became meanwhile (an edit
+  or a commit made while it ran)."""
+  if not _STARTED_FROM:
+    commit = _git_describe()
+    _STARTED_FROM.update(commit=commit, source=source_digest(),
+                         clean=None if commit is None else not commit.endswith("-dirty"))
+  return dict(_STARTED_FROM)
+
+
 def code_version() -> Optional[str]:
-  """`git describe --always --dirty` of the checkout this code runs from (None outside a
-  git checkout): a figure names the code that made it, and '-dirty' says the tree had
-  uncommitted changes."""
+  """`git describe --always --dirty` of the checkout this process started from
+  (`code_identity`; None outside a git checkout): a figure names the code that made it,
+  and '-dirty' says the tree had uncommitted changes."""
+  return code_identity()["commit"]
+
+
+def _git_describe() -> Optional[str]:
   import subprocess
   try:
     out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
@@ -322,7 +339,8 @@ def source_digest() -> str:
 
 def provenance() -> Dict[str, Any]:
   """Where a result comes from: the commit and whether the tree was clean, the digest of
-  the source (`source_digest`: the code, also where git metadata is absent or stale), the XLA
+  the source (`source_digest`: the code, also where git metadata is absent or stale), all
+  three as the process started (`code_identity`), the XLA
   settings that change numerics (`xla_env.describe`: excess precision, the dot library,
   a user's numerics flags) and XLA_FLAGS as given, jax / jaxlib, the backend, the device
   and the machine."""
@@ -330,10 +348,10 @@ def provenance() -> Dict[str, Any]:
   import jax
   import jaxlib
   from attnprec import xla_env
-  commit = code_version()
+  code = code_identity()
   device = jax.devices()[0]
-  return {"commit": commit, "clean": None if commit is None else not commit.endswith("-dirty"),
-          "source": source_digest(), "xla": xla_env.describe(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+  return {"commit": code["commit"], "clean": code["clean"], "source": code["source"],
+          "xla": xla_env.describe(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "jax": jax.__version__, "jaxlib": jaxlib.__version__,
           "backend": jax.default_backend(), "device": getattr(device, "device_kind", str(device)),
           "machine": f"{host.machine()}, {os.cpu_count()} cores", "python": host.python_version()}

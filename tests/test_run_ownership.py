@@ -127,6 +127,25 @@ def test_the_source_digest_names_the_code_without_git(tmp_path):
   assert of_copy() not in (digest, changed)
 
 
+def test_a_result_names_the_code_its_run_started_from(tmp_path, monkeypatch):
+  """The code is read as a runner starts (`cli.run` -> `runs.code_identity`): a tree
+  edited or committed while a long run works does not rename the run's results."""
+  monkeypatch.setattr(runs, "_STARTED_FROM", {})
+  monkeypatch.setattr(runs, "source_digest", lambda: "at-start")
+  monkeypatch.setattr(runs, "_git_describe", lambda: "abc1234")
+
+  def body():   # the tree changes while the run works, then it writes its result
+    monkeypatch.setattr(runs, "source_digest", lambda: "edited")
+    monkeypatch.setattr(runs, "_git_describe", lambda: "def5678-dirty")
+    runs.write_json(str(tmp_path), "results.json", {"rows": []}, provenance=True)
+
+  assert cli.run("test", body) == cli.EXIT_OK
+  with open(tmp_path / "results.json") as f:
+    p = json.load(f)["provenance"]
+  assert (p["commit"], p["clean"], p["source"]) == ("abc1234", True, "at-start")
+  assert runs.code_version() == "abc1234"
+
+
 def test_replace_with_nothing_to_replace_is_refused(tmp_path, capsys):
   """--replace_run_dir where no other runner's run is: the flag would not be used."""
   d = tmp_path / "run"
