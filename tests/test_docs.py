@@ -620,3 +620,37 @@ def test_the_tpu_tables_are_the_device_check_records():
   assert set(rendered) == {"kernels", "flags", "decode", "train"}, sorted(rendered)
   missing = [name for name, table in rendered.items() if table not in section]
   assert not missing, missing
+
+
+HELDOUT_ROWS = {"bf16 (both flags off)": "bf16",
+                "bf16 + `key_offset='bias'`": "bf16_offset_bias",
+                "bf16 + `key_offset='prefill_mean'`": "bf16_offset_mean",
+                "fp32_qk": "fp32_qk"}
+
+
+def test_the_heldout_table_is_the_study_records():
+  """docs/precision.md's held-out table: each cell is its study's figure at the longest
+  context, as the study's report writes it (`report._fmt`; bold marks the best), read
+  from results/study-offset-heldout-qwen2.5-coder-{0.5b,1.5b}/results.json, both runs on
+  the one frozen held-out text (`inputs.HELDOUT_SHA256`)."""
+  from attnprec.study import inputs
+  from attnprec.study.report import _fmt
+  with open(os.path.join(ROOT, "docs", "precision.md"), encoding="utf-8") as f:
+    text = f.read()
+  header = "| setting | 0.5B logits KL, held-out |"
+  rows = text.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+  assert len(rows) == len(HELDOUT_ROWS), rows
+  figures = {}
+  for size in ("0.5b", "1.5b"):
+    path = os.path.join(ROOT, "results", f"study-offset-heldout-qwen2.5-coder-{size}",
+                        "results.json")
+    with open(path, encoding="utf-8") as f:
+      res = json.load(f)
+    assert inputs.HELDOUT_SHA256.startswith(res["text"]["sha256"]), (size, res["text"])
+    figures[size] = {c["name"]: c["per_length"][-1] for c in res["configs"]}
+  for row in rows:
+    label, *cells = [c.strip() for c in row.strip("|").split("|")]
+    name = HELDOUT_ROWS[label]
+    want = [_fmt(figures[size][name][key]) for size in ("0.5b", "1.5b")
+            for key in ("logits_kl", "decode_logits_kl")]
+    assert [c.strip("*") for c in cells] == want, (label, cells, want)
