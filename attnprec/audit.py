@@ -823,37 +823,41 @@ def to_markdown(result: dict) -> str:
   skipped = not_compiled(result)
   if skipped:
     head += ["## The compiled program", "", skipped, ""]
-  if any("pallas" in ph[p] for p in PHASES):
-    head += ["## Pallas kernel bodies (jaxpr, checked against the contract table)", "",
-             "Lowered for TPU or GPU a Pallas kernel is one custom call; its body is read "
-             "from the program's jaxpr (`attnprec.inspect.pallas_check`). What Mosaic or "
-             "Triton compiles it into is not visible here.", "", pallas_table(result), ""]
-  if any("mosaic" in ph[p] for p in PHASES):
-    head += ["## Mosaic kernel bodies (tpu_custom_call, read back and checked)", "",
-             "Each Pallas call's Mosaic module, opened from the call's backend_config "
-             "(`attnprec.inspect.mosaic`): the QK matmul's operand and result types "
-             "(`->bf16`: an f32 result truncated right after it), the softmax's exp, max "
-             "and sum dtypes, the probabilities into the PV matmul, and what its products "
-             "keep on tpu (f32 operands at DEFAULT: one bf16 pass).", "",
-             mosaic_table(result), ""]
-  if any("compiled" in ph[p] for p in PHASES):
-    head += ["## What this backend compiled (`lowered.compile().as_text()`), checked", "",
-             "Every dot of the optimized HLO, as the backend made it (an XLA dot, a dot "
-             "inside a library fusion, a matmul custom-call). `f32<-bf16`: an operand "
-             "converted up from bf16; `-> f32`: the dot's result, i.e. accumulation, type; "
-             "`->bf16`: its result rounded right after. A qk dot that accumulates below "
-             "f32 or rounds its logits where the contract asks for f32 logits, f32 "
-             "probabilities narrowed into the wv dot, a dense dot accumulating below f32, "
-             "or an operand narrower than the compute dtype: MISMATCH. `precision` changes "
-             "no numbers on CPU, so it is checked in the lowered program above. A "
-             "quantized KV cache: `bf16<-s8`, an operand converted from s8 codes; "
-             "`(x f32)`, an operand (q, the probabilities) or a result (the logits) "
-             "multiplied by a cache scale, in f32. Codes of another type or converted "
-             "to another than the rows' operand dtype (or f32), another operand from "
-             "codes (a quantized q or probabilities), q or the probabilities narrower "
-             "than their rows, a scale multiply missing or narrower than its row: "
-             "MISMATCH.", "",
-             compiled_table(result), ""]
+  # The backend's own programs, each section where a phase read one: (key in the phase,
+  # heading, what the table says, the table).
+  sections = (
+      ("pallas", "Pallas kernel bodies (jaxpr, checked against the contract table)",
+       "Lowered for TPU or GPU a Pallas kernel is one custom call; its body is read "
+       "from the program's jaxpr (`attnprec.inspect.pallas_check`). What Mosaic or "
+       "Triton compiles it into is not visible here.",
+       pallas_table),
+      ("mosaic", "Mosaic kernel bodies (tpu_custom_call, read back and checked)",
+       "Each Pallas call's Mosaic module, opened from the call's backend_config "
+       "(`attnprec.inspect.mosaic`): the QK matmul's operand and result types "
+       "(`->bf16`: an f32 result truncated right after it), the softmax's exp, max "
+       "and sum dtypes, the probabilities into the PV matmul, and what its products "
+       "keep on tpu (f32 operands at DEFAULT: one bf16 pass).",
+       mosaic_table),
+      ("compiled", "What this backend compiled (`lowered.compile().as_text()`), checked",
+       "Every dot of the optimized HLO, as the backend made it (an XLA dot, a dot "
+       "inside a library fusion, a matmul custom-call). `f32<-bf16`: an operand "
+       "converted up from bf16; `-> f32`: the dot's result, i.e. accumulation, type; "
+       "`->bf16`: its result rounded right after. A qk dot that accumulates below "
+       "f32 or rounds its logits where the contract asks for f32 logits, f32 "
+       "probabilities narrowed into the wv dot, a dense dot accumulating below f32, "
+       "or an operand narrower than the compute dtype: MISMATCH. `precision` changes "
+       "no numbers on CPU, so it is checked in the lowered program above. A "
+       "quantized KV cache: `bf16<-s8`, an operand converted from s8 codes; "
+       "`(x f32)`, an operand (q, the probabilities) or a result (the logits) "
+       "multiplied by a cache scale, in f32. Codes of another type or converted "
+       "to another than the rows' operand dtype (or f32), another operand from "
+       "codes (a quantized q or probabilities), q or the probabilities narrower "
+       "than their rows, a scale multiply missing or narrower than its row: "
+       "MISMATCH.",
+       compiled_table))
+  for key, title, text, table in sections:
+    if any(key in ph[p] for p in PHASES):
+      head += [f"## {title}", "", text, "", table(result), ""]
   return "\n".join(head)
 
 

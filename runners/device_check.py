@@ -286,6 +286,8 @@ def tpu_train_part() -> dict:
         m = compiled.memory_analysis()
         row["temp_gb"] = m.temp_size_in_bytes / 1e9
         row["args_gb"] = m.argument_size_in_bytes / 1e9
+        model_bench.check_train_step(f"the {key} train step",
+                                     compiled(state, tokens, mask)[1])
         t = _median_s(compiled, state, tokens, mask, reps=5)
         row["step_ms"] = 1e3 * t
         row["mfu"] = _train_flops(config, params, B, T) / t / peak
@@ -393,12 +395,13 @@ def main(argv) -> int:
   parser = cli.ArgumentParser(prog="device_check", doc=__doc__, examples=EXAMPLES,
                               sections=["It reads no gin files: the options below are its "
                                         "configuration."])
-  parser.add_argument("--out", default="runs/device_check", metavar="DIR",
-                      help="where results are written (on a GPU or TPU machine)")
+  parser.add_argument("--out", default=None, metavar="DIR",
+                      help="where results are written (on a GPU or TPU machine; default "
+                           "runs/device_check)")
   parser.add_argument("--tables", default=None, metavar="DIR",
                       help="print the docs' TPU tables rendered from DIR's device-check "
                            "files (attnprec.bench.device_tables) and exit; needs no device")
-  parser.add_argument("--parts", default=",".join(PARTS), metavar="LIST",
+  parser.add_argument("--parts", default=None, metavar="LIST",
                       help="which parts to run, comma-separated, in the order above "
                            f"(default: all of {', '.join(PARTS)})")
   outcome = {}
@@ -406,6 +409,12 @@ def main(argv) -> int:
   def body():
     args = parser.parse_args(argv)
     if args.tables is not None:
+      unread = [f for f in ("out", "parts") if getattr(args, f) is not None]
+      if unread:
+        raise UserError(f"--tables={args.tables!r} renders tables from files already "
+                        f"written and runs nothing, so {', '.join('--' + f for f in unread)} "
+                        f"would not be read; drop {'them' if len(unread) > 1 else 'it'}, or "
+                        f"drop --tables to run the device check.")
       from attnprec.bench import device_tables
       rendered = device_tables.tables(args.tables)
       if not rendered:
@@ -415,13 +424,15 @@ def main(argv) -> int:
         print(f"{name}:\n{table}\n")
       outcome["rc"] = cli.EXIT_OK
       return
-    wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
+    parts = ",".join(PARTS) if args.parts is None else args.parts
+    wanted = [p.strip() for p in parts.split(",") if p.strip()]
     bad = [p for p in wanted if p not in PARTS]
     if bad or not wanted:
       what = ("unknown part(s) " + ", ".join(map(repr, bad))) if bad else "no part named"
-      raise UserError(f"--parts={args.parts!r}: {what}; the parts are "
+      raise UserError(f"--parts={parts!r}: {what}; the parts are "
                       f"{', '.join(PARTS)} (comma-separated, any subset).")
-    outcome["rc"] = check(args.out, tuple(p for p in PARTS if p in wanted))
+    outcome["rc"] = check(args.out or "runs/device_check",
+                          tuple(p for p in PARTS if p in wanted))
 
   rc = cli.run("device_check", body)
   return outcome.get("rc", rc) if rc == cli.EXIT_OK else rc

@@ -1,6 +1,7 @@
 """Smoke test of the attention benchmark on a tiny shape (its numbers are not checked)."""
 import json
 
+import numpy as np
 import pytest
 
 from attnprec.bench import attention as bench
@@ -419,3 +420,15 @@ def test_attention_forms_takes_no_ratio_to_a_broken_baseline(monkeypatch):
   torch_row = next(r for r in result["rows"] if r["form"] == "torch_sdpa_bf16")
   assert torch_row["finite"] and torch_row["vs_torch"] == 1.0
   assert 0 < torch_row["max_abs_vs_default"] < 0.1
+
+
+def test_a_train_step_with_a_nonfinite_metric_is_not_timed():
+  """`check_train_step` (flag_cost's and the device check's train rows): a NaN loss or
+  an Inf gradient norm is a NonFiniteError naming it, never a step time."""
+  from attnprec.bench.model import check_train_step
+  from attnprec.checkpoints.finite import NonFiniteError
+  ok = {"loss": np.float32(2.0), "grad_norm": np.float32(1.0), "param_norm": np.float32(3.0)}
+  check_train_step("a step", ok)
+  for key, bad in (("loss", np.nan), ("grad_norm", np.inf)):
+    with pytest.raises(NonFiniteError, match=f"(?i){key} of a step is not finite"):
+      check_train_step("a step", dict(ok, **{key: np.float32(bad)}))

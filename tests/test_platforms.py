@@ -10,6 +10,7 @@ bf16-everywhere declared safe, on a kernel narrowing the QK accumulation and on 
 dot at DEFAULT where 'highest' was asked (TF32 on cuda, one bf16 pass on tpu).
 """
 import dataclasses
+import json
 import os
 import re
 
@@ -307,6 +308,38 @@ def test_device_check_without_a_gpu_says_so_in_one_line(tmp_path, capsys):
   lines = capsys.readouterr().out.strip().splitlines()
   assert len(lines) == 1 and "no GPU" in lines[0], lines
   assert not out.exists()
+
+
+def test_device_check_tables_are_its_files_or_a_paragraph(tmp_path, capsys):
+  """`--tables=DIR` (any machine): the docs' tables from DIR's files; an option it would
+  not read, a NaN figure, a file that is not a results file, or no file: exit 2, one
+  paragraph naming it."""
+  import importlib.util
+  import shutil
+  spec = importlib.util.spec_from_file_location(
+      "device_check", os.path.join(ROOT, "runners", "device_check.py"))
+  runner = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(runner)
+  results = os.path.join(ROOT, "results", "tpu-device-check")
+  assert runner.main([f"--tables={results}"]) == 0
+  assert "| 1 x 4k | 1.99 ms |" in capsys.readouterr().out
+  assert runner.main([f"--tables={results}", "--parts=train"]) == 2
+  assert "--parts would not be read" in capsys.readouterr().err
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  assert runner.main([f"--tables={bad}"]) == 2
+  assert "no device-check file there" in capsys.readouterr().err
+  with open(os.path.join(results, "device_check-decode.json")) as f:
+    record = json.load(f)
+  case = next(iter(record["parts"].values()))["cases"]["1x4096"]
+  case["step_ms"] = float("nan")
+  (bad / "device_check-decode.json").write_text(json.dumps(record))
+  assert runner.main([f"--tables={bad}"]) == 2
+  assert "1x4096, step_ms is nan" in capsys.readouterr().err
+  shutil.copy(os.path.join(results, "device_check-decode.json"), bad)
+  (bad / "device_check.json").write_text("[1]")
+  assert runner.main([f"--tables={bad}"]) == 2
+  assert "is not a device check's results file" in capsys.readouterr().err
 
 
 def test_inspect_reads_a_function_under_the_platform(capsys):

@@ -11,9 +11,12 @@ device_check-decode.json, device_check-train.json; a table whose file is absent 
 out (a run of some parts only).
 """
 import json
+import math
 import os
 import re
 from typing import Dict, Optional
+
+from attnprec.errors import UserError
 
 FILES = {"kernels": "device_check.json", "flags": "device_check-flags.json",
          "decode": "device_check-decode.json", "train": "device_check-train.json"}
@@ -32,10 +35,32 @@ def _part(directory: str, name: str, key: str) -> Optional[dict]:
   path = os.path.join(directory, FILES[name])
   if not os.path.exists(path):
     return None
-  with open(path, encoding="utf-8") as f:
-    parts = json.load(f)["parts"]
+  try:
+    with open(path, encoding="utf-8") as f:
+      parts = json.load(f)["parts"]
+    if not isinstance(parts, dict):
+      raise TypeError(f"'parts' is a {type(parts).__name__}")
+  except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+    raise UserError(f"{path} is not a device check's results file (device_check.json "
+                    f"with a 'parts' object): {type(e).__name__}: {e}.") from None
   found = [v for k, v in parts.items() if k.startswith(key)]
+  if found:
+    _require_finite(found[0], f"{path}: part {key!r}")
   return found[0] if found else None
+
+
+def _require_finite(x, where: str) -> None:
+  """A UserError naming the field if any number in `x` is NaN or Inf: a table made from a
+  broken run's figures would read like any other."""
+  if isinstance(x, dict):
+    for k, v in x.items():
+      _require_finite(v, f"{where}, {k}")
+  elif isinstance(x, (list, tuple)):
+    for i, v in enumerate(x):
+      _require_finite(v, f"{where}[{i}]")
+  elif isinstance(x, float) and not math.isfinite(x):
+    raise UserError(f"{where} is {x}: a table is rendered only from finite figures; run "
+                    f"that part again.")
 
 
 def _sig(x: float, digits: int = 2) -> str:

@@ -540,6 +540,7 @@ def flag_cost(config, params, case, train_tokens, rounds, log, rng, carried=None
                                optimizer)
     c = compilation.compile_lowerable(update, state, tokens, mask)
     compile_s[name] = dict(r.compile_s, train=c.seconds)
+    check_train_step(f"the train step ({name})", c.program(state, tokens, mask)[1])
 
     def train_call(program=c.program, state=state):
       t0 = time.perf_counter()
@@ -554,6 +555,15 @@ def flag_cost(config, params, case, train_tokens, rounds, log, rng, carried=None
           "times_s": times, "compile_s": compile_s,
           "flags_over_no_flags": {ph: med[f"{ph}/bf16_flags"] / med[f"{ph}/bf16"]
                                   for ph in ("train", "prefill", "decode")}}
+
+
+def check_train_step(label: str, metrics: dict) -> None:
+  """A NonFiniteError unless a train step's loss, gradient norm and updated params'
+  norm are finite (`train.make_update`'s metrics): a broken step's time would read like a
+  working one's."""
+  from attnprec.checkpoints.finite import require_finite
+  for key in ("loss", "grad_norm", "param_norm"):
+    require_finite(f"{key} of {label}", np.asarray(metrics[key]))
 
 
 # ----------------------------------------------------------------------------- output

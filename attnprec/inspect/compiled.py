@@ -76,7 +76,7 @@ _LOOP_PARTS = re.compile(r"\b(?:body|condition|true_computation|false_computatio
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _HLO_OPERAND = re.compile(r"%([\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
+OP_NAME = re.compile(r'op_name="([^"]*)"')    # an HLO instruction's op_name (also mosaic.py)
 # '%fused_computation.3 (param_0: bf16[16,64], ...) -> f32[16,128] {' / 'ENTRY %main ...'
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
@@ -601,7 +601,7 @@ def _moved_axis(op: str, src: _Instr, dst: _Instr, axis: int) -> Optional[int]:
 
 
 def _op_name(i: _Instr) -> str:
-  m = _OP_NAME.search(i.rest)
+  m = OP_NAME.search(i.rest)
   return m.group(1) if m else ""
 
 
@@ -674,7 +674,7 @@ def compiled_summary(text: str, head_dim: Optional[int] = None,
   for i in prog.instrs.values():
     target = _TARGET.search(i.rest) if i.op == "custom-call" else None
     if _is_dot(i):
-      name = _OP_NAME.search(i.rest)
+      name = OP_NAME.search(i.rest)
       via = ("custom-call " + target.group(1) if target else
              f"{i.op} in {prog.kind_of[i.computation]} fusion"
              if i.computation in prog.kind_of else i.op)

@@ -33,10 +33,11 @@ import dataclasses
 import re
 from typing import List, Optional
 
+from attnprec.inspect.compiled import OP_NAME
+
 _INSTRUCTION = re.compile(r"\n(?=\s*(?:ROOT\s+)?%[\w.\-]+ = )")
 # the body in HLO text ("body":"...") or in StableHLO's escaped string (\22body\22: \22...)
 _BODY = re.compile(r'(?:"|\\22)body(?:"|\\22):\s*(?:"|\\22)([A-Za-z0-9+/=]+)')
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _KERNEL_NAME = re.compile(r'(?:"|\\22)name(?:"|\\22):\s*(?:"|\\22)([\w.\-]+)')
 _ELEMENT = re.compile(r"x([a-z]+\d*(?:E\dM\d\w*)?)>$")
 _PRECISION = re.compile(r"contract_precision<(\w+)>")
@@ -108,7 +109,7 @@ def custom_calls(text: str) -> List[Call]:
     body = _BODY.search(line)
     if not body:
       continue
-    name = _OP_NAME.search(line)
+    name = OP_NAME.search(line)
     kernel = _KERNEL_NAME.search(line[body.end():]) or _KERNEL_NAME.search(line)
     calls.append(Call(name.group(1) if name else "", kernel.group(1) if kernel else "",
                       body.group(1)))
