@@ -84,7 +84,12 @@ from attnprec.errors import UserError
 from attnprec.inspect import DotSite, cache_check, inspect_lowered, offset_check
 from attnprec.inspect import mosaic, pallas_check
 from attnprec.kernels import blockwise
+from attnprec.kernels import flash as flash_kernel
 from attnprec.kernels import pallas as pallas_kernel
+
+# The kernels whose attention is a Pallas call: lowered for TPU / GPU one custom call per
+# layer (per pass), read from the jaxpr's kernel bodies and, on tpu, the Mosaic bodies.
+PALLAS_KERNELS = (pallas_kernel.NAME, flash_kernel.NAME)
 from attnprec.inspect import report as contract_check
 from attnprec.model import init_params
 from attnprec.precision import Precision, target_backend
@@ -343,7 +348,10 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
   # call per layer whose body the dot search cannot open: its attentions are checked
   # from the jaxpr and the Mosaic body instead (`_check_pallas_bodies`, which also
   # counts them). Interpreted (lowered for cpu) its body is plain HLO, read as any.
-  opaque = precision.kernel == "pallas" and platform != "cpu" and not attentions
+  # The flash kernel's body has two branches (blocks with and without the mask), so its
+  # interpreted HLO holds two dot pairs per layer: it is counted from its bodies too.
+  opaque = precision.kernel == flash_kernel.NAME or (
+      precision.kernel in PALLAS_KERNELS and platform != "cpu" and not attentions)
   if opaque:
     attributed = False
   elif config.scan_layers:
@@ -485,10 +493,13 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
                               compiled_text=texts.get(ph))
             for ph, (prec, lowered) in programs.items()}
   for ph, (prec, t) in traced.items():
-    if prec.kernel == pallas_kernel.NAME:
+    if prec.kernel in PALLAS_KERNELS:
       calls = 1 if config.scan_layers else config.num_layers
       _check_pallas_bodies(phases[ph], t.jaxpr, prec, calls=calls)
-      if platform == "tpu":
+      # The train phase's backward kernels (flash: dq, dk/dv) are checked from their
+      # jaxpr bodies (`pallas_check`: the backward row of the contract); the Mosaic reader
+      # knows the forward body's shape only, so it reads the forward phases.
+      if platform == "tpu" and ph != "train":
         _check_mosaic_bodies(phases[ph], texts.get(ph), programs[ph][1], prec, calls=calls)
   problems = [p for ph in phases.values() for p in ph["problems"]]
   return {"model": model_source, "config": runs.config_dict(config),

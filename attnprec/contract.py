@@ -147,6 +147,9 @@ KEY_OFFSET_SCOPE = "key_offset"   # the named scope of the subtraction
 STAGES = ("keys", "qkv", "scale", "logits", "softmax", "probs", "output")
 # Named scopes around the two attention dots: the audit finds them in the lowered program.
 QK_SCOPE, WV_SCOPE = "attn_qk", "attn_wv"
+# The named scope of a kernel's own backward dots (dP = dO V^T, dv, dq, dk), where a kernel
+# writes its backward pass by hand (the 'flash' kernel; `backward_stage_dtypes`).
+GRAD_SCOPE = "attn_grad"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -219,6 +222,25 @@ def stage_dtypes(compute_dtype, flags: AttentionFlags) -> Dict[str, jnp.dtype]:
   keys = c if flags.key_offset == "none" else f32
   return {"keys": keys, "qkv": c, "scale": logits, "logits": logits, "softmax": softmax,
           "probs": softmax, "output": c}
+
+
+def backward_stage_dtypes(compute_dtype, flags: AttentionFlags) -> Dict[str, jnp.dtype]:
+  """What a hand-written backward pass (the 'flash' kernel's) rounds, as data: the logits
+  recomputed as the forward's row (`stage_dtypes`), then
+
+    'p'            P = exp(logits - logsumexp), float32
+    'ds'           dP = dO V^T and dS = P (dP - delta), float32 (delta = rowsum(dO * O))
+    'grad_operand' P and dS are rounded to this before the dv = P^T dO, dq = dS K and
+                   dk = dS^T Q dots: c (as jax's splash attention); the dots' other
+                   operands (dO, K, Q, V) are c
+    'grad_result'  those dots accumulate and return float32
+
+  Under einsum_precision 'highest' a kernel may pass every operand as float32 (exact
+  for c values: Mosaic multiplies at fp32 only float32 operands)."""
+  c, f32 = jnp.dtype(compute_dtype), jnp.dtype(jnp.float32)
+  row = stage_dtypes(c, flags)
+  return {"logits": row["logits"], "softmax": row["softmax"], "p": f32, "ds": f32,
+          "grad_operand": c, "grad_result": f32}
 
 
 def scale_queries(q, scale, expected) -> jax.Array:

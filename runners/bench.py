@@ -62,10 +62,12 @@ from attnprec.bench import compile_time as compile_bench  # noqa: E402
 from attnprec.bench import model as model_bench  # noqa: E402
 from attnprec.bench import profile as profile_bench  # noqa: E402
 from attnprec.bench import projections as projection_bench  # noqa: E402
+from attnprec.bench import tpu_attention as tpu_bench  # noqa: E402
 from attnprec.errors import UserError  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m"   # the model and profile suites' model when --model is not given
-SUITES = ("model", "attention", "attention_forms", "projections", "profile", "compile", "all")
+SUITES = ("model", "attention", "attention_forms", "projections", "profile", "compile",
+          "tpu_attention", "all")
 # The options each suite reads (--suite and --out: every suite). One a suite does not
 # read is refused, never ignored.
 _MODEL_OPTIONS = ("quick", "model", "cases", "model_presets", "steps", "rounds", "no_torch",
@@ -77,6 +79,8 @@ READS = {"model": _MODEL_OPTIONS, "attention": _ATTENTION_OPTIONS,
          "profile": ("model", "cases", "model_presets", "rounds", "phases"),
          "attention_forms": ("model", "seq_lens", "blocks", "rounds", "no_torch"),
          "compile": ("quick", "depths", "rounds"),
+         "tpu_attention": ("model", "seq_lens", "train_seq_lens", "kernels", "flag_rows",
+                           "blocks", "rounds"),
          "all": tuple(dict.fromkeys(_MODEL_OPTIONS + _ATTENTION_OPTIONS))}
 
 
@@ -106,10 +110,10 @@ def _blocks(text):
                   if item.strip())
   except ValueError:
     pairs = ()
-  if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+  if not pairs or any(len(p) not in (2, 3) or min(p) < 1 for p in pairs):
     raise argparse.ArgumentTypeError(
         f"{text!r} is not a list of Q/KV block pairs of positive integers, e.g. "
-        f"512/256,512/512")
+        f"512/256,512/512 (tpu_attention: Q/KV or Q/KV/CHUNK)")
   return pairs
 
 
@@ -165,7 +169,7 @@ def run_attention(args):
       seq_lens=args.seq_lens or bench.DEFAULT_SEQ_LENS,
       memory_seq_lens=args.memory_seq_lens,
       decode_seq_lens=args.decode_seq_lens,
-      kernels=args.kernels, presets=args.presets,
+      kernels=args.kernels or bench.KERNELS, presets=args.presets,
       include_torch=not args.no_torch)
   runs.write_json(args.out, "results.json", result, provenance=True)
   table = bench.to_markdown(result)
@@ -226,6 +230,19 @@ def run_attention_forms(args):
         f"attention_forms.md")
 
 
+def run_tpu_attention(args):
+  shapes = ([m.strip() for m in args.model.split(",") if m.strip()] if args.model
+            else list(tpu_bench.SHAPES))
+  result = tpu_bench.run(
+      args.out, shapes=shapes, seq_lens=args.seq_lens or tpu_bench.DEFAULT_SEQ_LENS,
+      train_seq_lens=args.train_seq_lens or tpu_bench.DEFAULT_TRAIN_SEQ_LENS,
+      kernel_names=args.kernels or tpu_bench.KERNELS, flag_rows=args.flag_rows,
+      blocks=args.blocks or tpu_bench.DEFAULT_BLOCKS, rounds=args.rounds or 5,
+      progress=lambda m: print(m, flush=True))
+  print(tpu_bench.to_markdown(result))
+  print(f"wrote {args.out}/tpu_attention.json, tpu_attention.md")
+
+
 def run_compile(args):
   depths = args.depths or (compile_bench.QUICK_DEPTHS if args.quick else compile_bench.DEPTHS)
   print(f"compile suite: depths {','.join(map(str, depths))}, programs "
@@ -262,7 +279,13 @@ def _parse(argv):
       help="attention suite: lengths whose peak memory is measured")
   add("--decode_seq_lens", type=_ints, default=bench.DEFAULT_DECODE_SEQ_LENS,
       help="attention suite: cache lengths of the single-token decode step")
-  add("--kernels", default=",".join(bench.KERNELS), help="attention suite: kernels")
+  add("--kernels", default=None, help=f"attention suite: kernels (default "
+      f"{','.join(bench.KERNELS)}); tpu_attention: default {','.join(tpu_bench.KERNELS)}")
+  add("--train_seq_lens", type=_ints, default=None,
+      help=f"tpu_attention suite: lengths of the forward + backward cases (default "
+      f"{','.join(map(str, tpu_bench.DEFAULT_TRAIN_SEQ_LENS))})")
+  add("--flag_rows", default=",".join(tpu_bench.FLAG_ROWS),
+      help=f"tpu_attention suite: the flag settings, from {','.join(tpu_bench.FLAG_ROWS)}")
   add("--presets", default=",".join(bench.PRESETS), help="attention suite: precision presets")
   add("--no_torch", action="store_true", help="skip the transformers / torch baselines")
   add("--no_flag_phases", action="store_true",
@@ -287,7 +310,9 @@ def _parse(argv):
   args = parser.parse_args(argv)
   args.model_presets = _names("--model_presets", args.model_presets,
                               list(model_bench.PRESETS))
-  args.kernels = _names("--kernels", args.kernels, list(kernel_names.NAMES))
+  args.kernels = _names("--kernels", args.kernels, list(kernel_names.NAMES)) \
+      if args.kernels is not None else None
+  args.flag_rows = _names("--flag_rows", args.flag_rows, list(tpu_bench.FLAG_ROWS))
   args.phases = _names("--phases", args.phases, list(profile_bench.PHASES))
   args.torch_dtypes = _names("--torch_dtypes", args.torch_dtypes,
                              list(model_bench.TORCH_DTYPES))
@@ -309,12 +334,33 @@ def _parse(argv):
         f"--suite={args.suite} does not read {', '.join('--' + k for k in unread)}; "
         f"the options it reads: {', '.join('--' + k for k in READS[args.suite])} "
         f"(and --suite, --out). Drop them, or choose the suite that reads them.")
+  if args.suite != "tpu_attention" and any(len(b) != 2 for b in args.blocks or ()):
+    raise UserError(f"--blocks: a Q/KV/CHUNK triple is a tpu_attention block (the flash "
+                    f"kernel's chunk); --suite={args.suite} takes Q/KV pairs, e.g. 512/512.")
   if args.suite == "attention_forms" and args.model:
     unknown = [m for m in args.model.split(",") if m.strip() not in forms_bench.SHAPES]
     if unknown:
       raise UserError(f"--model={args.model!r}: the attention_forms suite knows the "
                       f"attention shapes of {', '.join(forms_bench.SHAPES)}, not "
                       f"{', '.join(map(repr, unknown))}.")
+  if args.suite == "tpu_attention":
+    import jax
+    if jax.default_backend() != "tpu":
+      raise UserError(f"--suite=tpu_attention benches attention on a TPU against jax's splash "
+                      f"attention (a Mosaic kernel); this machine's backend is "
+                      f"{jax.default_backend()!r}. Run it on a TPU (docs/tpu.md); on CPU use "
+                      f"--suite=attention or --suite=attention_forms.")
+    unknown = [m for m in (args.model or "").split(",") if m.strip()
+               and m.strip() not in tpu_bench.SHAPES]
+    if unknown:
+      raise UserError(f"--model={args.model!r}: the tpu_attention suite knows the attention "
+                      f"shapes of {', '.join(tpu_bench.SHAPES)}, not "
+                      f"{', '.join(map(repr, unknown))}.")
+    bad = [b for b in (args.blocks or ()) if b[0] % 16 or any(x % 128 for x in b[1:])]
+    if bad:
+      raise UserError(f"--blocks={'/'.join(map(str, bad[0]))}: the tpu_attention suite's "
+                      f"blocks are Q rows / KV keys (/ chunk keys) tiling a TPU: Q a multiple "
+                      f"of 16, KV and chunk of 128; valid e.g. 512/512,1024/1024/256.")
   if args.seq_lens is not None and not args.seq_lens:
     raise UserError("--seq_lens is empty; give at least one length, e.g. 1024,4096.")
   runs.check_output_dir(args.out, flag="--out")   # before minutes of benchmarking
@@ -353,6 +399,8 @@ def main(argv) -> int:
       run_compile(args)
     if args.suite == "attention_forms":
       run_attention_forms(args)
+    if args.suite == "tpu_attention":
+      run_tpu_attention(args)
 
   # keep_partial: model.json is rewritten after every case, so an interrupted run keeps
   # the cases it measured

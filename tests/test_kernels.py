@@ -420,7 +420,7 @@ class JaxNnRefusesTest(parameterized.TestCase):
 class RegistryTest(parameterized.TestCase):
 
   def test_names(self):
-    self.assertEqual(kernels.NAMES, ("dot_product", "blockwise", "jax_nn", "pallas"))
+    self.assertEqual(kernels.NAMES, ("dot_product", "blockwise", "jax_nn", "pallas", "flash"))
     for name, spec in kernels.REGISTRY.items():
       self.assertEqual(spec.name, name)
 
@@ -486,7 +486,7 @@ class AutoTest(parameterized.TestCase):
     self.assertEqual(kernels.resolve("auto", 1, n, "tpu"), "dot_product")
     self.assertEqual(kernels.resolve("auto", 1, n, "cpu"), "blockwise")
     self.assertEqual(kernels.resolve("auto", m, m, "tpu"), "blockwise")
-    with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'pallas', 'auto'"):
+    with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'pallas', 'flash', 'auto'"):
       kernels.resolve("autox", 1)
     with self.assertRaisesRegex(UserError, "'autox'.*'auto'"):
       Precision(kernel="autox")
@@ -588,7 +588,7 @@ class WiringTest(parameterized.TestCase):
 
   def test_unknown_kernel_is_a_user_error(self):
     with self.assertRaisesRegex(UserError, "valid values are: 'dot_product', 'blockwise'"):
-      Precision(kernel="flash")
+      Precision(kernel="flashy")
 
   def test_model_logits_match_across_kernels(self):
     """Decoder logits, blockwise vs dot_product: prefill into a cache, then one cached

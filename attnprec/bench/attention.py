@@ -46,9 +46,9 @@ from attnprec.precision import Precision
 PRESETS: Dict[str, dict] = {
     name: presets.bindings(presets.preset_path(name))
     for name in ("bf16", "fp32_qk", "fp32_logits", "fp32_attention", "fp32")}
-# Every registered kernel but 'pallas' by default: on CPU Pallas runs in its interpreter
-# (a correctness path, not a speed one); `--kernels=pallas` still benches it.
-KERNELS = tuple(k for k in kernel_lib.NAMES if k != "pallas")
+# Every registered kernel but the Pallas ones by default: on CPU Pallas runs in its
+# interpreter (a correctness path, not a speed one); `--kernels=pallas` still benches it.
+KERNELS = tuple(k for k in kernel_lib.NAMES if k not in ("pallas", "flash"))
 TORCH_PRESETS = ("bf16", "fp32")
 DEFAULT_SEQ_LENS = (1024, 4096, 16384)
 DEFAULT_MEMORY_SEQ_LENS = (4096, 16384, 32768)

@@ -102,12 +102,14 @@ def _precision_text(p) -> str:
 
 def read_body(eqn) -> KernelBody:
   """The dots and softmax dtypes of one `pallas_call` equation's kernel body."""
-  body = KernelBody(name=str(eqn.params.get("name_and_src_info", "pallas_call")))
+  name = eqn.params.get("name") or eqn.params.get("name_and_src_info") or "pallas_call"
+  body = KernelBody(name=str(name))
 
   def scope_of(stack: str) -> str:
     parts = stack.split("/")
     return ("qk" if contract.QK_SCOPE in parts else
-            "wv" if contract.WV_SCOPE in parts else "")
+            "wv" if contract.WV_SCOPE in parts else
+            "grad" if contract.GRAD_SCOPE in parts else "")
 
   def walk(j, stack: str) -> dict:
     """Walks jaxpr j; returns {var: index of the dot it is the result of}."""
@@ -155,10 +157,12 @@ def check_body(body: KernelBody, compute_dtype, flags: contract.AttentionFlags) 
   precision = flags.einsum.name
   f32 = "float32"
   problems = []
+  if any(d.scope == "grad" for d in body.dots):
+    return _check_backward_body(body, compute_dtype, flags)
   for scope in ("qk", "wv"):
     n = sum(d.scope == scope for d in body.dots)
-    if n != 1:
-      problems.append(f"{scope} dot: {n} in the {scope} scope, expected 1")
+    if n < 1:   # one per branch of a body (the flash kernel: masked and unmasked blocks)
+      problems.append(f"{scope} dot: {n} in the {scope} scope, expected at least 1")
   # Under 'highest' both dots take float32 operands (the kernel's one form for Mosaic's
   # contract_precision<fp32>, which refuses 16-bit operands): c values held exactly.
   widened = {(f32, f32)} if precision == "HIGHEST" else set()
@@ -195,6 +199,52 @@ def check_body(body: KernelBody, compute_dtype, flags: contract.AttentionFlags) 
     bad = sorted({g for g in got if g != expected})
     if bad:
       problems.append(f"softmax {what}: {'/'.join(bad)}, expected {expected}")
+  return problems
+
+
+def _check_backward_body(body: KernelBody, compute_dtype,
+                         flags: contract.AttentionFlags) -> List[str]:
+  """A hand-written backward body (dots in `contract.GRAD_SCOPE`) against
+  `contract.backward_stage_dtypes`: its one qk dot recomputes the forward's logits (the
+  table's operands and logits type), no wv dot; every backward dot takes c operands (P
+  and dS rounded to c; float32 under 'highest') and accumulates float32; P's exp is
+  float32."""
+  want = {k: jnp.dtype(v).name for k, v in
+          contract.backward_stage_dtypes(compute_dtype, flags).items()}
+  c = jnp.dtype(compute_dtype).name
+  precision = flags.einsum.name
+  widened = {("float32", "float32")} if precision == "HIGHEST" else set()
+  problems = []
+  counts = {scope: sum(d.scope == scope for d in body.dots) for scope in ("qk", "wv", "")}
+  if counts["qk"] < 1 or counts["qk"] > sum(d.scope == "grad" for d in body.dots):
+    problems.append(f"backward qk dot: {counts['qk']} in the qk scope, expected 1 per "
+                    f"branch (the logits recomputed)")
+  if counts["wv"] or counts[""]:
+    problems.append(f"backward body: {counts['wv']} wv and {counts['']} unscoped dots, "
+                    f"expected none")
+  for d in body.dots:
+    if d.scope == "qk":
+      if (d.lhs, d.rhs) != (c, c) and (d.lhs, d.rhs) not in widened:
+        problems.append(f"backward qk operands (stage 'qkv'): {d.lhs} x {d.rhs}, "
+                        f"expected {c} x {c}")
+      if d.effective != want["logits"]:
+        problems.append(f"backward qk accumulation (stage 'logits'): {d.effective}, "
+                        f"expected {want['logits']} (the forward's logits)")
+    elif d.scope == "grad":
+      if (d.lhs, d.rhs) != (want["grad_operand"],) * 2 and (d.lhs, d.rhs) not in widened:
+        problems.append(f"backward dot operands (stage 'grad_operand'): {d.lhs} x {d.rhs}, "
+                        f"expected {want['grad_operand']} x {want['grad_operand']}")
+      if d.result != want["grad_result"]:
+        problems.append(f"backward dot accumulation (stage 'grad_result'): {d.result}, "
+                        f"expected {want['grad_result']}")
+    if d.scope in ("qk", "grad") and d.precision != precision:
+      problems.append(f"backward {d.scope} precision (einsum_precision): {d.precision}, "
+                      f"expected {precision}")
+  bad = sorted({e for e in body.block_exps if e != want["p"]})
+  if not body.block_exps:
+    problems.append("backward P: no exp found")
+  elif bad:
+    problems.append(f"backward P (stage 'p'): exp in {'/'.join(bad)}, expected {want['p']}")
   return problems
 
 

@@ -1,0 +1,239 @@
+"""`--suite=tpu_attention`: attention alone on an accelerator (a TPU), every kernel x the
+flags, beside jax's splash attention, in interleaved rounds.
+
+Cases: a causal prefill of S tokens (B = 1, T = S) and its training pass (forward +
+backward, `jax.grad` of a fixed projection of the output w.r.t. q, k, v) at the
+attention shapes of Qwen2-7B (28 query heads over 4 kv heads, head dim 128) and
+Qwen2.5-0.5B (14 over 2, head dim 64), inputs bf16. Rows: each attnprec kernel under
+flags off (`bf16`), both flags (`fp32_attention`) and both + einsum_precision 'highest';
+the 'flash' kernel also at each block pair of `--blocks`; jax's splash attention
+(`jax.experimental.pallas.ops.tpu.splash_attention`, GQA native: its K/V heads not
+repeated; q scaled by H^-0.5 in bf16 before it, as it applies no scale; float32 logits and
+statistics, float32 probabilities into a DEFAULT PV dot: flags-on semantics) at each block
+size of `--blocks` (its q / kv blocks; its backward blocks the same), the anchor every row
+is divided by ('/ splash' = time / the fastest splash row of the case).
+
+Method: every row jitted and compiled first (and its output checked finite, and against
+the float64 reference at S <= `ERROR_MAX_S`); then `rounds` rounds, each row once per
+round in order, each sample the time of `reps` calls (one block at the end); medians.
+TFLOP/s counts causal attention's visible half: forward 2 products of 2 S^2/2 H N
+FLOPs; forward + backward 7 (the backward recomputes QK^T and runs dP, dV, dQ, dK),
+every kernel counted the same. The peak is a bf16 x bf16 -> f32 matmul measured in the
+same run (`model.matmul_peak` at 8192^3). Results: <out>/tpu_attention.json (rewritten
+after every case: an interrupted run keeps what it measured; a rerun skips the cases
+already there), tpu_attention.md.
+"""
+import json
+import os
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnprec import contract, kernels, runs
+from attnprec.errors import UserError
+from attnprec.kernels import flash
+from attnprec.presets import variant
+
+SHAPES: Dict[str, Tuple[int, int, int]] = {"qwen2-7b": (28, 4, 128),
+                                          "qwen2.5-0.5b": (14, 2, 64)}
+DEFAULT_SEQ_LENS = (1024, 2048, 8192, 32768)
+DEFAULT_TRAIN_SEQ_LENS = (2048, 8192)
+KERNELS = ("dot_product", "blockwise", "flash")
+FLAG_ROWS = {"bf16": ("bf16", {}), "both": ("fp32_attention", {}),
+             "both+highest": ("fp32_attention", {"einsum_precision": "highest"})}
+DEFAULT_BLOCKS = ((512, 512), (1024, 512), (1024, 1024), (2048, 512))
+ERROR_MAX_S = 2048
+# The dense kernel's [N, S, S] logits: lengths past this are not run with it (32k: 57 GB)
+DENSE_MAX_S = 8192
+SPLASH = "splash"
+PEAK_SHAPE = (8192, 8192, 8192)
+
+
+def causal_flops(S: int, N: int, H: int, train: bool) -> float:
+  return (7 if train else 2) * 2.0 * S * S / 2 * H * N
+
+
+def _splash(N: int, K: int, H: int, S: int, blocks: Tuple[int, int]):
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+      splash_attention_kernel as splash, splash_attention_mask as masks)
+  bq, bk = (min(b, S) for b in blocks)
+  sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
+                            block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
+                            block_kv_dq=bk)
+  kernel = splash.make_splash_mha(masks.MultiHeadMask([masks.CausalMask((S, S))] * N),
+                                  head_shards=1, q_seq_shards=1, block_sizes=sizes)
+
+  def call(q, k, v):    # [1, S, N|K, H] -> splash's [heads, S, H]
+    qs = jnp.transpose(q[0], (1, 0, 2)) * jnp.asarray(H ** -0.5, q.dtype)
+    ks, vs = (jnp.transpose(x[0], (1, 0, 2)) for x in (k, v))
+    return jnp.transpose(kernel(qs, ks, vs), (1, 0, 2))[None]
+  return call
+
+
+def _attnprec(kernel: str, flags_row: str, S: int, blocks=None):
+  preset, extra = FLAG_ROWS[flags_row]
+  prec = variant(preset, kernel=kernel, **extra)
+  pos = jnp.arange(S, dtype=jnp.int32)[None]
+  if kernel == "flash":
+    b = flash.DEFAULT_BLOCKS
+    if blocks:
+      b = flash.Blocks(q=blocks[0], k=blocks[1], q_bwd=min(blocks[0], 1024), k_bwd=blocks[1],
+                       chunk=blocks[2] if len(blocks) > 2 else b.chunk)
+    return lambda q, k, v: flash.flash_attention(
+        q, k, v, causal=True, q_positions_BxT=pos, k_positions_BxS=pos,
+        flags=prec.attention, blocks=b)
+  return lambda q, k, v: kernels.attend(prec, q, k, v, mask=contract.CausalMask(pos, pos))
+
+
+def _train(f, H):
+  w = jnp.cos(jnp.arange(H, dtype=jnp.float32))
+  return jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * w),
+                  argnums=(0, 1, 2))
+
+
+def rows_for(shape: str, S: int, train: bool, kernel_names: Sequence[str],
+             flag_rows: Sequence[str], blocks: Sequence[Tuple[int, int]]
+             ) -> Dict[str, Callable]:
+  N, K, H = SHAPES[shape]
+  rows = {}
+  for kernel in kernel_names:
+    if kernel == "dot_product" and S > DENSE_MAX_S:
+      continue
+    for fr in flag_rows:
+      if kernel == "flash":
+        for bl in blocks:
+          rows[f"flash {fr} {'x'.join(map(str, bl))}"] = _attnprec(kernel, fr, S, bl)
+      else:
+        rows[f"{kernel} {fr}"] = _attnprec(kernel, fr, S)
+  for bl in dict.fromkeys(tuple(b[:2]) for b in blocks):
+    rows[f"{SPLASH} {bl[0]}x{bl[1]}"] = _splash(N, K, H, S, bl)
+  return {name: jax.jit(_train(f, H) if train else f) for name, f in rows.items()}
+
+
+def _inputs(shape: str, S: int, seed: int = 0):
+  N, K, H = SHAPES[shape]
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.standard_normal((1, S, n, H)), jnp.bfloat16)
+               for n in (N, K, K))
+
+
+def _reference(qkv, S):
+  exact = [np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in qkv]
+  return contract.reference_attention_np(*exact, mask=np.tril(np.ones((S, S), bool)))
+
+
+def _reps(S: int) -> int:
+  return max(1, 8192 // S) if S < 8192 else 1
+
+
+def run_case(shape: str, S: int, train: bool, *, kernel_names, flag_rows, blocks,
+             rounds: int, progress=print) -> dict:
+  N, K, H = SHAPES[shape]
+  qkv = _inputs(shape, S)
+  fns = rows_for(shape, S, train, kernel_names, flag_rows, blocks)
+  want = _reference(qkv, S) if (S <= ERROR_MAX_S and not train) else None
+  rows: Dict[str, dict] = {}
+  live = {}
+  for name, fn in fns.items():
+    try:
+      t0 = time.perf_counter()
+      out = jax.block_until_ready(fn(*qkv))
+      compile_s = time.perf_counter() - t0
+      leaves = [np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+                for x in jax.tree_util.tree_leaves(out)]
+      if not all(np.isfinite(x).all() for x in leaves):
+        raise FloatingPointError("a non-finite output")
+      row = {"compile_s": compile_s}
+      if want is not None:
+        got = leaves[0]
+        row.update(rel_l2=float(np.linalg.norm(got - want) / np.linalg.norm(want)),
+                   max_abs_error=float(np.abs(got - want).max()))
+      rows[name] = row
+      live[name] = fn
+    except Exception as e:  # noqa: BLE001 -- recorded; the other rows still run
+      rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+      progress(f"  {name}: {rows[name]['error']}")
+  reps = _reps(S)
+  samples: Dict[str, List[float]] = {n: [] for n in live}
+  for _ in range(rounds):
+    for name, fn in live.items():
+      t0 = time.perf_counter()
+      for _ in range(reps):
+        out = fn(*qkv)
+      jax.block_until_ready(out)
+      samples[name].append((time.perf_counter() - t0) / reps)
+  flops = causal_flops(S, N, H, train)
+  for name, ts in samples.items():
+    med = statistics.median(ts)
+    rows[name].update(median_ms=1e3 * med, tflops=flops / med / 1e12)
+  splash_ms = [r["median_ms"] for n, r in rows.items() if n.startswith(SPLASH)
+               and "median_ms" in r]
+  base = min(splash_ms) if splash_ms else None
+  for r in rows.values():
+    if base and "median_ms" in r:
+      r["vs_splash"] = r["median_ms"] / base
+  return {"shape": shape, "S": S, "mode": "train" if train else "prefill",
+          "N": N, "K": K, "H": H, "rounds": rounds, "reps": reps, "rows": rows}
+
+
+def run(out_dir: str, *, shapes: Sequence[str] = tuple(SHAPES),
+        seq_lens: Sequence[int] = DEFAULT_SEQ_LENS,
+        train_seq_lens: Sequence[int] = DEFAULT_TRAIN_SEQ_LENS,
+        kernel_names: Sequence[str] = KERNELS, flag_rows: Sequence[str] = tuple(FLAG_ROWS),
+        blocks: Sequence[Tuple[int, int]] = DEFAULT_BLOCKS, rounds: int = 5,
+        progress=print) -> dict:
+  from attnprec.bench.model import matmul_peak
+  path = os.path.join(out_dir, "tpu_attention.json")
+  result = None
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      result = json.load(f)
+  if not isinstance(result, dict) or not isinstance(result.get("cases"), dict):
+    result = {"cases": {}}
+  result["backend"] = jax.default_backend()
+  result["device"] = str(jax.devices()[0].device_kind)
+  result["peak_bf16_tflops"] = matmul_peak(PEAK_SHAPE)["bf16"] / 1e12
+  todo = [(sh, S, False) for sh in shapes for S in seq_lens] + \
+         [(sh, S, True) for sh in shapes for S in train_seq_lens]
+  for i, (sh, S, train) in enumerate(todo):
+    key = f"{sh} {'train' if train else 'prefill'} S={S}"
+    if key in result["cases"]:
+      progress(f"[{i + 1}/{len(todo)}] {key}: already measured")
+      continue
+    progress(f"[{i + 1}/{len(todo)}] {key}")
+    case = run_case(sh, S, train, kernel_names=kernel_names, flag_rows=flag_rows,
+                    blocks=blocks, rounds=rounds, progress=progress)
+    for r in case["rows"].values():
+      if "tflops" in r:
+        r["of_peak"] = r["tflops"] / result["peak_bf16_tflops"]
+    result["cases"][key] = case
+    for name, r in case["rows"].items():
+      progress(f"    {name:32s} " + (f"{r['median_ms']:9.3f} ms  {r['tflops']:6.1f} TF/s"
+                                    f"  /splash {r.get('vs_splash', float('nan')):5.2f}"
+                                    f"  relL2 {r.get('rel_l2', float('nan')):.1e}"
+                                    if "median_ms" in r else r.get("error", "")))
+    runs.write_json(out_dir, "tpu_attention.json", result, provenance=True)
+  runs.atomic_write(os.path.join(out_dir, "tpu_attention.md"), to_markdown(result))
+  return result
+
+
+def to_markdown(result: dict) -> str:
+  lines = [f"TPU attention ({result.get('device')}; bf16 matmul peak measured "
+           f"{result.get('peak_bf16_tflops', float('nan')):.0f} TFLOP/s)", ""]
+  for key, case in result["cases"].items():
+    lines += [f"### {key} (N={case['N']}, K={case['K']}, H={case['H']})", "",
+              "| row | median (ms) | TFLOP/s | of peak | / splash | rel L2 vs float64 |",
+              "|---|---|---|---|---|---|"]
+    for name, r in case["rows"].items():
+      if "median_ms" not in r:
+        lines.append(f"| {name} | {r.get('error', '')} | | | | |")
+        continue
+      err = f"{r['rel_l2']:.1e}" if "rel_l2" in r else ""
+      lines.append(f"| {name} | {r['median_ms']:.3f} | {r['tflops']:.1f} | "
+                   f"{r.get('of_peak', float('nan')):.2f} | {r.get('vs_splash', float('nan')):.2f} | {err} |")
+    lines.append("")
+  return "\n".join(lines) + "\n"

@@ -1,0 +1,760 @@
+"""A Pallas TPU flash-attention kernel, forward and backward, under the precision contract.
+
+Shapes (as `attnprec.contract`): B batch, T queries, S keys, N query heads, K kv heads,
+G = N // K, H head dim. Inside the kernel: R = T * G query rows per kv head (row
+t * G + g is query t of head k * G + g: the G query heads of a kv head are packed into
+rows, so one K/V block serves all of them, and K/V are never repeated), Tq rows per
+q block, Sk keys per kv block; Rp, Sp, Hp the padded R, S, H.
+
+Forward: one `pallas_call`, grid (B, K, Rp / Tq, Sp / Sk); the kv axis is the last grid
+dimension ('arbitrary': sequential), so K/V stream through VMEM block by block while the
+q block, the running max m and sum l ([Tq, 1]) and the output accumulator ([Tq, Hp]) stay
+in float32 VMEM scratch (an online softmax, exactly blockwise's: `attnprec.kernels.
+blockwise`). Masks: causal and sliding window from absolute positions (a `CausalMask`),
+a dense bool mask, and always the key padding. Hidden blocks are skipped twice: the
+kv index map clamps a hidden block to the nearest visible one (the same block index as
+the step before, so Pallas issues no DMA for it), and the body computes nothing there
+(`pl.when`). The per-block position bounds come in as scalar-prefetch arrays (SMEM),
+computed outside from the positions, so any positions work (a batch of caches at
+different lengths); a block every one of whose pairs is visible runs without the mask.
+
+Backward (`jax.custom_vjp`, residuals q, k, v, the output and the float32 logsumexp):
+two kernels, dq (grid (B, K, q blocks, kv blocks), the kv axis arbitrary, a float32 dq
+accumulator) and dk/dv (grid (B, K, kv blocks, q blocks), the q axis arbitrary, float32
+dk and dv accumulators), each recomputing the logits exactly as the forward does.
+
+Precision: the forward is the contract table's row (`contract.stage_dtypes`, chex-asserted
+in the body at trace time): the qk dot takes q and k in c with a float32 result, rounded
+once to c right after the dot where the logits are c (Mosaic's matmul accumulates in 32
+bits only: this is what a c-result dot computes on a TPU); the query scale on q in c or
+on the float32 logits as the table says; soft-cap, mask, max and exp in the softmax
+dtype; m, l, the corrections and the accumulator in float32; the probabilities into the
+wv dot in the probs dtype with a float32 result; normalisation by l once, in float32. On a
+TPU an f32 operand at DEFAULT is multiplied in one bf16 pass (the platform table).
+The backward pass (`contract.BACKWARD`): the logits recomputed as the forward's (the
+same dtypes), P = exp(logits - logsumexp) in float32, dP = dO V^T and dS = P (dP - delta)
+in float32 (delta = rowsum(dO * O) in float32; the soft-cap's derivative and the query
+scale on float32 logits applied to dS in float32), then P and dS rounded to c before the
+dv = P^T dO, dq = dS K and dk = dS^T Q dots, which accumulate in float32 (jax's splash
+attention rounds the same two). With c = float32 nothing is rounded. 'highest': every dot
+of both passes takes float32 operands (the only ones Mosaic multiplies at
+contract_precision<fp32>; 16-bit values are exact in f32). The two forward dots sit in
+the contract's named scopes, the backward's in `contract.GRAD_SCOPE`; `attnprec.inspect.
+pallas_check` reads the bodies back from the jaxpr (`make audit`).
+
+Knobs: float32_qk_product, float32_logits, einsum_precision 'default' / 'highest' and the
+key offset (applied by the layer before any kernel) honoured; 'high' and dot-algorithm
+presets refused by name (Mosaic takes only DEFAULT and HIGHEST); a quantized cache
+refused by name (the scales have no place in the body); CUDA refused by name (a TPU
+kernel: its grid accumulates in sequential scratch, which Triton has no form for; the
+portable kernel is 'pallas').
+
+Compiled or interpreted: `lax.platform_dependent(cpu=interpreted, tpu=Mosaic)`: the
+lowering platform decides; on CPU Pallas' interpreter runs the same body.
+
+Block sizes (`Blocks`, defaults measured on a TPU v5e: docs/performance.md): Tq a
+multiple of 16 (a bf16 tile's rows), Sk a multiple of 128 (the lane width); a call's
+blocks are clipped to its padded sizes (a decode step's G rows run one 16-row block).
+Hp = H when H is a multiple of 64, else H padded to a multiple of 128. `vmem_limit_bytes`
+is set from the blocks' footprint; blocks that do not fit `VMEM_CAP` are refused before
+anything runs.
+"""
+import dataclasses
+import functools
+import math
+from typing import Optional, Tuple
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from attnprec import contract
+from attnprec.errors import UserError
+
+NAME = "flash"
+F32 = jnp.float32
+PRECISIONS = ("default", "highest")
+ROW_MULTIPLE, KEY_MULTIPLE = 16, 128
+VMEM_CAP = 96 * 2 ** 20       # of a v5e TensorCore's 128 MiB VMEM
+BIG = 0.7 * float(jnp.finfo(jnp.float32).max)   # logsumexp of a row that sees no key
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """Rows (q) and keys (k) per block, forward and backward. The defaults were the fastest
+  of 7 settings (128-2048) on a TPU v5e at Qwen2-7B's shape, prefill 2k-32k and forward +
+  backward 2k and 8k (results/tpu-flash/sweep.md)."""
+  q: int = 1024
+  k: int = 1024
+  q_bwd: int = 1024
+  k_bwd: int = 1024
+  chunk: int = 512   # keys per step in a block on the mask's edge (`Geometry.chunk`)
+
+  def describe(self) -> str:
+    return f"fwd {self.q}x{self.k} bwd {self.q_bwd}x{self.k_bwd} chunk {self.chunk}"
+
+
+DEFAULT_BLOCKS = Blocks()
+
+
+def refusal(precision, *, logits_soft_cap=None) -> Optional[str]:
+  """None if 'flash' honours a `Precision`, else the paragraph naming the bad value."""
+  del logits_soft_cap
+  platform = precision.platform() if hasattr(precision, "platform") else "cpu"
+  if platform not in ("cpu", "tpu"):
+    return (f"The 'flash' attention kernel runs on a TPU (Mosaic) or interpreted on CPU, "
+            f"not on platform {platform!r}: its grid accumulates in sequential VMEM "
+            f"scratch, which the GPU's Triton lowering has no form for. Valid platforms "
+            f"for 'flash': 'tpu', 'cpu'. Use kernel 'pallas' (portable) or 'blockwise'.")
+  return settings_refusal(precision.attention, precision.cache_storage)
+
+
+def settings_refusal(flags: contract.AttentionFlags,
+                     storage: contract.CacheStorage) -> Optional[str]:
+  if storage.quantized:
+    return (f"The 'flash' attention kernel cannot read a quantized KV cache "
+            f"(precision.kv_cache_k_dtype = {storage.k_dtype!r}, "
+            f"precision.kv_cache_v_dtype = {storage.v_dtype!r}): its body has no place "
+            f"for the cache's scales. Valid cache dtypes for 'flash': 'compute', "
+            f"'float32', 'bfloat16'. Use kernel 'dot_product' or 'blockwise' for "
+            f"{', '.join(repr(d) for d in contract.SCALED_KV_DTYPES)}.")
+  if flags.einsum not in (jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST):
+    return (f"The 'flash' attention kernel cannot honour einsum_precision="
+            f"{flags.einsum_precision!r}: Mosaic's lowering of a dot inside a Pallas TPU "
+            f"kernel takes only jax.lax.Precision DEFAULT or HIGHEST (no HIGH, no "
+            f"dot-algorithm preset). Valid einsum_precision values for 'flash': "
+            f"{', '.join(repr(p) for p in PRECISIONS)}. Use kernel 'dot_product' or "
+            f"'blockwise' for other settings.")
+  return None
+
+
+# ----------------------------------------------------------------------------- geometry
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """The static sizes of one call and one pass (hashable: part of the body's closure)."""
+  B: int; K: int; T: int; G: int; S: int; H: int  # noqa: E702
+  Tq: int; Sk: int; Rp: int; Sp: int; Hp: int     # noqa: E702
+  # keys per step of a block on the mask's edge: such a block runs chunk by chunk,
+  # skipping the chunks no row of its q block sees (`Blocks.chunk`, or 128 where it does
+  # not divide Sk)
+  chunk: int = 128
+
+  @property
+  def R(self) -> int:
+    return self.T * self.G
+
+  @property
+  def nq(self) -> int:
+    return self.Rp // self.Tq
+
+  @property
+  def nk(self) -> int:
+    return self.Sp // self.Sk
+
+
+
+def _up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def padded_head(H: int) -> int:
+  return H if H % 64 == 0 else _up(H, 128)
+
+
+def geometries(B, K, T, G, S, H, blocks: Blocks) -> Tuple[Geometry, Geometry]:
+  """The forward's and the backward's geometry for one call. Both passes tile the same
+  padded rows and keys (they share the residuals): a call shorter than both passes'
+  blocks runs one block of its own (rounded up to the tile), a longer one pads to a
+  multiple of both blocks."""
+  R = T * G
+
+  def lengths(n, a, b, multiple):
+    if n <= min(a, b):
+      one = _up(n, multiple)
+      return one, one, one
+    return a, b, _up(n, math.lcm(a, b))
+
+  Tf, Tb, Rp = lengths(R, blocks.q, blocks.q_bwd, ROW_MULTIPLE)
+  Sf, Sb, Sp = lengths(S, blocks.k, blocks.k_bwd, KEY_MULTIPLE)
+  make = lambda Tq, Sk: Geometry(  # noqa: E731
+      B=B, K=K, T=T, G=G, S=S, H=H, Tq=Tq, Sk=Sk, Rp=Rp, Sp=Sp, Hp=padded_head(H),
+      chunk=blocks.chunk if Sk % blocks.chunk == 0 else KEY_MULTIPLE)
+  return make(Tf, Sf), make(Tb, Sb)
+
+
+def vmem_bytes(Tq: int, Sk: int, Hp: int, itemsize: int, dense_mask: bool,
+               backward: bool) -> int:
+  """An upper estimate of one program's VMEM: double-buffered blocks, scratch, and a
+  few [Tq, Sk] float32 temporaries."""
+  blocks = 2 * itemsize * (2 * Tq * Hp + 2 * Sk * Hp) + 2 * 4 * 2 * Tq
+  if backward:
+    blocks += 2 * itemsize * 2 * Tq * Hp + 2 * itemsize * 2 * Sk * Hp
+  if dense_mask:
+    blocks += 2 * 4 * Tq * Sk
+  scratch = 4 * (Tq * Hp + 2 * Tq * 128) + (4 * 2 * Sk * Hp if backward else 0)
+  return blocks + scratch + 4 * 4 * Tq * Sk * (2 if backward else 1)
+
+
+def check_blocks(blocks: Blocks, H: int, itemsize: int = 2, dense_mask: bool = False,
+                 platform: str = "tpu") -> None:
+  """A `UserError` naming a block size that Mosaic cannot tile or that does not fit."""
+  for name in ("q", "k", "q_bwd", "k_bwd", "chunk"):
+    value = getattr(blocks, name)
+    multiple = ROW_MULTIPLE if name.startswith("q") else KEY_MULTIPLE
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0 \
+        or value % multiple:
+      raise UserError(
+          f"The 'flash' kernel's block size {name}={value!r} cannot be tiled on "
+          f"{platform}: {'query-row' if multiple == ROW_MULTIPLE else 'key'} blocks must "
+          f"be positive multiples of {multiple} (a {'bf16 tile' if multiple == 16 else 'lane width'}"
+          f"). Valid values: {multiple}, {2 * multiple}, ... e.g. 256, 512, 1024.")
+  Hp = padded_head(H)
+  for fwd, (q, k) in ((True, (blocks.q, blocks.k)), (False, (blocks.q_bwd, blocks.k_bwd))):
+    need = vmem_bytes(q, k, Hp, itemsize, dense_mask, backward=not fwd)
+    if need > VMEM_CAP:
+      raise UserError(
+          f"The 'flash' kernel's {'forward' if fwd else 'backward'} blocks {q}x{k} (rows x "
+          f"keys, head dim {Hp}) need about {need / 2 ** 20:.0f} MiB of VMEM, over the "
+          f"{VMEM_CAP // 2 ** 20} MiB it may use on {platform}. Valid: smaller blocks, "
+          f"e.g. 512x512 ({vmem_bytes(512, 512, Hp, itemsize, dense_mask, not fwd) / 2 ** 20:.0f} MiB).")
+
+
+def _vmem_limit(Tq, Sk, Hp, itemsize, dense_mask, backward) -> int:
+  need = vmem_bytes(Tq, Sk, Hp, itemsize, dense_mask, backward)
+  return int(min(VMEM_CAP, max(32 * 2 ** 20, 2 * need)))
+
+
+# ----------------------------------------------------------------------------- bounds
+def _bounds(qpos_BxRp, kpos_BxSp, geo: Geometry, causal: bool, window: Optional[int]):
+  """Per q block: min / max position; per kv block: min / max position; per q block the
+  first and last kv block it sees (lo, hi), and per kv block the first and last q block
+  that sees it: int32 scalar-prefetch arrays, flattened [B * n]."""
+  B, nq, nk = geo.B, geo.nq, geo.nk
+  qb = qpos_BxRp.reshape(B, nq, geo.Tq)
+  kb = kpos_BxSp.reshape(B, nk, geo.Sk)
+  qmin, qmax = qb.min(-1), qb.max(-1)
+  kmin, kmax = kb.min(-1), kb.max(-1)
+  need = _need(qmin[:, :, None], qmax[:, :, None], kmin[:, None, :], kmax[:, None, :],
+               causal, window)                                          # [B, nq, nk]
+  lo, hi = _first_last(need, axis=2)
+  qlo, qhi = _first_last(need, axis=1)
+  kc = kpos_BxSp.reshape(B, geo.Sp // geo.chunk, geo.chunk)
+  flat = lambda x: x.reshape(-1).astype(jnp.int32)  # noqa: E731
+  return tuple(map(flat, (qmin, qmax, kmin, kmax, lo, hi, qlo, qhi, kc.min(-1), kc.max(-1))))
+
+
+def _first_last(need, axis):
+  n = need.shape[axis]
+  idx = jax.lax.broadcasted_iota(jnp.int32, need.shape, axis)
+  first = jnp.min(jnp.where(need, idx, n), axis=axis)
+  last = jnp.max(jnp.where(need, idx, -1), axis=axis)
+  empty = last < 0
+  return jnp.where(empty, 0, first), jnp.where(empty, 0, last)
+
+
+def _need(qmin, qmax, kmin, kmax, causal, window):
+  need = jnp.ones(jnp.broadcast_shapes(jnp.shape(qmin), jnp.shape(kmin)), jnp.bool_)
+  if causal:
+    need &= kmin <= qmax
+  if window is not None:
+    need &= kmax > qmin - window
+  return need
+
+
+def _full(qmin, qmax, kmin, kmax, causal, window):
+  full = True
+  if causal:
+    full = jnp.logical_and(full, kmax <= qmin)
+  if window is not None:
+    full = jnp.logical_and(full, kmin > qmax - window)
+  return full
+
+
+# ----------------------------------------------------------------------------- bodies
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """One call's static settings (hashable)."""
+  geo: Geometry
+  stages: Tuple[Tuple[str, object], ...]
+  einsum: object
+  scale: float
+  cap: Optional[float]
+  causal: bool
+  window: Optional[int]
+  dense_mask: bool
+
+  @property
+  def table(self) -> dict:
+    return dict(self.stages)
+
+
+def _operand(spec: Spec):
+  highest = spec.einsum == jax.lax.Precision.HIGHEST
+  return (lambda x: x.astype(F32)) if highest else (lambda x: x)
+
+
+def _logits(spec: Spec, q, k, qpos_Tqx1, kpos_1xSk, key0, mask_TqxSk, masked: bool):
+  """The forward's logits for one block, as the table makes them: (logits in the
+  softmax dtype, masked; the soft-cap's tanh or None; the visibility mask or None)."""
+  st, op = spec.table, _operand(spec)
+  sm = st["softmax"]
+  Tq, Sk = q.shape[0], k.shape[0]
+  with jax.named_scope(contract.QK_SCOPE):
+    s = jnp.einsum("TH,SH->TS", op(q), op(k), precision=spec.einsum,
+                   preferred_element_type=F32)
+    s = s.astype(st["logits"])
+  chex.assert_type(s, st["logits"])
+  s = contract.scale_logits(s, spec.scale, st).astype(sm)
+  tanh = None
+  if spec.cap is not None:
+    cap = jnp.asarray(spec.cap, sm)
+    tanh = jnp.tanh(s / cap)
+    s = cap * tanh
+  allowed = None
+  if masked:
+    allowed = key0 + jax.lax.broadcasted_iota(jnp.int32, (Tq, Sk), 1) < spec.geo.S
+    if spec.causal or spec.window is not None:
+      allowed &= contract.visible(qpos_Tqx1, kpos_1xSk, causal=spec.causal,
+                                  sliding_window=spec.window)
+    if mask_TqxSk is not None:
+      allowed &= mask_TqxSk != 0
+    s = jnp.where(allowed, s, jnp.asarray(contract.mask_value(sm), sm))
+  return s, tanh, allowed
+
+
+def _block_state(spec: Spec, qmin, qmax, kmin, kmax, j):
+  """(need, full) of block pair: any pair visible; every pair visible (no mask needed)."""
+  geo = spec.geo
+  need = _need(qmin, qmax, kmin, kmax, spec.causal, spec.window)
+  full = _full(qmin, qmax, kmin, kmax, spec.causal, spec.window)
+  full = jnp.logical_and(full, (j + 1) * geo.Sk <= geo.S)
+  if spec.dense_mask:
+    full = jnp.logical_and(full, False)
+  return need, full
+
+
+def _blocks_run(spec: Spec, refs, b, i, j, update):
+  """Runs update(keys, masked) over the block pair (q block i, kv block j): nothing where
+  no pair is visible; the whole block unmasked where every pair is; else chunk by chunk
+  (`Geometry.chunk` keys), masked, skipping the chunks no row sees (the diagonal of a
+  causal prefill: about half of its block)."""
+  geo = spec.geo
+  qmin_r, qmax_r, kmin_r, kmax_r, _, _, cmin_r, cmax_r = refs
+  bi, bj = b * geo.nq + i, b * geo.nk + j
+  qmin, qmax = qmin_r[bi], qmax_r[bi]
+  need, full = _block_state(spec, qmin, qmax, kmin_r[bj], kmax_r[bj], j)
+  pl.when(jnp.logical_and(need, full))(lambda: update(pl.ds(0, geo.Sk), False))
+
+  @pl.when(jnp.logical_and(need, jnp.logical_not(full)))
+  def _masked():
+    per = geo.Sk // geo.chunk
+    for c in range(per):
+      bc = b * (geo.Sp // geo.chunk) + j * per + c
+      need_c = _need(qmin, qmax, cmin_r[bc], cmax_r[bc], spec.causal, spec.window)
+      need_c = jnp.logical_and(need_c, j * geo.Sk + c * geo.chunk < geo.S)
+      pl.when(need_c)(functools.partial(update, pl.ds(c * geo.chunk, geo.chunk), True))
+
+
+def _fwd_body(spec: Spec, with_lse: bool):
+  geo, st, op = spec.geo, spec.table, _operand(spec)
+  sm, c = st["softmax"], st["output"]
+  mv = contract.mask_value(sm)
+
+  def body(*refs):
+    prefetch, refs = refs[:N_PREFETCH], list(refs[N_PREFETCH:])
+    q_ref, k_ref, v_ref, qpos_ref, kpos_ref = refs[:5]
+    refs = refs[5:]
+    mask_ref = refs.pop(0) if spec.dense_mask else None
+    o_ref = refs.pop(0)
+    lse_ref = refs.pop(0) if with_lse else None
+    m_sc, l_sc, acc_sc = refs
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+      m_sc[...] = jnp.full(m_sc.shape, mv, F32)
+      l_sc[...] = jnp.zeros(l_sc.shape, F32)
+      acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
+
+    def update(keys, masked):
+      q = q_ref[...]
+      chex.assert_type(q, st["qkv"])
+      s, _, _ = _logits(spec, q, k_ref[keys, :], qpos_ref[...], kpos_ref[:, keys],
+                        j * geo.Sk + keys.start,
+                        mask_ref[:, keys] if spec.dense_mask else None, masked)
+      m_prev = m_sc[...]
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True).astype(F32))
+      # A row that has seen no key yet (m = mask value) shifts by 0: its entries give 0.
+      shift = jnp.where(m_next > 0.5 * mv, m_next, 0.0) if masked else m_next
+      probs = jnp.exp(s - shift.astype(sm))
+      chex.assert_type(probs, st["probs"])
+      correction = jnp.exp(m_prev - m_next)
+      l_sc[...] = l_sc[...] * correction + jnp.sum(probs.astype(F32), axis=1,
+                                                   keepdims=True)
+      m_sc[...] = m_next
+      with jax.named_scope(contract.WV_SCOPE):
+        pv = jnp.einsum("TS,SH->TH", op(probs), op(v_ref[keys, :].astype(st["probs"])),
+                        precision=spec.einsum, preferred_element_type=F32)
+      acc_sc[...] = acc_sc[...] * correction + pv
+
+    _blocks_run(spec, prefetch, b, i, j, update)
+
+    @pl.when(j == geo.nk - 1)
+    def _finish():
+      l = l_sc[...]
+      seen = l > 0                                 # a row that saw no key -> 0
+      l_safe = jnp.where(seen, l, 1.0)
+      o_ref[...] = (acc_sc[...] / l_safe).astype(c)
+      if with_lse:
+        lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(l_safe), BIG)
+
+  return body
+
+
+def _recompute_p(spec, q, k, qpos, kpos, key0, mask, lse_Tqx1, masked):
+  """The backward's P = exp(logits - logsumexp) in float32 (0 where hidden), and the
+  soft-cap's tanh (or None)."""
+  s, tanh, allowed = _logits(spec, q, k, qpos, kpos, key0, mask, masked)
+  p = jnp.exp(s.astype(F32) - lse_Tqx1)
+  if allowed is not None:
+    p = jnp.where(allowed, p, 0.0)
+  return p, tanh
+
+
+def _dlogits(spec, p, dp, delta_Tqx1, tanh):
+  """dS (float32) from P, dP, delta: through the soft-cap and the query scale on f32
+  logits where the table puts it there."""
+  ds = p * (dp - delta_Tqx1)
+  if tanh is not None:
+    ds = ds * (1.0 - jnp.square(tanh.astype(F32)))
+  st = spec.table
+  if st["scale"] != st["qkv"]:          # the scale was applied to the f32 logits
+    ds = ds * jnp.asarray(spec.scale, F32)
+  return ds
+
+
+def _grad_dot(spec, eq, a, b):
+  op = _operand(spec)
+  with jax.named_scope(contract.GRAD_SCOPE):
+    return jnp.einsum(eq, op(a), op(b), precision=spec.einsum, preferred_element_type=F32)
+
+
+def _bwd_refs(spec, refs):
+  prefetch, refs = refs[:N_PREFETCH], list(refs[N_PREFETCH:])
+  q_ref, k_ref, v_ref, qpos_ref, kpos_ref = refs[:5]
+  refs = refs[5:]
+  mask_ref = refs.pop(0) if spec.dense_mask else None
+  return prefetch, (q_ref, k_ref, v_ref, qpos_ref, kpos_ref, mask_ref), refs
+
+
+def _dq_body(spec: Spec):
+  geo, st = spec.geo, spec.table
+  c = st["qkv"]
+
+  def body(*refs):
+    prefetch, ins, refs = _bwd_refs(spec, refs)
+    q_ref, k_ref, v_ref, qpos_ref, kpos_ref, mask_ref = ins
+    lse_ref, delta_ref, do_ref, dq_ref, dq_sc = refs
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+      dq_sc[...] = jnp.zeros(dq_sc.shape, F32)
+
+    def update(keys, masked):
+      k, v, do = k_ref[keys, :], v_ref[keys, :], do_ref[...]
+      p, tanh = _recompute_p(spec, q_ref[...], k, qpos_ref[...], kpos_ref[:, keys],
+                             j * geo.Sk + keys.start,
+                             mask_ref[:, keys] if spec.dense_mask else None,
+                             lse_ref[...], masked)
+      dp = _grad_dot(spec, "TH,SH->TS", do, v)
+      ds = _dlogits(spec, p, dp, delta_ref[...], tanh)
+      dq_sc[...] += _grad_dot(spec, "TS,SH->TH", ds.astype(c), k)
+
+    _blocks_run(spec, prefetch, b, i, j, update)
+
+    @pl.when(j == geo.nk - 1)
+    def _finish():
+      dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+
+  return body
+
+
+def _dkv_body(spec: Spec):
+  geo, st = spec.geo, spec.table
+  c = st["qkv"]
+
+  def body(*refs):
+    prefetch, ins, refs = _bwd_refs(spec, refs)
+    q_ref, k_ref, v_ref, qpos_ref, kpos_ref, mask_ref = ins
+    lse_ref, delta_ref, do_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs
+    b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(i == 0)
+    def _init():
+      dk_sc[...] = jnp.zeros(dk_sc.shape, F32)
+      dv_sc[...] = jnp.zeros(dv_sc.shape, F32)
+
+    def update(keys, masked):
+      q, do = q_ref[...], do_ref[...]
+      p, tanh = _recompute_p(spec, q, k_ref[keys, :], qpos_ref[...], kpos_ref[:, keys],
+                             j * geo.Sk + keys.start,
+                             mask_ref[:, keys] if spec.dense_mask else None,
+                             lse_ref[...], masked)
+      dv_sc[keys, :] += _grad_dot(spec, "TS,TH->SH", p.astype(c), do)
+      dp = _grad_dot(spec, "TH,SH->TS", do, v_ref[keys, :])
+      ds = _dlogits(spec, p, dp, delta_ref[...], tanh)
+      dk_sc[keys, :] += _grad_dot(spec, "TS,TH->SH", ds.astype(c), q)
+
+    _blocks_run(spec, prefetch, b, i, j, update)
+
+    @pl.when(i == geo.nq - 1)
+    def _finish():
+      dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+      dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+  return body
+
+
+# ----------------------------------------------------------------------------- calls
+# qmin, qmax, kmin, kmax, (lo, hi) of the pass's arbitrary axis, and the chunks' kmin, kmax
+N_PREFETCH = 8
+_sq = pl.squeezed
+
+
+def _specs(geo: Geometry, dense_mask: bool, kv_major: bool):
+  """BlockSpecs of q, k, v, qpos, kpos (and the mask) for a grid (B, K, nq, nk) or, with
+  kv_major, (B, K, nk, nq). The index map of the streamed axis clamps a block no row
+  sees to [lo, hi] of the fixed block: the same index as its neighbour, so no DMA."""
+  Tq, Sk, Hp, nq, nk = geo.Tq, geo.Sk, geo.Hp, geo.nq, geo.nk
+
+  if kv_major:      # fixed kv block j, streamed q block i
+    def ij(b, x, y, *pf):
+      qlo, qhi = pf[4], pf[5]
+      return jnp.minimum(jnp.maximum(y, qlo[b * nk + x]), qhi[b * nk + x]), x
+  else:             # fixed q block i, streamed kv block j
+    def ij(b, x, y, *pf):
+      lo, hi = pf[4], pf[5]
+      return x, jnp.minimum(jnp.maximum(y, lo[b * nq + x]), hi[b * nq + x])
+
+  def qmap(b, h, x, y, *pf):
+    return b, h, ij(b, x, y, *pf)[0], 0
+
+  def kmap(b, h, x, y, *pf):
+    return b, h, ij(b, x, y, *pf)[1], 0
+
+  specs = [pl.BlockSpec((_sq, _sq, Tq, Hp), qmap),
+           pl.BlockSpec((_sq, _sq, Sk, Hp), kmap),
+           pl.BlockSpec((_sq, _sq, Sk, Hp), kmap),
+           pl.BlockSpec((_sq, Tq, 1), lambda b, h, x, y, *pf: (b, ij(b, x, y, *pf)[0], 0)),
+           pl.BlockSpec((_sq, 1, Sk), lambda b, h, x, y, *pf: (b, 0, ij(b, x, y, *pf)[1]))]
+  if dense_mask:
+    specs.append(pl.BlockSpec((_sq, _sq, Tq, Sk), lambda b, h, x, y, *pf: (
+        b, h) + ij(b, x, y, *pf)))
+  rows = pl.BlockSpec((_sq, _sq, Tq, 1), lambda b, h, x, y, *pf: (b, h, ij(b, x, y, *pf)[0], 0))
+  qblock = pl.BlockSpec((_sq, _sq, Tq, Hp), qmap)
+  kblock = pl.BlockSpec((_sq, _sq, Sk, Hp), kmap)
+  return specs, rows, qblock, kblock
+
+
+def _params(interpret, geo, itemsize, dense_mask, backward):
+  if interpret:
+    return None
+  return pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+      vmem_limit_bytes=_vmem_limit(geo.Tq, geo.Sk, geo.Hp, itemsize, dense_mask, backward))
+
+
+def _forward_call(spec: Spec, interpret: bool, with_lse: bool, prefetch, operands):
+  geo = spec.geo
+  specs, rows, qblock, _ = _specs(geo, spec.dense_mask, kv_major=False)
+  q = operands[0]
+  out_specs = [qblock] + ([rows] if with_lse else [])
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  if with_lse:
+    out_shape.append(jax.ShapeDtypeStruct((geo.B, geo.K, geo.Rp, 1), F32))
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=N_PREFETCH, grid=(geo.B, geo.K, geo.nq, geo.nk),
+      in_specs=specs, out_specs=out_specs,
+      scratch_shapes=[pltpu.VMEM((geo.Tq, 1), F32), pltpu.VMEM((geo.Tq, 1), F32),
+                      pltpu.VMEM((geo.Tq, geo.Hp), F32)])
+  outs = pl.pallas_call(
+      _fwd_body(spec, with_lse), grid_spec=grid_spec, out_shape=out_shape,
+      interpret=interpret, name="attn_flash_fwd",
+      compiler_params=_params(interpret, geo, q.dtype.itemsize, spec.dense_mask, False),
+  )(*prefetch, *operands)
+  return outs if with_lse else (outs[0], None)
+
+
+def _dq_call(spec: Spec, interpret: bool, prefetch, operands, lse, delta, do):
+  geo = spec.geo
+  specs, rows, qblock, _ = _specs(geo, spec.dense_mask, kv_major=False)
+  q = operands[0]
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=N_PREFETCH, grid=(geo.B, geo.K, geo.nq, geo.nk),
+      in_specs=specs + [rows, rows, qblock], out_specs=qblock,
+      scratch_shapes=[pltpu.VMEM((geo.Tq, geo.Hp), F32)])
+  return pl.pallas_call(
+      _dq_body(spec), grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      interpret=interpret, name="attn_flash_dq",
+      compiler_params=_params(interpret, geo, q.dtype.itemsize, spec.dense_mask, True),
+  )(*prefetch, *operands, lse, delta, do)
+
+
+def _dkv_call(spec: Spec, interpret: bool, prefetch, operands, lse, delta, do):
+  geo = spec.geo
+  specs, rows, qblock, kblock = _specs(geo, spec.dense_mask, kv_major=True)
+  k = operands[1]
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=N_PREFETCH, grid=(geo.B, geo.K, geo.nk, geo.nq),
+      in_specs=specs + [rows, rows, qblock], out_specs=[kblock, kblock],
+      scratch_shapes=[pltpu.VMEM((geo.Sk, geo.Hp), F32), pltpu.VMEM((geo.Sk, geo.Hp), F32)])
+  return pl.pallas_call(
+      _dkv_body(spec), grid_spec=grid_spec,
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
+      interpret=interpret, name="attn_flash_dkv",
+      compiler_params=_params(interpret, geo, k.dtype.itemsize, spec.dense_mask, True),
+  )(*prefetch, *operands, lse, delta, do)
+
+
+def _prefetch(bounds, kv_major: bool = False):
+  """The scalar-prefetch arrays of a pass, in the bodies' order: the blocks' bounds, the
+  streamed axis' range (lo, hi of each q block; qlo, qhi of each kv block with
+  kv_major), the chunks' bounds."""
+  qmin, qmax, kmin, kmax, lo, hi, qlo, qhi, cmin, cmax = bounds
+  return (qmin, qmax, kmin, kmax) + ((qlo, qhi) if kv_major else (lo, hi)) + (cmin, cmax)
+
+
+def _on_platform(f):
+  """f(interpret) run as the lowering platform says: interpreted on CPU, Mosaic on TPU."""
+  def run(*xs):
+    return jax.lax.platform_dependent(
+        *xs, cpu=lambda *a: f(True, *a), tpu=lambda *a: f(False, *a))
+  return run
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(fwd: Spec, bwd: Spec, q, k, v, qpos, kpos, mask):
+  return _primal(fwd, q, k, v, qpos, kpos, mask)
+
+
+def _primal(fwd: Spec, q, k, v, qpos, kpos, mask):
+  prefetch = _prefetch(_bounds(qpos[..., 0], kpos[:, 0], fwd.geo, fwd.causal, fwd.window))
+  operands = [q, k, v, qpos, kpos] + ([mask] if mask is not None else [])
+  return _on_platform(lambda interp, *xs: _forward_call(fwd, interp, False, prefetch,
+                                                        list(xs))[0])(*operands)
+
+
+def _flash_fwd(fwd: Spec, bwd: Spec, q, k, v, qpos, kpos, mask):
+  prefetch = _prefetch(_bounds(qpos[..., 0], kpos[:, 0], fwd.geo, fwd.causal, fwd.window))
+  operands = [q, k, v, qpos, kpos] + ([mask] if mask is not None else [])
+  o, lse = _on_platform(lambda interp, *xs: tuple(_forward_call(
+      fwd, interp, True, prefetch, list(xs))))(*operands)
+  return o, (q, k, v, qpos, kpos, mask, o, lse)
+
+
+def _flash_bwd(fwd: Spec, bwd: Spec, res, do):
+  q, k, v, qpos, kpos, mask, o, lse = res
+  geo = bwd.geo
+  # The forward's padded rows are the backward's (Rp is a multiple of both q blocks).
+  delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1, keepdims=True)
+  bounds = _bounds(qpos[..., 0], kpos[:, 0], geo, bwd.causal, bwd.window)
+  operands = [q, k, v, qpos, kpos] + ([mask] if mask is not None else [])
+  dq = _on_platform(lambda interp, *xs: _dq_call(
+      bwd, interp, _prefetch(bounds), list(xs[:-3]), *xs[-3:]))(
+          *operands, lse, delta, do)
+  dk, dv = _on_platform(lambda interp, *xs: tuple(_dkv_call(
+      bwd, interp, _prefetch(bounds, kv_major=True), list(xs[:-3]), *xs[-3:])))(
+          *operands, lse, delta, do)
+  return dq, dk, dv, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ----------------------------------------------------------------------------- entry
+def flash_attention(q, k, v, *, mask=None,
+                    flags: contract.AttentionFlags = contract.AttentionFlags(),
+                    logits_soft_cap=None, scale=None, causal: bool = False,
+                    q_positions_BxT=None, k_positions_BxS=None,
+                    sliding_window: Optional[int] = None,
+                    kv_cache: contract.CacheStorage = contract.COMPUTE_CACHE,
+                    kv_scales=None, blocks: Blocks = DEFAULT_BLOCKS, stages=None):
+  """Flash attention in Pallas, forward and backward; same contract and arguments as
+  `blockwise_attention` (positions default to k_pos = arange(S), q_pos = the last T).
+
+  blocks: the `Blocks` (checked: `check_blocks`). stages: the table row the body is
+  built from; None (always, outside tests) = the row for `flags`.
+  Returns [B, T, N, H] in q's dtype."""
+  prep = contract.prepare(q, k, v, flags, scale=scale, kv_cache=kv_cache,
+                          kv_scales=kv_scales)
+  why = settings_refusal(flags, kv_cache)
+  if why:
+    raise UserError(why)
+  if sliding_window is not None and (not isinstance(sliding_window, int)
+                                     or sliding_window <= 0):
+    raise UserError(f"sliding_window must be a positive integer or None, "
+                    f"got {sliding_window!r}.")
+  check_blocks(blocks, prep.H, jnp.dtype(q.dtype).itemsize, mask is not None)
+  stages = prep.stages if stages is None else stages
+  B, T, K, G, S, H = prep.B, prep.T, prep.K, prep.G, prep.S, prep.H
+  fgeo, bgeo = geometries(B, K, T, G, S, H, blocks)
+  common = dict(stages=tuple(stages.items()), einsum=prep.einsum, scale=prep.scale,
+                cap=logits_soft_cap, causal=causal, window=sliding_window,
+                dense_mask=mask is not None)
+  return _attention(prep.queries(q), k, v, q_positions_BxT, k_positions_BxS, mask,
+                    fwd=Spec(geo=fgeo, **common), bwd=Spec(geo=bgeo, **common))
+
+
+@functools.partial(jax.jit, static_argnames=("fwd", "bwd"))
+def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, *, fwd, bwd):
+  """`flash_attention` after its checks: layout, padding, the custom-vjp call."""
+  geo = fwd.geo
+  B, K, T, G, S, H = geo.B, geo.K, geo.T, geo.G, geo.S, geo.H
+  N, R, Rp, Sp, Hp = K * G, geo.R, geo.Rp, geo.Sp, geo.Hp
+  q_BxKxRxH = jnp.transpose(q_BxTxKxGxH, (0, 2, 1, 3, 4)).reshape(B, K, R, H)
+  q_BxKxRpxHp = _pad(q_BxKxRxH, ((0, Rp - R), (0, Hp - H)))
+  k_BxKxSpxHp, v_BxKxSpxHp = (_pad(jnp.transpose(x, (0, 2, 1, 3)),
+                                   ((0, Sp - S), (0, Hp - H))) for x in (k, v))
+  q_positions_BxT, k_positions_BxS = contract.default_positions(
+      q_positions_BxT, k_positions_BxS, B, T, S)
+  qpos_BxR = jnp.repeat(q_positions_BxT.astype(jnp.int32), G, axis=1)
+  qpos_BxRpx1 = jnp.pad(qpos_BxR, ((0, 0), (0, Rp - R)), mode="edge")[:, :, None]
+  kpos_Bx1xSp = jnp.pad(k_positions_BxS.astype(jnp.int32), ((0, 0), (0, Sp - S)),
+                        mode="edge")[:, None, :]
+  dense = None
+  if mask is not None:
+    grouped = jnp.broadcast_to(contract.group_mask(mask, B, N, K, G, T, S), (B, K, G, T, S))
+    mask_BxKxRxS = jnp.transpose(grouped, (0, 1, 3, 2, 4)).reshape(B, K, R, S)
+    dense = _pad(mask_BxKxRxS.astype(jnp.int32), ((0, Rp - R), (0, Sp - S)))
+  out = _flash(fwd, bwd, q_BxKxRpxHp, k_BxKxSpxHp, v_BxKxSpxHp, qpos_BxRpx1, kpos_Bx1xSp,
+               dense)
+  out_BxTxNxH = jnp.transpose(out[:, :, :R, :H].reshape(B, K, T, G, H),
+                              (0, 2, 1, 3, 4)).reshape(B, T, N, H)
+  chex.assert_shape(out_BxTxNxH, (B, T, N, H))
+  chex.assert_type(out_BxTxNxH, fwd.table["output"])
+  return out_BxTxNxH
+
+
+mask_kwargs = contract.structural_mask_kwargs
+
+
+def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
+           kv_scales=None):
+  """The registry's entry: a phase's `Precision` flags (and cache storage), a dense mask
+  or a `CausalMask`; kv_scales: those of a quantized cache (refused), or None."""
+  return flash_attention(q, k, v, **mask_kwargs(mask), logits_soft_cap=logits_soft_cap,
+                         scale=scale, flags=precision.attention,
+                         kv_cache=precision.cache_storage, kv_scales=kv_scales)
+
+
+KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=refusal, trains=True)
+
+
+def _pad(x, widths):
+  """Zero-pads the last two axes of x by `widths` ((before, after) per axis)."""
+  if all(w == (0, 0) for w in widths):
+    return x
+  return jnp.pad(x, ((0, 0),) * (x.ndim - 2) + tuple(widths))

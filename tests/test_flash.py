@@ -1,0 +1,242 @@
+"""The flash kernel (`attnprec.kernels.flash`): forward and backward against float64 and
+dot_product, the blocks it skips, its refusals, its TPU lowering, its bodies' audit.
+
+Interpreted on CPU; on a TPU (`make test-tpu`) the same tests run the Mosaic body.
+Each test names what it compares against:
+  * `float64` — `contract.reference_attention_np` (NumPy, no JAX);
+  * `dot_product` — the dense kernel under the same flags (and `jax.grad` through it for
+    the gradients: an independent implementation of the backward pass).
+Tolerance (fp32, O(1) values): ATOL = RTOL = 2e-5, blockwise's bound in
+tests/test_kernels.py, scaled to the platform's f32 arithmetic (tests/platform_bounds.py).
+"""
+import functools
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnprec import contract, kernels
+from attnprec.contract import AttentionFlags, CausalMask
+from attnprec.errors import UserError
+from attnprec.inspect import pallas_check
+from attnprec.kernels import dot_product, flash
+from attnprec.precision import Precision
+from platform_bounds import tol
+
+B, N, H = 2, 4, 16
+BF16 = jnp.bfloat16
+# Small blocks: several q and kv blocks per call (forward 32 rows x 256 keys, backward
+# 16 x 128), so the streaming, the skips and the padding all run
+# (the forward's kv blocks of 256 keys, two chunks of 128: a block on the mask's edge runs
+# chunk by chunk, skipping chunks; the backward's blocks one chunk each)
+SMALL = flash.Blocks(q=32, k=256, q_bwd=16, k_bwd=128, chunk=128)
+
+
+def _qkv(T, S, K, dtype=jnp.float32, seed=0, logit_scale=3.0):
+  rng = np.random.default_rng(seed)
+  q = rng.normal(size=(B, T, N, H)) * logit_scale
+  k, v = rng.normal(size=(B, S, K, H)), rng.normal(size=(B, S, K, H))
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def _positions(T, S):
+  k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  q_pos = jnp.asarray([[20], [190]], jnp.int32) if T == 1 else k_pos[:, S - T:]
+  return q_pos, k_pos
+
+
+CASES = [  # case, T, S, K, window, cap
+    ("prefill_causal_gqa_cap", 37, 37, 2, None, 5.0),       # padded rows, keys, head dim
+    ("prefill_window_mqa_lengths", 300, 300, 1, 40, None),  # 2 kv blocks, a dense mask
+    ("decode_over_cache_gqa_cap", 1, 200, 2, None, 5.0),    # at 20 / 190: 2 key blocks
+]
+
+
+def _setup(case, T, S, K, window):
+  q, k, v = _qkv(T, S, K)
+  q_pos, k_pos = _positions(T, S)
+  dense = None
+  want_mask = contract.causal_mask(q_pos, k_pos, sliding_window=window)
+  if "lengths" in case:   # the second sequence has 270 real tokens: keys past it hidden
+    dense = (k_pos < jnp.asarray([[S], [270]]))[:, None, None, :]
+    want_mask = want_mask & dense
+  return q, k, v, q_pos, k_pos, dense, want_mask
+
+
+def _flash_fn(q_pos, k_pos, dense, window, cap, flags=AttentionFlags()):
+  return lambda q, k, v: flash.flash_attention(
+      q, k, v, mask=dense, causal=True, q_positions_BxT=q_pos, k_positions_BxS=k_pos,
+      sliding_window=window, logits_soft_cap=cap, flags=flags, blocks=SMALL)
+
+
+@pytest.mark.parametrize("case,T,S,K,window,cap", CASES)
+def test_forward_and_gradients_match_float64_and_dot_product(case, T, S, K, window, cap):
+  """fp32: the output == float64 and == dot_product; d(output . w)/d(q, k, v) ==
+  jax.grad through dot_product (within blockwise's bound, scaled by the largest value)."""
+  q, k, v, q_pos, k_pos, dense, want_mask = _setup(case, T, S, K, window)
+  f = _flash_fn(q_pos, k_pos, dense, window, cap)
+  d = lambda q, k, v: dot_product.dot_product_attention(  # noqa: E731
+      q, k, v, mask=want_mask, logits_soft_cap=cap)
+  out = jax.jit(f)(q, k, v)
+  ref = contract.reference_attention_np(q, k, v, mask=want_mask, logits_soft_cap=cap)
+  bound = tol(2e-5, scale=np.abs(ref).max())
+  np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=bound, rtol=bound)
+  w = jnp.cos(jnp.arange(H, dtype=jnp.float32))
+  grad = lambda fn: jax.jit(jax.grad(  # noqa: E731
+      lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2)))(q, k, v)
+  for name, got, want in zip("qkv", grad(f), grad(d)):
+    gb = tol(2e-5, scale=float(jnp.abs(want).max()))
+    chex.assert_trees_all_close(got, want, atol=gb, rtol=gb, custom_message=f"d{name}")
+
+
+def test_bf16_flags_change_the_numbers_as_dot_products_do():
+  """bf16, sharp causal attention: flags off, flash is within a few bf16 ulps of
+  dot_product under the same flags (bf16 logits: declared, so run) and its float64 error
+  is well above flags on's; flags on it is within 1.05x of dot_product's error."""
+  T = S = 160
+  q, k, v = _qkv(T, S, 2, BF16, seed=3, logit_scale=4.0)
+  pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  mask = contract.causal_mask(pos, pos)
+  ref = contract.reference_attention_np(q, k, v, mask=mask)
+  err = lambda out: float(np.abs(np.asarray(out, np.float64) - ref).max())  # noqa: E731
+  off = AttentionFlags(float32_qk_product=False, float32_logits=False)
+  on = AttentionFlags()
+  f_off, f_on = (jax.jit(_flash_fn(pos, pos, None, None, None, fl))(q, k, v)
+                 for fl in (off, on))
+  d_off, d_on = (dot_product.dot_product_attention(q, k, v, mask=mask, flags=fl)
+                 for fl in (off, on))
+  np.testing.assert_allclose(np.asarray(f_off, np.float32), np.asarray(d_off, np.float32),
+                             atol=0.1, rtol=0.1)
+  assert err(f_off) > 2 * err(f_on), (err(f_off), err(f_on))
+  assert err(f_on) <= 1.05 * err(d_on) + 2 ** -9, (err(f_on), err(d_on))
+
+
+def test_hidden_blocks_are_neither_read_nor_computed():
+  """A causal prefill of 4 q blocks over 4 kv blocks: q block i reads kv blocks 0..i
+  (lo, hi), kv block j is read by q blocks j..3; a sliding window narrows both; the
+  bounds hold per sequence (a batch at different positions)."""
+  small = flash.Blocks(q=128, k=128, q_bwd=128, k_bwd=128, chunk=128)
+  geo, _ = flash.geometries(1, 1, 512, 1, 512, 64, small)
+  pos = jnp.arange(512, dtype=jnp.int32)[None]
+  _, _, _, _, lo, hi, qlo, qhi, cmin, cmax = flash._bounds(pos, pos, geo, causal=True,
+                                                          window=None)
+  assert lo.tolist() == [0, 0, 0, 0] and hi.tolist() == [0, 1, 2, 3]
+  assert qlo.tolist() == [0, 1, 2, 3] and qhi.tolist() == [3, 3, 3, 3]
+  # a block on the diagonal runs chunk by chunk: each chunk's key positions bound it
+  assert geo.chunk == 128 and cmin.tolist() == [0, 128, 256, 384]
+  assert cmax.tolist() == [127, 255, 383, 511]
+  _, _, _, _, lo, hi, *_ = flash._bounds(pos, pos, geo, causal=True, window=128)
+  assert lo.tolist() == [0, 0, 1, 2] and hi.tolist() == [0, 1, 2, 3]
+  # a decode step at position 130 over a 512-key cache: one row block, kv blocks 0..1
+  geo1, _ = flash.geometries(1, 1, 1, 1, 512, 64, small)
+  qpos = jnp.full((1, geo1.Rp), 130, jnp.int32)
+  _, _, _, _, lo, hi, *_ = flash._bounds(qpos, pos, geo1, causal=True, window=None)
+  assert (lo.tolist(), hi.tolist()) == ([0], [1])
+
+
+@pytest.mark.parametrize("settings,named", [
+    (dict(einsum_precision="high"), "einsum_precision='high'"),
+    (dict(einsum_precision="BF16_BF16_F32"), "einsum_precision='BF16_BF16_F32'"),
+    (dict(kv_cache_k_dtype="int8"), "precision.kv_cache_k_dtype = 'int8'"),
+])
+def test_refused_settings_name_the_knob(settings, named):
+  with pytest.raises(UserError) as err:
+    Precision(kernel="flash", **settings)
+  assert named in str(err.value) and "Valid" in str(err.value)
+
+
+@pytest.mark.parametrize("blocks,named", [
+    (flash.Blocks(q=100), "q=100"),            # not a multiple of 16
+    (flash.Blocks(k=200), "k=200"),            # not a multiple of 128
+    (flash.Blocks(q_bwd=0), "q_bwd=0"),
+    (flash.Blocks(q=8192, k=8192), "8192x8192"),   # past the VMEM it may use
+])
+def test_blocks_that_cannot_tile_or_fit_are_refused(blocks, named):
+  q, k, v = _qkv(4, 4, 2)
+  with pytest.raises(UserError) as err:
+    flash.flash_attention(q, k, v, causal=True, blocks=blocks)
+  assert named in str(err.value) and "Valid" in str(err.value), str(err.value)
+
+
+def test_lowers_for_tpu_to_mosaic_calls_forward_and_backward():
+  """Lowered (not run) for TPU, bf16 with both flags off, a window and a soft-cap: the
+  forward is one tpu_custom_call, its gradient three (forward with the logsumexp, dq,
+  dk/dv), and no attention dot outside them."""
+  q, k, v = _qkv(37, 200, 2, BF16)
+  prec = Precision(dtype="bfloat16", kernel="flash", float32_qk_product=False,
+                   float32_logits=False)
+  k_pos = jnp.broadcast_to(jnp.arange(200, dtype=jnp.int32), (B, 200))
+  mask = CausalMask(k_pos[:, -37:], k_pos, sliding_window=8)
+  f = lambda q, k, v: kernels.attend(prec, q, k, v, mask=mask, logits_soft_cap=30.0)  # noqa: E731
+  g = jax.grad(lambda *x: f(*x).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  for fn, calls in ((f, 1), (g, 3)):
+    text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("tpu",)).as_text()
+    assert set(re.findall(r"custom_call @(\S+)\(", text)) == {"tpu_custom_call"}
+    assert len(re.findall(r"custom_call @tpu_custom_call\(", text)) == calls
+    assert "stablehlo.dot_general" not in text
+
+
+def _narrowed(real):
+  """A _logits whose table row has bf16 logits: the QK accumulation narrowed."""
+  def narrowed(spec, *args):
+    import dataclasses
+    stages = dict(spec.stages, logits=jnp.dtype(BF16), scale=jnp.dtype(BF16))
+    return real(dataclasses.replace(spec, stages=tuple(stages.items())), *args)
+  return narrowed
+
+
+@pytest.mark.parametrize("einsum", ["default", "highest"])
+def test_bodies_hold_the_table_forward_and_backward(einsum, monkeypatch):
+  """The forward body and the two backward bodies read from the jaxpr of the gradient:
+  the qk dot as the table says, the backward's dots on c operands (P and dS rounded to
+  c; float32 under 'highest') accumulating float32 (`contract.backward_stage_dtypes`);
+  a body whose QK accumulation is narrowed fails naming the stage."""
+  q, k, v = _qkv(8, 8, 2, BF16)
+  flags = AttentionFlags(einsum_precision=einsum)
+  f = functools.partial(flash.flash_attention, flags=flags, causal=True)
+  g = jax.grad(lambda *x: f(*x).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  r = pallas_check.check_function(g, q, k, v, compute_dtype=BF16, flags=flags)
+  assert r["ok"], r["problems"]
+  names = {re.search(r"attn_flash_\w+", b["kernel"]).group(0) for b in r["bodies"]}
+  assert names == {"attn_flash_fwd", "attn_flash_dq", "attn_flash_dkv"}, names
+  grads = [d for b in r["bodies"] for d in b["dots"] if d["scope"] == "grad"]
+  assert grads and {d["result"] for d in grads} == {"float32"}
+  assert {d["lhs"] for d in grads} == {"float32" if einsum == "highest" else "bfloat16"}
+  monkeypatch.setattr(flash, "_logits", _narrowed(flash._logits))
+  f = functools.partial(flash.flash_attention, flags=flags, causal=True, scale=0.3)
+  bad = pallas_check.check_function(f, q, k, v, compute_dtype=BF16, flags=flags)
+  assert any("qk accumulation (stage 'logits')" in p for p in bad["problems"]), bad
+
+
+def test_audit_checks_every_phase_s_bodies():
+  """`make audit` with precision.kernel = 'flash' in every phase (the train step too: its
+  backward kernels), lowered for cpu and for tpu: the bodies hold the table; a narrowed
+  QK accumulation fails the audit naming the phase and the stage."""
+  from attnprec import audit, train
+  from attnprec.config import ModelConfig
+  train.check_kernel(Precision(kernel="flash"))     # it has a gradient: the train phase runs it
+  config = ModelConfig(vocab_size=13, d_model=16, num_layers=1, num_heads=4, num_kv_heads=2,
+                       head_dim=8, mlp_hidden=32, max_seq_len=64)
+  prec = Precision(dtype="bfloat16", kernel="flash")
+  for platform in ("cpu", "tpu"):
+    result = audit.run_audit(config, prec, prec, compile=False, prompt_len=2, new_tokens=1,
+                             platform=platform)
+    assert result["ok"], result["problems"]
+    bodies = result["phases"]["train"]["pallas"]["bodies"]
+    assert any("attn_flash_dkv" in b["kernel"] for b in bodies), bodies
+  real = flash._logits
+  other = Precision(dtype="bfloat16", kernel="flash", einsum_precision="highest")  # not cached
+  try:
+    flash._logits = _narrowed(real)
+    bad = audit.run_audit(config, other, other, compile=False, prompt_len=2, new_tokens=1,
+                          platform="tpu")
+  finally:
+    flash._logits = real
+  assert any(p.startswith("train pallas body: backward qk accumulation") or
+             p.startswith("train pallas body: qk accumulation") for p in bad["problems"]), \
+      bad["problems"]
+  assert any(p.startswith("prefill pallas body: qk accumulation (stage 'logits')")
+             for p in bad["problems"]), bad["problems"]
