@@ -240,3 +240,20 @@ def test_audit_checks_every_phase_s_bodies():
       bad["problems"]
   assert any(p.startswith("prefill pallas body: qk accumulation (stage 'logits')")
              for p in bad["problems"]), bad["problems"]
+
+
+def test_the_docs_table_is_the_tpu_run_s():
+  """docs/performance.md quotes the TPU run's flags table to the character, rendered
+  from results/tpu-flash/flags.json (`tpu_attention.flags_table`), and that file's rows
+  ran the code of this kernel (a provenance digest)."""
+  import json
+  import os
+  from attnprec.bench import tpu_attention
+  root = os.path.join(os.path.dirname(__file__), "..")
+  with open(os.path.join(root, "results", "tpu-flash", "flags.json")) as f:
+    result = json.load(f)
+  assert result["backend"] == "tpu" and result["provenance"]["source"]
+  table = tpu_attention.flags_table(result)
+  assert table.count("\n") >= 2 + 3 * 7       # three cases of seven rows
+  with open(os.path.join(root, "docs", "performance.md")) as f:
+    assert table in f.read()

@@ -293,7 +293,7 @@ def call(argv, tok, *, load=_work, max_seq_len=2048):
     (["--gin.eval.job='retrieval'"], "Invalid eval.job = 'retrieval': valid jobs are: "
                                      "@humaneval, @retrieval"),
     (["--gin.eval.task='retrieval'"], "Valid parameters of eval: job"),
-    (["--gin.retrieval.kernel='flash'"], "retrieval.kernel = 'flash' is not an attention"),
+    (["--gin.retrieval.kernel='flashy'"], "retrieval.kernel = 'flashy' is not an attention"),
     (["--gin.retrieval.kernel='jax_nn'"], "retrieval.kernel = 'jax_nn' cannot run preset"),
     # the presets come from their files: a block size or precision binding would be unused
     (["--gin.blockwise.kv_block=128"], "retrieval.presets (and retrieval.kernel)"),

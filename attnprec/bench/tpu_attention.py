@@ -237,3 +237,25 @@ def to_markdown(result: dict) -> str:
                    f"{r.get('of_peak', float('nan')):.2f} | {r.get('vs_splash', float('nan')):.2f} | {err} |")
     lines.append("")
   return "\n".join(lines) + "\n"
+
+
+def flags_table(result: dict) -> str:
+  """Markdown: per case, every row's median, its ratio to splash, the flags' cost within
+  its kernel (the row's time over the same kernel's bf16 row) and its error: the table
+  docs/performance.md quotes (a test holds it to results/tpu-flash/flags.json)."""
+  lines = ["| case | row | median (ms) | / splash | / same kernel, flags off | TFLOP/s "
+           "| rel. L2 vs float64 |", "|---|---|---:|---:|---:|---:|---:|"]
+  for key, case in result["cases"].items():
+    rows = case["rows"]
+    for name, r in rows.items():
+      if "median_ms" not in r:
+        continue
+      kernel, _, rest = name.partition(" ")
+      flag, _, blocks = rest.partition(" ")
+      off = rows.get(" ".join(x for x in (kernel, "bf16", blocks) if x), {})
+      cost = (f"{r['median_ms'] / off['median_ms']:.2f}x"
+              if kernel != SPLASH and "median_ms" in off else "")
+      err = f"{r['rel_l2']:.1e}" if "rel_l2" in r else ""
+      lines.append(f"| {key} | {name} | {r['median_ms']:.2f} | {r['vs_splash']:.2f}x | "
+                   f"{cost} | {r['tflops']:.0f} | {err} |")
+  return "\n".join(lines) + "\n"
