@@ -257,3 +257,33 @@ def test_the_docs_table_is_the_tpu_run_s():
   assert table.count("\n") >= 2 + 3 * 7       # three cases of seven rows
   with open(os.path.join(root, "docs", "performance.md")) as f:
     assert table in f.read()
+
+
+def test_model_prefill_decode_and_loss_gradient_match_dot_product():
+  """The decoder with kernel 'flash' vs 'dot_product' (fp32; a sliding-window layer and
+  a global one, GQA, soft-cap): prefill logits into a cache and one cached decode step,
+  and the train loss's gradient w.r.t. every parameter (the backward kernels inside a
+  model: `jax.grad` through dot_product is the independent implementation)."""
+  from attnprec import model as model_lib, train
+  from attnprec.cache import init_cache
+  from attnprec.config import ModelConfig
+  from platform_bounds import MODEL_UNITS
+  cfg = ModelConfig(vocab_size=50, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=8, mlp_hidden=64, sliding_window=5,
+                    layer_pattern=("local", "global"), attn_logit_soft_cap=20.0)
+  params = jax.jit(model_lib.init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
+  apply = model_lib.transformed(cfg).apply
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 21), 0, 50)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(kernel, params, tokens):
+    prec = Precision(kernel=kernel)
+    out = apply(params, tokens, None, init_cache(cfg, 2, 32, jnp.float32), precision=prec)
+    step = apply(params, tokens[:, :1], jnp.full((2, 1), 21), out.cache, precision=prec)
+    grads = jax.grad(lambda p: train.loss_fn(p, tokens, jnp.ones_like(tokens), config=cfg,
+                                             precision=prec)[0])(params)
+    return out.logits, step.logits, grads
+
+  bound = tol(1e-4, MODEL_UNITS)
+  chex.assert_trees_all_close(run("flash", params, tokens), run("dot_product", params, tokens),
+                              atol=bound, rtol=bound)
