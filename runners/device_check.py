@@ -6,14 +6,14 @@ On a TPU it checks what can only be checked there:
            fp32_attention's contract must FAIL): every attention dot read back from what
            the TPU compiled, the Pallas kernel's Mosaic bodies;
   kernels  prefill attention at Qwen2-7B's shape (B=1, S=2048, N=28, K=4, H=128, bf16,
-           causal): dot_product (bf16 and both flags), blockwise, pallas (both flags) and
+           causal): dot_product (bf16 and both flags), blockwise, pallas, flash (both flags) and
            jax's splash attention (K/V repeated to N heads): median time, max |error| and
            relative L2 against the float64 reference;
   flags    the cost of the flags per phase (bf16 vs bf16 + both flags: train step,
            prefill, decode step; `bench.model.flag_cost`) on SmolLM2-135M's shape with
            random weights, its 30 layers scanned (no checkpoint travels to the TPU);
   train    Qwen2.5-0.5B's shape (random weights, scanned) train step at 1 x 4096 and
-           8 x 2048, dense and blockwise kernels, per `train.remat` (none, attention,
+           8 x 2048, the dense, blockwise and flash kernels, per `train.remat` (none, attention,
            block) and `train.loss_chunk` (0, 1024): compiled memory, whether it
            fits, step time and MFU over the measured bf16 matmul peak;
   decode   its decode step as served (bf16 + both flags, 'auto') at batch 1 / cache 4k
@@ -179,7 +179,8 @@ def tpu_kernels_part() -> dict:
   for label, kernel, flags in (("dot_product bf16", "dot_product", False),
                                ("dot_product both flags", "dot_product", True),
                                ("blockwise both flags", "blockwise", True),
-                               ("pallas both flags", "pallas", True)):
+                               ("pallas both flags", "pallas", True),
+                               ("flash both flags", "flash", True)):
     prec = variant("fp32_attention" if flags else "bf16", kernel=kernel)
     fns[label] = jax.jit(lambda q, k, v, prec=prec: kernels.attend(
         prec, q, k, v, mask=contract.CausalMask(pos, pos)))
@@ -222,7 +223,8 @@ QWEN05 = dict(vocab_size=151936, d_model=896, num_layers=24, num_heads=14, num_k
               tie_embeddings=True, qkv_bias=True, scan_layers=True)
 TRAIN_CASES = ((1, 4096), (8, 2048))
 # (kernel, train.remat, train.loss_chunk) per row: what each buys, one at a time
-TRAIN_ROWS = (("dot_product", "none", 0), ("dot_product", "attention", 0),
+TRAIN_ROWS = (("flash", "none", 1024), ("flash", "block", 1024),
+              ("dot_product", "none", 0), ("dot_product", "attention", 0),
               ("dot_product", "block", 0), ("blockwise", "block", 0),
               ("dot_product", "attention", 1024), ("dot_product", "block", 1024),
               ("blockwise", "block", 1024))
