@@ -176,6 +176,14 @@ class Checkpointer:
       except Exception as e:  # noqa: BLE001
         unreadable.append((step, e))
         continue
+      why = meta_problem(got.meta, step)
+      if why:
+        raise UserError(
+            f"{os.path.join(self.directory, str(step), 'meta')}: the checkpoint's record "
+            f"{why}. A training writes it with the checkpoint; it was edited or written by "
+            f"other code, and resuming from it would continue from a wrong place. Restore "
+            f"it, remove step {step}'s directory to resume from the one before, or train "
+            f"into a new --run_dir. Nothing was changed.")
       self._set_aside(unreadable, fallback=step)
       return got.state, got.meta
     if unreadable:
@@ -284,3 +292,25 @@ def _quiet_orbax():
 def _short(e: BaseException) -> str:
   text = " ".join(str(e).split())
   return f"{type(e).__name__}: {text[:200]}"
+
+
+def meta_problem(meta, step: int) -> Optional[str]:
+  """None if a checkpoint's meta record is what a training writes for `step`, else what
+  is wrong: not an object; 'step' or 'data_position' (the batches consumed, one per
+  step) not that step; 'target_reached' not a bool; a count or the held-out accuracy
+  not a number."""
+  from attnprec import readback
+  if not isinstance(meta, dict):
+    return f"is a JSON {type(meta).__name__}, not an object"
+  for key in ("step", "data_position"):
+    if meta.get(key) != step or not readback.is_int(meta.get(key)):
+      return f"has {key} = {meta.get(key)!r}, not the checkpoint's step {step}"
+  if "target_reached" in meta and not isinstance(meta["target_reached"], bool):
+    return f"has target_reached = {meta['target_reached']!r}, not true or false"
+  for key in ("seed", "batch_size", "steps"):
+    if key in meta and not readback.is_int(meta[key]):
+      return f"has {key} = {meta[key]!r}, not an integer"
+  acc = meta.get("eval_accuracy")
+  if acc is not None and not readback.is_finite_number(acc):
+    return f"has eval_accuracy = {acc!r}, not a number"
+  return None

@@ -11,6 +11,7 @@ import dataclasses
 import errno as errno_lib
 import fcntl
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -21,6 +22,7 @@ import gin
 import numpy as np
 
 from attnprec.config import ModelConfig
+from attnprec import readback
 from attnprec.errors import UserError
 from attnprec.model import check_params
 
@@ -167,8 +169,10 @@ def claim(run_dir: str, runner: str, *, replace: bool = False):
   kept is adopted); refuses one another runner made, unless `replace`, which moves that
   directory aside whole (one rename) and returns `finish(ok)`: called when the run ends,
   it deletes the old directory after a run that succeeded and puts it back, whole, after
-  one that did not. Returns None where nothing was moved."""
-  made_by = owner(run_dir) if os.path.isdir(run_dir) else None
+  one that did not. An adopted directory's `finish` takes the record back off after a
+  run that failed. Returns None where nothing was moved or adopted."""
+  existed = os.path.isdir(run_dir)
+  made_by = owner(run_dir) if existed else None
   if replace and made_by in (None, runner):
     raise UserError(f"--replace_run_dir replaces a run directory another runner made, but "
                     f"{run_dir!r} " + ("does not exist yet" if not os.path.isdir(run_dir)
@@ -193,7 +197,16 @@ def claim(run_dir: str, runner: str, *, replace: bool = False):
     atomic_write(os.path.join(run_dir, OWNER_FILE),
                  json.dumps({"runner": runner}) + "\n")
   if moved is None:
-    return None
+    if not (existed and made_by is None):
+      return None
+
+    def unadopt(ok: bool) -> None:
+      # A directory adopted by a run that failed is left as it was found: without this
+      # runner's record (else the runner that made it could no longer resume it).
+      if not ok:
+        with contextlib.suppress(OSError):
+          os.remove(os.path.join(run_dir, OWNER_FILE))
+    return unadopt
 
   def finish(ok: bool) -> None:
     if ok:
@@ -420,25 +433,43 @@ def read_metrics(path: str):
   except UnicodeDecodeError as e:
     raise UserError(f"{path} is not UTF-8 text (byte {e.start}): not a metrics file a "
                     f"training wrote. Move it away, or use another --run_dir.") from None
-  records = []
+  records, last_step = [], 0
   for number, line in enumerate(text.split("\n")[:-1], start=1):
     if not line.strip():
       continue
-    try:
-      obj = json.loads(line)
-    except json.JSONDecodeError as e:
-      obj, why = None, f"not JSON ({e.msg})"
-    else:
-      why = None if isinstance(obj, dict) else f"a JSON {type(obj).__name__}, not an object"
-    if why is None and not (isinstance(obj.get("step"), int)
-                            and not isinstance(obj.get("step"), bool)):
-      why = f"its 'step' is {obj.get('step')!r}, not an integer"
+    obj, why = readback.loads(line)
+    if why is None and not isinstance(obj, dict):
+      why = f"a JSON {type(obj).__name__}, not an object"
+    if why is None:
+      why = _metrics_problem(obj, last_step)
     if why:
       raise UserError(f"{path}, line {number}: {why}. A training writes one JSON object "
                       f"per line with its step; the file was edited or written by other "
                       f"code. Fix or remove that line, or move the file away.")
     records.append(obj)
+    last_step = obj["step"]
   return records, text
+
+
+def _metrics_problem(obj: dict, last_step: int) -> Optional[str]:
+  """What is wrong with one metrics record after a record of step `last_step`: a 'step'
+  that is not an integer above it (steps count from 1, once each, in order), a value
+  that is not a number, or a non-finite one in a run that skipped no step (a training
+  writes non-finite figures only for steps it skipped: `skipped_steps` > 0)."""
+  step = obj.get("step")
+  if not readback.is_int(step):
+    return f"its 'step' is {step!r}, not an integer"
+  if step <= last_step:
+    return (f"its 'step' is {step}, not above the line before's {last_step} (each step is "
+            f"logged once, in order, from 1)")
+  skipped = obj.get("skipped_steps", 0)
+  for key, value in obj.items():
+    if not readback.is_number(value):
+      return f"its {key!r} is {value!r}, not a number"
+    if not math.isfinite(value) and not (readback.is_number(skipped) and skipped > 0):
+      return (f"its {key!r} is {value!r} while the run skipped no step (a training logs "
+              f"a non-finite figure only for a step it skipped)")
+  return None
 
 
 def save_params(run_dir: str, params) -> str:

@@ -248,3 +248,20 @@ def test_metrics_append_failure_cuts_the_half_line(tmp_path, monkeypatch):
 def test_unwritable_results_name_the_cause():
   e = runs.write_error("/x/y.json", OSError(errno.EROFS, os.strerror(errno.EROFS)))
   assert "Cannot write '/x/y.json': Read-only file system (EROFS)." in str(e)
+
+
+def test_a_checkpoint_meta_record_edited_by_hand_is_refused():
+  """What a resumed training reads of a checkpoint's meta is checked (`meta_problem`):
+  the step and the data position are the checkpoint's step, target_reached a bool."""
+  from attnprec.checkpointing import meta_problem
+  good = {"step": 4, "data_position": 4, "seed": 0, "batch_size": 8, "steps": 6,
+          "eval_accuracy": 0.5, "target_reached": False}
+  assert meta_problem(good, 4) is None
+  assert "not an object" in meta_problem([1, 2, 3], 4)
+  assert "target_reached = 'no', not true or false" in meta_problem(
+      dict(good, target_reached="no"), 4)
+  assert "data_position = 'x', not the checkpoint's step 4" in meta_problem(
+      dict(good, data_position="x"), 4)
+  assert "data_position = -7" in meta_problem(dict(good, data_position=-7), 4)
+  assert "step = 3" in meta_problem(dict(good, step=3), 4)
+  assert "eval_accuracy = nan" in meta_problem(dict(good, eval_accuracy=float("nan")), 4)

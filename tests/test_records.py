@@ -38,6 +38,11 @@ def test_good_records_resume_and_a_line_cut_short_is_dropped(tmp_path):
     (dict(GOOD, correct=1), "field 'correct' is 1 (int), not a bool"),
     ("[1, 2, 3]", "it is a JSON list, not an object"),
     ('{"preset": "bf16", "item"', "not a JSON record"),
+    ('{"preset": "bf16", "item": "H/2", "correct": ' + "1" * 5000 + '}',
+     "not a JSON record we read"),
+    ('{"a": ' * 50000 + "1" + "}" * 50000, "JSON nested too deep"),
+    (dict(GOOD, item="HumanEval/\ud800"), "field 'item' holds '\\ud800'"),
+    (dict(GOOD, finite=False), "'correct' is true while 'finite' is false"),
 ])
 def test_an_edited_record_is_an_error_naming_the_line_and_field(tmp_path, edit, says):
   path = tmp_path / "items.jsonl"
@@ -75,6 +80,22 @@ def test_the_retrieval_schema_holds_its_own_fields(tmp_path):
     records.ItemLog(str(path), meta)
 
 
+def test_a_retrieval_verdict_its_own_tokens_contradict_is_refused(tmp_path):
+  """A verdict edited by hand: 'correct' must be what the record's argmax and gold token
+  ids say (`retrieval.judge`)."""
+  meta = {"task": "retrieval"}
+  rec = {"preset": "a", "item": "L1-c0-q0", "correct": False, "finite": True,
+         "length": 1024, "tokens": 1000, "close_ok": True, "argmax": [5, 7], "gold": [5, 8]}
+  path = tmp_path / "items.jsonl"
+  path.write_text(json.dumps({"meta": meta}) + "\n" + json.dumps(rec) + "\n")
+  assert len(records.ItemLog(str(path), meta).records()) == 1
+  path.write_text(json.dumps({"meta": meta}) + "\n" + json.dumps(dict(rec, correct=True))
+                  + "\n")
+  with pytest.raises(UserError, match="line 2: 'correct' is True while its argmax tokens "
+                                      "differ from the gold tokens"):
+    records.ItemLog(str(path), meta)
+
+
 def test_integers_past_int32_and_text_that_is_not_utf8_are_refused_by_rule():
   """One mechanism for every configurable (`attnprec.checks`): integer rules stop at
   int32 unless they say otherwise, string rules take valid text only."""
@@ -90,6 +111,11 @@ def test_integers_past_int32_and_text_that_is_not_utf8_are_refused_by_rule():
     ('[{"step": 1}]\n', "line 1: a JSON list, not an object"),
     ('{"step": 1, "loss": 2.0}\n{"step": "2"}\n', "line 2: its 'step' is '2'"),
     ('{"step": 1}\nnot json\n', "line 2: not JSON"),
+    ('{"step": 1}\n{"step": 1}\n', "line 2: its 'step' is 1, not above the line before's 1"),
+    ('{"step": 2}\n{"step": -5}\n', "line 2: its 'step' is -5, not above"),
+    ('{"step": 1, "loss": "abc"}\n', "line 1: its 'loss' is 'abc', not a number"),
+    ('{"step": 1, "loss": NaN, "skipped_steps": 0}\n', "while the run skipped no step"),
+    ('{"step": 1, "loss": ' + "9" * 5000 + '}\n', "line 1: not JSON we read"),
 ])
 def test_a_metrics_file_that_is_not_a_trainings_is_an_error(tmp_path, content, says):
   from attnprec import plotting, runs
@@ -98,6 +124,15 @@ def test_a_metrics_file_that_is_not_a_trainings_is_an_error(tmp_path, content, s
     runs.MetricsWriter(str(tmp_path)).rewind(5)
   with pytest.raises(UserError, match=says):
     plotting.read_metrics(str(tmp_path))
+
+
+def test_a_skipped_steps_non_finite_loss_is_read():
+  from attnprec import runs
+  import tempfile
+  with tempfile.TemporaryDirectory() as d:
+    with open(f"{d}/metrics.jsonl", "w") as f:
+      f.write('{"step": 1, "loss": NaN, "skipped_steps": 1}\n')
+    assert len(runs.read_metrics(f"{d}/metrics.jsonl")[0]) == 1
 
 
 def test_metrics_rewind_keeps_earlier_steps_and_drops_a_cut_line(tmp_path):

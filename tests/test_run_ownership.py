@@ -71,6 +71,18 @@ def test_a_directory_without_a_record_is_adopted_and_a_broken_record_refused(tmp
     runs.owner(str(d))
 
 
+def test_a_run_that_fails_in_a_directory_it_adopted_leaves_it_unowned(tmp_path):
+  """A decode run pointed at an older eval's directory (no record) that fails must not
+  leave its record there: the eval that made it could no longer resume it."""
+  d = tmp_path / "old"
+  d.mkdir()
+  (d / "results.json").write_text(json.dumps({"by": "someone"}))
+  assert _runner("decode", tmp_path, fail="early")([f"--run_dir={d}"]) == cli.EXIT_USER_ERROR
+  assert runs.owner(str(d)) is None and (d / "results.json").exists()
+  assert _runner("eval", tmp_path)([f"--run_dir={d}"]) == 0
+  assert runs.owner(str(d)) == "eval"
+
+
 def test_a_first_run_that_fails_before_writing_leaves_no_directory(tmp_path):
   """The owner record alone is no output: the directory goes, as before records."""
   d = tmp_path / "new"

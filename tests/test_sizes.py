@@ -165,7 +165,7 @@ def test_out_of_range_counts_and_non_finite_items_are_not_passed_as_numbers(tmp_
 
   def nan_items(rec, k):    # 3 items per preset at 1k whose logits were not finite
     if rec["length"] == 1024 and k < 3:
-      rec["finite"] = False
+      rec["finite"] = rec["correct"] = False   # as the eval writes one: never correct
   bad = _retrieval_copy(tmp_path / "nan", edit=nan_items)
   out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
                         studies=(STUDY, STUDY), retrieval=(RETRIEVAL, bad))
@@ -310,7 +310,7 @@ def test_retrieval_records_that_do_not_match_the_report_are_refused(tmp_path):
   recs = [json.loads(line) for line in lines[1:]]
   at_2k = [r for r in recs if r["preset"] == "bf16" and r["length"] == 2048]
   for r in at_2k[:2]:
-    r["finite"] = False
+    r["finite"] = r["correct"] = False   # as the eval writes one: never correct
   with open(os.path.join(edited, "items.jsonl"), "w") as f:
     f.write("\n".join([lines[0]] + [json.dumps(r) for r in recs]) + "\n")
   with pytest.raises(UserError, match="run still in progress") as e:
@@ -340,3 +340,35 @@ def test_records_without_a_header_are_refused_naming_the_file(tmp_path):
                     studies=(STUDY, STUDY), humaneval=(HUMANEVAL, other))
   assert items in str(e.value) and "--run_dir" not in str(e.value)
   assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda res: res.clear() or res.update(x=[1, 2]), "'settings' is missing"),
+    (lambda res: res["configs"][0]["per_length"][-1].update(nll=float("nan")),
+     "per_length[-1].nll is nan, not a finite number"),
+    (lambda res: res["configs"][0]["per_length"][-1].update(decode_attn_rel_l2=[]),
+     "decode_attn_rel_l2 is [], not a list of per-layer errors"),
+])
+def test_a_study_results_file_edited_or_cut_is_refused_naming_the_field(tmp_path, edit,
+                                                                      says):
+  bad = _copy(STUDY, tmp_path / "study", edit=edit)
+  with pytest.raises(UserError, match="is not the results file a study writes") as e:
+    sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"), studies=(STUDY, bad))
+  assert says in str(e.value) and bad in str(e.value)
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_results_file_that_is_a_list_or_not_utf8_or_another_runners_is_refused(tmp_path):
+  bad = tmp_path / "list"
+  bad.mkdir()
+  (bad / "results.json").write_text("[1, 2, 3]")
+  with pytest.raises(UserError, match="a JSON list, not an object"):
+    sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                    studies=(STUDY, str(bad)))
+  (bad / "results.json").write_bytes(b'{"a": 1}\xff\xfe')
+  with pytest.raises(UserError, match="is not UTF-8 text"):
+    sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                    studies=(STUDY, str(bad)))
+  with pytest.raises(UserError, match="a retrieval run's results, not a HumanEval run's"):
+    sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                    studies=(STUDY, STUDY), humaneval=(HUMANEVAL, RETRIEVAL))

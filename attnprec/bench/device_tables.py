@@ -143,5 +143,12 @@ def tables(directory: str) -> Dict[str, str]:
                             ("train", "train step", train_table)):
     part = _part(directory, name, key)
     if part is not None and "error" not in part:
-      out[name] = render(part)
+      try:
+        out[name] = render(part)
+      except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        path = os.path.join(directory, FILES[name])
+        raise UserError(f"{path}: part {key!r} is not what the device check writes "
+                        f"({type(e).__name__}: {str(e)[:160]}; a figure that is not a "
+                        f"number, or a field missing): edited or written by other code. "
+                        f"Run the device check again for that part.") from None
   return out

@@ -20,7 +20,7 @@ import json
 import os
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-from attnprec import runs
+from attnprec import readback, runs
 from attnprec.errors import UserError
 
 Key = Tuple[str, str]
@@ -109,6 +109,26 @@ def check_record(record, task: Optional[str]) -> Optional[str]:
     if not ok:
       return (f"field {field!r} is {value!r} ({type(value).__name__}), not a "
               f"{kind.__name__}")
+    if isinstance(value, str) and readback.text_problem(value):
+      return f"field {field!r} {readback.text_problem(value)}"
+  return _verdict_problem(record, task)
+
+
+def _verdict_problem(record: dict, task: Optional[str]) -> Optional[str]:
+  """A verdict the record's own evidence contradicts: a retrieval record is correct
+  exactly when its logits were finite and its argmax tokens are the gold tokens
+  (`retrieval.judge`); a non-finite record is never correct."""
+  if not record["finite"] and record["correct"]:
+    return "'correct' is true while 'finite' is false (a non-finite item is never correct)"
+  if task == "retrieval" and "argmax" in record and "gold" in record:
+    argmax, gold = record["argmax"], record["gold"]
+    if not (isinstance(argmax, list) and isinstance(gold, list)
+            and all(readback.is_int(x) for x in argmax + gold)):
+      return "'argmax' and 'gold' are not lists of token ids"
+    if record["finite"] and record["correct"] != (argmax == gold):
+      return (f"'correct' is {record['correct']} while its argmax tokens "
+              f"{'equal' if argmax == gold else 'differ from'} the gold tokens "
+              f"(the verdict was edited)")
   return None
 
 
@@ -137,10 +157,9 @@ def parse(path: str):
   for number, line in enumerate(complete, start=1):
     if not line.strip():
       continue
-    try:
-      obj = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise bad(number, f"not a JSON record ({e.msg})") from None
+    obj, why = readback.loads(line)
+    if why:
+      raise bad(number, why.replace("not JSON", "not a JSON record", 1))
     if header is None:
       if not (isinstance(obj, dict) and isinstance(obj.get("meta"), dict)):
         break

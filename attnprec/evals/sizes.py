@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import gin
 import numpy as np
 
-from attnprec import plotting, runs
+from attnprec import plotting, readback, runs
 from attnprec.errors import UserError
 from attnprec.evals import records, report
 
@@ -48,15 +48,97 @@ EVAL_IGNORED = ("model", "presets", "lengths", "pooled", "by_position", "departu
 
 
 def _read(run_dir: str, what: str) -> dict:
+  """results.json of a study ('study') or an eval ('HumanEval run', 'retrieval run'),
+  checked against what that runner writes (`_schema_problem`): a file edited, cut short,
+  not UTF-8, of another runner, or holding a non-finite figure is a UserError naming the
+  file and the field, never a traceback or a 'nan' cell."""
   path = os.path.join(run_dir, "results.json")
   try:
     with open(path, encoding="utf-8") as f:
-      return json.load(f)
+      text = f.read()
   except FileNotFoundError:
     raise UserError(f"sizes: {what} {run_dir!r} has no results.json; run it first (or "
                     f"leave that size's entry empty: '').") from None
-  except (OSError, json.JSONDecodeError) as e:
+  except UnicodeDecodeError as e:
+    raise UserError(f"sizes: {path} is not UTF-8 text (byte {e.start}): not the results "
+                    f"file a {what} writes.") from None
+  except OSError as e:
     raise UserError(f"sizes: cannot read {path} ({e}).") from None
+  obj, why = readback.loads(text)
+  why = why or _schema_problem(obj, what)
+  if why:
+    raise UserError(f"sizes: {path} is not the results file a {what} writes: {why}. It "
+                    f"was edited, cut short or written by another runner; rerun that "
+                    f"{what} (or point sizes at the directory it wrote).")
+  return obj
+
+
+def _finite(x, where: str) -> Optional[str]:
+  if not readback.is_finite_number(x):
+    return f"{where} is {x!r}, not a finite number"
+  return None
+
+
+def _schema_problem(obj, what: str) -> Optional[str]:
+  """What the table reads of a study's or an eval's results.json, checked: None if it is
+  all there, with finite figures."""
+  if not isinstance(obj, dict):
+    return f"a JSON {type(obj).__name__}, not an object"
+  if what == "study":
+    if not isinstance(obj.get("settings"), dict):
+      return "'settings' is missing or not an object"
+    configs = obj.get("configs")
+    if not isinstance(configs, list) or not configs:
+      return "'configs' is missing or empty"
+    for i, c in enumerate(configs):
+      if not (isinstance(c, dict) and isinstance(c.get("name"), str)
+              and isinstance(c.get("per_length"), list) and c["per_length"]
+              and isinstance(c["per_length"][-1], dict)):
+        return f"configs[{i}] has no name or no per_length rows"
+      last = c["per_length"][-1]
+      for key in ("logits_kl", "decode_logits_kl", "nll"):
+        why = _finite(last.get(key), f"configs[{i}] ({c['name']}).per_length[-1].{key}")
+        if why:
+          return why
+      layers = last.get("decode_attn_rel_l2")
+      if not isinstance(layers, list) or not layers:
+        return (f"configs[{i}] ({c['name']}).per_length[-1].decode_attn_rel_l2 is "
+                f"{_short(layers)}, not a list of per-layer errors")
+      for j, v in enumerate(layers):
+        why = _finite(v, f"configs[{i}] ({c['name']}).per_length[-1].decode_attn_rel_l2[{j}]")
+        if why:
+          return why
+    ref = obj.get("reference")
+    rows = ref.get("per_length") if isinstance(ref, dict) else None
+    if not (isinstance(rows, list) and rows and isinstance(rows[-1], dict)):
+      return "'reference' has no per_length rows"
+    return _finite(rows[-1].get("nll"), "reference.per_length[-1].nll")
+  if not isinstance(obj.get("reference"), str):
+    return "'reference' (the reference preset's name) is missing"
+  if what.startswith("retrieval"):
+    lengths = obj.get("lengths")
+    if not isinstance(lengths, dict) or not lengths:
+      return "'lengths' is missing or empty (a retrieval run reports per length)"
+    sections = list(lengths.items())
+  else:
+    if "lengths" in obj and "presets" not in obj:
+      return "it reports per length: a retrieval run's results, not a HumanEval run's"
+    sections = [("", obj)]
+  for name, sec in sections:
+    where = f"lengths[{name!r}]" if name else "the report"
+    if not (isinstance(sec, dict) and isinstance(sec.get("presets"), list)
+            and isinstance(sec.get("comparisons"), list)):
+      return f"{where} has no 'presets' and 'comparisons' lists"
+    for row in sec["presets"]:
+      if not (isinstance(row, dict) and isinstance(row.get("preset"), str)
+              and all(readback.is_int(row.get(k)) for k in ROW_COUNTS)):
+        return f"{where}: a preset row without its name and counts ({', '.join(ROW_COUNTS)})"
+  return None
+
+
+def _short(x) -> str:
+  text = repr(x)
+  return text if len(text) <= 80 else text[:80] + "..."
 
 
 def _same(kind: str, labels: Sequence[str], values: Sequence, key: str) -> None:
