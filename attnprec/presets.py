@@ -59,10 +59,12 @@ def bindings(path: str) -> dict:
   `precision.<field> = <literal>` bindings (an include, import, scope, reference or macro
   would make a preset mean something outside itself)."""
   fields = _fields()
-  with open(path) as f:
+  from attnprec.ginutils.flags import check_text_file
+  check_text_file(path, "Preset file")
+  with open(path, encoding="utf-8") as f:
     lines = f.read().splitlines()
   values = {}
-  with open(path) as f:   # gin's parser reads the file (and names it in its errors)
+  with open(path, encoding="utf-8") as f:   # gin's parser reads it (naming it in errors)
     parser = config_parser.ConfigParser(f, gin.config.ParserDelegate(skip_unknown=True))
     try:
       for st in parser:
@@ -116,10 +118,15 @@ def load_sweep(names, extra=()) -> List[Tuple[str, Precision]]:
   if not names:
     raise UserError("The sweep is empty: study.presets and study.extra_presets list no "
                     f"configuration. Valid presets: {', '.join(available())}.")
-  out, seen = [], set()
+  out, seen = [], {}
   for n in names:
     short, prec = load_preset(n)
+    if short in seen and seen[short] != prec:
+      first = seen[short].describe()
+      raise UserError(f"Two configurations of the sweep are named {short!r} ({first} and "
+                      f"{prec.describe()}, from {n!r}): one would be dropped. Rename the "
+                      f"preset file (its name is the row's name).")
     if short not in seen:
-      seen.add(short)
+      seen[short] = prec
       out.append((short, prec))
   return out

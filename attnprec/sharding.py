@@ -45,6 +45,12 @@ def initialize_distributed(*, coordinator_address: Optional[str] = None,
   runs the same command with its own `distributed.process_id`. Returns whether it ran.
   """
   if not coordinator_address:
+    if num_processes is not None or process_id is not None:
+      raise UserError(f"distributed.num_processes = {num_processes!r} / process_id = "
+                      f"{process_id!r} are set, but distributed.coordinator_address is "
+                      f"not: without it this is one process and they would be ignored. "
+                      f"Set distributed.coordinator_address (host:port of process 0), or "
+                      f"drop them.")
     return False
   if num_processes is None or process_id is None:
     raise UserError("distributed.coordinator_address is set, so distributed.num_processes "

@@ -91,7 +91,7 @@ def _ints(text):
     raise argparse.ArgumentTypeError(
         f"{text!r} is not a comma-separated list of positive integers, e.g. 1024,4096")
   if any(v < 1 for v in values):
-    raise argparse.ArgumentTypeError(f"{text!r}: every sequence length must be >= 1")
+    raise argparse.ArgumentTypeError(f"{text!r}: every value must be an integer >= 1")
   return values
 
 
@@ -361,6 +361,11 @@ def _parse(argv):
       raise UserError(f"--blocks={'/'.join(map(str, bad[0]))}: the tpu_attention suite's "
                       f"blocks are Q rows / KV keys (/ chunk keys) tiling a TPU: Q a multiple "
                       f"of 16, KV and chunk of 128; valid e.g. 512/512,1024/1024/256.")
+  if args.depths and max(args.depths) > compile_bench.MAX_DEPTH:
+    raise UserError(f"--depths={','.join(map(str, args.depths))}: the compile suite builds a "
+                    f"model of each depth (its parameters, and a program of that many "
+                    f"layers unrolled); depths up to {compile_bench.MAX_DEPTH} are valid, "
+                    f"e.g. 2,8,32,80.")
   if args.seq_lens is not None and not args.seq_lens:
     raise UserError("--seq_lens is empty; give at least one length, e.g. 1024,4096.")
   runs.check_output_dir(args.out, flag="--out")   # before minutes of benchmarking

@@ -120,3 +120,48 @@ def test_serving_on_a_tpu_stores_the_weights_in_the_compute_dtype_with_the_same_
 def dataclasses_replace(obj, **kw):
   import dataclasses
   return dataclasses.replace(obj, **kw)
+
+
+def _bound(text):
+  import gin
+  gin.clear_config()
+  gin.parse_config(text)
+
+
+def test_bindings_a_job_sets_itself_or_would_not_read_are_refused(tmp_path):
+  """optimizer.total_steps (the train loop sets it to train.steps), distributed.* without
+  a coordinator, model.* beside audit.model, nextline's timing settings without timing:
+  each a UserError naming the binding, before the job runs."""
+  import gin
+  from attnprec import audit, sharding, train  # noqa: F401 -- registers the configurables
+  from attnprec.ginutils import _gin
+  from attnprec.study import nextline
+  try:
+    _bound("optimizer.total_steps = 10")
+    assert _gin.bound_args("optimizer") == {"total_steps": 10}
+    with pytest.raises(UserError, match="optimizer.total_steps = 10 is set.*train.steps"):
+      train.train(config=None, precision=None, task=None, run_dir=str(tmp_path / "t"),
+                  steps=4)
+    with pytest.raises(UserError, match="distributed.num_processes = 2.*coordinator_address "
+                                        "is not"):
+      sharding.initialize_distributed(num_processes=2)
+    _bound("model.num_layers = 3")
+    with pytest.raises(UserError, match=r"audit.model = 'recall-tiny'.*\(model.num_layers\) "
+                                        r"would be ignored"):
+      audit.model_config_for("recall-tiny")
+    _bound("nextline.timing_rounds = 5")
+    with pytest.raises(UserError, match="nextline.time_decode = False, so "
+                                        "nextline.timing_rounds"):
+      nextline.nextline(run_dir=str(tmp_path / "n"), time_decode=False, timing_rounds=5)
+  finally:
+    gin.clear_config()
+  assert not (tmp_path / "n").exists()
+
+
+def test_two_sweep_presets_of_one_name_are_refused(tmp_path):
+  from attnprec import presets
+  alt = tmp_path / "bf16.gin"
+  alt.write_text("precision.dtype = 'float32'\nprecision.einsum_precision = 'highest'\n")
+  with pytest.raises(UserError, match="Two configurations of the sweep are named 'bf16'"):
+    presets.load_sweep(("bf16",), (str(alt),))
+  assert len(presets.load_sweep(("bf16", "bf16"))) == 1     # the same one twice: one row

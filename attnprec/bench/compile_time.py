@@ -33,6 +33,7 @@ from attnprec.config import ModelConfig
 from attnprec.presets import variant
 
 DEPTHS = (2, 8, 32, 80)
+MAX_DEPTH = 1024   # deeper than any model the project serves (80 layers) by far
 QUICK_DEPTHS = (2, 8)
 PROGRAMS = ("prefill", "decode", "train")
 LAYOUTS = ("unrolled", "scanned")

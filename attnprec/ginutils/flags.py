@@ -55,12 +55,29 @@ def _as_gin_value(value: str) -> str:
     return repr(value)
 
 
+def check_text_file(path: str, what: str) -> None:
+  """A UserError naming `path` and the byte if it is not UTF-8 text (a config file)."""
+  try:
+    with open(path, "rb") as f:
+      f.read().decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise UserError(f"{what} {path!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                    f"save it as UTF-8.") from None
+  except OSError as e:
+    raise UserError(f"{what} {path!r} cannot be read ({e.strerror}).") from None
+
+
 def resolve_file(path: str) -> str:
   """The gin file a --gin_file names: as given, or relative to the repository's gin/."""
+  if os.path.exists(path) and not os.path.isfile(path):
+    kind = "a directory" if os.path.isdir(path) else "not a regular file (a FIFO, a device)"
+    raise UserError(f"Gin file {path!r} is {kind}; --gin_file takes a gin file, e.g. "
+                    f"gin/precision/fp32_attention.gin.")
   for candidate in (path, os.path.join(REPO_GIN_DIR, path),
                     os.path.join(REPO_GIN_DIR, os.path.relpath(path, "gin"))
                     if path.startswith("gin" + os.sep) else None):
     if candidate and os.path.isfile(candidate):
+      check_text_file(candidate, "Gin file")
       return os.path.abspath(candidate)
   available = sorted(os.path.relpath(os.path.join(d, f), os.path.dirname(REPO_GIN_DIR))
                      for d, _, fs in os.walk(REPO_GIN_DIR) for f in fs if f.endswith(".gin"))

@@ -197,6 +197,13 @@ def nextline(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
   if length < 32 or decode_steps >= length // 2:
     raise UserError(f"nextline.length must be >= 32 and nextline.decode_steps < length / 2; "
                     f"got length={length}, decode_steps={decode_steps}.")
+  if not time_decode:
+    from attnprec.ginutils import _gin
+    unread = sorted({"timing_rounds", "decode_steps"} & set(_gin.bound_args("nextline")))
+    if unread:
+      raise UserError(f"nextline.time_decode = False, so {', '.join('nextline.' + u for u in unread)} "
+                      f"(read only to time decode steps) would be ignored. Drop them, or "
+                      f"set nextline.time_decode = True.")
   sweep = preset_lib.load_sweep(tuple(presets), ())
   runs.ensure_dir(run_dir)
   ckpt = checkpoints.load(model)
