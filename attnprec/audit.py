@@ -886,9 +886,8 @@ def model_config_for(model: Optional[str]) -> tuple:
     # the runner's call of this configurable reports as a user error.
     from attnprec.config import model_config
     return model_config(), "architecture from model.* (gin)"
-  from attnprec.ginutils import _gin
   from attnprec.study import models
-  set_here = sorted(_gin.bound_args("model"))
+  set_here = sorted(checks.bound_args("model"))
   if set_here:
     raise UserError(f"audit.model = {model!r} takes the architecture from that model, so "
                     f"the model.* bindings ({', '.join('model.' + a for a in set_here)}) "

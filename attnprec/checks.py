@@ -319,3 +319,19 @@ def rules_of(obj, name: str = "") -> Rules:
   hints = _annotations(obj)
   return Rules(name or getattr(obj, "__name__", "?"),
                {k: r for k, r in ((k, type_rule(t)) for k, t in hints.items()) if r})
+
+
+def bound_args(name: str) -> Dict[str, Any]:
+  """{arg: value} of every gin binding of the configurable named `name` (any scope): what
+  the gin files and the command line set for it, as opposed to its defaults. A job asks
+  it to refuse a setting it would not read (one it sets itself, or one that only another
+  of its settings makes it read)."""
+  from gin import config as gin_config
+  out: Dict[str, Any] = {}
+  for (_, selector), values in gin_config._CONFIG.items():  # noqa: SLF001
+    if selector.startswith("gin."):
+      continue
+    configurable = gin_config._REGISTRY.get_match(selector)  # noqa: SLF001
+    if configurable is not None and configurable.name == name:
+      out.update(values)
+  return out

@@ -17,6 +17,7 @@ from typing import List, Tuple
 import gin
 from gin import config_parser
 
+from attnprec import readback
 from attnprec.errors import UserError
 from attnprec.paths import REPO_GIN_DIR
 from attnprec.precision import NOT_BINDABLE, Precision
@@ -59,8 +60,7 @@ def bindings(path: str) -> dict:
   `precision.<field> = <literal>` bindings (an include, import, scope, reference or macro
   would make a preset mean something outside itself)."""
   fields = _fields()
-  from attnprec.ginutils.flags import check_text_file
-  check_text_file(path, "Preset file")
+  readback.check_text_file(path, "Preset file")
   with open(path, encoding="utf-8") as f:
     lines = f.read().splitlines()
   values = {}

@@ -11,6 +11,8 @@ import json
 import math
 from typing import Any, Optional, Tuple
 
+from attnprec.errors import UserError
+
 
 def loads(text: str) -> Tuple[Any, Optional[str]]:
   """(the JSON value, None), or (None, why it is not JSON we read): malformed JSON, an
@@ -45,3 +47,15 @@ def text_problem(s: str) -> Optional[str]:
   except UnicodeEncodeError as e:
     return f"holds {s[e.start:e.end]!r} at character {e.start}, which is not text"
   return None
+
+
+def check_text_file(path: str, what: str) -> None:
+  """A UserError naming `path` and the byte if it is not UTF-8 text (a config file)."""
+  try:
+    with open(path, "rb") as f:
+      f.read().decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise UserError(f"{what} {path!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                    f"save it as UTF-8.") from None
+  except OSError as e:
+    raise UserError(f"{what} {path!r} cannot be read ({e.strerror}).") from None

@@ -236,11 +236,10 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   FLOPs, less memory); `loss_chunk` > 0: the loss unembeds that many tokens at a time
   (`loss_fn`). Returns the last metrics.
   """
-  from attnprec.ginutils import _gin
-  if "total_steps" in _gin.bound_args("optimizer"):
-    raise UserError(f"optimizer.total_steps = {_gin.bound_args('optimizer')['total_steps']!r} "
-                    f"is set, but a training's schedule runs over train.steps ({steps}): "
-                    f"the train loop sets total_steps itself, so the binding would be "
+  bound_total = checks.bound_args("optimizer").get("total_steps")
+  if bound_total is not None:
+    raise UserError(f"optimizer.total_steps = {bound_total!r} is set, but a training's "
+                    f"schedule runs over train.steps ({steps}): the train loop sets total_steps itself, so the binding would be "
                     f"ignored. Drop it, and set train.steps instead.")
   faults = fault_injection()   # test-only; nothing bound in shipped gin files
   keyoffset.check(config, precision.key_offset, phase="train")

@@ -287,3 +287,22 @@ def test_model_prefill_decode_and_loss_gradient_match_dot_product():
   bound = tol(1e-4, MODEL_UNITS)
   chex.assert_trees_all_close(run("flash", params, tokens), run("dot_product", params, tokens),
                               atol=bound, rtol=bound)
+
+
+def test_unequal_pass_blocks_and_a_scalar_array_scale():
+  """A forward block of 16 rows beside a backward one of 1024 pads the rows to 1024: the
+  padded rows (hidden under the causal mask: `PAD_POSITION`) change nothing; a concrete
+  JAX scalar scale and soft-cap are read once (a traced one is refused by name)."""
+  q, k, v = _qkv(20, 20, 2)
+  blocks = flash.Blocks(q=16, k=128, q_bwd=1024, k_bwd=128)
+  fgeo, bgeo = flash.geometries(B, 2, 20, 2, 20, H, blocks)
+  assert (fgeo.Tq, bgeo.Tq, fgeo.Rp) == (16, 1024, 1024)
+  out = flash.flash_attention(q, k, v, causal=True, scale=jnp.float32(0.3),
+                              logits_soft_cap=jnp.float32(5.0), blocks=blocks)
+  pos = jnp.broadcast_to(jnp.arange(20), (B, 20))
+  ref = contract.reference_attention_np(q, k, v, mask=contract.causal_mask(pos, pos),
+                                        scale=0.3, logits_soft_cap=5.0)
+  bound = tol(2e-5, scale=np.abs(ref).max())
+  np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=bound, rtol=bound)
+  with pytest.raises(UserError, match="logits_soft_cap must be a number known"):
+    jax.jit(lambda c: flash.flash_attention(q, k, v, causal=True, logits_soft_cap=c))(5.0)

@@ -133,12 +133,11 @@ def test_bindings_a_job_sets_itself_or_would_not_read_are_refused(tmp_path):
   a coordinator, model.* beside audit.model, nextline's timing settings without timing:
   each a UserError naming the binding, before the job runs."""
   import gin
-  from attnprec import audit, sharding, train  # noqa: F401 -- registers the configurables
-  from attnprec.ginutils import _gin
+  from attnprec import audit, checks, sharding, train  # noqa: F401 -- registers them
   from attnprec.study import nextline
   try:
     _bound("optimizer.total_steps = 10")
-    assert _gin.bound_args("optimizer") == {"total_steps": 10}
+    assert checks.bound_args("optimizer") == {"total_steps": 10}
     with pytest.raises(UserError, match="optimizer.total_steps = 10 is set.*train.steps"):
       train.train(config=None, precision=None, task=None, run_dir=str(tmp_path / "t"),
                   steps=4)

@@ -118,14 +118,14 @@ def _verdict_problem(record: dict, task: Optional[str]) -> Optional[str]:
   """A verdict the record's own evidence contradicts: a retrieval record is correct
   exactly when its logits were finite and its argmax tokens are the gold tokens
   (`retrieval.judge`); a non-finite record is never correct."""
-  if not record["finite"] and record["correct"]:
+  if record.get("finite") is False and record.get("correct") is True:
     return "'correct' is true while 'finite' is false (a non-finite item is never correct)"
   if task == "retrieval" and "argmax" in record and "gold" in record:
     argmax, gold = record["argmax"], record["gold"]
     if not (isinstance(argmax, list) and isinstance(gold, list)
             and all(readback.is_int(x) for x in argmax + gold)):
       return "'argmax' and 'gold' are not lists of token ids"
-    if record["finite"] and record["correct"] != (argmax == gold):
+    if record.get("finite") and record.get("correct") != (argmax == gold):
       return (f"'correct' is {record['correct']} while its argmax tokens "
               f"{'equal' if argmax == gold else 'differ from'} the gold tokens "
               f"(the verdict was edited)")

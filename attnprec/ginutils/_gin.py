@@ -27,19 +27,6 @@ def bound() -> Dict[Tuple[str, str], Dict[str, object]]:
   return _config._CONFIG  # noqa: SLF001
 
 
-def bound_args(name: str) -> Dict[str, object]:
-  """{arg: value} of every binding of the configurable named `name` (any scope): what
-  the gin files and the command line set for it, as opposed to its defaults."""
-  out: Dict[str, object] = {}
-  for (_, selector), values in bound().items():
-    if selector.startswith("gin."):
-      continue
-    configurable = lookup(selector)
-    if configurable is not None and configurable.name == name:
-      out.update(values)
-  return out
-
-
 def lookup(selector: str) -> Optional[_config.Configurable]:
   """The registered configurable a (possibly partial) selector names, or None."""
   return _config._REGISTRY.get_match(selector)  # noqa: SLF001

@@ -9,6 +9,7 @@ import ast
 import os
 from typing import List, Sequence, Tuple
 
+from attnprec import readback
 from attnprec.errors import UserError
 from attnprec.paths import REPO_GIN_DIR
 
@@ -55,18 +56,6 @@ def _as_gin_value(value: str) -> str:
     return repr(value)
 
 
-def check_text_file(path: str, what: str) -> None:
-  """A UserError naming `path` and the byte if it is not UTF-8 text (a config file)."""
-  try:
-    with open(path, "rb") as f:
-      f.read().decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise UserError(f"{what} {path!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
-                    f"save it as UTF-8.") from None
-  except OSError as e:
-    raise UserError(f"{what} {path!r} cannot be read ({e.strerror}).") from None
-
-
 def resolve_file(path: str) -> str:
   """The gin file a --gin_file names: as given, or relative to the repository's gin/."""
   if os.path.exists(path) and not os.path.isfile(path):
@@ -77,7 +66,7 @@ def resolve_file(path: str) -> str:
                     os.path.join(REPO_GIN_DIR, os.path.relpath(path, "gin"))
                     if path.startswith("gin" + os.sep) else None):
     if candidate and os.path.isfile(candidate):
-      check_text_file(candidate, "Gin file")
+      readback.check_text_file(candidate, "Gin file")
       return os.path.abspath(candidate)
   available = sorted(os.path.relpath(os.path.join(d, f), os.path.dirname(REPO_GIN_DIR))
                      for d, _, fs in os.walk(REPO_GIN_DIR) for f in fs if f.endswith(".gin"))

@@ -79,6 +79,7 @@ PRECISIONS = ("default", "highest")
 ROW_MULTIPLE, KEY_MULTIPLE = 16, 128
 VMEM_CAP = 96 * 2 ** 20       # of a v5e TensorCore's 128 MiB VMEM
 BIG = 0.7 * float(jnp.finfo(jnp.float32).max)   # logsumexp of a row that sees no key
+PAD_POSITION = -2 ** 30   # a padded query row's position under a causal mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -698,10 +699,12 @@ def flash_attention(q, k, v, *, mask=None,
     raise UserError(f"sliding_window must be a positive integer or None, "
                     f"got {sliding_window!r}.")
   check_blocks(blocks, prep.H, jnp.dtype(q.dtype).itemsize, mask is not None)
+  logits_soft_cap = _static_number("logits_soft_cap", logits_soft_cap)
   stages = prep.stages if stages is None else stages
   B, T, K, G, S, H = prep.B, prep.T, prep.K, prep.G, prep.S, prep.H
   fgeo, bgeo = geometries(B, K, T, G, S, H, blocks)
-  common = dict(stages=tuple(stages.items()), einsum=prep.einsum, scale=prep.scale,
+  common = dict(stages=tuple(stages.items()), einsum=prep.einsum,
+                scale=_static_number("scale", prep.scale),
                 cap=logits_soft_cap, causal=causal, window=sliding_window,
                 dense_mask=mask is not None)
   return _attention(prep.queries(q), k, v, q_positions_BxT, k_positions_BxS, mask,
@@ -721,7 +724,11 @@ def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, *, fwd
   q_positions_BxT, k_positions_BxS = contract.default_positions(
       q_positions_BxT, k_positions_BxS, B, T, S)
   qpos_BxR = jnp.repeat(q_positions_BxT.astype(jnp.int32), G, axis=1)
-  qpos_BxRpx1 = jnp.pad(qpos_BxR, ((0, 0), (0, Rp - R)), mode="edge")[:, :, None]
+  # Padded rows: under a causal mask a position before every key, so they see nothing
+  # and a block of them alone is skipped; else the last row's (computed, then cut off).
+  qpos_BxRpx1 = (jnp.pad(qpos_BxR, ((0, 0), (0, Rp - R)), constant_values=PAD_POSITION)
+                 if fwd.causal else
+                 jnp.pad(qpos_BxR, ((0, 0), (0, Rp - R)), mode="edge"))[:, :, None]
   kpos_Bx1xSp = jnp.pad(k_positions_BxS.astype(jnp.int32), ((0, 0), (0, Sp - S)),
                         mode="edge")[:, None, :]
   dense = None
@@ -751,6 +758,19 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
 
 
 KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=refusal, trains=True)
+
+
+def _static_number(name: str, x):
+  """A Python float (or None) for the body's closure: a concrete JAX / NumPy scalar is
+  read once; a traced one cannot be baked into a kernel and is refused."""
+  if x is None or isinstance(x, (int, float)):
+    return None if x is None else float(x)
+  try:
+    return float(x)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    raise UserError(f"The 'flash' kernel's {name} must be a number known when the kernel "
+                    f"is built (a Python float or a concrete scalar), got a traced "
+                    f"{type(x).__name__}; valid: a float, e.g. {name}=0.125.") from None
 
 
 def _pad(x, widths):

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from attnprec import checkpoints, decoding, plotting, runs
+from attnprec import checkpoints, checks, decoding, plotting, runs
 from attnprec.errors import NonFiniteError, UserError
 from attnprec import stats
 from attnprec.precision import REFERENCE, Precision
@@ -198,8 +198,7 @@ def nextline(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
     raise UserError(f"nextline.length must be >= 32 and nextline.decode_steps < length / 2; "
                     f"got length={length}, decode_steps={decode_steps}.")
   if not time_decode:
-    from attnprec.ginutils import _gin
-    unread = sorted({"timing_rounds", "decode_steps"} & set(_gin.bound_args("nextline")))
+    unread = sorted({"timing_rounds", "decode_steps"} & set(checks.bound_args("nextline")))
     if unread:
       raise UserError(f"nextline.time_decode = False, so {', '.join('nextline.' + u for u in unread)} "
                       f"(read only to time decode steps) would be ignored. Drop them, or "
