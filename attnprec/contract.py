@@ -678,6 +678,32 @@ class KernelSpec:
   float32_qk_form: bool = False
 
 
+# The einsum precisions Mosaic's lowering of a dot inside a Pallas TPU kernel takes.
+MOSAIC_PRECISIONS = ("default", "highest")
+
+
+def pallas_settings_refusal(kernel: str, flags: AttentionFlags,
+                            storage: CacheStorage) -> Optional[str]:
+  """The refusal of a Pallas attention kernel (`pallas`, `flash`): a quantized KV cache
+  (its body has no place for the scales) or an einsum precision Mosaic does not take
+  (only DEFAULT and HIGHEST); None if it honours them."""
+  if storage.quantized:
+    return (f"The {kernel!r} attention kernel cannot read a quantized KV cache "
+            f"(precision.kv_cache_k_dtype = {storage.k_dtype!r}, "
+            f"precision.kv_cache_v_dtype = {storage.v_dtype!r}): its body has no place "
+            f"for the cache's scales. Valid cache dtypes for {kernel!r}: 'compute', "
+            f"'float32', 'bfloat16'. Use kernel 'dot_product' or 'blockwise' for "
+            f"{', '.join(repr(d) for d in SCALED_KV_DTYPES)}.")
+  if flags.einsum not in (jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST):
+    return (f"The {kernel!r} attention kernel cannot honour einsum_precision="
+            f"{flags.einsum_precision!r}: Mosaic's lowering of a dot inside a Pallas TPU "
+            f"kernel takes only jax.lax.Precision DEFAULT or HIGHEST (no HIGH, no "
+            f"dot-algorithm preset). Valid einsum_precision values for {kernel!r}: "
+            f"{', '.join(repr(p) for p in MOSAIC_PRECISIONS)}. Use kernel 'dot_product' or "
+            f"'blockwise' for other settings.")
+  return None
+
+
 def honours_everything(precision, *, logits_soft_cap=None) -> Optional[str]:
   """The `refusal` of a kernel that implements every row of the table."""
   del precision, logits_soft_cap

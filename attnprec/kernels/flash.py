@@ -75,7 +75,7 @@ from attnprec.errors import UserError
 
 NAME = "flash"
 F32 = jnp.float32
-PRECISIONS = ("default", "highest")
+PRECISIONS = contract.MOSAIC_PRECISIONS
 ROW_MULTIPLE, KEY_MULTIPLE = 16, 128
 VMEM_CAP = 96 * 2 ** 20       # of a v5e TensorCore's 128 MiB VMEM
 BIG = 0.7 * float(jnp.finfo(jnp.float32).max)   # logsumexp of a row that sees no key
@@ -114,21 +114,7 @@ def refusal(precision, *, logits_soft_cap=None) -> Optional[str]:
 
 def settings_refusal(flags: contract.AttentionFlags,
                      storage: contract.CacheStorage) -> Optional[str]:
-  if storage.quantized:
-    return (f"The 'flash' attention kernel cannot read a quantized KV cache "
-            f"(precision.kv_cache_k_dtype = {storage.k_dtype!r}, "
-            f"precision.kv_cache_v_dtype = {storage.v_dtype!r}): its body has no place "
-            f"for the cache's scales. Valid cache dtypes for 'flash': 'compute', "
-            f"'float32', 'bfloat16'. Use kernel 'dot_product' or 'blockwise' for "
-            f"{', '.join(repr(d) for d in contract.SCALED_KV_DTYPES)}.")
-  if flags.einsum not in (jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST):
-    return (f"The 'flash' attention kernel cannot honour einsum_precision="
-            f"{flags.einsum_precision!r}: Mosaic's lowering of a dot inside a Pallas TPU "
-            f"kernel takes only jax.lax.Precision DEFAULT or HIGHEST (no HIGH, no "
-            f"dot-algorithm preset). Valid einsum_precision values for 'flash': "
-            f"{', '.join(repr(p) for p in PRECISIONS)}. Use kernel 'dot_product' or "
-            f"'blockwise' for other settings.")
-  return None
+  return contract.pallas_settings_refusal(NAME, flags, storage)
 
 
 # ----------------------------------------------------------------------------- geometry

@@ -81,7 +81,7 @@ F32 = jnp.float32
 Q_BLOCK = 128    # Tq: query rows (T * G) per program
 KV_BLOCK = 128   # Sk: keys per step of the in-kernel loop (a lane-dim multiple of 128)
 MIN_BLOCK = 16   # Triton's smallest dot; bf16's (16, 128) TPU tile
-PRECISIONS = ("default", "highest")   # the einsum_precision values it honours
+PRECISIONS = contract.MOSAIC_PRECISIONS   # the einsum_precision values it honours
 
 
 def refusal(precision, *, logits_soft_cap=None) -> Optional[str]:
@@ -93,21 +93,7 @@ def refusal(precision, *, logits_soft_cap=None) -> Optional[str]:
 
 def settings_refusal(flags: contract.AttentionFlags,
                      storage: contract.CacheStorage) -> Optional[str]:
-  if storage.quantized:
-    return (f"The 'pallas' attention kernel cannot read a quantized KV cache "
-            f"(precision.kv_cache_k_dtype = {storage.k_dtype!r}, "
-            f"precision.kv_cache_v_dtype = {storage.v_dtype!r}): its body has no place "
-            f"for the cache's scales yet. Valid cache dtypes for 'pallas': 'compute', "
-            f"'float32', 'bfloat16'. Use kernel 'dot_product' or 'blockwise' for "
-            f"{', '.join(repr(d) for d in contract.SCALED_KV_DTYPES)}.")
-  if flags.einsum not in (jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST):
-    return (f"The 'pallas' attention kernel cannot honour einsum_precision="
-            f"{flags.einsum_precision!r}: Mosaic's lowering of a dot inside a Pallas TPU "
-            f"kernel takes only jax.lax.Precision DEFAULT or HIGHEST (no HIGH, no "
-            f"dot-algorithm preset). Valid einsum_precision values for 'pallas': "
-            f"{', '.join(repr(p) for p in PRECISIONS)}. Use kernel 'dot_product' or "
-            f"'blockwise' for other settings.")
-  return None
+  return contract.pallas_settings_refusal(NAME, flags, storage)
 
 
 @dataclasses.dataclass(frozen=True)
