@@ -27,6 +27,11 @@ def loads(text: str) -> Tuple[Any, Optional[str]]:
     return None, "JSON nested too deep to read"
 
 
+def line_of(e: UnicodeDecodeError) -> int:
+  """The 1-based line of a file's bytes on which a UTF-8 decode error sits."""
+  return e.object[:e.start].count(b"\n") + 1
+
+
 def is_int(x) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
 

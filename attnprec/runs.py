@@ -431,7 +431,8 @@ def read_metrics(path: str):
     with open(path, encoding="utf-8") as f:
       text = f.read()
   except UnicodeDecodeError as e:
-    raise UserError(f"{path} is not UTF-8 text (byte {e.start}): not a metrics file a "
+    raise UserError(f"{path} is not UTF-8 text (line {readback.line_of(e)}, "
+                    f"byte {e.start}): not a metrics file a "
                     f"training wrote. Move it away, or use another --run_dir.") from None
   records, last_step = [], 0
   for number, line in enumerate(text.split("\n")[:-1], start=1):

@@ -347,6 +347,8 @@ def test_a_sampler_class_without_call_is_refused(tmp_path):
 @pytest.mark.parametrize("edit,needle", [
     (lambda t: t.pop("value_len"), "missing field(s) ['value_len']"),
     (lambda t: t.update(pairs=3), "unknown field(s) ['pairs']"),
+    (lambda t: t.update(num_pairs=float("nan")),
+     "task.json: the recall task the run trained on holds a value"),
 ])
 def test_task_json_must_hold_exactly_the_task(tmp_path, edit, needle):
   with open(os.path.join(ROOT, "attnprec", "assets", "recall-tiny", "task.json")) as f:

@@ -65,7 +65,7 @@ def test_two_different_records_of_one_item_conflict(tmp_path):
 def test_a_file_that_is_not_utf8_is_an_error(tmp_path):
   path = tmp_path / "items.jsonl"
   path.write_bytes(json.dumps({"meta": META}).encode() + b"\n\xff\xfe\n")
-  with pytest.raises(UserError, match="is not UTF-8 text"):
+  with pytest.raises(UserError, match=r"is not UTF-8 text \(line 2, byte"):
     records.ItemLog(str(path), META)
 
 

@@ -70,7 +70,12 @@ def load_task(directory: str) -> Optional[recall.RecallTask]:
     raise UserError(f"{path!r} does not describe a recall task: missing field(s) {missing}, "
                     f"unknown field(s) {unknown}; a task.json written by `make train` has "
                     f"exactly {fields}.")
-  return recall.RecallTask(**{**ADDED_LATER, **raw})
+  try:
+    return recall.RecallTask(**{**ADDED_LATER, **raw})
+  except UserError as e:     # a field's value out of its rule (a NaN, a negative count)
+    raise UserError(f"{path}: the recall task the run trained on holds a value that is "
+                    f"not a recall task's: {e} The file was edited or written by other "
+                    f"code; restore it, or train the run again.") from None
 
 
 def load_run(name_or_path, *, dtype=np.float32

@@ -142,7 +142,8 @@ def parse(path: str):
     with open(path, encoding="utf-8") as f:
       text = f.read()
   except UnicodeDecodeError as e:
-    raise UserError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}): not a "
+    raise UserError(f"{path} is not UTF-8 text (line {readback.line_of(e)}, "
+                    f"byte {e.start}: {e.reason}): not a "
                     f"results file an eval wrote. Move it away, or use another "
                     f"--run_dir.") from None
   # The last piece is "" after a final newline, or a line cut short by a kill.
