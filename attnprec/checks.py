@@ -124,6 +124,23 @@ def one_of(*choices) -> Rule:
   return rule
 
 
+# "<configurable>.job" -> the jobs it may name (`declare_jobs`): an unknown reference
+# there is answered with these, not with every configurable.
+JOB_CHOICES: Dict[str, tuple] = {}
+
+
+def declare_jobs(binding: str, jobs) -> tuple:
+  """Records the jobs `binding` (e.g. 'decode.job') may name; returns them."""
+  JOB_CHOICES[binding] = tuple(jobs)
+  return JOB_CHOICES[binding]
+
+
+def job_names(binding: str) -> Optional[str]:
+  """'@recall_eval, @generate_text' for a declared job binding, else None."""
+  jobs = JOB_CHOICES.get(binding)
+  return ", ".join(f"@{rules_of(j).name}" for j in jobs) if jobs else None
+
+
 def one_of_jobs(*jobs) -> Rule:
   """One of these configurables, named in gin by a reference without `()`
   (`eval.job = @retrieval`): the one way a runner's job is chosen. The valid names are

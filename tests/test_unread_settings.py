@@ -164,3 +164,17 @@ def test_two_sweep_presets_of_one_name_are_refused(tmp_path):
   with pytest.raises(UserError, match="Two configurations of the sweep are named 'bf16'"):
     presets.load_sweep(("bf16",), (str(alt),))
   assert len(presets.load_sweep(("bf16", "bf16"))) == 1     # the same one twice: one row
+
+
+def test_an_unknown_job_reference_names_the_valid_jobs():
+  """`decode.job = @bogus`: the runner's jobs, not every configurable."""
+  import attnprec.evals.jobs  # noqa: F401 -- declares eval.job's jobs
+  import attnprec.jobs  # noqa: F401 -- declares decode.job's and train_job.job's
+  from attnprec import ginutils
+  error = ValueError("No configurable matching reference '@bogus'.\n In bindings string "
+                     "line 1\n decode.job = @bogus")
+  text = ginutils._clean_gin_error(error)
+  assert "Valid jobs for decode.job: @recall_eval, @generate_text." in text
+  assert "Known configurables" not in text
+  other = ginutils._clean_gin_error(ValueError("No configurable matching 'bogus'"))
+  assert "Known configurables" in other

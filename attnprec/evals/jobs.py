@@ -15,7 +15,7 @@ from attnprec import checks
 from attnprec.evals.humaneval_eval import humaneval_eval
 from attnprec.evals.retrieval_eval import retrieval_eval
 
-JOBS = (humaneval_eval, retrieval_eval)
+JOBS = checks.declare_jobs("eval.job", (humaneval_eval, retrieval_eval))
 
 
 @gin.configurable("eval", denylist=["run_dir"])

@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence
 import gin
 import jax
 
+from attnprec import checks
 from attnprec.errors import UserError
 from attnprec.ginutils import _gin
 from attnprec.ginutils.calls import reached  # noqa: F401
@@ -97,7 +98,10 @@ def _clean_gin_error(e: BaseException) -> str:
   if isinstance(e, KeyError):
     text = text.strip("'\"")
   m = re.search(r"No configurable matching (?:reference )?'@?([^']+)'", text)
-  if m:
+  job = re.search(r"\b(\w+\.job)\s*=\s*@", text)
+  if m and job and checks.job_names(job.group(1)):
+    text += f" Valid jobs for {job.group(1)}: {checks.job_names(job.group(1))}."
+  elif m:
     text += (f" Known configurables: {', '.join(sorted(_configurable_names()))}.")
   m = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", text)
   if m:

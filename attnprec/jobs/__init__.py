@@ -12,8 +12,8 @@ from attnprec.errors import UserError
 # The jobs each runner's `*.job` may name, by a gin reference (the one way a job is
 # chosen: `decode.job = @generate_text`, `train_job.job = @train_text`, `eval.job =
 # @retrieval`); their names in messages come from the jobs themselves.
-DECODE_JOBS = (recall_eval, generate_text)
-TRAIN_JOBS = (train_recall, train_text)
+DECODE_JOBS = checks.declare_jobs("decode.job", (recall_eval, generate_text))
+TRAIN_JOBS = checks.declare_jobs("train_job.job", (train_recall, train_text))
 
 
 def _check_job(binding: str, job, jobs) -> None:
