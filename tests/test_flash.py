@@ -306,3 +306,34 @@ def test_unequal_pass_blocks_and_a_scalar_array_scale():
   np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=bound, rtol=bound)
   with pytest.raises(UserError, match="logits_soft_cap must be a number known"):
     jax.jit(lambda c: flash.flash_attention(q, k, v, causal=True, logits_soft_cap=c))(5.0)
+
+
+def test_a_tpu_bench_rerun_resumes_only_this_codes_finite_same_settings_file(tmp_path):
+  """`tpu_attention.previous`: the file a rerun into the same --out resumes from is
+  refused, naming it, when a figure is NaN, another code wrote it, or its settings
+  differ (its cases would lack the rows asked for)."""
+  import json
+  from attnprec import runs
+  from attnprec.bench import tpu_attention
+  settings = {"kernels": ["flash"], "flag_rows": ["both"], "blocks": [[1024, 1024]],
+              "rounds": 3}
+  path = tmp_path / "tpu_attention.json"
+  assert tpu_attention.previous(str(path), settings)["cases"] == {}
+  good = {"settings": settings, "provenance": {"source": runs.code_identity()["source"]},
+          "cases": {"qwen2-7b prefill S=2048": {"rows": {"flash both": {"median_ms": 0.8}}}}}
+  path.write_text(json.dumps(good))
+  assert tpu_attention.previous(str(path), settings)["cases"] == good["cases"]
+  for edit, says in (
+      (lambda d: d["cases"]["qwen2-7b prefill S=2048"]["rows"]["flash both"].update(
+          median_ms=float("nan")), "is not a finite number"),
+      (lambda d: d["provenance"].update(source="0123"), "written by other code"),
+      (lambda d: d["settings"].update(rounds=5), "measured with other settings")):
+    bad = json.loads(json.dumps(good))
+    edit(bad)
+    path.write_text(json.dumps(bad))
+    with pytest.raises(UserError, match="cannot be resumed") as e:
+      tpu_attention.previous(str(path), settings)
+    assert says in str(e.value) and str(path) in str(e.value)
+  path.write_bytes(b"\xff\xfe")
+  with pytest.raises(UserError, match="not UTF-8 text"):
+    tpu_attention.previous(str(path), settings)

@@ -20,10 +20,12 @@ TFLOP/s counts causal attention's visible half: forward 2 products of 2 S^2/2 H 
 FLOPs; forward + backward 7 (the backward recomputes QK^T and runs dP, dV, dQ, dK),
 every kernel counted the same. The peak is a bf16 x bf16 -> f32 matmul measured in the
 same run (`model.matmul_peak` at 8192^3). Results: <out>/tpu_attention.json (rewritten
-after every case: an interrupted run keeps what it measured; a rerun skips the cases
-already there), tpu_attention.md.
+after every case: an interrupted run keeps what it measured; a rerun into the same --out
+measures only the cases it lacks, after `previous` has checked the file is this code's,
+with these settings and finite figures), tpu_attention.md. A flash row's forward and
+backward blocks are both the row's Q x KV.
 """
-import json
+import math
 import os
 import statistics
 import time
@@ -33,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnprec import contract, kernels, runs
+from attnprec import contract, kernels, readback, runs
 from attnprec.errors import UserError
 from attnprec.kernels import flash
 from attnprec.presets import variant
@@ -81,7 +83,7 @@ def _attnprec(kernel: str, flags_row: str, S: int, blocks=None):
   if kernel == "flash":
     b = flash.DEFAULT_BLOCKS
     if blocks:
-      b = flash.Blocks(q=blocks[0], k=blocks[1], q_bwd=min(blocks[0], 1024), k_bwd=blocks[1],
+      b = flash.Blocks(q=blocks[0], k=blocks[1], q_bwd=blocks[0], k_bwd=blocks[1],
                        chunk=blocks[2] if len(blocks) > 2 else b.chunk)
     return lambda q, k, v: flash.flash_attention(
         q, k, v, causal=True, q_positions_BxT=pos, k_positions_BxS=pos,
@@ -187,13 +189,9 @@ def run(out_dir: str, *, shapes: Sequence[str] = tuple(SHAPES),
         blocks: Sequence[Tuple[int, int]] = DEFAULT_BLOCKS, rounds: int = 5,
         progress=print) -> dict:
   from attnprec.bench.model import matmul_peak
-  path = os.path.join(out_dir, "tpu_attention.json")
-  result = None
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      result = json.load(f)
-  if not isinstance(result, dict) or not isinstance(result.get("cases"), dict):
-    result = {"cases": {}}
+  settings = {"kernels": list(kernel_names), "flag_rows": list(flag_rows),
+              "blocks": [list(b) for b in blocks], "rounds": rounds}
+  result = previous(os.path.join(out_dir, "tpu_attention.json"), settings)
   result["backend"] = jax.default_backend()
   result["device"] = str(jax.devices()[0].device_kind)
   result["peak_bf16_tflops"] = matmul_peak(PEAK_SHAPE)["bf16"] / 1e12
@@ -207,6 +205,7 @@ def run(out_dir: str, *, shapes: Sequence[str] = tuple(SHAPES),
     progress(f"[{i + 1}/{len(todo)}] {key}")
     case = run_case(sh, S, train, kernel_names=kernel_names, flag_rows=flag_rows,
                     blocks=blocks, rounds=rounds, progress=progress)
+    case["peak_bf16_tflops"] = result["peak_bf16_tflops"]   # the peak of its own run
     for r in case["rows"].values():
       if "tflops" in r:
         r["of_peak"] = r["tflops"] / result["peak_bf16_tflops"]
@@ -219,6 +218,57 @@ def run(out_dir: str, *, shapes: Sequence[str] = tuple(SHAPES),
     runs.write_json(out_dir, "tpu_attention.json", result, provenance=True)
   runs.atomic_write(os.path.join(out_dir, "tpu_attention.md"), to_markdown(result))
   return result
+
+
+def previous(path: str, settings: dict) -> dict:
+  """The results a rerun into the same --out resumes from (the cases it measured are
+  not measured again), checked: a file that is not this suite's JSON, holds a figure that
+  is not a finite number, was written by other code (`provenance.source`) or with other
+  settings (kernels, flag rows, blocks, rounds: its cases would not have the rows asked
+  for) is a UserError naming it, never resumed as if it were this run's."""
+  fresh = {"settings": settings, "cases": {}}
+  if not os.path.exists(path):
+    return fresh
+  try:
+    with open(path, encoding="utf-8") as f:
+      obj, why = readback.loads(f.read())
+  except UnicodeDecodeError as e:
+    obj, why = None, f"not UTF-8 text (line {readback.line_of(e)})"
+  if why is None and not (isinstance(obj, dict) and isinstance(obj.get("cases"), dict)):
+    why = "not an object with 'cases'"
+  if why is None:
+    bad = _non_finite(obj["cases"], "cases")
+    source = (obj.get("provenance") or {}).get("source")
+    if bad:
+      why = f"{bad} is not a finite number"
+    elif source != runs.code_identity()["source"]:
+      why = (f"written by other code (source {source!r}, this code "
+             f"{runs.code_identity()['source']!r})")
+    elif obj.get("settings") != settings:
+      why = f"measured with other settings ({obj.get('settings')!r}, asked: {settings!r})"
+  if why:
+    raise UserError(f"{path} cannot be resumed: {why}. A rerun into the same --out measures "
+                    f"only the cases that file lacks, so they must be this code's and these "
+                    f"settings'. Choose another --out, or move the file away.")
+  return obj
+
+
+def _non_finite(x, where: str):
+  """The path of the first number in x that is not finite (or a bool where a number
+  is), else None."""
+  if isinstance(x, dict):
+    for k, v in x.items():
+      bad = _non_finite(v, f"{where}[{k!r}]")
+      if bad:
+        return bad
+  elif isinstance(x, list):
+    for i, v in enumerate(x):
+      bad = _non_finite(v, f"{where}[{i}]")
+      if bad:
+        return bad
+  elif isinstance(x, float) and not math.isfinite(x):
+    return where
+  return None
 
 
 def to_markdown(result: dict) -> str:
@@ -256,6 +306,7 @@ def flags_table(result: dict) -> str:
       cost = (f"{r['median_ms'] / off['median_ms']:.2f}x"
               if kernel != SPLASH and "median_ms" in off else "")
       err = f"{r['rel_l2']:.1e}" if "rel_l2" in r else ""
-      lines.append(f"| {key} | {name} | {r['median_ms']:.2f} | {r['vs_splash']:.2f}x | "
+      vs = f"{r['vs_splash']:.2f}x" if "vs_splash" in r else "no splash row"
+      lines.append(f"| {key} | {name} | {r['median_ms']:.2f} | {vs} | "
                    f"{cost} | {r['tflops']:.0f} | {err} |")
   return "\n".join(lines) + "\n"
