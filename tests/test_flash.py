@@ -153,6 +153,7 @@ def test_refused_settings_name_the_knob(settings, named):
     (flash.Blocks(k=200), "k=200"),            # not a multiple of 128
     (flash.Blocks(q_bwd=0), "q_bwd=0"),
     (flash.Blocks(q=8192, k=8192), "8192x8192"),   # past the VMEM it may use
+    (flash.Blocks(k=1024, chunk=384), "chunk=384 does not divide"),
 ])
 def test_blocks_that_cannot_tile_or_fit_are_refused(blocks, named):
   q, k, v = _qkv(4, 4, 2)
@@ -294,7 +295,7 @@ def test_unequal_pass_blocks_and_a_scalar_array_scale():
   padded rows (hidden under the causal mask: `PAD_POSITION`) change nothing; a concrete
   JAX scalar scale and soft-cap are read once (a traced one is refused by name)."""
   q, k, v = _qkv(20, 20, 2)
-  blocks = flash.Blocks(q=16, k=128, q_bwd=1024, k_bwd=128)
+  blocks = flash.Blocks(q=16, k=128, q_bwd=1024, k_bwd=128, chunk=128)
   fgeo, bgeo = flash.geometries(B, 2, 20, 2, 20, H, blocks)
   assert (fgeo.Tq, bgeo.Tq, fgeo.Rp) == (16, 1024, 1024)
   out = flash.flash_attention(q, k, v, causal=True, scale=jnp.float32(0.3),

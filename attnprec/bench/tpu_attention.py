@@ -84,7 +84,7 @@ def _attnprec(kernel: str, flags_row: str, S: int, blocks=None):
     b = flash.DEFAULT_BLOCKS
     if blocks:
       b = flash.Blocks(q=blocks[0], k=blocks[1], q_bwd=blocks[0], k_bwd=blocks[1],
-                       chunk=blocks[2] if len(blocks) > 2 else b.chunk)
+                       chunk=blocks[2] if len(blocks) > 2 else math.gcd(b.chunk, blocks[1]))
     return lambda q, k, v: flash.flash_attention(
         q, k, v, causal=True, q_positions_BxT=pos, k_positions_BxS=pos,
         flags=prec.attention, blocks=b)

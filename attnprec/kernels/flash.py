@@ -197,6 +197,14 @@ def check_blocks(blocks: Blocks, H: int, itemsize: int = 2, dense_mask: bool = F
           f"{platform}: {'query-row' if multiple == ROW_MULTIPLE else 'key'} blocks must "
           f"be positive multiples of {multiple} (a {'bf16 tile' if multiple == 16 else 'lane width'}"
           f"). Valid values: {multiple}, {2 * multiple}, ... e.g. 256, 512, 1024.")
+  for name in ("k", "k_bwd"):
+    if getattr(blocks, name) % blocks.chunk:
+      raise UserError(
+          f"The 'flash' kernel's chunk={blocks.chunk} does not divide its key block "
+          f"{name}={getattr(blocks, name)}: a block on the mask's edge runs in chunks of "
+          f"the block (a call shorter than the block uses 128-key chunks). Valid chunks "
+          f"for {name}={getattr(blocks, name)}: "
+          f"{[c for c in range(KEY_MULTIPLE, getattr(blocks, name) + 1, KEY_MULTIPLE) if getattr(blocks, name) % c == 0]}.")
   Hp = padded_head(H)
   for fwd, (q, k) in ((True, (blocks.q, blocks.k)), (False, (blocks.q_bwd, blocks.k_bwd))):
     need = vmem_bytes(q, k, Hp, itemsize, dense_mask, backward=not fwd)
