@@ -15,6 +15,7 @@ TRAIN_GIN ?= gin/experiments/recall.gin
 DECODE_GIN ?= gin/experiments/smollm2.gin
 AUDIT_GIN ?= gin/precision/fp32_attention.gin
 STUDY_GIN ?= gin/experiments/study_recall.gin
+SWEEP_GIN ?=
 NEXTLINE_GIN ?= gin/experiments/nextline_qwen2.gin
 SINKS_GIN ?=
 EVAL_GIN ?= gin/experiments/eval_humaneval.gin
@@ -22,7 +23,7 @@ SIZES_GIN ?=
 RUN ?= runs/recall
 gin_files = $(foreach f,$(or $(GIN),$(1)),--gin_file=$(f))
 
-.PHONY: setup test test-tpu tpu-wheels tpu-fixtures train decode audit inspect study nextline sinks eval sizes bench plot device-check clean
+.PHONY: setup test test-tpu tpu-wheels tpu-fixtures train decode audit inspect study sweep nextline sinks eval sizes bench plot device-check clean
 
 # The TPU path (docs/tpu.md): the machine's own JAX with libtpu, attnprec's other needs
 # installed beside it by scripts/tpu_install.sh (from .whl-tpu/, the machine's own index
@@ -84,6 +85,13 @@ inspect: setup
 
 study: setup
 	$(PY) runners/study.py $(call gin_files,$(STUDY_GIN)) $(ARGS)
+
+# The LR sweep (docs/training.md): on a TPU through its own Python (docs/tpu.md), else
+# the .venv. Resumable: run it again with the same --run_dir.
+sweep:
+	@if $(on_tpu); then \
+	  bash -c '. scripts/tpu_install.sh $(TPU_SITE) && python3 runners/sweep.py $(call gin_files,$(SWEEP_GIN)) $(ARGS)'; \
+	else $(MAKE) --no-print-directory setup && $(PY) runners/sweep.py $(call gin_files,$(SWEEP_GIN)) $(ARGS); fi
 
 nextline: setup
 	$(PY) runners/nextline.py $(call gin_files,$(NEXTLINE_GIN)) $(ARGS)
