@@ -19,6 +19,7 @@ import attnprec.faults  # noqa: F401         fault_injection.*
 import attnprec.inspect.job  # noqa: F401    inspect.*
 import attnprec.jobs  # noqa: F401           decode.*, train_job.*, recall_eval.*, ...
 import attnprec.kernels  # noqa: F401        blockwise.* (block sizes)
+import attnprec.lrsweep.job  # noqa: F401   lr_sweep.*
 import attnprec.precision  # noqa: F401      precision.* (per phase)
 import attnprec.sharding  # noqa: F401       mesh.*, distributed.*
 import attnprec.study.nextline  # noqa: F401 nextline.*

@@ -234,3 +234,38 @@ def test_a_run_dir_of_another_plan_is_refused(finished, tmp_path):
   out = job.lr_sweep_job(run_dir=str(d), **PLAN_ARGS, progress=False)
   assert out["sizes"]["tiny"]["settings"]["fp32"]["lrs"] == [1e-3, 3e-2]
   assert (d / "report.md").exists() and (d / "lr_sensitivity.png").exists()
+
+
+def _shipped_plan():
+  """The plan of gin/runs/sweep.gin (the sweep whose results ship in results/lr-sweep)."""
+  import ast
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  values = {}
+  with open(os.path.join(root, "gin", "runs", "sweep.gin")) as f:
+    for line in f:
+      if line.startswith("lr_sweep."):
+        name, value = line[len("lr_sweep."):].split("=", 1)
+        values[name.strip()] = ast.literal_eval(value.strip())
+  return root, settings.check_plan(**values)
+
+
+def test_the_shipped_report_is_what_the_code_computes_from_the_shipped_results():
+  """results/lr-sweep/report.md is recomputed from the groups' result.json files (the
+  TPU's runs) to the character, and docs/training.md quotes its tables verbatim."""
+  root, p = _shipped_plan()
+  run_dir = os.path.join(root, "results", "lr-sweep")
+  results = report.load_results(run_dir, p)
+  assert sum(len(v) for per in results.values() for v in per.values()) >= 12
+  for per in results.values():
+    for seed_results in per.values():
+      for r in seed_results:
+        assert r["provenance"]["backend"] == "tpu" and r["provenance"]["source"]
+  text = report.markdown(report.analyze(results), p)
+  with open(os.path.join(run_dir, "report.md")) as f:
+    assert f.read() == text + "\n"
+  with open(os.path.join(root, "docs", "training.md")) as f:
+    doc = f.read()
+  tables = [block for block in text.split("\n\n") if block.startswith("| ")]
+  assert len(tables) >= 7
+  for table in tables:
+    assert table in doc, table.splitlines()[0]

@@ -6,7 +6,8 @@ a finished group (its result.json, of the same plan and corpus) is not trained a
 unfinished one resumes from its state.npz, so a sweep cut off (a time limit, a signal)
 continues where it stopped when run again; a seed added to the plan later trains only
 the new groups. `max_groups` (0: all) trains at most that many
-groups this time, so one call can be given a budget. After the groups, the report
+groups this time, so one call can be given a budget; `report_only` trains none and
+writes the report from the finished ones. After the groups, the report
 (`attnprec.lrsweep.report`) is written from every finished group in RUN_DIR.
 
 Bad input (an empty or non-positive LR grid, an unknown size or setting, a kernel the
@@ -71,8 +72,9 @@ def lr_sweep_job(*, run_dir: str, sizes: Sequence[str] = ("5m", "20m"),
                  eval_batch: int = 64, kernel: str = "dot_product", z_loss: float = 1e-4,
                  remat: str = "block",
                  checkpoint_every: int = 100, max_groups: int = 0,
-                 progress: bool = True) -> dict:
-  """Trains every pending group of the plan into run_dir, then writes the report."""
+                 report_only: bool = False, progress: bool = True) -> dict:
+  """Trains every pending group of the plan into run_dir (none with `report_only`), then
+  writes the report from every finished group."""
   plan = check_plan(sizes=sizes, settings=settings, lrs=lrs, seeds=seeds, steps=steps,
                     warmup=warmup, batch=batch, seq_len=seq_len, eval_every=eval_every,
                     eval_batch=eval_batch, kernel=kernel, z_loss=z_loss, remat=remat)
@@ -86,11 +88,16 @@ def lr_sweep_job(*, run_dir: str, sizes: Sequence[str] = ("5m", "20m"),
     want = group_lib.spec(plan, size, setting, seed)
     if not _finished(gdir, want):
       pending.append((size, setting, seed, gdir, want))
-  if max_groups:
+  done = len(plan.groups()) - len(pending)
+  if not isinstance(report_only, bool):
+    raise UserError(f"lr_sweep.report_only = {report_only!r} must be True or False.")
+  if report_only:
+    pending = []
+  elif max_groups:
     pending = pending[:max_groups]
-  print(f"lr_sweep: {len(plan.groups()) - len(pending)} of {len(plan.groups())} groups "
-        f"(size x setting x seed) done; training {len(pending)} ({len(plan.lrs)} learning "
-        f"rates each, {plan.steps} steps)")
+  print(f"lr_sweep: {done} of {len(plan.groups())} groups (size x setting x seed) done; "
+        f"training {len(pending)} now ({len(plan.lrs)} learning rates each, {plan.steps} "
+        f"steps)")
   # Every program compiled (once per size x setting: its seeds share it) and checked to
   # fit the device before the first group trains.
   prepared = {}

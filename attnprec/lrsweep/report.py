@@ -13,7 +13,9 @@ Intervals: a paired bootstrap (B = 2000, seed 0) that resamples the held-out seq
 (the same draw for every run: each loss is a mean over them) and the seeds (the same draw
 for both settings of a difference: runs of one seed share init and batches). The 95%
 interval is the 2.5 / 97.5 percentiles. A difference between two settings is claimed
-only where its interval excludes zero; otherwise it is reported as no difference.
+only where its interval excludes zero and both settings ran the same MIN_SEEDS or more
+seeds; otherwise it is reported as no difference (or, from one seed, not claimed: its
+interval holds the held-out sequences' noise, not the seeds').
 
 A run is *unstable* when it diverged or its final loss exceeds its curve's best by more
 than UNSTABLE_FRACTION of (l_0 - best): the logit growth curves are drawn at the highest
@@ -33,6 +35,7 @@ from attnprec import plotting, readback, runs
 from attnprec.errors import UserError
 
 UNSTABLE_FRACTION = 0.1
+MIN_SEEDS = 2          # a difference is claimed only from at least this many paired seeds
 BOOTSTRAP = 2000
 COMPARISONS = (("qk_norm", "bf16"), ("both", "bf16"), ("fp32", "bf16"), ("both", "fp32"),
                ("qk_norm_both", "qk_norm"), ("qk_norm_both", "both"))
@@ -230,7 +233,8 @@ def analyze(results: Dict[str, Dict[str, dict]], *, draws: int = BOOTSTRAP) -> d
                                   draws=draws)
         entry["differences"].append({
             "a": a, "b": b, "difference": point, "interval": [lo, hi],
-            "verdict": ("lower" if hi < 0 else "higher" if lo > 0 else "no difference"),
+            "verdict": ("not claimed: one seed" if len(common) < MIN_SEEDS else
+                        "lower" if hi < 0 else "higher" if lo > 0 else "no difference"),
             "seeds": common})
     sizes[size] = entry
   qk = [(s, d) for s, e in sizes.items() for d in e["differences"]
@@ -282,12 +286,18 @@ def markdown(analysis: dict, plan) -> str:
       lo, hi = s["interval"]
       lines.append(f"| {name} | {','.join(map(str, s['seeds']))} | " + " | ".join(cells) +
                    f" | {s['sensitivity']:.3f} [{lo:.3f}, {hi:.3f}] | "
-                   f"{_fmt(s['max_logit'][-1], '.1f')} | {s['tokens_per_s']} |")
+                   f"{_fmt(s['max_logit'][-1], '.3g')} | {s['tokens_per_s']} |")
     lines += ["", "Largest attention logit over training (mean over seeds):", "",
               "| setting | " + " | ".join(f"{lr:g}" for lr in lrs) + " |",
               "|---|" + "---:|" * len(lrs)]
     for name, s in entry["settings"].items():
-      lines.append(f"| {name} | " + " | ".join(_fmt(v, ".1f") for v in s["max_logit"]) + " |")
+      lines.append(f"| {name} | " + " | ".join(_fmt(v, ".3g") for v in s["max_logit"]) + " |")
+    lines += ["", "Output logit drift: mean log Z of the output logits at the end (mean over "
+              "seeds; z-loss pulls it toward 0):", "",
+              "| setting | " + " | ".join(f"{lr:g}" for lr in lrs) + " |",
+              "|---|" + "---:|" * len(lrs)]
+    for name, s in entry["settings"].items():
+      lines.append(f"| {name} | " + " | ".join(_fmt(v, ".2f") for v in s["final_lse"]) + " |")
     if entry["differences"]:
       lines += ["", "Differences in LR sensitivity (a - b; paired bootstrap):", "",
                 "| a | b | difference | 95% interval | verdict |", "|---|---|---:|---|---|"]
@@ -318,7 +328,8 @@ def plot(analysis: dict, results, run_dir: str) -> List[str]:
   paths.append(plotting.save_figure(fig, os.path.join(run_dir, "lr_sensitivity.png")))
   fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
   for ax, size in zip(axes[0], sizes):
-    for name, r in results[size].items():
+    for k, (name, r) in enumerate(results[size].items()):
+      color = f"C{k}"
       c = Curves(r)
       unstable = c.unstable()
       stable = [i for i, u in enumerate(unstable) if not u]
@@ -328,7 +339,7 @@ def plot(analysis: dict, results, run_dir: str) -> List[str]:
         if i is None:
           continue
         growth = np.nanmax(c.max_logit[:, i], axis=-1).mean(0)
-        ax.plot(c.steps, growth, style,
+        ax.plot(c.steps, growth, style, color=color,
                 label=f"{name} lr={c.lrs[i]:g} ({'stable' if style == '-' else 'unstable'})")
     ax.set_yscale("log")
     ax.set_xlabel("step")

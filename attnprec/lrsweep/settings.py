@@ -6,7 +6,7 @@ biases, multi-head attention, SwiGLU MLP of 3 x d_model, RoPE). Non-embedding pa
 
 A *setting* is the train phase's numerics plus what the model adds:
   'bf16'          bfloat16 compute, float32_qk_product and float32_logits off: the QK
-                  product, the mask and the softmax in bfloat16 (the seed's decode setting)
+                  product, the mask and the softmax in bfloat16 (gin/precision/bf16.gin)
   'both'          bfloat16 compute with both flags: float32 QK product and softmax
   'fp32'          float32 activations, attention einsums (QK and PV) at 'highest': the
                   attention reference. The projections keep matmul_precision 'default'
