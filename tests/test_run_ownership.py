@@ -185,3 +185,14 @@ def test_an_interrupted_replacing_run_puts_the_old_directory_back(tmp_path):
   assert rc == cli.EXIT_INTERRUPTED
   assert runs.owner(str(d)) == "study" and _results(d) == "study"
   assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_another_runner_s_directory_given_as_a_checkpoint_is_named_as_such(tmp_path):
+  """A study / sizes / decode run directory passed where a checkpoint goes (e.g.
+  recall_eval.checkpoint) says whose results it holds, not 'not an HF checkpoint'."""
+  from attnprec import checkpoints
+  d = tmp_path / "sizes_run"
+  runs.claim(str(d), "sizes")
+  runs.write_json(str(d), "results.json", {"x": 1})
+  with pytest.raises(UserError, match=r"is a run directory of `sizes`.*not a checkpoint"):
+    checkpoints.load(str(d))

@@ -93,6 +93,10 @@ def test_bad_offset_is_refused(setup):
   params, tokens, *_ = setup
   with pytest.raises(UserError, match="must be > 0"):
     offsets.add_key_offsets(CONFIG, params, tokens, -1.0)
+  # an offset whose key bias float32 cannot hold: refused before any model runs with it
+  with pytest.raises(UserError, match=r"logit_offset = 1e\+308 needs a key bias beyond "
+                                      r"float32's range in layer 0.*valid: offsets up to"):
+    offsets.add_key_offsets(CONFIG, params, tokens, 1e308)
 
 
 def test_offsets_must_match_the_architecture(setup):

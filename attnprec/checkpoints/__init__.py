@@ -63,7 +63,7 @@ from typing import Union
 import jax
 import jax.numpy as jnp
 
-from attnprec import checks, layout
+from attnprec import checks, layout, runs
 from attnprec.checkpoints import finite, trained
 from attnprec.checkpoints.forward import _forward  # noqa: F401  (one program per config)
 from attnprec.checkpoints.forward import Checkpoint, logits
@@ -83,6 +83,20 @@ __all__ = ["Checkpoint", "Generation", "NonFiniteError", "Tokenizer", "SHIPPED",
 
 def _names() -> str:
   return ", ".join(list(SHIPPED) + list(trained.SHIPPED))
+
+
+def _refuse_other_runs(path: pathlib.Path) -> None:
+  """A directory another runner made (a study, a decode, an eval, a sizes table: its
+  `runs.OWNER_FILE`) and that is no checkpoint is named as what it is, not as a broken HF
+  checkpoint."""
+  if (path / "config.json").exists():
+    return
+  made_by = runs.owner(str(path))
+  if made_by is not None:
+    raise UserError(f"{path} is a run directory of `{made_by}` (its {runs.OWNER_FILE}), "
+                    f"not a checkpoint: it holds that runner's results, no weights. Pass a "
+                    f"train run directory (`make train` writes runs/recall), an HF "
+                    f"checkpoint directory (config.json + *.safetensors) or a .gguf file.")
 
 
 def load(path_or_name: Union[str, os.PathLike], *, param_dtype: str = "float32"
@@ -118,6 +132,7 @@ def load(path_or_name: Union[str, os.PathLike], *, param_dtype: str = "float32"
     except OSError as e:                  # a name too long for the file system, ...
       raise UserError(f"Cannot load {shorten(key)}: {e.strerror or e}.") from None
     if kind == "dir":
+      _refuse_other_runs(path)
       config, params, tok = load_hf_dir(path, param_dtype=param_dtype)
       source = f"HF checkpoint {path}"
     elif kind == "file" and path.suffix == ".gguf":

@@ -5,10 +5,12 @@ biases, multi-head attention, SwiGLU MLP of 3 x d_model, RoPE). Non-embedding pa
 12 * d_model^2 per layer.
 
 A *setting* is the train phase's numerics plus what the model adds:
-  'bf16'          bfloat16 compute, float32_qk_product and float32_logits off: the QK
-                  product, the mask and the softmax in bfloat16 (gin/precision/bf16.gin)
-  'both'          bfloat16 compute with both flags: float32 QK product and softmax
-  'fp32'          float32 activations, attention einsums (QK and PV) at 'highest': the
+  'bf16'          gin/precision/bf16.gin: bfloat16 compute, float32_qk_product and
+                  float32_logits off: the QK product, the mask and the softmax in bfloat16
+  'both'          gin/precision/fp32_attention.gin: bfloat16 compute with both flags
+                  (float32 QK product and softmax)
+  'fp32'          gin/precision/fp32.gin with the attention einsums (QK and PV) at
+                  'highest': float32 activations and attention at full precision, the
                   attention reference. The projections keep matmul_precision 'default'
                   (on a TPU one bf16 pass with float32 accumulation; 'highest' there would
                   cost six passes in every projection for what the sweep does not vary)
@@ -21,7 +23,7 @@ pass without a cache and are not settings.
 import dataclasses
 from typing import Dict, Sequence, Tuple
 
-from attnprec import kernels
+from attnprec import kernels, presets
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.model import REMAT
@@ -36,22 +38,20 @@ SIZES: Dict[str, Tuple[int, int, int, int]] = {
     "80m": (768, 12, 12, 64),     # 84.9M
 }
 
-SETTINGS: Dict[str, dict] = {
-    "bf16": dict(dtype="bfloat16", float32_qk_product=False, float32_logits=False),
-    "both": dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True),
-    "fp32": dict(dtype="float32", float32_qk_product=True, float32_logits=True,
-                 einsum_precision="highest"),
-    "qk_norm": dict(dtype="bfloat16", float32_qk_product=False, float32_logits=False,
-                    qk_norm=True),
-    "qk_norm_both": dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True,
-                         qk_norm=True),
+# name: (the gin preset of gin/precision/ it starts from, overrides of Precision fields,
+#        overrides of ModelConfig fields): the one preset registry (`attnprec.presets`).
+SETTINGS: Dict[str, Tuple[str, dict, dict]] = {
+    "bf16": ("bf16", {}, {}),
+    "both": ("fp32_attention", {}, {}),
+    "fp32": ("fp32", {"einsum_precision": "highest"}, {}),
+    "qk_norm": ("bf16", {}, {"qk_norm": True}),
+    "qk_norm_both": ("fp32_attention", {}, {"qk_norm": True}),
 }
-MODEL_KEYS = ("qk_norm",)
 
 
 def model_config(size: str, setting: str, seq_len: int) -> ModelConfig:
   d, layers, heads, head_dim = SIZES[size]
-  extra = {k: v for k, v in SETTINGS[setting].items() if k in MODEL_KEYS}
+  extra = SETTINGS[setting][2]
   return ModelConfig(vocab_size=VOCAB_SIZE, d_model=d, num_layers=layers, num_heads=heads,
                      num_kv_heads=heads, head_dim=head_dim, mlp_hidden=3 * d,
                      activation="silu", tie_embeddings=False, qkv_bias=False,
@@ -59,8 +59,8 @@ def model_config(size: str, setting: str, seq_len: int) -> ModelConfig:
 
 
 def precision(setting: str, kernel: str) -> Precision:
-  knobs = {k: v for k, v in SETTINGS[setting].items() if k not in MODEL_KEYS}
-  return Precision(kernel=kernel, **knobs)
+  preset, knobs, _ = SETTINGS[setting]
+  return presets.variant(preset, kernel=kernel, **knobs)
 
 
 def non_embedding_params(size: str) -> int:

@@ -101,6 +101,15 @@ def add_key_offsets(config: ModelConfig, params, tokens_BxT, logit_offset: float
     if np.any(norm2_K == 0):
       raise UserError(f"Layer {i}: the queries average to zero, so no key bias direction "
                       f"gives them a common logit offset; use other calibration tokens.")
-    b_KxH = mean_KxH * (logit_offset / (cfg.effective_query_scale * norm2_K))[:, None]
-    new[probes.offset_module(i)][probes.OFFSET] = b_KxH.astype(np.float32)
+    per_unit_KxH = mean_KxH / (cfg.effective_query_scale * norm2_K)[:, None]
+    with np.errstate(over="ignore", invalid="ignore"):
+      b_KxH = (per_unit_KxH * logit_offset).astype(np.float32)
+    if not np.all(np.isfinite(b_KxH)):
+      largest = float(np.finfo(np.float32).max / np.max(np.abs(per_unit_KxH)))
+      raise UserError(f"study.logit_offset = {logit_offset!r} needs a key bias beyond "
+                      f"float32's range in layer {i} (its queries' mean is small: a bias of "
+                      f"{np.max(np.abs(per_unit_KxH)):.3g} per unit of offset); valid: "
+                      f"offsets up to {largest:.3g} for this model and text, and in "
+                      f"practice far less (logits of that size saturate every softmax).")
+    new[probes.offset_module(i)][probes.OFFSET] = b_KxH
   return new, offset_stats(cfg, queries_, new)
