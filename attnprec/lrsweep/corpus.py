@@ -23,7 +23,7 @@ from typing import List, Tuple
 
 import numpy as np
 
-from attnprec.errors import UserError
+from attnprec import pinned
 from attnprec.tasks.text import BOS, VOCAB_SIZE  # noqa: F401  (re-exported)
 
 ASSET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -83,17 +83,10 @@ def load(path: str = ASSET, sha256: str = CORPUS_SHA256) -> Tuple[np.ndarray, np
   key = (path, sha256)
   if key in _CACHE:
     return _CACHE[key]
-  try:
-    with lzma.open(path, "rb") as f:
-      text = f.read()
-  except (OSError, lzma.LZMAError, EOFError) as e:
-    raise UserError(f"Cannot read the LR sweep's corpus {path!r} ({e}); it ships with "
-                    f"attnprec (assets/lrsweep/). Restore it from the repository.") from None
-  digest = hashlib.sha256(text).hexdigest()
-  if digest != sha256:
-    raise UserError(f"The LR sweep's corpus {path!r} has SHA-256 {digest[:16]}..., not "
-                    f"the pinned {sha256[:16]}...: it is not the text the sweep's results "
-                    f"were made on. Restore it from the repository.")
+  text = pinned.read(path, sha256, what="The LR sweep's corpus",
+                     remedy="it ships with attnprec (assets/lrsweep/): restore it from the "
+                            "repository.")
+  digest = sha256
   files = _files(text)
   train = [f for i, f in enumerate(files) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
   held = [f for i, f in enumerate(files) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]

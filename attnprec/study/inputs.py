@@ -25,6 +25,7 @@ from typing import List, Tuple
 
 import numpy as np
 
+from attnprec import pinned
 from attnprec.errors import UserError
 
 DOC_MODULES = (
@@ -104,20 +105,10 @@ def freeze_project_docs(rev: str = HELDOUT_COMMIT, root: str = PROJECT_ROOT) -> 
 def heldout_text(path: str = HELDOUT_FILE, sha256: str = HELDOUT_SHA256) -> str:
   """The frozen held-out text, checked against its pinned SHA-256; any other text is a
   UserError (a held-out run on an unknown text can never be made again)."""
-  import gzip
-  try:
-    with gzip.open(path, "rb") as f:
-      data = f.read()
-  except (OSError, EOFError) as e:
-    raise UserError(f"The held-out text {path} cannot be read ({e}); reinstall attnprec, "
-                    f"or use study.text='stdlib'.") from None
-  got = hashlib.sha256(data).hexdigest()
-  if got != sha256:
-    raise UserError(f"The held-out text {path} has SHA-256 {got[:16]}..., not the pinned "
-                    f"{sha256[:16]}... (README.md + docs/*.md of commit {HELDOUT_COMMIT}): "
-                    f"the study reads only that text. Restore the file from the "
-                    f"repository, or use study.text='stdlib'.")
-  return data.decode("utf-8")
+  return pinned.read(path, sha256, what="The held-out text",
+                     remedy=f"the study reads only README.md + docs/*.md of commit "
+                            f"{HELDOUT_COMMIT}. Restore the file from the repository, or "
+                            f"use study.text='stdlib'.").decode("utf-8")
 
 
 TEXTS = {"stdlib": stdlib_text, "project_docs": heldout_text}
