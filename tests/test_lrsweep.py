@@ -97,11 +97,18 @@ def test_corpus_is_the_pinned_text_and_splits_by_file(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
+def prepared():
+  """The compiled programs of plan()'s tiny fp32 group (shared: one compilation)."""
+  return group.prepare(plan(), "tiny", "fp32")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, prepared):
   """One group of two learning rates, trained whole (checkpoints every 2 steps)."""
   p = plan()
   d = str(tmp_path_factory.mktemp("sweep") / "tiny" / "fp32" / "seed0")
-  return p, group.run_group(p, "tiny", "fp32", 0, d, checkpoint_every=2, progress=False), d
+  return p, group.run_group(p, "tiny", "fp32", 0, d, checkpoint_every=2, progress=False,
+                            prepared=prepared), d
 
 
 def test_a_member_of_the_vmapped_group_is_the_run_alone(finished, tmp_path):
@@ -115,7 +122,8 @@ def test_a_member_of_the_vmapped_group_is_the_run_alone(finished, tmp_path):
   assert both["eval"][-1]["loss"][1] < both["eval"][0]["loss"][1]   # it learned
 
 
-def test_an_interrupted_group_resumes_to_the_same_result(finished, tmp_path, monkeypatch):
+def test_an_interrupted_group_resumes_to_the_same_result(finished, prepared, tmp_path,
+                                                        monkeypatch):
   p, whole, _ = finished
   d = str(tmp_path / "g")
   real = runs.write_json
@@ -127,10 +135,12 @@ def test_an_interrupted_group_resumes_to_the_same_result(finished, tmp_path, mon
 
   monkeypatch.setattr(runs, "write_json", interrupted)
   with pytest.raises(KeyboardInterrupt):
-    group.run_group(p, "tiny", "fp32", 0, d, checkpoint_every=2, progress=False)
+    group.run_group(p, "tiny", "fp32", 0, d, checkpoint_every=2, progress=False,
+                    prepared=prepared)
   assert os.path.exists(os.path.join(d, "state.npz"))       # the state of step 2
   monkeypatch.setattr(runs, "write_json", real)
-  resumed = group.run_group(p, "tiny", "fp32", 0, d, checkpoint_every=2, progress=False)
+  resumed = group.run_group(p, "tiny", "fp32", 0, d, checkpoint_every=2, progress=False,
+                            prepared=prepared)
   assert resumed["timing"]["resumed_from"] == 2
   assert resumed["eval"] == whole["eval"] and resumed["train"] == whole["train"]
   assert not os.path.exists(os.path.join(d, "state.npz"))
@@ -269,3 +279,80 @@ def test_the_shipped_report_is_what_the_code_computes_from_the_shipped_results()
   assert len(tables) >= 7
   for table in tables:
     assert table in doc, table.splitlines()[0]
+
+
+def test_non_finite_or_missing_figures_in_a_result_are_named(tmp_path):
+  """A result that parses but holds NaN / inf where a run that did not diverge has finite
+  figures, or lacks its timing, is refused by name (it would move the sensitivity)."""
+  path = tmp_path / "result.json"
+  for edit, match in [
+      (lambda r: r["eval"][1]["seq_loss"][1].__setitem__(0, float("nan")), "finite"),
+      (lambda r: r["eval"][1]["lse"].__setitem__(0, float("inf")), "'lse' is not 3 finite"),
+      (lambda r: r["eval"][1]["max_logit"][2].__setitem__(0, float("inf")), "max_logit"),
+      (lambda r: r.pop("timing"), "no 'timing'"),
+      (lambda r: r.__setitem__("timing", []), "'timing' is not an object")]:
+    r = _fake_results(np.full((1, 3, 4), 2.0))[0]
+    edit(r)
+    path.write_text(json.dumps(r))
+    with pytest.raises(UserError, match=match):
+      report.read_result(str(path))
+
+
+def test_a_state_file_that_is_not_this_group_s_is_refused_by_name(tmp_path, monkeypatch,
+                                                                  prepared):
+  """A saved state that is truncated, of a step outside the plan, with non-finite or
+  mis-shaped parameters, or with logs of another shape is refused naming the file and
+  the field (never a traceback, never trained on)."""
+  p = plan()
+  d = str(tmp_path / "g")
+  real = runs.write_json
+
+  def interrupted(run_dir, name, obj, **kw):
+    if name == "result.json":
+      raise KeyboardInterrupt
+    return real(run_dir, name, obj, **kw)
+
+  monkeypatch.setattr(runs, "write_json", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    group.run_group(p, "tiny", "fp32", 0, d, checkpoint_every=2, progress=False,
+                    prepared=prepared)
+  monkeypatch.setattr(runs, "write_json", real)
+  state = os.path.join(d, "state.npz")
+  with np.load(state) as z:
+    good = dict(z)
+
+  def rewrite(**changes):
+    arrays = dict(good, **changes)
+    with open(state, "wb") as f:
+      np.savez(f, **arrays)
+
+  cases = [(dict(step=np.int64(60)), r"'step' is 60, not a step of this plan's 1..3"),
+           (dict(step=np.int64(-6)), "'step' is -6"),
+           (dict(leaf_0=np.full_like(good["leaf_0"], np.nan)), "'leaf_0' holds values"),
+           (dict(leaf_0=good["leaf_0"][..., :1]), "'leaf_0' is float32"),
+           (dict(logs=np.frombuffer(b"[1, 2]", np.uint8)), "'logs' is not the object")]
+  for changes, match in cases:
+    rewrite(**changes)
+    with pytest.raises(UserError, match=f"state.npz is not a state this sweep group saved: "
+                                        f"{match}"):
+      group.run_group(p, "tiny", "fp32", 0, d, checkpoint_every=2, progress=False,
+                      prepared=prepared)
+  with open(state, "r+b") as f:
+    f.truncate(500)
+  with pytest.raises(UserError, match="cannot be read as this group's saved state"):
+    group.run_group(p, "tiny", "fp32", 0, d, checkpoint_every=2, progress=False,
+                    prepared=prepared)
+
+
+def test_an_interrupted_report_leaves_no_part_of_itself(finished, tmp_path, monkeypatch):
+  p, _, gdir = finished
+  d = tmp_path / "sweep"
+  shutil.copytree(os.path.dirname(os.path.dirname(os.path.dirname(gdir))), d)
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(report, "plot", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    report.write_report(str(d), p, draws=10)
+  assert not any((d / n).exists() for n in ("report.json", "report.md"))

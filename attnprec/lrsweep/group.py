@@ -37,6 +37,7 @@ import io
 import json
 import os
 import time
+import zipfile
 from typing import Callable, Dict, Optional
 
 import haiku as hk
@@ -46,7 +47,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from attnprec import memory, runs
+from attnprec import memory, readback, runs
 from attnprec import model as model_lib
 from attnprec.errors import UserError
 from attnprec.layers import AttentionKernel
@@ -177,16 +178,27 @@ def device_memory_bytes() -> Optional[int]:
 
 @dataclasses.dataclass
 class Prepared:
-  """A group's compiled update, checked to fit the device before anything runs."""
+  """A group's compiled update and evaluation, checked to fit the device before anything
+  runs."""
   update: Callable
-  needed: Optional[int]      # XLA's estimate of a step's bytes (None: not reported)
+  evaluate: Callable
+  needed: Optional[int]      # XLA's estimate of a train step's bytes (None: not reported)
   limit: Optional[int]       # the device's bytes
   compile_s: float
 
 
+def _bytes_needed(compiled) -> Optional[int]:
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return None
+  return int(analysis.temp_size_in_bytes + analysis.argument_size_in_bytes
+             + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+
+
 def prepare(plan: Plan, size: str, setting: str) -> Prepared:
-  """Compiles the group's update from abstract shapes (nothing allocated) and checks that
-  a step fits the device: a UserError naming the size when it does not."""
+  """Compiles the group's update and evaluation from abstract shapes (nothing allocated)
+  and checks that each fits the device: a UserError naming the size and the batch that
+  does not."""
   config, prec = model_config(size, setting, plan.seq_len), precision(setting, plan.kernel)
   M = len(plan.lrs)
   t0 = time.time()
@@ -194,26 +206,29 @@ def prepare(plan: Plan, size: str, setting: str) -> Prepared:
   state = (params, adam_state, jax.ShapeDtypeStruct((M,), jnp.bool_))
   lr_M = jax.ShapeDtypeStruct((M,), jnp.float32)
   tokens = jax.ShapeDtypeStruct((M, plan.batch, plan.seq_len), jnp.int32)
-  compiled = make_update(plan, config, prec).lower(
+  update = make_update(plan, config, prec).lower(
       *state, lr_M, jax.ShapeDtypeStruct((), jnp.int32), tokens).compile()
-  needed = None
-  analysis = compiled.memory_analysis()
-  if analysis is not None:
-    needed = int(analysis.temp_size_in_bytes + analysis.argument_size_in_bytes
-                 + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+  evaluate = make_eval(config, prec).lower(
+      params, jax.ShapeDtypeStruct((plan.eval_batch, plan.seq_len), jnp.int32)).compile()
   limit = device_memory_bytes()
-  if needed is not None and limit is not None and needed > 0.95 * limit:
-    raise UserError(
-        f"lr_sweep.sizes: {size!r} ({non_embedding_params(size) / 1e6:.1f}M parameters) "
-        f"with {M} members (lrs x seeds) of batch {plan.batch} x {plan.seq_len} needs "
-        f"{needed / 2**30:.2f} GiB for a train step ({setting}), more than 95% of this "
-        f"device's {limit / 2**30:.2f} GiB ({jax.devices()[0].device_kind}). Use a smaller "
-        f"size (valid: {', '.join(repr(s) for s in SIZES)}), fewer seeds or learning "
-        f"rates, or a smaller lr_sweep.batch.")
-  return Prepared(compiled, needed, limit, time.time() - t0)
+  needed = _bytes_needed(update)
+  for what, value, batch in (("a train step", needed, f"lr_sweep.batch = {plan.batch}"),
+                             ("an evaluation", _bytes_needed(evaluate),
+                              f"lr_sweep.eval_batch = {plan.eval_batch}")):
+    if value is not None and limit is not None and value > 0.95 * limit:
+      raise UserError(
+          f"lr_sweep.sizes: {size!r} ({non_embedding_params(size) / 1e6:.1f}M parameters) "
+          f"with {M} members (one per learning rate), {batch} sequences of "
+          f"lr_sweep.seq_len = {plan.seq_len}, needs {value / 2**30:.2f} GiB for {what} "
+          f"({setting}), more than 95% of this device's {limit / 2**30:.2f} GiB "
+          f"({jax.devices()[0].device_kind}). Use a smaller size (valid: "
+          f"{', '.join(repr(s) for s in SIZES)}), fewer learning rates, or a smaller batch "
+          f"or seq_len.")
+  return Prepared(update, evaluate, needed, limit, time.time() - t0)
 
 
 def _state_bytes(step: int, state, logs: dict) -> bytes:
+  """state.npz's bytes: the state's leaves, the step reached and the logs so far."""
   leaves = jax.tree.leaves(state)
   arrays = {f"leaf_{i}": np.asarray(x) for i, x in enumerate(leaves)}
   arrays["step"] = np.int64(step)
@@ -223,20 +238,55 @@ def _state_bytes(step: int, state, logs: dict) -> bytes:
   return buf.getvalue()
 
 
-def _load_state(path: str, template):
-  """(step, state, logs) from state.npz shaped like `template`; None if it does not fit."""
+def _state_problem(step, logs, new, leaves, plan: Plan, M: int):
+  """What is wrong with a state.npz's content, or None."""
+  if not 1 <= step < plan.steps:
+    return f"'step' is {step}, not a step of this plan's 1..{plan.steps - 1}"
+  for i, (a, b) in enumerate(zip(new, leaves)):
+    if a.shape != np.shape(b) or a.dtype != np.asarray(b).dtype:
+      return (f"'leaf_{i}' is {a.dtype}{list(a.shape)}, not this group's "
+              f"{np.asarray(b).dtype}{list(np.shape(b))}")
+    if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)):
+      return f"'leaf_{i}' holds values that are not finite (a state is saved finite)"
+  if not isinstance(logs, dict) or set(logs) != {"train", "eval", "diverged_at"}:
+    return "'logs' is not the object of train / eval / diverged_at records"
+  dv = logs["diverged_at"]
+  if not isinstance(dv, list) or len(dv) != M or not all(
+      d is None or (readback.is_int(d) and 1 <= d <= step) for d in dv):
+    return "'logs' diverged_at is not one step or null per member"
+  for kind in ("train", "eval"):
+    recs = logs[kind]
+    if not isinstance(recs, list) or not all(
+        isinstance(r, dict) and readback.is_int(r.get("step")) and 0 <= r["step"] <= step
+        and isinstance(r.get("loss"), list) and len(r["loss"]) == M for r in recs):
+      return f"'logs' {kind} records are not steps up to {step} with {M} losses each"
+  return None
+
+
+def _load_state(path: str, template, plan: Plan, M: int):
+  """(step, state, logs) from state.npz, checked against this group (shapes, dtypes, a
+  step of the plan, finite values, the logs' schema); anything else is a UserError
+  naming the file and the field."""
+  leaves, treedef = jax.tree.flatten(template)
   try:
-    with np.load(path) as z:
-      leaves, treedef = jax.tree.flatten(template)
+    with np.load(path, allow_pickle=False) as z:
       new = [z[f"leaf_{i}"] for i in range(len(leaves))]
-      if any(a.shape != np.shape(b) or a.dtype != np.asarray(b).dtype
-             for a, b in zip(new, leaves)):
-        return None
-      logs = json.loads(bytes(z["logs"]).decode())
-      return int(z["step"]), jax.tree.unflatten(treedef, [jnp.asarray(a) for a in new]), logs
-  except (OSError, ValueError, KeyError, EOFError) as e:
-    print(f"lr_sweep: ignoring unreadable {path} ({e}); the group starts again")
-    return None
+      step = z["step"]
+      logs, why = readback.loads(bytes(z["logs"]).decode("utf-8"))
+  except (OSError, ValueError, KeyError, EOFError, UnicodeDecodeError,
+          zipfile.BadZipFile) as e:
+    problem = f"it cannot be read as this group's saved state ({type(e).__name__}: {e})"
+  else:
+    if why:
+      problem = f"'logs' is {why}"
+    elif step.shape != () or not np.issubdtype(step.dtype, np.integer):
+      problem = "'step' is not one integer"
+    else:
+      problem = _state_problem(int(step), logs, new, leaves, plan, M)
+  if problem:
+    raise UserError(f"{path} is not a state this sweep group saved: {problem}. Delete it "
+                    f"to train the group from its first step.")
+  return int(step), jax.tree.unflatten(treedef, [jnp.asarray(a) for a in new]), logs
 
 
 def spec(plan: Plan, size: str, setting: str, seed: int) -> dict:
@@ -271,11 +321,8 @@ def run_group(plan: Plan, size: str, setting: str, seed: int, group_dir: str, *,
   start, logs = 0, {"train": [], "eval": [], "diverged_at": [None] * M}
   state_path = os.path.join(group_dir, "state.npz")
   if os.path.exists(state_path):
-    loaded = _load_state(state_path, state)
-    if loaded is not None:
-      start, state, logs = loaded
-  update = prepared.update
-  evaluate = make_eval(config, prec)
+    start, state, logs = _load_state(state_path, state, plan, M)
+  update, evaluate = prepared.update, prepared.evaluate
 
   def do_eval(step, params):
     out = jax.device_get(evaluate(params, eval_BxT))
@@ -299,7 +346,7 @@ def run_group(plan: Plan, size: str, setting: str, seed: int, group_dir: str, *,
       pending.append((step + 1, metrics))
       done = step + 1
       if done % plan.eval_every == 0 or done == plan.steps or \
-          done % checkpoint_every == 0:
+          (checkpoint_every and done % checkpoint_every == 0):
         for s, m in jax.device_get(pending):
           logs["train"].append({"step": s, "loss": np.asarray(m["loss"]).tolist()})
           for i, flag in enumerate(np.asarray(m["diverged"])):
@@ -311,7 +358,7 @@ def run_group(plan: Plan, size: str, setting: str, seed: int, group_dir: str, *,
                             f"diverged {sum(d is not None for d in logs['diverged_at'])}/{M}")
       if done % plan.eval_every == 0 or done == plan.steps:
         do_eval(done, state[0])
-      if done % checkpoint_every == 0 and done < plan.steps:
+      if checkpoint_every and done % checkpoint_every == 0 and done < plan.steps:
         runs.atomic_write(state_path, _state_bytes(done, state, logs), "wb")
       bar.update(1)
   train_s = time.time() - train_t

@@ -20,11 +20,12 @@ from typing import Sequence
 import gin
 from tqdm import tqdm
 
-from attnprec import readback, runs
+from attnprec import checks, readback, runs
 from attnprec.errors import UserError
 from attnprec.lrsweep import group as group_lib
 from attnprec.lrsweep import report as report_lib
-from attnprec.lrsweep.settings import check_plan
+from attnprec.lrsweep.settings import SETTINGS, SIZES, check_plan
+from attnprec.model import REMAT
 
 
 def group_dir(run_dir: str, size: str, setting: str, seed: int) -> str:
@@ -63,7 +64,20 @@ def _same_spec(group_dir: str, got: dict, want: dict) -> None:
                     f"was made with.")
 
 
+def _names(table) -> checks.Rule:
+  """A tuple of names from `table` (the per-name checks are `check_plan`'s); a bare
+  string or another type is answered with the valid names."""
+  listed = ", ".join(map(repr, table))
+
+  def rule(v):
+    if isinstance(v, (str, bytes)) or not isinstance(v, (tuple, list)):
+      return f"must be a tuple of names, e.g. ({next(iter(table))!r},); valid names: {listed}"
+  return rule
+
+
 @gin.configurable("lr_sweep", denylist=["run_dir"])
+@checks.validated("lr_sweep", sizes=_names(SIZES), settings=_names(SETTINGS),
+                  remat=checks.one_of(*REMAT))
 def lr_sweep_job(*, run_dir: str, sizes: Sequence[str] = ("5m", "20m"),
                  settings: Sequence[str] = ("bf16", "both", "fp32", "qk_norm"),
                  lrs: Sequence[float] = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1),
@@ -79,9 +93,26 @@ def lr_sweep_job(*, run_dir: str, sizes: Sequence[str] = ("5m", "20m"),
                     warmup=warmup, batch=batch, seq_len=seq_len, eval_every=eval_every,
                     eval_batch=eval_batch, kernel=kernel, z_loss=z_loss, remat=remat)
   for name, v in (("checkpoint_every", checkpoint_every), ("max_groups", max_groups)):
-    if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name[0] == "c" else 0):
-      raise UserError(f"lr_sweep.{name} = {v!r} must be an integer >= "
-                      f"{1 if name[0] == 'c' else 0}.")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+      raise UserError(f"lr_sweep.{name} = {v!r} must be an integer >= 0 (0: "
+                      f"{'no saved state' if name[0] == 'c' else 'every group'}).")
+  if not isinstance(report_only, bool):
+    raise UserError(f"lr_sweep.report_only = {report_only!r} must be True or False.")
+  # Settings given (gin) that the plan would not use: refused, never silently ignored.
+  bound = checks.bound_args("lr_sweep")
+  if "checkpoint_every" in bound and checkpoint_every >= plan.steps:
+    raise UserError(f"lr_sweep.checkpoint_every = {checkpoint_every} would save no state "
+                    f"in a group of lr_sweep.steps = {plan.steps}; valid: 1..{plan.steps - 1} "
+                    f"steps between saves, or 0 for none.")
+  if "eval_every" in bound and eval_every > plan.steps:
+    raise UserError(f"lr_sweep.eval_every = {eval_every} is more than lr_sweep.steps = "
+                    f"{plan.steps}: no evaluation would run between the first and the last; "
+                    f"valid: 1..{plan.steps}.")
+  unread = sorted(set(bound) & {"max_groups", "checkpoint_every"})
+  if report_only and unread:
+    raise UserError(f"lr_sweep.report_only = True trains no group, so "
+                    f"{', '.join('lr_sweep.' + n for n in unread)} would not be read; drop "
+                    f"{'it' if len(unread) == 1 else 'them'}, or set report_only = False.")
   pending = []
   for size, setting, seed in plan.groups():
     gdir = group_dir(run_dir, size, setting, seed)
@@ -89,8 +120,6 @@ def lr_sweep_job(*, run_dir: str, sizes: Sequence[str] = ("5m", "20m"),
     if not _finished(gdir, want):
       pending.append((size, setting, seed, gdir, want))
   done = len(plan.groups()) - len(pending)
-  if not isinstance(report_only, bool):
-    raise UserError(f"lr_sweep.report_only = {report_only!r} must be True or False.")
   if report_only:
     pending = []
   elif max_groups:

@@ -58,9 +58,15 @@ def read_result(path: str) -> dict:
     raise _bad(path, why)
   if not isinstance(obj, dict):
     raise _bad(path, "not a JSON object")
-  for key in ("size", "setting", "spec", "members", "diverged_at", "eval", "provenance"):
+  for key in ("size", "setting", "spec", "members", "diverged_at", "eval", "provenance",
+              "timing"):
     if key not in obj:
       raise _bad(path, f"no {key!r}")
+  timing = obj["timing"]
+  if not isinstance(timing, dict) or not (
+      timing.get("tokens_per_s") is None
+      or (readback.is_finite_number(timing["tokens_per_s"]) and timing["tokens_per_s"] > 0)):
+    raise _bad(path, "'timing' is not an object with a positive tokens_per_s (or null)")
   members = obj["members"]
   if not isinstance(members, list) or not members or not all(
       isinstance(m, dict) and readback.is_int(m.get("seed"))
@@ -77,6 +83,11 @@ def read_result(path: str) -> dict:
   if not isinstance(dv, list) or len(dv) != M or not all(
       d is None or (readback.is_int(d) and 1 <= d <= spec.get("steps", 0)) for d in dv):
     raise _bad(path, "'diverged_at' is not one step or null per member")
+  # A member that did not diverge has finite figures (a diverged one keeps its last
+  # finite parameters, so its figures are finite too; only they may be NaN or inf).
+  def number_ok(x, m):
+    return readback.is_finite_number(x) or (readback.is_number(x) and dv[m] is not None)
+
   ev = obj["eval"]
   if not isinstance(ev, list) or len(ev) < 2:
     raise _bad(path, "fewer than two evaluations")
@@ -87,21 +98,26 @@ def read_result(path: str) -> dict:
     last = e["step"]
     for key in ("loss", "lse"):
       if not isinstance(e.get(key), list) or len(e[key]) != M or not all(
-          readback.is_number(x) for x in e[key]):
-        raise _bad(path, f"evaluation at step {e['step']}: {key!r} is not {M} numbers")
+          number_ok(x, m) for m, x in enumerate(e[key])):
+        raise _bad(path, f"evaluation at step {e['step']}: {key!r} is not {M} finite "
+                         f"numbers")
     ml = e.get("max_logit")
     if not isinstance(ml, list) or len(ml) != M or not all(
-        isinstance(r, list) and r and all(readback.is_number(x) for x in r) for r in ml):
-      raise _bad(path, f"evaluation at step {e['step']}: 'max_logit' is not {M} lists")
+        isinstance(r, list) and r and all(number_ok(x, m) for x in r)
+        for m, r in enumerate(ml)):
+      raise _bad(path, f"evaluation at step {e['step']}: 'max_logit' is not {M} lists of "
+                       f"finite numbers")
+  if not all(readback.is_finite_number(x) for x in ev[0]["loss"]):
+    raise _bad(path, "a loss at step 0 (before any training) is not finite")
   if ev[0]["step"] != 0 or ev[-1]["step"] != spec.get("steps"):
     raise _bad(path, "its evaluations do not start at step 0 and end at its last step")
   for e in (ev[0], ev[-1]):
     sl = e.get("seq_loss")
     if not isinstance(sl, list) or len(sl) != M or not all(
         isinstance(r, list) and len(r) == spec.get("eval_batch") and all(
-            readback.is_number(x) for x in r) for r in sl):
+            number_ok(x, m) for x in r) for m, r in enumerate(sl)):
       raise _bad(path, f"evaluation at step {e['step']}: 'seq_loss' is not {M} x "
-                       f"{spec.get('eval_batch')} numbers")
+                       f"{spec.get('eval_batch')} finite numbers")
     for m in range(M):
       mean = float(np.mean(sl[m]))
       if not (math.isnan(mean) and math.isnan(e["loss"][m])) and \
@@ -356,9 +372,19 @@ def write_report(run_dir: str, plan, *, draws: int = BOOTSTRAP) -> dict:
   if not results:
     raise UserError(f"{run_dir} holds no finished group of this plan; nothing to report.")
   analysis = analyze(results, draws=draws)
-  runs.write_json(run_dir, "report.json", analysis, provenance=True)
   text = markdown(analysis, plan)
-  runs.atomic_write(os.path.join(run_dir, "report.md"), text + "\n")
-  plot(analysis, results, run_dir)
+  names = ("report.json", "report.md", "lr_sensitivity.png", "logit_growth.png")
+  try:
+    runs.write_json(run_dir, "report.json", analysis, provenance=True)
+    runs.atomic_write(os.path.join(run_dir, "report.md"), text + "\n")
+    plot(analysis, results, run_dir)
+  except BaseException:
+    # An interrupted or failed report leaves no part of itself: the set is whole or absent
+    # (a rerun writes it from the finished groups).
+    for name in names:
+      path = os.path.join(run_dir, name)
+      if os.path.exists(path):
+        os.remove(path)
+    raise
   print(text)
   return analysis
