@@ -310,6 +310,10 @@ def meta_problem(meta, step: int) -> Optional[str]:
   for key in ("seed", "batch_size", "steps"):
     if key in meta and not readback.is_int(meta[key]):
       return f"has {key} = {meta[key]!r}, not an integer"
+  if "precision" in meta and not isinstance(meta["precision"], str):
+    return f"has precision = {meta['precision']!r}, not a precision line"
+  if "optimizer" in meta and not isinstance(meta["optimizer"], dict):
+    return f"has optimizer = {meta['optimizer']!r}, not an object of settings"
   acc = meta.get("eval_accuracy")
   if acc is not None and not readback.is_finite_number(acc):
     return f"has eval_accuracy = {acc!r}, not a number"

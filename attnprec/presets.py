@@ -112,8 +112,8 @@ def variant(name: str, **overrides) -> Precision:
 
 
 def load_sweep(names, extra=()) -> List[Tuple[str, Precision]]:
-  """The sweep's configurations: `names` (None = every preset) plus `extra`, in order,
-  without duplicate names."""
+  """The sweep's configurations: `names` (None = every preset) plus `extra`, in order; a
+  name given twice is refused (one of them would not be read)."""
   names = list(available() if names is None else names) + list(extra or ())
   if not names:
     raise UserError("The sweep is empty: study.presets and study.extra_presets list no "
@@ -126,7 +126,11 @@ def load_sweep(names, extra=()) -> List[Tuple[str, Precision]]:
       raise UserError(f"Two configurations of the sweep are named {short!r} ({first} and "
                       f"{prec.describe()}, from {n!r}): one would be dropped. Rename the "
                       f"preset file (its name is the row's name).")
-    if short not in seen:
-      seen[short] = prec
-      out.append((short, prec))
+    if short in seen:
+      raise UserError(f"The sweep names the configuration {short!r} twice (from {n!r}): "
+                      f"one row would be dropped, and the setting as given would not be "
+                      f"read. List each preset once; valid presets: "
+                      f"{', '.join(available())}.")
+    seen[short] = prec
+    out.append((short, prec))
   return out

@@ -163,6 +163,22 @@ def owner(run_dir: str) -> Optional[str]:
   return data["runner"]
 
 
+def _refuse_inside_another_run(run_dir: str, runner: str) -> None:
+  """A run directory inside another run's (e.g. a train run's checkpoints/) is refused:
+  its results would sit among that run's files."""
+  here = os.path.dirname(os.path.abspath(run_dir))
+  while True:
+    made_by = owner(here) if os.path.isfile(os.path.join(here, OWNER_FILE)) else None
+    if made_by is not None:
+      raise UserError(f"Run directory {run_dir!r} lies inside {here!r}, a run directory of "
+                      f"the {made_by!r} runner ({OWNER_FILE}); {runner!r} would write its "
+                      f"results among that run's files. Choose a --run_dir outside it.")
+    parent = os.path.dirname(here)
+    if parent == here:
+      return
+    here = parent
+
+
 def claim(run_dir: str, runner: str, *, replace: bool = False):
   """Makes `run_dir` this runner's before anything is written: records `runner` in a new
   directory (or in one that holds no record: a run directory made before records were
@@ -173,6 +189,16 @@ def claim(run_dir: str, runner: str, *, replace: bool = False):
   run that failed. Returns None where nothing was moved or adopted."""
   existed = os.path.isdir(run_dir)
   made_by = owner(run_dir) if existed else None
+  _refuse_inside_another_run(run_dir, runner)
+  if existed and made_by is None and runner != "train" and any(
+      os.path.exists(os.path.join(run_dir, f)) for f in ("checkpoints", PARAMS_FILE)):
+    # A train run made before run directories recorded their runner: adopting it would
+    # put this runner's results beside the training and lock the training out of it.
+    raise UserError(f"Run directory {run_dir!r} holds a training (checkpoints/ or "
+                    f"{PARAMS_FILE}) made before run directories recorded their runner; "
+                    f"{runner!r} would write its results beside it and take it over. "
+                    f"Choose another --run_dir (a train run is read through its own "
+                    f"settings, e.g. recall_eval.checkpoint).")
   if replace and made_by in (None, runner):
     raise UserError(f"--replace_run_dir replaces a run directory another runner made, but "
                     f"{run_dir!r} " + ("does not exist yet" if not os.path.isdir(run_dir)
@@ -394,6 +420,10 @@ class MetricsWriter:
 
   def __init__(self, run_dir: str, name: str = "metrics.jsonl"):
     self.path = os.path.join(ensure_dir(run_dir), name)
+    if os.path.lexists(self.path) and not os.path.isfile(self.path):
+      # A FIFO would block the first append forever; a directory cannot be appended to.
+      raise UserError(f"{self.path} is not a regular file; the run appends its metrics "
+                      f"there. Remove it, or choose another --run_dir.")
 
   def write(self, record: Dict[str, Any]) -> None:
     """Appends one line; a failed append is cut back off (WriteError), so the log never
@@ -416,8 +446,13 @@ class MetricsWriter:
     if not os.path.isfile(self.path):
       return
     records, text = read_metrics(self.path)
-    keep = "".join(json.dumps(r, default=_jsonable) + "\n" for r in records
-                   if r["step"] <= step)
+    kept = [r for r in records if r["step"] <= step]
+    keep = "".join(json.dumps(r, default=_jsonable) + "\n" for r in kept)
+    if len(kept) < len(records):
+      dropped = [r["step"] for r in records if r["step"] > step]
+      print(f"note: {self.path}: dropping {len(dropped)} record(s) of steps "
+            f"{dropped[0]}..{dropped[-1]}, after the checkpoint of step {step} this run "
+            f"resumes from (a run stopped after its last checkpoint writes them).")
     if keep != text:
       atomic_write(self.path, keep)
 

@@ -29,7 +29,8 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from attnprec import checkpointing, checks, kernels, keyoffset, plotting, runs, sharding
+from attnprec import (checkpointing, checks, kernels, keyoffset, memory, plotting, runs,
+                      sharding)
 from attnprec import signals
 from attnprec import model as model_lib
 from attnprec.config import ModelConfig
@@ -253,8 +254,16 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   mesh = sharding.make_mesh()
   sharding.check(mesh, config, [("train.batch_size", batch_size),
                                 ("train.eval_batch", eval_batch)])
+  # A batch that surely does not fit is refused with its estimate before anything runs
+  # (a forward pass's floor; a train step keeps more for its backward pass).
+  T = task.train_batch(batch_rng(seed, 0), 1)[0].shape[1]
+  for name, b in (("train.batch_size", batch_size), ("train.eval_batch", eval_batch)):
+    memory.check_fits(f"{name} = {b} (sequences of {T} tokens)",
+                      memory.batch_bytes(config, b, T, T))
   runs.check_writable(run_dir)
   optimizer = make_optimizer(total_steps=steps)
+  optimizer_settings = optimizer_args()
+  precision_line = precision.describe()
   init = functools.partial(init_state, config, optimizer, seed)
   abstract = jax.eval_shape(init)
   state_sh = sharding.tree_shardings(abstract, abstract.params, config, mesh)
@@ -271,7 +280,9 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
       state, meta = jax.jit(init, out_shardings=state_sh)(), {}
     else:
       state, meta = TrainState(**restored[0]), restored[1]
-      _report_resume(meta, seed=seed, batch_size=batch_size, steps=steps, task=task_desc)
+      _check_resume_precision(meta, precision_line, run_dir)
+      _report_resume(meta, seed=seed, batch_size=batch_size, steps=steps, task=task_desc,
+                     optimizer=optimizer_settings)
     # Only now (the checkpoint matched) touch the run directory's files.
     start = int(state.step)
     metrics_log = runs.MetricsWriter(run_dir)
@@ -297,7 +308,7 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
 
     def checkpoint_meta(n: int, last: dict, reached: bool) -> dict:
       return {"step": n, "data_position": n, "seed": seed, "batch_size": batch_size,
-              "steps": steps,
+              "steps": steps, "precision": precision_line, "optimizer": optimizer_settings,
               "model": runs.config_dict(config), "task": task_desc,
               "mesh": [mesh.shape["data"], mesh.shape["model"]],
               "eval_accuracy": last.get("eval_accuracy"), "target_reached": reached}
@@ -363,13 +374,42 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   return last
 
 
+def optimizer_args() -> dict:
+  """The optimizer's settings in force (gin's bindings over `make_optimizer`'s defaults),
+  total_steps aside (the train loop sets it): what a checkpoint records."""
+  import inspect
+  bound = checks.bound_args("optimizer")
+  out = {}
+  for name, param in inspect.signature(make_optimizer).parameters.items():
+    if name != "total_steps" and param.default is not inspect.Parameter.empty:
+      out[name] = bound.get(name, param.default)
+  return json.loads(json.dumps(out, default=float))
+
+
+def _check_resume_precision(meta: dict, line: str, run_dir: str) -> None:
+  """A run's steps share one precision: resuming under another train precision than the
+  checkpoint's (its precision line) is refused, never carried on silently."""
+  saved = meta.get("precision")
+  if saved is not None and saved != line:
+    raise UserError(f"{run_dir} was trained to step {meta['step']} with precision "
+                    f"'{saved}', and this run's train precision is '{line}': its steps "
+                    f"would mix two precisions while its results name one. Resume with the "
+                    f"checkpoint's train/precision.* settings, or train into a new "
+                    f"--run_dir.")
+
+
 def _report_resume(meta: dict, **now) -> None:
   """Says where training resumes and which settings changed since (the run then goes on
   with the new values, so it no longer matches an uninterrupted run)."""
   print(f"resuming from checkpoint step {meta['step']} (data position {meta['data_position']})")
   for key, value in now.items():
     if key in meta and meta[key] != value:
-      shown = "the task" if key == "task" else f"train.{key} ({meta[key]!r} -> {value!r})"
+      if key == "optimizer":
+        changed = {k: (meta[key].get(k), v) for k, v in value.items()
+                   if isinstance(meta[key], dict) and meta[key].get(k) != v}
+        shown = ", ".join(f"optimizer.{k} ({a!r} -> {b!r})" for k, (a, b) in changed.items())
+      else:
+        shown = "the task" if key == "task" else f"train.{key} ({meta[key]!r} -> {value!r})"
       print(f"note: {shown} changed since the checkpoint; training continues from step "
             f"{meta['step']} with the new value.")
 

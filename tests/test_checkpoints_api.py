@@ -181,3 +181,20 @@ def test_one_loader_reads_train_runs(tmp_path):
     checkpoints.load(run)
   with pytest.raises(UserError, match=r"neither a shipped checkpoint \(.*recall-tiny"):
     checkpoints.load(tmp_path / "nope")
+
+
+def test_a_train_run_whose_params_are_not_float32_is_refused_naming_the_tensor(tmp_path):
+  """A train run saves float32 params; one tensor re-saved as int32 (edited, replaced)
+  would be cast and run as other weights: refused naming the file and the tensor."""
+  import shutil
+  from attnprec.checkpoints import trained
+  src = trained.run_dir("recall-tiny")
+  d = tmp_path / "run"
+  shutil.copytree(src, d)
+  with np.load(d / "params.npz") as z:
+    arrays = dict(z)
+  name = sorted(arrays)[0]
+  arrays[name] = arrays[name].astype(np.int32)
+  np.savez(d / "params.npz", **arrays)
+  with pytest.raises(UserError, match=r"params.npz: tensor .* is int32, not the float32"):
+    checkpoints.load(str(d))

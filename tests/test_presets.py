@@ -87,3 +87,10 @@ def test_no_bench_restates_a_precision():
                           f"{sorted(named)}")
   assert calls, "no Precision(...) call read: the check would find nothing"
   assert not restated, restated
+
+
+def test_a_preset_named_twice_in_a_sweep_is_refused():
+  """('bf16', 'bf16'): one row would be dropped, the setting as given not read."""
+  from attnprec import presets
+  with pytest.raises(UserError, match=r"names the configuration 'bf16' twice"):
+    presets.load_sweep(("bf16", "bf16"))

@@ -196,3 +196,50 @@ def test_another_runner_s_directory_given_as_a_checkpoint_is_named_as_such(tmp_p
   runs.write_json(str(d), "results.json", {"x": 1})
   with pytest.raises(UserError, match=r"is a run directory of `sizes`.*not a checkpoint"):
     checkpoints.load(str(d))
+
+
+def test_a_run_dir_inside_another_run_or_over_an_unrecorded_training_is_refused(tmp_path):
+  """Inside another run's directory (a train run's checkpoints/), or over a train run made
+  before directories recorded their runner, a runner's results would sit among that run's
+  files and lock the training out: refused by name."""
+  train_dir = tmp_path / "train"
+  runs.claim(str(train_dir), "train")
+  (train_dir / "checkpoints").mkdir()
+  with pytest.raises(UserError, match=r"lies inside .*a run directory of the 'train' runner"):
+    runs.claim(str(train_dir / "checkpoints"), "decode")
+  old = tmp_path / "old_train"
+  old.mkdir()
+  (old / "params.npz").write_bytes(b"x")
+  with pytest.raises(UserError, match=r"holds a training .* made before run directories"):
+    runs.claim(str(old), "decode")
+  runs.claim(str(old), "train")                # its own runner adopts it, as before
+  assert runs.owner(str(old)) == "train"
+
+
+def test_plot_and_bench_refuse_another_runner_s_directory(tmp_path):
+  from attnprec import plotting
+  d = tmp_path / "decode_run"
+  runs.claim(str(d), "decode")
+  (d / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+  with pytest.raises(UserError, match=r"run directory of `decode`.*not a training's"):
+    plotting.read_metrics(str(d))
+  import importlib.util
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location("runner_bench_own",
+                                                os.path.join(root, "runners", "bench.py"))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  assert bench.main(["--suite=attention", f"--out={d}"]) == cli.EXIT_USER_ERROR
+  assert not (d / "results.json").exists()
+
+
+def test_a_metrics_file_that_is_not_a_regular_file_is_refused_not_waited_on(tmp_path):
+  """A FIFO as metrics.jsonl would block the first append (or plot's read) forever."""
+  from attnprec import plotting
+  d = tmp_path / "run"
+  d.mkdir()
+  os.mkfifo(d / "metrics.jsonl")
+  with pytest.raises(UserError, match="metrics.jsonl is not a regular file"):
+    runs.MetricsWriter(str(d))
+  with pytest.raises(UserError, match="metrics.jsonl is not a regular file"):
+    plotting.read_metrics(str(d))

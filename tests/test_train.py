@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from attnprec import ginutils, train
+from attnprec.errors import UserError
 from attnprec.config import ModelConfig
 from attnprec.faults import Faults
 from attnprec.precision import Precision
@@ -159,3 +160,19 @@ def test_early_stop_on_target_is_not_resumed(tmp_path, capsys):
                          "train.target_accuracy = 0.0"])
   assert "already trained to step 2" in capsys.readouterr().out
   assert_bitwise_equal(params, load_npz(run / "params.npz"))
+
+
+def test_resuming_under_another_train_precision_is_refused_and_optimizer_changes_noted(
+    tmp_path, capsys):
+  """A checkpoint records the train precision line and the optimizer's settings: resuming
+  with another precision is refused (its steps would mix two precisions under one name),
+  a changed learning rate is said (the run then goes on with it)."""
+  run = tmp_path / "run"
+  train_in_process(run, ["train.steps = 2", "train.checkpoint_every = 2"])
+  with pytest.raises(UserError, match=r"trained to step 2 with precision 'dtype=float32.*"
+                                      r"this run's train precision is 'dtype=bfloat16"):
+    train_in_process(run, ["train.steps = 3", "train/precision.dtype = 'bfloat16'"])
+  capsys.readouterr()
+  train_in_process(run, ["train.steps = 3", "optimizer.learning_rate = 0.5"])
+  out = capsys.readouterr().out
+  assert "optimizer.learning_rate (0.003 -> 0.5) changed since the checkpoint" in out, out

@@ -92,5 +92,13 @@ def load_run(name_or_path, *, dtype=np.float32
   except (EOFError, OSError) as e:
     raise UserError(f"Cannot read the train run {directory}: {e} (a truncated or corrupt "
                     f"{runs.PARAMS_FILE}?).") from None
+  # A train run saves float32 params (`runs.save_params`): a tensor of another dtype was
+  # edited or replaced, and casting it would run the model on other weights.
+  for m, d in params.items():
+    for n, a in d.items():
+      if np.asarray(a).dtype != np.float32:
+        raise UserError(f"{os.path.join(directory, runs.PARAMS_FILE)}: tensor {m}/{n} is "
+                        f"{np.asarray(a).dtype}, not the float32 a train run saves; the file "
+                        f"was edited or replaced. Retrain, or restore the run directory.")
   params = {m: {n: np.asarray(a, dtype) for n, a in d.items()} for m, d in params.items()}
   return config, params, load_task(directory)
