@@ -121,7 +121,10 @@ class ModelConfig:
                      and f.default_factory is dataclasses.MISSING and f.name not in d)
     if missing:
       raise UserError(f"{origin} lacks the required field(s) {missing}.")
-    return cls(**d)
+    try:
+      return cls(**d)
+    except UserError as e:     # a field's own check: say which file holds the value
+      raise UserError(f"{origin}: {e}") from None
 
 
 # The gin root for the architecture (`gin/models/*.gin` bind `model.*`). gin wraps a copy

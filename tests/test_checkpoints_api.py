@@ -198,3 +198,31 @@ def test_a_train_run_whose_params_are_not_float32_is_refused_naming_the_tensor(t
   np.savez(d / "params.npz", **arrays)
   with pytest.raises(UserError, match=r"params.npz: tensor .* is int32, not the float32"):
     checkpoints.load(str(d))
+
+
+def test_an_edited_model_json_is_named_with_the_field(tmp_path):
+  import json
+  import shutil
+  from attnprec.checkpoints import trained
+  d = tmp_path / "run"
+  shutil.copytree(trained.run_dir("recall-tiny"), d)
+  cfg = json.loads((d / "model.json").read_text())
+  cfg["layer_pattern"] = []
+  (d / "model.json").write_text(json.dumps(cfg))
+  with pytest.raises(UserError, match=r"model.json.*: Invalid model.layer_pattern"):
+    checkpoints.load(str(d))
+
+
+def test_recall_episodes_longer_than_the_model_s_context_are_refused():
+  """A model.json whose max_seq_len is shorter than the episodes: refused before any
+  decode (it would run past the model's positions)."""
+  import dataclasses
+  from attnprec.checkpoints import trained
+  import importlib
+  from attnprec.precision import Precision
+  recall_eval = importlib.import_module("attnprec.jobs.recall_eval")
+  config, params, task = trained.load_run("recall-tiny")
+  short = dataclasses.replace(config, max_seq_len=40)
+  with pytest.raises(UserError, match=r"episode of 16 pairs .* needs \d+ positions, more "
+                                      r"than the model's context \(max_seq_len = 40"):
+    recall_eval.evaluate(params, short, task, Precision(), (16,), 2, 4, 0)

@@ -150,3 +150,14 @@ def test_a_comparison_of_records_from_different_code_says_so():
   mixed = {"a": {"1": {"code_version": "abc"}}, "b": {"1": {}, "2": {"code_version": "def"}}}
   note = report.mixed_code_note(report.code_versions(mixed))
   assert "more than one version of the code" in note and "b: def, unrecorded" in note
+
+
+def test_a_header_value_of_another_type_is_refused(tmp_path):
+  """`"seed": 0.0` where the run has the integer 0 (an edited header) is not the same
+  setting: refused naming the key and both types."""
+  path = tmp_path / "items.jsonl"
+  records.ItemLog(str(path), {"seed": 0, "task": "retrieval"})
+  path.write_text(path.read_text().replace('"seed": 0', '"seed": 0.0'))
+  with pytest.raises(UserError, match=r"seed = 0.0 \(float\), but this run has seed = 0 "
+                                      r"\(int\)"):
+    records.ItemLog(str(path), {"seed": 0, "task": "retrieval"})

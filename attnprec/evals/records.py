@@ -26,6 +26,15 @@ from attnprec.errors import UserError
 Key = Tuple[str, str]
 
 
+def _same(a, b) -> bool:
+  """Equal as JSON values, type included: 0.0 is not the integer 0, true is not 1."""
+  if isinstance(a, dict) and isinstance(b, dict):
+    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+  if isinstance(a, list) and isinstance(b, list):
+    return len(a) == len(b) and all(map(_same, a, b))
+  return type(a) is type(b) and a == b
+
+
 class ItemLog:
   """Append-only JSONL of per-item records keyed by (preset, item)."""
 
@@ -45,11 +54,13 @@ class ItemLog:
       runs.atomic_write(self.path, repaired)
 
   def _check_meta(self, old: Dict[str, Any]) -> None:
-    for key in sorted(set(old) | set(self.meta)):
-      if old.get(key) != self.meta.get(key):
+    now = json.loads(json.dumps(self.meta, default=str))
+    for key in sorted(set(old) | set(now)):
+      if not _same(old.get(key), now.get(key)):
         raise UserError(
-            f"{self.path} holds results computed with {key} = {_short(old.get(key))}, but "
-            f"this run has {key} = {_short(self.meta.get(key))}; results of different "
+            f"{self.path} holds results computed with {key} = {_short(old.get(key))} "
+            f"({type(old.get(key)).__name__}), but this run has {key} = "
+            f"{_short(now.get(key))} ({type(now.get(key)).__name__}); results of different "
             f"settings are never mixed. Use another --run_dir, or delete the file to start "
             f"over.")
 

@@ -39,6 +39,16 @@ def evaluate(params, config, task, precision: Precision, pair_counts: Sequence[i
              num_prompts: int, num_queries: int, seed: int):
   """{pairs: (accuracy, decoded_BxM)}: prefill the pairs, then decode every answer."""
   out = {}
+  for pairs in pair_counts:     # every episode fits the model's context, or none runs
+    prompt_BxP, template_BxM, _ = task.eval_episode(np.random.default_rng(seed + pairs), 1,
+                                                    pairs, num_queries)
+    need = prompt_BxP.shape[1] + template_BxM.shape[1]
+    if need > config.max_seq_len:
+      raise UserError(f"A recall episode of {pairs} pairs and {num_queries} queries needs "
+                      f"{need} positions, more than the model's context (max_seq_len = "
+                      f"{config.max_seq_len}, from its model.json); valid pair counts fit "
+                      f"it. Lower recall_eval.pair_counts or num_queries, or evaluate a "
+                      f"model trained for longer episodes.")
   for pairs in pair_counts:
     prompt_BxP, template_BxM, answers_BxM = task.eval_episode(
         np.random.default_rng(seed + pairs), num_prompts, pairs, num_queries)
