@@ -99,7 +99,21 @@ class Checkpointer:
     self.directory = os.path.abspath(os.path.join(run_dir, SUBDIR))
     self.fault = fault or Faults()
     self._keep = keep
+    self._refuse_step_files()
     self._manager = self._open()
+
+  def _refuse_step_files(self) -> None:
+    """An entry named like a step that is not a directory (a file `checkpoints/6`) would
+    be skipped by every restore without a word, and a save of that step would replace
+    it: refused by name before anything is read or written."""
+    if not os.path.isdir(self.directory):
+      return
+    for name in sorted(os.listdir(self.directory)):
+      path = os.path.join(self.directory, name)
+      if name.isdigit() and not os.path.isdir(path):
+        raise UserError(f"{path} is named like the checkpoint of step {name} but is not a "
+                        f"directory (a checkpoint is one); a restore would skip it and a "
+                        f"save of that step replace it. Move it out of {self.directory}.")
 
   def _open(self) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=True,

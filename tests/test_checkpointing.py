@@ -265,3 +265,15 @@ def test_a_checkpoint_meta_record_edited_by_hand_is_refused():
   assert "data_position = -7" in meta_problem(dict(good, data_position=-7), 4)
   assert "step = 3" in meta_problem(dict(good, step=3), 4)
   assert "eval_accuracy = nan" in meta_problem(dict(good, eval_accuracy=float("nan")), 4)
+
+
+def test_a_file_named_like_a_checkpoint_step_is_refused(tmp_path):
+  """checkpoints/6 as a file: a restore would skip it and a save of step 6 replace it."""
+  from attnprec import checkpointing
+  from attnprec.errors import UserError
+  d = tmp_path / "run" / "checkpoints"
+  d.mkdir(parents=True)
+  (d / "6").write_text("junk")
+  with pytest.raises(UserError, match=r"checkpoints/6 is named like the checkpoint of step "
+                                      r"6 but is not a directory"):
+    checkpointing.Checkpointer(str(tmp_path / "run"), keep=2)
