@@ -122,10 +122,9 @@ def test_a_member_of_the_vmapped_group_is_the_run_alone(finished, tmp_path):
   assert both["eval"][-1]["loss"][1] < both["eval"][0]["loss"][1]   # it learned
 
 
-def test_an_interrupted_group_resumes_to_the_same_result(finished, prepared, tmp_path,
-                                                        monkeypatch):
-  p, whole, _ = finished
-  d = str(tmp_path / "g")
+def _interrupted_before_its_result(p, d, prepared, monkeypatch):
+  """Trains plan p's tiny fp32 group into d, interrupted (KeyboardInterrupt) as it writes
+  result.json: the state of its last checkpoint (step 2) stays."""
   real = runs.write_json
 
   def interrupted(run_dir, name, obj, **kw):
@@ -133,12 +132,19 @@ def test_an_interrupted_group_resumes_to_the_same_result(finished, prepared, tmp
       raise KeyboardInterrupt
     return real(run_dir, name, obj, **kw)
 
-  monkeypatch.setattr(runs, "write_json", interrupted)
-  with pytest.raises(KeyboardInterrupt):
-    group.run_group(p, "tiny", "fp32", 0, d, checkpoint_every=2, progress=False,
-                    prepared=prepared)
+  with monkeypatch.context() as m:
+    m.setattr(runs, "write_json", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+      group.run_group(p, "tiny", "fp32", 0, d, checkpoint_every=2, progress=False,
+                      prepared=prepared)
+
+
+def test_an_interrupted_group_resumes_to_the_same_result(finished, prepared, tmp_path,
+                                                        monkeypatch):
+  p, whole, _ = finished
+  d = str(tmp_path / "g")
+  _interrupted_before_its_result(p, d, prepared, monkeypatch)
   assert os.path.exists(os.path.join(d, "state.npz"))       # the state of step 2
-  monkeypatch.setattr(runs, "write_json", real)
   resumed = group.run_group(p, "tiny", "fp32", 0, d, checkpoint_every=2, progress=False,
                             prepared=prepared)
   assert resumed["timing"]["resumed_from"] == 2
@@ -305,18 +311,7 @@ def test_a_state_file_that_is_not_this_group_s_is_refused_by_name(tmp_path, monk
   the field (never a traceback, never trained on)."""
   p = plan()
   d = str(tmp_path / "g")
-  real = runs.write_json
-
-  def interrupted(run_dir, name, obj, **kw):
-    if name == "result.json":
-      raise KeyboardInterrupt
-    return real(run_dir, name, obj, **kw)
-
-  monkeypatch.setattr(runs, "write_json", interrupted)
-  with pytest.raises(KeyboardInterrupt):
-    group.run_group(p, "tiny", "fp32", 0, d, checkpoint_every=2, progress=False,
-                    prepared=prepared)
-  monkeypatch.setattr(runs, "write_json", real)
+  _interrupted_before_its_result(p, d, prepared, monkeypatch)
   state = os.path.join(d, "state.npz")
   with np.load(state) as z:
     good = dict(z)
