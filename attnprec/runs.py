@@ -236,7 +236,11 @@ def claim(run_dir: str, runner: str, *, replace: bool = False):
 
   def finish(ok: bool) -> None:
     if ok:
-      shutil.rmtree(moved, ignore_errors=True)
+      if os.path.islink(moved):     # a run directory given as a symlink: the link goes
+        with contextlib.suppress(OSError):
+          os.remove(moved)
+      else:
+        shutil.rmtree(moved, ignore_errors=True)
       return
     shutil.rmtree(run_dir, ignore_errors=True)
     os.rename(moved, run_dir)

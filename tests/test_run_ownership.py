@@ -243,3 +243,15 @@ def test_a_metrics_file_that_is_not_a_regular_file_is_refused_not_waited_on(tmp_
     runs.MetricsWriter(str(d))
   with pytest.raises(UserError, match="metrics.jsonl is not a regular file"):
     plotting.read_metrics(str(d))
+
+
+def test_replacing_a_run_dir_given_as_a_symlink_leaves_nothing_beside_it(tmp_path):
+  """--replace_run_dir on a symlink to another runner's directory: the link is moved
+  aside and, once the new run succeeds, removed (the target is another path's)."""
+  target = tmp_path / "target"
+  assert _runner("study", tmp_path)([f"--run_dir={target}"]) == 0
+  link = tmp_path / "link"
+  link.symlink_to(target)
+  assert _runner("decode", tmp_path)([f"--run_dir={link}", "--replace_run_dir"]) == 0
+  assert runs.owner(str(link)) == "decode" and not link.is_symlink()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "target"]
