@@ -351,3 +351,23 @@ def test_an_interrupted_report_leaves_no_part_of_itself(finished, tmp_path, monk
   with pytest.raises(KeyboardInterrupt):
     report.write_report(str(d), p, draws=10)
   assert not any((d / n).exists() for n in ("report.json", "report.md"))
+
+
+def test_a_curve_where_no_run_learned_has_no_sensitivity():
+  """Every run diverged (or ended at l_0): the sensitivity would read 0.000, a perfectly
+  flat curve, from runs that all failed. It is reported as none, and a difference with
+  it is not claimed."""
+  final, init = np.array([4.0, 4.0]), np.array([4.0, 4.0])
+  assert np.isnan(report.sensitivity(final, init, np.array([True, True])))
+  assert np.isnan(report.sensitivity(np.array([5.0, 4.5]), init, np.array([False, False])))
+  failed = _fake_results(np.full((2, 3, 8), 4.0))        # ends at l_0 = 4.0 everywhere
+  learned = _fake_results(np.array([2.0, 1.5, 2.5])[None, :, None] + np.zeros((2, 3, 8)))
+  assert report.bootstrap(report.Curves(failed), report.Curves(learned), draws=20) == \
+      (None, None, None)
+  analysis = report.analyze({"tiny": {"qk_norm": failed, "bf16": learned}}, draws=20)
+  (d,) = analysis["sizes"]["tiny"]["differences"]
+  assert d["verdict"] == "not claimed: no run of a curve learned"
+  assert analysis["sizes"]["tiny"]["settings"]["qk_norm"]["sensitivity"] is None
+  assert analysis["qk_norm_reproduced"] is False
+  text = report.markdown(analysis, plan())
+  assert "– (no run learned)" in text and "0.000 [0.000, 0.000]" not in text

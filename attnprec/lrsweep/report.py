@@ -128,9 +128,13 @@ def read_result(path: str) -> dict:
 
 
 def sensitivity(final_N, init_N, diverged_N) -> float:
-  """LR sensitivity of one curve (module docstring); arrays over the LR grid."""
+  """LR sensitivity of one curve (module docstring); arrays over the LR grid. NaN when no
+  run of the curve learned (every one diverged or ended at or above l_0): its sensitivity
+  would read 0, a perfectly flat curve, from runs that all failed."""
   final = np.where(np.asarray(diverged_N) | ~np.isfinite(final_N), init_N, final_N)
   capped = np.minimum(final, init_N)
+  if not np.any(capped < init_N):
+    return float("nan")
   return float(np.mean(capped) - np.min(capped))
 
 
@@ -200,8 +204,12 @@ def bootstrap(curves_a: Curves, curves_b: Optional[Curves], *, draws: int = BOOT
     return float(np.mean(v))
 
   point = stat()
+  if not np.isfinite(point):     # a curve where no run learned: nothing to state
+    return None, None, None
   values = [stat(rng.integers(0, S, S), rng.integers(0, E, E)) for _ in range(draws)]
   lo, hi = np.percentile(values, [2.5, 97.5])
+  if not (np.isfinite(lo) and np.isfinite(hi)):
+    return None, None, None
   return point, float(lo), float(hi)
 
 
@@ -235,7 +243,8 @@ def analyze(results: Dict[str, Dict[str, dict]], *, draws: int = BOOTSTRAP) -> d
           "best_lr": c.lrs[int(np.argmin(c.final_mean().mean(0)))],
           "highest_stable_lr": max(stable_lrs) if stable_lrs else None,
           "sensitivity": point, "interval": [lo, hi],
-          "sensitivity_per_seed": c.sens().tolist(),
+          "sensitivity_per_seed": [None if not np.isfinite(v) else v
+                                   for v in c.sens().tolist()],
           "max_logit": np.nanmax(c.max_logit, axis=(2, 3)).mean(0).tolist(),
           "final_lse": c.lse[:, :, -1].mean(0).tolist(),
           "tokens_per_s": per[name][0]["timing"].get("tokens_per_s"),
@@ -249,7 +258,8 @@ def analyze(results: Dict[str, Dict[str, dict]], *, draws: int = BOOTSTRAP) -> d
                                   draws=draws)
         entry["differences"].append({
             "a": a, "b": b, "difference": point, "interval": [lo, hi],
-            "verdict": ("not claimed: one seed" if len(common) < MIN_SEEDS else
+            "verdict": ("not claimed: no run of a curve learned" if point is None else
+                        "not claimed: one seed" if len(common) < MIN_SEEDS else
                         "lower" if hi < 0 else "higher" if lo > 0 else "no difference"),
             "seeds": common})
     sizes[size] = entry
@@ -300,8 +310,10 @@ def markdown(analysis: dict, plan) -> str:
     for name, s in entry["settings"].items():
       cells = [_fmt(v) + ("*" if d else "") for v, d in zip(s["final_loss"], s["diverged"])]
       lo, hi = s["interval"]
+      sens = ("– (no run learned)" if s["sensitivity"] is None else
+              f"{s['sensitivity']:.3f} [{lo:.3f}, {hi:.3f}]")
       lines.append(f"| {name} | {','.join(map(str, s['seeds']))} | " + " | ".join(cells) +
-                   f" | {s['sensitivity']:.3f} [{lo:.3f}, {hi:.3f}] | "
+                   f" | {sens} | "
                    f"{_fmt(s['max_logit'][-1], '.3g')} | {s['tokens_per_s']} |")
     lines += ["", "Largest attention logit over training (mean over seeds):", "",
               "| setting | " + " | ".join(f"{lr:g}" for lr in lrs) + " |",
@@ -319,8 +331,9 @@ def markdown(analysis: dict, plan) -> str:
                 "| a | b | difference | 95% interval | verdict |", "|---|---|---:|---|---|"]
       for d in entry["differences"]:
         lo, hi = d["interval"]
-        lines.append(f"| {d['a']} | {d['b']} | {d['difference']:+.3f} | "
-                     f"[{lo:+.3f}, {hi:+.3f}] | {d['verdict']} |")
+        shown = ("– | –" if d["difference"] is None else
+                 f"{d['difference']:+.3f} | [{lo:+.3f}, {hi:+.3f}]")
+        lines.append(f"| {d['a']} | {d['b']} | {shown} | {d['verdict']} |")
     lines.append("")
   return "\n".join(lines)
 
