@@ -41,11 +41,7 @@ def read_metrics(run_dir: str) -> List[Dict]:
   """The records of run_dir/metrics.jsonl (`runs.read_metrics`: each line checked; a
   last line cut short by a kill is skipped)."""
   path = os.path.join(run_dir, "metrics.jsonl")
-  made_by = runs.owner(run_dir) if os.path.isdir(run_dir) else None
-  if made_by not in (None, "train"):
-    raise UserError(f"{run_dir!r} is a run directory of `{made_by}` (its "
-                    f"{runs.OWNER_FILE}), not a training's: plot draws a train run's "
-                    f"metrics.jsonl into it. Pass a directory `make train` wrote.")
+  runs.check_owner(run_dir, ("train",), "plot (a train run's metrics.png)")
   if os.path.lexists(path) and not os.path.isfile(path):
     raise UserError(f"{path} is not a regular file; plot reads a train run's metrics "
                     f"from it. Remove it, or pass another run directory.")

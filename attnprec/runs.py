@@ -163,6 +163,22 @@ def owner(run_dir: str) -> Optional[str]:
   return data["runner"]
 
 
+def check_owner(path: str, allowed, who: str, *, flag: str = "--run_dir",
+                replaceable: bool = False) -> None:
+  """Refuses `path` when a runner other than those `allowed` made it (its OWNER_FILE):
+  `who` (a runner, or a command that writes into another's run, e.g. plot into a train
+  run's) would write its results over that run's and leave the rest beside them."""
+  made_by = owner(path) if os.path.isdir(path) else None
+  if made_by is None or made_by in allowed:
+    return
+  raise UserError(
+      f"Run directory {path!r} was made by the {made_by!r} runner ({OWNER_FILE}); {who} "
+      f"would write its own results over that run's and leave the rest beside them. "
+      f"Choose another {flag}"
+      + (", or pass --replace_run_dir to replace the directory whole (the old one is kept "
+         "until this run succeeds)." if replaceable else "."))
+
+
 def _refuse_inside_another_run(run_dir: str, runner: str) -> None:
   """A run directory inside another run's (e.g. a train run's checkpoints/) is refused:
   its results would sit among that run's files."""
@@ -209,11 +225,7 @@ def claim(run_dir: str, runner: str, *, replace: bool = False):
   moved = None
   if made_by is not None and made_by != runner:
     if not replace:
-      raise UserError(
-          f"Run directory {run_dir!r} was made by the {made_by!r} runner ({OWNER_FILE}); "
-          f"{runner!r} would write its own results over that run's and leave the rest "
-          f"beside them. Choose another --run_dir, or pass --replace_run_dir to replace "
-          f"the directory whole (the old one is kept until this run succeeds).")
+      check_owner(run_dir, (runner,), repr(runner), replaceable=True)
     moved = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(run_dir)) or ".",
                              prefix=f".{os.path.basename(os.path.abspath(run_dir))}.replaced-")
     os.rmdir(moved)

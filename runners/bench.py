@@ -391,11 +391,7 @@ def main(argv) -> int:
     args = _parse(argv)
     print(xla_env.describe(), flush=True)   # what is in force (a user's XLA_FLAGS wins)
     compilation.enable()
-    made_by = runs.owner(args.out) if os.path.isdir(args.out) else None
-    if made_by not in (None, "bench"):
-      raise UserError(f"--out={args.out!r} is a run directory of the {made_by!r} runner "
-                      f"({runs.OWNER_FILE}); the bench would write its results over that "
-                      f"run's and leave the rest beside them. Choose another --out.")
+    runs.check_owner(args.out, ("bench",), "the bench", flag="--out")
     runs.ensure_dir(args.out)
     if args.suite in ("model", "all"):
       run_model(args)

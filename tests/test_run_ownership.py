@@ -221,7 +221,8 @@ def test_plot_and_bench_refuse_another_runner_s_directory(tmp_path):
   d = tmp_path / "decode_run"
   runs.claim(str(d), "decode")
   (d / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
-  with pytest.raises(UserError, match=r"run directory of `decode`.*not a training's"):
+  with pytest.raises(UserError, match=r"was made by the 'decode' runner.*plot \(a train "
+                                      r"run's metrics.png\) would write"):
     plotting.read_metrics(str(d))
   import importlib.util
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
