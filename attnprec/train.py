@@ -82,10 +82,11 @@ def loss_fn(params, tokens_BxT, loss_mask_BxT, *, config: ModelConfig, precision
             remat: str = "none", loss_chunk: int = 0):
   """Mean next-token cross-entropy over the masked targets; also token accuracy. `remat`
   (`model.REMAT`): what its gradient recomputes instead of keeping. `loss_chunk` > 0:
-  the unembedding, softmax and NLL run over that many tokens of each sequence at a time,
-  each chunk recomputed in the backward pass, so the float32 [B, T, V] logits never
-  exist whole (with a large vocabulary the largest tensor of a train step); the same
-  products, the sums in another order."""
+  the unembedding, softmax and NLL run over that many of the batch's tokens at a time
+  (the B x T tokens taken as one row, so a chunk holds `loss_chunk` x V logits whatever
+  the batch), each chunk recomputed in the backward pass, so the float32 [B, T, V]
+  logits never exist whole (with a large vocabulary the largest tensor of a train
+  step); the same products, the sums in another order."""
   model = model_lib.transformed(config, remat)
   inputs_BxT, targets_BxT = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
   mask_BxT = loss_mask_BxT[:, 1:]
@@ -96,18 +97,20 @@ def loss_fn(params, tokens_BxT, loss_mask_BxT, *, config: ModelConfig, precision
     h_BxTxD = model.apply(params, inputs_BxT, precision=precision, hidden_only=True).hidden
     w_DxV = model_lib.unembedding(params, config)
     B, T, D = h_BxTxD.shape
-    C = min(loss_chunk, T)              # a chunk longer than the sequence: one chunk
-    n = -(-T // C)
-    pad = n * C - T                     # padded tokens are masked out
+    N = B * T
+    C = min(loss_chunk, N)              # a chunk longer than the batch's tokens: one chunk
+    n = -(-N // C)
+    pad = n * C - N                     # padded tokens are masked out
 
-    def chunks(x):
-      x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-      return jnp.swapaxes(x.reshape((B, n, C) + x.shape[2:]), 0, 1)
+    def chunks(x_BxT):                  # [B, T, ...] -> [n, 1, C, ...]
+      x = x_BxT.reshape((N,) + x_BxT.shape[2:])
+      x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+      return x.reshape((n, 1, C) + x.shape[1:])
 
     @jax.checkpoint
     def chunk_sums(args):
-      h_BxCxD, t_BxC, m_BxC = args
-      return _loss_sums(model_lib.unembed(h_BxCxD, w_DxV, config, precision), t_BxC, m_BxC)
+      h_1xCxD, t_1xC, m_1xC = args
+      return _loss_sums(model_lib.unembed(h_1xCxD, w_DxV, config, precision), t_1xC, m_1xC)
 
     nll_N, correct_N = jax.lax.map(chunk_sums, (chunks(h_BxTxD), chunks(targets_BxT),
                                                 chunks(mask_BxT)))

@@ -93,7 +93,8 @@ def test_a_remat_choice_that_is_not_one_is_refused():
 
 
 def test_a_chunked_loss_is_the_same_loss_in_less_memory():
-  """Chunks of 48 of 128 tokens (the last one padded), float32, against the whole loss:
+  """Chunks of 48 of the batch's tokens (chunks that cross from one sequence into the
+  next; the last one padded), float32, against the whole loss:
   the same per-token products, so the loss and gradients agree within float32 sums in
   another order (3 chunks: a few float32 ulps of the largest term; bound 1e-5 relative
   to each gradient's largest entry), accuracy exactly."""
