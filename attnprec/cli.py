@@ -40,7 +40,7 @@ import signal
 import sys
 from typing import Callable, Optional, Sequence
 
-from attnprec import ginutils, runs
+from attnprec import ginutils, runs, xla_env
 # The signal handling lives on a lower floor (training uses it); re-exported here.
 from attnprec.signals import (SIGNALS, Interrupted, _handled_signals,  # noqa: F401
                               _raise_interrupted, deferred_signals)
@@ -92,6 +92,7 @@ def run(prog: str, body: Callable[[], object], *, output_dir: Optional[str] = No
   partial = False
   with runs.track_writes() as written, _handled_signals(_raise_interrupted):
     try:
+      xla_env.check_known_flags()   # XLA ends the process on a flag it does not know
       body()
       return EXIT_OK
     except UserError as e:

@@ -6,6 +6,9 @@ runner calls `disable_excess_precision()` before anything imports jax. This modu
 not import jax itself.
 """
 import os
+import re
+import subprocess
+import sys
 
 FLAG = "--xla_allow_excess_precision=false"
 
@@ -90,3 +93,47 @@ def describe(flags=None) -> str:
     line += (f"; also set by your XLA_FLAGS: {' '.join(other)} (may change XLA:CPU's "
              f"numerics; the project's tests and measurements ran without it)")
   return line
+
+
+def user_flags(flags=None) -> list:
+  """The flags in XLA_FLAGS (or `flags`) other than the one the project adds (FLAG)."""
+  flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+  return [f for f in flags.split() if f != FLAG]
+
+
+def flag_problems(flags=None) -> list:
+  """What XLA refuses in XLA_FLAGS (or `flags`), in its words: flags it does not know,
+  values it cannot interpret. XLA reads XLA_FLAGS when JAX starts its first backend and
+  ends the process there on either (no exception to catch), so a runner asks a child
+  process first; only when the user set flags of their own (the project's FLAG alone
+  needs no question)."""
+  flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+  if not user_flags(flags):
+    return []
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+  probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                         capture_output=True, text=True, timeout=300)
+  if probe.returncode == 0:
+    return []
+  said = re.findall(r"\] (Unknown flags? in XLA_FLAGS: .*|Couldn't interpret value .*)",
+                    probe.stderr)
+  said = [line.rstrip(". ") for line in said]
+  return said or [f"JAX could not start with these flags (exit {probe.returncode}): "
+                  + (probe.stderr.strip().splitlines() or ["no message"])[-1]]
+
+
+def check_known_flags(flags=None) -> None:
+  """Refuses (errors.UserError) XLA_FLAGS that XLA would refuse, before a runner writes
+  anything: XLA would end the process at start-up, leaving what the runner had begun (a
+  run directory) behind."""
+  problems = flag_problems(flags)
+  if problems:
+    from attnprec.errors import UserError
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    raise UserError(
+        f"XLA_FLAGS={flags!r} is not what XLA accepts: {'; '.join(problems)}. XLA would "
+        f"end the process when JAX starts. Remove or correct it; the XLA flags the "
+        f"project reads and names on the precision line are {FLAG.split('=')[0]}, "
+        f"{', '.join(_LIBRARY_FLAGS)} and "
+        f"{', '.join(f + '*' if f.endswith('_') else f for f in NUMERICS_FLAGS)} (XLA's own list: "
+        f"its flags' help, printed when it refuses a value). Nothing was run or written.")
