@@ -18,6 +18,7 @@ from attnprec.evals import sizes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDY = os.path.join(ROOT, "results", "study-qwen2.5-coder-1.5b")
+STUDY05 = os.path.join(ROOT, "results", "study-qwen2.5-coder-0.5b")   # the same inputs
 RETRIEVAL = os.path.join(ROOT, "results", "retrieval-qwen2.5-coder-0.5b")
 HUMANEVAL = os.path.join(ROOT, "results", "humaneval-qwen2.5-coder-0.5b")
 
@@ -82,15 +83,23 @@ def _table_rows(out):
 
 def test_the_table_quotes_the_source_results(tmp_path):
   out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
-                        studies=(STUDY, STUDY), humaneval=(HUMANEVAL, ""),
+                        studies=(STUDY05, STUDY), humaneval=(HUMANEVAL, ""),
                         retrieval=("", RETRIEVAL))
   rows = _table_rows(out)
-  with open(os.path.join(STUDY, "results.json")) as f:
-    study = json.load(f)
-  bf16 = next(c for c in study["configs"] if c["name"] == "bf16")["per_length"][-1]
-  assert rows[("logits KL vs reference", "bf16")] == [f"{bf16['logits_kl']:.2e}"] * 2
-  assert rows[("attn rel L2 decode, worst layer", "bf16")] == \
-      [f"{max(bf16['decode_attn_rel_l2']):.3g}"] * 2
+  want_kl, want_worst = [], []
+  for d in (STUDY05, STUDY):
+    with open(os.path.join(d, "results.json")) as f:
+      study = json.load(f)
+    bf16 = next(c for c in study["configs"] if c["name"] == "bf16")["per_length"][-1]
+    want_kl.append(sizes._fmt(bf16['logits_kl']))
+    want_worst.append(sizes._fmt(max(bf16['decode_attn_rel_l2'])))
+  assert rows[("logits KL vs reference", "bf16")] == want_kl
+  assert rows[("attn rel L2 decode, worst layer", "bf16")] == want_worst
+  # each input's code is named (these committed runs predate provenance: said so)
+  assert out["inputs"]["A"]["study"]["code"] == "no provenance recorded"
+  with open(tmp_path / "run" / "sizes.md") as f:
+    md = f.read()
+  assert f"- A, study: `{STUDY05}`: no provenance recorded" in md
   with open(os.path.join(RETRIEVAL, "results.json")) as f:
     ret = json.load(f)["lengths"]["1024"]
   row = next(r for r in ret["presets"] if r["preset"] == "bf16")
@@ -112,7 +121,7 @@ def test_a_partly_run_eval_says_how_many_items_it_holds(tmp_path):
   part = _retrieval_copy(tmp_path / "part",
                          keep=lambda r, k: r["length"] != 1024 or k < 120)
   out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
-                        studies=(STUDY, STUDY), retrieval=(RETRIEVAL, part))
+                        studies=(STUDY05, STUDY), retrieval=(RETRIEVAL, part))
   cell = _table_rows(out)[("retrieval 1k tokens, accuracy %", "fp32_qk")]
   assert "of 200" not in cell[0] and "120 of 200 items" in cell[1]
 
@@ -126,7 +135,7 @@ def test_runs_of_different_settings_are_refused(tmp_path, kind, edit, needle):
   src = STUDY if kind == "study" else RETRIEVAL
   other = _copy(src, tmp_path / "other", edit)
   kw = (dict(studies=(STUDY, other)) if kind == "study"
-        else dict(studies=(STUDY, STUDY), retrieval=(RETRIEVAL, other)))
+        else dict(studies=(STUDY05, STUDY), retrieval=(RETRIEVAL, other)))
   with pytest.raises(UserError, match=needle):
     sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"), **kw)
   assert not (tmp_path / "run").exists()
@@ -138,7 +147,7 @@ def test_bad_arguments(tmp_path):
   with pytest.raises(UserError, match="1 entries for 2 labels"):
     sizes.sizes_job(run_dir=str(tmp_path), labels=("A", "B"), studies=(STUDY,))
   with pytest.raises(UserError, match="not in every study"):
-    sizes.sizes_job(run_dir=str(tmp_path), labels=("A", "B"), studies=(STUDY, STUDY),
+    sizes.sizes_job(run_dir=str(tmp_path), labels=("A", "B"), studies=(STUDY05, STUDY),
                     presets=("fp32_attention",))
 
 
@@ -158,17 +167,17 @@ def test_out_of_range_counts_and_non_finite_items_are_not_passed_as_numbers(tmp_
   for bad in (0, -5, True, 1.5):
     with pytest.raises(UserError, match="retrieval_items"):
       sizes.sizes_job(run_dir=str(tmp_path / "r"), labels=("A", "B"),
-                      studies=(STUDY, STUDY), retrieval_items=bad)
+                      studies=(STUDY05, STUDY), retrieval_items=bad)
   with pytest.raises(UserError, match="presets is empty"):
     sizes.sizes_job(run_dir=str(tmp_path / "r"), labels=("A", "B"),
-                    studies=(STUDY, STUDY), presets=())
+                    studies=(STUDY05, STUDY), presets=())
 
   def nan_items(rec, k):    # 3 items per preset at 1k whose logits were not finite
     if rec["length"] == 1024 and k < 3:
       rec["finite"] = rec["correct"] = False   # as the eval writes one: never correct
   bad = _retrieval_copy(tmp_path / "nan", edit=nan_items)
   out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
-                        studies=(STUDY, STUDY), retrieval=(RETRIEVAL, bad))
+                        studies=(STUDY05, STUDY), retrieval=(RETRIEVAL, bad))
   cell = _table_rows(out)[("retrieval 1k tokens, accuracy %", "bf16")]
   assert "non-finite" not in cell[0] and "3 non-finite (not scored)" in cell[1]
   assert sizes._fmt(float("nan")) == "non-finite"
@@ -215,7 +224,7 @@ def test_humaneval_runs_on_different_problems_are_also_compared_on_the_shared_on
   keep = sorted({r["item"] for r in recs})[:24]
   part = _partial_humaneval(tmp_path / "part", {"highest": keep, "bf16": keep})
   out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
-                        studies=(STUDY, STUDY), humaneval=(HUMANEVAL, str(part)),
+                        studies=(STUDY05, STUDY), humaneval=(HUMANEVAL, str(part)),
                         presets=("bf16", "fp32_qk"))
   assert out["humaneval_matched_problems"] == 24
   rows = _table_rows(out)
@@ -238,7 +247,7 @@ def test_humaneval_runs_on_different_problems_are_also_compared_on_the_shared_on
   assert rows[(measure, "fp32_qk")][0] != "not run"
   # Runs over the same problems get no second set of rows.
   same = sizes.sizes_job(run_dir=str(tmp_path / "run2"), labels=("A", "B"),
-                         studies=(STUDY, STUDY), humaneval=(HUMANEVAL, HUMANEVAL))
+                         studies=(STUDY05, STUDY), humaneval=(HUMANEVAL, HUMANEVAL))
   assert same["humaneval_matched_problems"] is None
   assert not any("every size ran" in m for m, _ in _table_rows(same))
 
@@ -252,7 +261,7 @@ def test_a_preset_run_on_more_problems_is_also_compared_on_all_of_them(tmp_path)
   part = _partial_humaneval(tmp_path / "part", {"highest": items[:24], "bf16": items[:24],
                                                 "fp32_qk": items[:8]})
   out = sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
-                        studies=(STUDY, STUDY), humaneval=(HUMANEVAL, str(part)),
+                        studies=(STUDY05, STUDY), humaneval=(HUMANEVAL, str(part)),
                         presets=("bf16", "fp32_qk"))
   assert out["humaneval_matched_problems"] == 8
   assert out["humaneval_matched_by_preset"] == {"bf16": 24}
@@ -278,13 +287,13 @@ def test_runs_whose_records_differ_in_a_setting_results_json_lacks_are_refused(
   kind = "humaneval" if src == HUMANEVAL else "retrieval"
   with pytest.raises(UserError, match=f"differ in {key}"):
     sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
-                    studies=(STUDY, STUDY), **{kind: (src, other)})
+                    studies=(STUDY05, STUDY), **{kind: (src, other)})
   assert not (tmp_path / "run").exists()
   # The model, its file and the batch size may differ (that is the comparison).
   same = _copy(src, tmp_path / "same", edit_header=lambda m: m.update(
       model="another", source="another file", batch=3))
   sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
-                  studies=(STUDY, STUDY), **{kind: (src, same)})
+                  studies=(STUDY05, STUDY), **{kind: (src, same)})
 
 
 def test_records_that_do_not_match_the_report_are_refused(tmp_path):
@@ -295,7 +304,7 @@ def test_records_that_do_not_match_the_report_are_refused(tmp_path):
   other = _copy(HUMANEVAL, tmp_path / "other", fewer)
   with pytest.raises(UserError, match="run still in progress"):
     sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
-                    studies=(STUDY, STUDY), humaneval=(HUMANEVAL, other))
+                    studies=(STUDY05, STUDY), humaneval=(HUMANEVAL, other))
   assert not (tmp_path / "run").exists()
 
 
@@ -315,14 +324,14 @@ def test_retrieval_records_that_do_not_match_the_report_are_refused(tmp_path):
     f.write("\n".join([lines[0]] + [json.dumps(r) for r in recs]) + "\n")
   with pytest.raises(UserError, match="run still in progress") as e:
     sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
-                    studies=(STUDY, STUDY), retrieval=(RETRIEVAL, edited))
+                    studies=(STUDY05, STUDY), retrieval=(RETRIEVAL, edited))
   assert "bf16 at 2048" in str(e.value) and "(200, 2, " in str(e.value)
   def stopped(res):
     del res["lengths"]["8192"]
   early = _copy(RETRIEVAL, tmp_path / "early", stopped)
   with pytest.raises(UserError, match="report none"):
     sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
-                    studies=(STUDY, STUDY), retrieval=(RETRIEVAL, early))
+                    studies=(STUDY05, STUDY), retrieval=(RETRIEVAL, early))
   assert not (tmp_path / "run").exists()
 
 
@@ -337,7 +346,7 @@ def test_records_without_a_header_are_refused_naming_the_file(tmp_path):
     f.write("\n".join(lines[1:]) + "\n")
   with pytest.raises(UserError, match="no header line") as e:
     sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
-                    studies=(STUDY, STUDY), humaneval=(HUMANEVAL, other))
+                    studies=(STUDY05, STUDY), humaneval=(HUMANEVAL, other))
   assert items in str(e.value) and "--run_dir" not in str(e.value)
   assert not (tmp_path / "run").exists()
 
@@ -371,4 +380,25 @@ def test_a_results_file_that_is_a_list_or_not_utf8_or_another_runners_is_refused
                     studies=(STUDY, str(bad)))
   with pytest.raises(UserError, match="a retrieval run's results, not a HumanEval run's"):
     sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
-                    studies=(STUDY, STUDY), humaneval=(HUMANEVAL, RETRIEVAL))
+                    studies=(STUDY05, STUDY), humaneval=(HUMANEVAL, RETRIEVAL))
+
+
+def test_one_study_for_two_sizes_is_refused_and_inputs_of_different_code_are_said(tmp_path):
+  """The same run directory, or two studies of one model, for two sizes: refused (the
+  columns would compare a model with itself). Inputs naming different code: the report
+  says so, and sizes.json records each input's provenance."""
+  with pytest.raises(UserError, match="the same run directory"):
+    sizes.sizes_job(run_dir=str(tmp_path / "r1"), labels=("A", "B"), studies=(STUDY, STUDY))
+  copy = _copy(STUDY, tmp_path / "copy")
+  with pytest.raises(UserError, match="studies of the same model"):
+    sizes.sizes_job(run_dir=str(tmp_path / "r2"), labels=("A", "B"), studies=(STUDY, copy))
+  assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+  prov = {"source": "0123456789abcdef", "commit": "abc1234", "clean": True}
+  stamped = _copy(STUDY, tmp_path / "stamped", edit=lambda r: r.update(provenance=prov))
+  out = sizes.sizes_job(run_dir=str(tmp_path / "r3"), labels=("A", "B"),
+                        studies=(STUDY05, stamped))
+  assert out["inputs"]["B"]["study"]["provenance"] == prov
+  with open(tmp_path / "r3" / "sizes.md") as f:
+    md = f.read()
+  assert "B, study: `" + stamped + "`: code 0123456789abcdef (commit abc1234)" in md
+  assert "These results come from different code, or name none" in md

@@ -148,6 +148,59 @@ def _same(kind: str, labels: Sequence[str], values: Sequence, key: str) -> None:
                     f"not measure the same thing. Rerun them with the same settings.")
 
 
+def _distinct(labels: Sequence[str], dirs: Sequence[str], results: Sequence[dict]) -> None:
+  """Two sizes may not be one run, nor two runs of one model: the columns would compare
+  a model with itself."""
+  seen = {}
+  for label, d, res in zip(labels, dirs, results):
+    for key in (("directory", os.path.realpath(d)), ("model", res.get("model"))):
+      if key[1] is None:
+        continue
+      if key in seen:
+        other, other_dir = seen[key]
+        what = (f"the same run directory ({d!r})" if key[0] == "directory" else
+                f"studies of the same model ({key[1]!r}: {other_dir!r} and {d!r})")
+        raise UserError(f"sizes: {other!r} and {label!r} are {what}; sizes.studies needs "
+                        f"one study per size, each of its own model.")
+      seen[key] = (label, d)
+
+
+def _provenance(res: Optional[dict]) -> str:
+  """The code a run's results name (`runs.provenance`): its source digest and commit, or
+  that it recorded none (results written before they carried provenance)."""
+  if res is None:
+    return "not run"
+  p = res.get("provenance")
+  if not isinstance(p, dict):
+    return "no provenance recorded"
+  clean = "" if p.get("clean") else ", tree not clean"
+  return f"code {p.get('source', '?')} (commit {p.get('commit', '?')}{clean})"
+
+
+def _inputs_section(labels, kinds) -> Tuple[dict, str]:
+  """{label: {kind: {dir, provenance}}} and the report's lines naming each input's code,
+  and saying so where the columns pair results of different code or of none recorded."""
+  inputs = {l: {} for l in labels}
+  lines = ["Inputs (the code each results file names):", ""]
+  codes = set()
+  for kind, dirs, results in kinds:
+    for label, d, res in zip(labels, dirs, results):
+      if res is None:
+        continue
+      said = _provenance(res)
+      inputs[label][kind] = {"dir": d, "provenance": res.get("provenance"), "code": said}
+      codes.add(said)
+      lines.append(f"- {label}, {kind}: `{d}`: {said}")
+  if len(codes) > 1:
+    lines += ["", "These results come from different code, or name none: a difference "
+                  "between columns may be the code's as well as the size's."]
+  elif codes == {"no provenance recorded"}:
+    lines += ["", "None of these results names its code (written before results "
+                  "carried provenance): whether the columns ran the same code is not "
+                  "recorded."]
+  return inputs, "\n".join(lines)
+
+
 def _study_rows(study: dict) -> Dict[str, dict]:
   """{preset: {kl, decode_kl, nll, worst_decode, per_layer}} at the longest length,
   plus 'reference' with its NLL."""
@@ -310,6 +363,7 @@ def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str
   for key in STUDY_KEYS:
     _same("study", labels, [s["settings"].get(key) for s in stud], key)
   _same("study", labels, [s.get("text") for s in stud], "text")
+  _distinct(labels, studies, stud)
   rows = [_study_rows(s) for s in stud]
   missing = [p for p in presets if any(p not in r for r in rows)]
   if missing:
@@ -392,7 +446,17 @@ def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str
   if not lengths:
     add("retrieval accuracy %", "every preset", ["not run"] * len(labels))
 
+  def stamped(results, read):   # an eval's provenance: its results.json's, or its records'
+    return [None if r is None else
+            {"provenance": r.get("provenance") or (x[0] or {}).get("provenance")}
+            for r, x in zip(results, read)]
+
+  inputs, inputs_text = _inputs_section(
+      labels, (("study", studies, stud),
+               ("HumanEval", humaneval or [""] * len(labels), stamped(he, he_read)),
+               ("retrieval", retrieval or [""] * len(labels), stamped(rt, rt_read))))
   out = {"labels": labels, "studies": list(studies), "humaneval": list(humaneval),
+         "inputs": inputs,
          "humaneval_matched_problems": matched[0] if matched else None,
          "humaneval_matched_by_preset": wider,
          "retrieval": list(retrieval), "study_rows": rows, "table": "\n".join(lines)}
@@ -402,7 +466,8 @@ def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str
   text = (f"# {' vs '.join(labels)}\n\nStudies: {', '.join(studies)}; HumanEval: "
           f"{', '.join(d or 'not run' for d in humaneval) or 'not run'}; retrieval: "
           f"{', '.join(d or 'not run' for d in retrieval) or 'not run'}.\n\n"
-          + out["table"] + "\n\n" + LEGEND + f"\n\n![decode attention error by layer]({os.path.basename(png)})\n")
+          + out["table"] + "\n\n" + LEGEND + "\n\n" + inputs_text
+          + f"\n\n![decode attention error by layer]({os.path.basename(png)})\n")
   runs.atomic_write(os.path.join(run_dir, "sizes.md"), text)
   print(text)
   print(f"wrote {run_dir}/sizes.md, sizes.json, {os.path.basename(png)}")
