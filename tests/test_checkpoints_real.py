@@ -8,10 +8,10 @@ and model code. Per model (one test each, so each model is loaded once):
   machine): max abs diff <= 1e-3 (measured ~1e-4-3e-4 over logits of magnitude ~10-40;
   both sides are float32 over the same dequantized weights; the residue is summation
   order over 18-30 layers);
-* 64 greedy tokens identical: transformers' `generate` picks them; our full-forward
-  logits over prompt + those tokens must have exactly that argmax at every step. By
-  induction this is the same as running a greedy loop over our full-forward logits (the
-  loop would pick the same token at each step), in one forward pass instead of 64;
+* 64 greedy tokens identical: transformers' full-forward logits over the prompt + our
+  greedy continuation must have exactly that continuation's argmax at every step, and so
+  must ours. By induction this is the same as running each side's greedy loop (each
+  would pick the same token at each step), in one forward pass instead of 64;
 * the public `checkpoints.generate` (built on `attnprec.decoding.generate`: cached
   prefill + scan decode) gives the same 64 tokens, cut at the tokenizer's end token; a
   text prompt gives what its token ids give (on SmolLM2 only: that path is the
@@ -25,6 +25,7 @@ The shipped `qwen2.5-coder-1.5b` (1.1 GB, ~6 GB of float32 params per side) has 
 smaller checks in tests/test_qwen2_1p5b.py, run only where its file is already cached.
 """
 import contextlib
+import hashlib
 import importlib
 import tempfile
 import types
@@ -99,6 +100,33 @@ def one_gguf_parse():
 
 
 @contextlib.contextmanager
+def one_dequantization():
+  """Both sides dequantize every quantized tensor with the same function,
+  `gguf.quants.dequantize` (the loaders differ; the kernels are one), over the same bytes
+  of the same file: ~15 s per model each. Dequantize each tensor's bytes once and give
+  each caller its own copy, in the shape its bytes ask for (the two readers shape the
+  bytes differently). The kernels themselves are checked against transformers' torch
+  ones by `check_dequantization`."""
+  from gguf import quants
+  original = quants.dequantize
+  done = {}
+
+  def shared(data, qtype):
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+      return original(data, qtype)
+    data = np.ascontiguousarray(data)
+    key = (int(qtype), data.nbytes, hashlib.blake2b(data, digest_size=16).digest())
+    if key not in done:
+      done[key] = original(data, qtype)
+    return done[key].reshape(quants.quant_shape_from_byte_shape(data.shape, qtype)).copy()
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(quants, "dequantize", shared)
+    m.setattr(gguf, "dequantize", shared)
+    yield
+
+
+@contextlib.contextmanager
 def one_torch_thread():
   """On 2 busy cores (CI runs pytest -n 2) two spinning torch threads made generate()
   7-12x slower than one."""
@@ -112,9 +140,9 @@ def one_torch_thread():
 
 def compute(name):
   """Ours and transformers' results for one shipped model."""
-  ckpt = checkpoints.load(name)
   path = checkpoints.shipped_path(name)
-  with one_gguf_parse():
+  with one_gguf_parse(), one_dequantization():
+    ckpt = checkpoints.load(name)
     tf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tf_model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32,
@@ -122,19 +150,27 @@ def compute(name):
   ids = tf_tok(stdlib_text())["input_ids"][:T]
   assert len(ids) == T
   prompt = ids[:PROMPT]
-  greedy = transformers.GenerationConfig(do_sample=False, max_new_tokens=NEW,
-                                         eos_token_id=None, pad_token_id=0)
+  # Our greedy continuation (cached prefill + scan decode), cut at the end token; then
+  # all NEW tokens, if it stopped before them.
+  tok = ckpt.tokenizer
+  ours = checkpoints.generate(ckpt, [prompt], precision=Precision(), max_new_tokens=NEW)
+  ours_new = ours.tokens[0]
+  if ours.stopped[0]:
+    ours_new = checkpoints.generate(ckpt, [prompt], precision=Precision(),
+                                    max_new_tokens=NEW, eos_id=-1).tokens[0]
+  assert len(ours_new) == NEW
+  # Same [1, T] shape as the logits (one compiled program); padding after the sequence
+  # does not change causal logits before it.
+  forced = prompt + ours_new + [0] * (T - PROMPT - NEW)
   with torch.no_grad():
-    ref_logits = tf_model(torch.tensor([ids])).logits.numpy()
-    ref_new = tf_model.generate(torch.tensor([prompt]), generation_config=greedy)[0, PROMPT:]
-  ref_new = ref_new.tolist()
-  assert len(ref_new) == NEW
-  # Same [1, T] shape as above (one compiled program); padding after the sequence does
-  # not change causal logits before it.
-  forced = prompt + ref_new + [0] * (T - PROMPT - NEW)
+    both = tf_model(torch.tensor([ids, forced])).logits.numpy()
+  # transformers' greedy choice after each prefix of our continuation: equal to ours at
+  # every step exactly when its greedy `generate` would give our 64 tokens (by
+  # induction), in one forward pass instead of 64 decode steps.
+  ref_new = both[1, PROMPT - 1:PROMPT - 1 + NEW].argmax(-1).tolist()
   return types.SimpleNamespace(
       name=name, ckpt=ckpt, path=path, tf_tok=tf_tok, ids=ids, prompt=prompt,
-      ref_logits=ref_logits, ref_new=ref_new,
+      ref_logits=both[:1], ref_new=ref_new, ours=ours, ours_new=ours_new,
       logits=np.asarray(checkpoints.logits(ckpt, np.array([ids]))),
       forced_logits=np.asarray(checkpoints.logits(ckpt, np.array([forced]))))
 
@@ -162,14 +198,9 @@ def check_public_generate(real):
   tok = real.ckpt.tokenizer
   stop = tok.eos_id in real.ref_new
   want = real.ref_new[:real.ref_new.index(tok.eos_id)] if stop else real.ref_new
-  out = checkpoints.generate(real.ckpt, [real.prompt], precision=Precision(),
-                             max_new_tokens=NEW)
-  assert out.tokens == [want] and out.stopped == [stop]
-  assert out.texts == [tok.decode(want)]
-  if stop:       # the tokens after the end token too (one more compile, only then)
-    full = checkpoints.generate(real.ckpt, [real.prompt], precision=Precision(),
-                                max_new_tokens=NEW, eos_id=-1)
-    assert full.tokens == [real.ref_new]
+  assert real.ours.tokens == [want] and real.ours.stopped == [stop]
+  assert real.ours.texts == [tok.decode(want)]
+  assert real.ours_new == real.ref_new       # the tokens after the end token too
   if real.name != "smollm2-135m":
     return
   text = "The capital of France is"
