@@ -96,6 +96,11 @@ class Platform:
   # the cache), and the measurement it rests on.
   auto_decode: str = "blockwise"
   auto_source: str = ""
+  # The kernel 'auto' runs for a long call (a prefill of many queries, or a short one into
+  # a long cache: `kernels.AUTO_MIN_QUERIES` / `AUTO_MIN_KEYS`), where a precision it
+  # honours ('blockwise' otherwise: it honours every one), and the measurement.
+  auto_long: str = "blockwise"
+  auto_long_source: str = ""
 
   def arithmetic(self, precision: str) -> str:
     """'tf32', 'bf16', ... for a lax Precision name on f32 operands."""
@@ -124,7 +129,11 @@ TABLE: Dict[str, Platform] = {
         auto_decode="blockwise",
         auto_source="SmolLM2-135M on XLA:CPU: blockwise decode steps took 0.62-1.06x the "
                     "dense kernel's time over caches of 33-501 positions "
-                    "(docs/performance.md, 'Short caches')"),
+                    "(docs/performance.md, 'Short caches')",
+        auto_long="blockwise",
+        auto_long_source="SmolLM2-135M on XLA:CPU: blockwise prefill was faster than the "
+                         "dense kernel at 1000 tokens (docs/performance.md); the Pallas "
+                         "kernels run interpreted there"),
     "tpu": Platform(
         name="tpu", backend="tpu", hardware="TPU, MXU",
         f32_products={"DEFAULT": "bf16", "HIGH": "bf16_3x", "HIGHEST": "bf16_6x"},
@@ -137,6 +146,13 @@ TABLE: Dict[str, Platform] = {
         f16_source="measured on a TPU v5e with jax 0.10.2, float16 operands and float32 "
                    "ones upcast from float16 alike: results/tpu-f16",
         dot_result="storage", operand_rounding={"DEFAULT": "bf16"},
+        auto_long="flash",
+        auto_long_source="a TPU v5e, one run each: attention alone at Qwen2-7B's shape "
+                         "with both flags, flash 0.77 / 6.13 ms against the dense "
+                         "kernel's 2.16 / 37.1 ms at 2k / 8k (results/tpu-flash/"
+                         "flags.json); a train step of Qwen2.5-0.5B's shape at 1 x 4096, "
+                         "flash 268 ms, dot_product 605, blockwise 1039 (results/"
+                         "tpu-device-check/device_check-train.json)",
         auto_decode="dot_product",
         auto_source="a TPU v5e: attention alone at batch 8, caches of 8k and 32k, the "
                     "blockwise decode step took 1.6-2.8x the dense kernel's time; a whole "

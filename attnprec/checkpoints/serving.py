@@ -74,7 +74,9 @@ class Plan:
     return (f"attention kernel: prefill ({self.padded_length} tokens) {self.prefill_kernel}, "
             f"decode steps (cache of {self.cache_length}) {self.step_kernel}" + (
                 f" (kernel=auto on {platform}: {kernels.resolve('auto', 1, 0, platform)} for "
-                f"decode steps, blockwise from {kernels.AUTO_MIN_QUERIES} queries or "
+                f"decode steps, "
+                f"{kernels.resolve('auto', 2, kernels.AUTO_MIN_KEYS, platform, self.precision)}"
+                f" from {kernels.AUTO_MIN_QUERIES} queries or "
                 f"{kernels.AUTO_MIN_KEYS} keys)" if auto else ""))
 
   def padded(self):
@@ -137,8 +139,10 @@ def plan(config: ModelConfig, precision: Precision, prompts: Sequence[Sequence[i
               bucketed=bucket and P == decoding.bucket_length(longest),
               max_new_tokens=max_new_tokens, cache_length=S, ends=_ends(ends),
               keep_end=keep_end, sampler=sampler, return_logits=return_logits,
-              prefill_kernel=kernels.resolve(precision.kernel, P, S, serving.platform(backend)),
-              step_kernel=kernels.resolve(precision.kernel, 1, S, serving.platform(backend)),
+              prefill_kernel=kernels.resolve(precision.kernel, P, S, serving.platform(backend),
+                                             precision),
+              step_kernel=kernels.resolve(precision.kernel, 1, S, serving.platform(backend),
+                                          precision),
               cache=cache_line(config, serving, S, batch))
 
 
