@@ -607,16 +607,23 @@ def causal_mask(q_positions_BxT, k_positions_BxS, *, sliding_window: Optional[in
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["q_positions_BxT", "k_positions_BxS"],
-                   meta_fields=["sliding_window"])
+                   meta_fields=["sliding_window", "own_positions"])
 @dataclasses.dataclass(frozen=True, eq=False)
 class CausalMask:
   """Causal (sliding-window) mask given by absolute positions, so a kernel can bound each
   block's positions and skip blocks in which no pair attends (a dense mask cannot say
   that without being read). A pytree: the positions are leaves (traced under jit), the
-  window is static. Semantics: `causal_mask`."""
+  window is static. Semantics: `causal_mask`.
+
+  own_positions (static): the keys are the queries' own tokens at positions 0 .. T-1 in
+  order (a sequence attending to itself from its first token: a train step, a forward
+  without a cache; set by the model, which made the positions). The mask is then the
+  causal mask of indices, which a kernel that takes its mask statically (splash) can
+  build without reading the positions."""
   q_positions_BxT: jax.Array          # int, absolute position of each query
   k_positions_BxS: jax.Array          # int, absolute position of each key (cache index)
   sliding_window: Optional[int] = None  # keys more than w-1 positions back are hidden
+  own_positions: bool = False
 
   def dense(self) -> jax.Array:
     """The same mask as a dense [B, 1, T, S] bool array (for kernels that need one)."""

@@ -141,6 +141,7 @@ class Decoder(hk.Module):
     cfg, prec = self.config, self.precision
     c = prec.compute_dtype
     B, T = tokens_BxT.shape
+    own_positions = positions_BxT is None and cache is None   # 0 .. T-1, keys = queries
     if positions_BxT is None:
       positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     with hk.name_scope("embed"):
@@ -156,7 +157,8 @@ class Decoder(hk.Module):
                                         (B, cache.length))
                        if cache is not None else positions_BxT)
     # Structured (positions + window), so the blockwise kernel can skip hidden blocks.
-    masks = {w: CausalMask(positions_BxT, k_positions_BxS, sliding_window=w)
+    masks = {w: CausalMask(positions_BxT, k_positions_BxS, sliding_window=w,
+                           own_positions=own_positions)
              for w in {cfg.window(i) for i in range(cfg.num_layers)}}
 
     if cfg.scan_layers:

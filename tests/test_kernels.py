@@ -420,7 +420,8 @@ class JaxNnRefusesTest(parameterized.TestCase):
 class RegistryTest(parameterized.TestCase):
 
   def test_names(self):
-    self.assertEqual(kernels.NAMES, ("dot_product", "blockwise", "jax_nn", "pallas", "flash"))
+    self.assertEqual(kernels.NAMES, ("dot_product", "blockwise", "jax_nn", "pallas", "flash",
+                                     "splash"))
     for name, spec in kernels.REGISTRY.items():
       self.assertEqual(spec.name, name)
 
@@ -467,6 +468,11 @@ class RegistryTest(parameterized.TestCase):
                                "parse_precision", "scale_queries", "query_operand"})
 
 
+# The kernels that take any positions (a cache, a decode step); 'splash' takes only a
+# sequence's own positions and refuses the rest by name (tests/test_splash.py).
+POSITIONED = tuple(n for n in kernels.NAMES if n != "splash")
+
+
 class AutoTest(parameterized.TestCase):
   """`precision.kernel = 'auto'`: the platform's decode kernel for a decode step (one
   query), its long kernel from AUTO_MIN_QUERIES queries or AUTO_MIN_KEYS keys (blockwise
@@ -510,7 +516,7 @@ class AutoTest(parameterized.TestCase):
       self.assertIn(p.auto_long, kernels.NAMES)
       if p.auto_long != "blockwise":
         self.assertTrue(p.auto_long_source, p.name)
-    with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'pallas', 'flash', 'auto'"):
+    with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'pallas', 'flash', 'splash', 'auto'"):
       kernels.resolve("autox", 1)
     with self.assertRaisesRegex(UserError, "'autox'.*'auto'"):
       Precision(kernel="autox")
@@ -553,10 +559,11 @@ class AutoTest(parameterized.TestCase):
 
 class WiringTest(parameterized.TestCase):
 
-  @parameterized.parameters(*kernels.NAMES)
+  @parameterized.parameters(*POSITIONED)
   def test_attend_with_causal_mask_matches_dot_product_and_float64(self, kernel):
     """attend(kernel, CausalMask) == attend('dot_product', same CausalMask) and == the
-    float64 reference on the dense equivalent (every registered kernel)."""
+    float64 reference on the dense equivalent (every kernel that takes a decode step's
+    positions)."""
     q, k, v = _qkv(1, 50, 2)
     q_pos, k_pos = _positions(1, 50, decode_pos=[10, 44])
     cmask = CausalMask(q_pos, k_pos, sliding_window=20)
@@ -663,13 +670,19 @@ class ScaleTest(parameterized.TestCase):
     # floor measured on a TPU v5e): the floor is reached there under 'highest'. jax_nn
     # takes no precision, so there it is held to the bound of that one more rounding, of
     # the same relative size as the output's own: twice the floor.
+    # splash likewise (its dots take no precision); with head dim 128 its query scale
+    # (not a power of two) cannot go where the table puts it: refused.
     einsum = "default" if exact_f32_dots() else "highest"
     bound = 1.05
-    if kernel == "jax_nn" and einsum != "default":
+    if kernel in ("jax_nn", "splash") and einsum != "default":
       einsum, bound = "default", 2.0
     q, k, v = self._inputs(H)
     pos = jnp.arange(self.S)[None]
-    cmask = CausalMask(pos, pos)
+    cmask = CausalMask(pos, pos, own_positions=True)
+    if kernel == "splash" and H == 128:
+      with self.assertRaisesRegex(UserError, "power of two"):
+        kernels.attend(Precision(dtype="bfloat16", kernel=kernel), q, k, v, mask=cmask)
+      return
     ref = contract.reference_attention_np(q, k, v, mask=np.asarray(cmask.dense()))  # f64
     floor = self._rel(jnp.asarray(ref, jnp.bfloat16), ref)   # rounding the exact output
     prec = Precision(dtype="bfloat16", kernel=kernel,        # both flags on (default)

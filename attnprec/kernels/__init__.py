@@ -28,11 +28,11 @@ from typing import Dict, Optional, Tuple
 
 from attnprec import contract, platforms
 from attnprec.errors import UserError, choice_error
-from attnprec.kernels import blockwise, dot_product, flash, jax_nn, pallas
+from attnprec.kernels import blockwise, dot_product, flash, jax_nn, pallas, splash
 
-_MODULES = (dot_product, blockwise, jax_nn, pallas, flash)
+_MODULES = (dot_product, blockwise, jax_nn, pallas, flash, splash)
 REGISTRY: Dict[str, contract.KernelSpec] = {m.KERNEL.name: m.KERNEL for m in _MODULES}
-NAMES: Tuple[str, ...] = tuple(REGISTRY)  # ('dot_product', 'blockwise', 'jax_nn', 'pallas', 'flash')
+NAMES: Tuple[str, ...] = tuple(REGISTRY)  # (..., 'pallas', 'flash', 'splash')
 AUTO = "auto"
 CHOICES: Tuple[str, ...] = NAMES + (AUTO,)    # what `precision.kernel` accepts
 # 'auto' runs blockwise for a decode step, and for a prefill from this many queries, or
