@@ -86,10 +86,11 @@ from attnprec.inspect import mosaic, pallas_check
 from attnprec.kernels import blockwise
 from attnprec.kernels import flash as flash_kernel
 from attnprec.kernels import pallas as pallas_kernel
+from attnprec.kernels import splash as splash_kernel
 
 # The kernels whose attention is a Pallas call: lowered for TPU / GPU one custom call per
 # layer (per pass), read from the jaxpr's kernel bodies and, on tpu, the Mosaic bodies.
-PALLAS_KERNELS = (pallas_kernel.NAME, flash_kernel.NAME)
+PALLAS_KERNELS = (pallas_kernel.NAME, flash_kernel.NAME, splash_kernel.NAME)
 from attnprec.inspect import report as contract_check
 from attnprec.model import init_params
 from attnprec.precision import Precision, target_backend
@@ -332,7 +333,11 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
       rows.append(_row(phase, b.role, a.layer, b, contract_check.precision_problems(
           b, precision.einsum_precision), "precision", label=a.label))
   dense_rows = []
-  for d in report.dense:
+  # splash's own dots (interpreted: plain HLO, in its scope) are its kernel's, read from
+  # its bodies (`_check_pallas_bodies`), not projections
+  dense = [d for d in report.dense if not (precision.kernel == splash_kernel.NAME
+                                           and f"/{splash_kernel.SCOPE}/" in d.name)]
+  for d in dense:
     p = check_dense_dot(d, precision, platform) if not d.backward else \
         contract_check.precision_problems(d, precision.matmul_precision)
     dense_rows.append(_row(phase, "dense", None, d, p,
@@ -350,7 +355,8 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
   # counts them). Interpreted (lowered for cpu) its body is plain HLO, read as any.
   # The flash kernel's body has two branches (blocks with and without the mask), so its
   # interpreted HLO holds two dot pairs per layer: it is counted from its bodies too.
-  opaque = precision.kernel == flash_kernel.NAME or (
+  # jax's splash kernel likewise (its interpreted HLO has no attnprec op names).
+  opaque = precision.kernel in (flash_kernel.NAME, splash_kernel.NAME) or (
       precision.kernel in PALLAS_KERNELS and platform != "cpu" and not attentions)
   if opaque:
     attributed = False
@@ -499,7 +505,8 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
       # The train phase's backward kernels (flash: dq, dk/dv) are checked from their
       # jaxpr bodies (`pallas_check`: the backward row of the contract); the Mosaic reader
       # knows the forward body's shape only, so it reads the forward phases.
-      if platform == "tpu" and ph != "train":
+      # (splash's Mosaic body is jax's, of another shape: read from its jaxpr only)
+      if platform == "tpu" and ph != "train" and prec.kernel != splash_kernel.NAME:
         _check_mosaic_bodies(phases[ph], texts.get(ph), programs[ph][1], prec, calls=calls)
   problems = [p for ph in phases.values() for p in ph["problems"]]
   return {"model": model_source, "config": runs.config_dict(config),

@@ -140,16 +140,33 @@ def test_the_model_trains_with_it_as_with_dot_product():
                      precision=Precision(kernel="splash"), cache_length=32)
 
 
-def test_the_audit_fails_what_it_cannot_read():
-  """`make audit` with train/precision.kernel = 'splash': its dots sit inside jax's kernel
-  with no named scopes, so the audit finds no attention in the train step and fails it
-  (a check that finds nothing to check fails), naming the phase and the layer."""
+def test_the_audit_reads_its_bodies():
+  """`make audit` with train/precision.kernel = 'splash', bf16: its dots sit in no named
+  scope, so the audit attributes them by their place in splash's bodies (forward: qk,
+  wv; dq and dk/dv: the recomputed qk, then gradient dots) and holds them to the table
+  (forward) and the backward row: every body passes. The same forward body held to the
+  flags-off row fails at the logits, and a body of another shape is not attributed by
+  guess: both name the stage or the body."""
   from attnprec import audit
+  from attnprec.inspect import pallas_check
   config = ModelConfig(vocab_size=13, d_model=16, num_layers=1, num_heads=4, num_kv_heads=2,
                        head_dim=16, mlp_hidden=32, max_seq_len=64)
-  result = audit.run_audit(config, Precision(dtype="bfloat16", kernel="splash"),
-                           Precision(dtype="bfloat16"), compile=False, prompt_len=2,
-                           new_tokens=1, platform="cpu")
-  assert not result["ok"]
-  assert any(p.startswith("train: layer 0 has 0 attentions") for p in result["problems"]), \
-      result["problems"]
+  prec = Precision(dtype="bfloat16", kernel="splash")
+  result = audit.run_audit(config, prec, Precision(dtype="bfloat16"), compile=False,
+                           prompt_len=2, new_tokens=1, platform="cpu")
+  assert result["ok"], result["problems"]
+  bodies = result["phases"]["train"]["pallas"]["bodies"]
+  assert sorted(b["kernel"].split("_")[2] for b in bodies) == ["dkv", "dq", "fwd"], bodies
+  q = jnp.ones((1, 128, 4, 16), BF16)
+  k = jnp.ones((1, 128, 2, 16), BF16)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: splash.splash_attention(q, k, v, mask=_own(128)))(
+      q, k, k)
+  (eqn,) = pallas_check.kernel_bodies(jaxpr)
+  off = AttentionFlags(float32_qk_product=False, float32_logits=False)
+  problems = pallas_check.check_body(pallas_check.read_body(eqn), BF16, off)
+  assert any(p.startswith("qk accumulation (stage 'logits')") for p in problems), problems
+  body = pallas_check.read_body(eqn)
+  body.dots.pop()
+  assert pallas_check.check_body(body, BF16, AttentionFlags()) == [
+      "splash body splash_mha_fwd_no_residuals: 1 dots, expected 2-2 (its dots are "
+      "attributed by place, as read from jax 0.10.2's splash source)"]

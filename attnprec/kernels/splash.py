@@ -43,7 +43,10 @@ see the padded keys; without a mask, kv segment ids hide them. Blocks: the large
 1024, 512, 256, 128 that divides the padded length (1024 x 1024 was splash's fastest
 setting on a TPU v5e at 2k and 8k in `results/tpu-flash`).
 
-Its dots sit inside the library (no named scopes: `qk_scope=None`), like 'jax_nn'.
+Its dots sit inside the library (no contract scopes: `qk_scope=None`), like 'jax_nn';
+the audit reads them from splash's bodies in the jaxpr, each by its place
+(`inspect.pallas_check`), and the call sits in the named scope `SCOPE` so that its
+interpreted dots are not taken for projections.
 """
 import dataclasses
 import math
@@ -63,6 +66,9 @@ SUPPORTED = contract.AttentionFlags(float32_qk_product=True, float32_logits=True
 PLATFORMS = ("tpu", "cpu")
 LANES = 128                      # splash's blocks are multiples of this
 BLOCKS = (1024, 512, 256, 128)
+# The named scope around the library call: its dots (interpreted on XLA:CPU, plain HLO)
+# are the kernel's, which the audit reads from its bodies (`inspect.pallas_check`).
+SCOPE = "attn_splash"
 
 
 def refusal(precision, *, logits_soft_cap=None) -> Optional[str]:
@@ -105,7 +111,7 @@ def _scale_refusal(scale: float, c, H: int) -> Optional[str]:
           f"first, in {jnp.dtype(c).name}, and {scale!r} is not a power of two, so "
           f"q * scale would be rounded to {jnp.dtype(c).name} where the table scales the "
           f"float32 logits. Valid for 'splash' in a 16-bit dtype: a power-of-two scale "
-          f"(head dim 64 -> 0.125, 256 -> 0.0625, or model.query_scale set to one). Use "
+          f"(head dim 64 -> 0.125, 256 -> 0.0625, or a model.query_scale that is one). Use "
           f"kernel 'flash' (a TPU), 'dot_product' or 'blockwise' for this model.")
 
 
@@ -182,8 +188,9 @@ def splash_attention(q, k, v, *, mask=None, flags: contract.AttentionFlags = SUP
   if hide_padding:                 # padded keys: another segment than every query
     segments = sk.SegmentIds(q=jnp.zeros((Tp,), jnp.int32),
                              kv=jnp.asarray(np.arange(Sp) >= S, jnp.int32))
-  out_BxNxTpxH = jax.vmap(lambda q1, k1, v1: kernel(q1, k1, v1, segment_ids=segments))(
-      *heads)
+  with jax.named_scope(SCOPE):      # its dots, read from its bodies, not as projections
+    out_BxNxTpxH = jax.vmap(lambda q1, k1, v1: kernel(q1, k1, v1, segment_ids=segments))(
+        *heads)
   out_BxTxNxH = jnp.swapaxes(out_BxNxTpxH[:, :, :T], 1, 2).astype(c)
   chex.assert_shape(out_BxTxNxH, (B, T, N, H))
   chex.assert_type(out_BxTxNxH, expected["output"])
