@@ -76,7 +76,8 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from attnprec import (checks, decoding, keyoffset, layout, platforms, runs, train, xla_env)
+from attnprec import (checks, decoding, kernels, keyoffset, layout, platforms, runs, train,
+                      xla_env)
 from attnprec.inspect import compiled as compiled_program
 from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
@@ -333,10 +334,11 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
       rows.append(_row(phase, b.role, a.layer, b, contract_check.precision_problems(
           b, precision.einsum_precision), "precision", label=a.label))
   dense_rows = []
-  # splash's own dots (interpreted: plain HLO, in its scope) are its kernel's, read from
-  # its bodies (`_check_pallas_bodies`), not projections
-  dense = [d for d in report.dense if not (precision.kernel == splash_kernel.NAME
-                                           and f"/{splash_kernel.SCOPE}/" in d.name)]
+  # a library kernel's own dots (interpreted: plain HLO, in its call scope) are the
+  # kernel's, read from its bodies (`_check_pallas_bodies`), not projections
+  scope = (kernels.get(precision.kernel).call_scope
+           if precision.kernel in kernels.NAMES else None)
+  dense = [d for d in report.dense if not (scope and f"/{scope}/" in d.name)]
   for d in dense:
     p = check_dense_dot(d, precision, platform) if not d.backward else \
         contract_check.precision_problems(d, precision.matmul_precision)

@@ -672,6 +672,8 @@ class KernelSpec:
     library the kernel calls and cannot be scoped one by one).
   trains: whether it has a gradient (the train phase refuses a kernel without one before
     anything runs).
+  call_scope: the named scope around a library call whose dots the audit reads from the
+    kernel's bodies (splash), not as projections.
   float32_qk_form: whether its `attend` runs the QK dot in the float32 form where
     `Precision.float32_qk_operands` asks for it (q and k cast to float32); a kernel whose
     dots sit in a library has no say in their operands.
@@ -683,6 +685,10 @@ class KernelSpec:
   wv_scope: Optional[str] = WV_SCOPE
   trains: bool = True
   float32_qk_form: bool = False
+  # The named scope around a library kernel's call whose dots the audit reads from its
+  # bodies (`inspect.pallas_check`): interpreted, they are plain HLO dots in this scope,
+  # not projections. None: no such call.
+  call_scope: Optional[str] = None
 
 
 # The einsum precisions Mosaic's lowering of a dot inside a Pallas TPU kernel takes.
@@ -709,6 +715,20 @@ def pallas_settings_refusal(kernel: str, flags: AttentionFlags,
             f"{', '.join(repr(p) for p in MOSAIC_PRECISIONS)}. Use kernel 'dot_product' or "
             f"'blockwise' for other settings.")
   return None
+
+
+def static_number(kernel: str, name: str, x) -> Optional[float]:
+  """A Python float (or None) for a kernel built from numbers (a Pallas body's closure,
+  splash's construction): a concrete JAX / NumPy scalar is read once; a traced one cannot
+  be baked into a kernel and is refused naming `kernel` and `name`."""
+  if x is None or isinstance(x, (int, float)):
+    return None if x is None else float(x)
+  try:
+    return float(x)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    raise UserError(f"The {kernel!r} kernel's {name} must be a number known when the "
+                    f"kernel is built (a Python float or a concrete scalar), got a traced "
+                    f"{type(x).__name__}; valid: a float, e.g. {name}=0.125.") from None
 
 
 def honours_everything(precision, *, logits_soft_cap=None) -> Optional[str]:

@@ -111,8 +111,11 @@ def flag_problems(flags=None) -> list:
   if not user_flags(flags):
     return []
   env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-  probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
-                         capture_output=True, text=True, timeout=300)
+  try:
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                           capture_output=True, text=True, timeout=300)
+  except subprocess.TimeoutExpired:
+    return ["JAX did not start within 300 s with these flags"]
   if probe.returncode == 0:
     return []
   said = re.findall(r"\] (Unknown flags? in XLA_FLAGS: .*|Couldn't interpret value .*)",

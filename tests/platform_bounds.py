@@ -55,3 +55,18 @@ def exact_f32_dots(precision: str = "DEFAULT") -> bool:
   """Whether float32 dots at `precision` multiply in float32 here (XLA:CPU; a TPU only
   at 'highest')."""
   return platforms.f32_rounding_unit(local(), precision.upper()) <= 2.0 ** -24
+
+
+def assert_gradients_match(f, reference, args, weights):
+  """d(sum(f(*args) * weights))/d(args) == the same through `reference` (jax.grad,
+  jitted), within blockwise's bound (`tol(2e-5)`) scaled by each gradient's largest
+  value: a hand-written or library backward pass against autodiff."""
+  import chex
+  import jax
+  import jax.numpy as jnp
+  grad = lambda fn: jax.jit(jax.grad(  # noqa: E731
+      lambda *x: jnp.sum(fn(*x) * weights), argnums=tuple(range(len(args)))))(*args)
+  for i, (got, want) in enumerate(zip(grad(f), grad(reference))):
+    bound = tol(2e-5, scale=float(jnp.abs(want).max()))
+    chex.assert_trees_all_close(got, want, atol=bound, rtol=bound,
+                                custom_message=f"gradient of argument {i}")

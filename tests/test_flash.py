@@ -24,7 +24,7 @@ from attnprec.errors import UserError
 from attnprec.inspect import pallas_check
 from attnprec.kernels import dot_product, flash
 from attnprec.precision import Precision
-from platform_bounds import tol
+from platform_bounds import assert_gradients_match, tol
 
 B, N, H = 2, 4, 16
 BF16 = jnp.bfloat16
@@ -84,12 +84,7 @@ def test_forward_and_gradients_match_float64_and_dot_product(case, T, S, K, wind
   ref = contract.reference_attention_np(q, k, v, mask=want_mask, logits_soft_cap=cap)
   bound = tol(2e-5, scale=np.abs(ref).max())
   np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=bound, rtol=bound)
-  w = jnp.cos(jnp.arange(H, dtype=jnp.float32))
-  grad = lambda fn: jax.jit(jax.grad(  # noqa: E731
-      lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2)))(q, k, v)
-  for name, got, want in zip("qkv", grad(f), grad(d)):
-    gb = tol(2e-5, scale=float(jnp.abs(want).max()))
-    chex.assert_trees_all_close(got, want, atol=gb, rtol=gb, custom_message=f"d{name}")
+  assert_gradients_match(f, d, (q, k, v), jnp.cos(jnp.arange(H, dtype=jnp.float32)))
 
 
 def test_bf16_flags_change_the_numbers_as_dot_products_do():

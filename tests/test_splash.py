@@ -17,7 +17,7 @@ from attnprec.contract import AttentionFlags, CausalMask
 from attnprec.errors import UserError
 from attnprec.kernels import dot_product, splash
 from attnprec.precision import Precision
-from platform_bounds import tol
+from platform_bounds import assert_gradients_match, tol
 
 B, N, H = 2, 4, 16           # scale 1/4: a power of two, exact in bf16
 BF16 = jnp.bfloat16
@@ -50,12 +50,7 @@ def test_forward_and_gradients_match_float64_and_dot_product(T, K, window, cap):
   ref = contract.reference_attention_np(q, k, v, mask=mask.dense(), logits_soft_cap=cap)
   bound = tol(2e-5, scale=np.abs(ref).max())
   np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=bound, rtol=bound)
-  w = jnp.cos(jnp.arange(H, dtype=jnp.float32))
-  grad = lambda fn: jax.jit(jax.grad(  # noqa: E731
-      lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2)))(q, k, v)
-  for name, got, want in zip("qkv", grad(f), grad(d)):
-    gb = tol(2e-5, scale=float(jnp.abs(want).max()))
-    chex.assert_trees_all_close(got, want, atol=gb, rtol=gb, custom_message=f"d{name}")
+  assert_gradients_match(f, d, (q, k, v), jnp.cos(jnp.arange(H, dtype=jnp.float32)))
 
 
 def test_no_mask_hides_the_padded_keys():

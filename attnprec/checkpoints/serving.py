@@ -75,7 +75,7 @@ class Plan:
             f"decode steps (cache of {self.cache_length}) {self.step_kernel}" + (
                 f" (kernel=auto on {platform}: {kernels.resolve('auto', 1, 0, platform)} for "
                 f"decode steps, "
-                f"{kernels.resolve('auto', 2, kernels.AUTO_MIN_KEYS, platform, self.precision)}"
+                f"{kernels.long_kernel(platform, self.precision)}"
                 f" from {kernels.AUTO_MIN_QUERIES} queries or "
                 f"{kernels.AUTO_MIN_KEYS} keys)" if auto else ""))
 

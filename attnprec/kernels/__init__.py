@@ -71,7 +71,14 @@ def resolve(name: str, num_queries: int, num_keys: int = 0,
     return chosen.auto_decode
   if num_queries < AUTO_MIN_QUERIES and num_keys < AUTO_MIN_KEYS:
     return "dot_product"
-  long = chosen.auto_long
+  return long_kernel(platform, precision, logits_soft_cap)
+
+
+def long_kernel(platform: Optional[str] = None, precision=None,
+                logits_soft_cap=None) -> str:
+  """The kernel 'auto' runs for a long call on `platform` (None: 'cpu'): the platform's
+  `auto_long`, or blockwise where that kernel refuses `precision` (None: not asked)."""
+  long = platforms.check(platform or "cpu").auto_long
   if precision is not None and REGISTRY[long].refusal(precision,
                                                       logits_soft_cap=logits_soft_cap):
     return "blockwise"

@@ -693,12 +693,12 @@ def flash_attention(q, k, v, *, mask=None,
     raise UserError(f"sliding_window must be a positive integer or None, "
                     f"got {sliding_window!r}.")
   check_blocks(blocks, prep.H, jnp.dtype(q.dtype).itemsize, mask is not None)
-  logits_soft_cap = _static_number("logits_soft_cap", logits_soft_cap)
+  logits_soft_cap = contract.static_number(NAME, "logits_soft_cap", logits_soft_cap)
   stages = prep.stages if stages is None else stages
   B, T, K, G, S, H = prep.B, prep.T, prep.K, prep.G, prep.S, prep.H
   fgeo, bgeo = geometries(B, K, T, G, S, H, blocks)
   common = dict(stages=tuple(stages.items()), einsum=prep.einsum,
-                scale=_static_number("scale", prep.scale),
+                scale=contract.static_number(NAME, "scale", prep.scale),
                 cap=logits_soft_cap, causal=causal, window=sliding_window,
                 dense_mask=mask is not None)
   return _attention(prep.queries(q), k, v, q_positions_BxT, k_positions_BxS, mask,
@@ -752,19 +752,6 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
 
 
 KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=refusal, trains=True)
-
-
-def _static_number(name: str, x):
-  """A Python float (or None) for the body's closure: a concrete JAX / NumPy scalar is
-  read once; a traced one cannot be baked into a kernel and is refused."""
-  if x is None or isinstance(x, (int, float)):
-    return None if x is None else float(x)
-  try:
-    return float(x)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    raise UserError(f"The 'flash' kernel's {name} must be a number known when the kernel "
-                    f"is built (a Python float or a concrete scalar), got a traced "
-                    f"{type(x).__name__}; valid: a float, e.g. {name}=0.125.") from None
 
 
 def _pad(x, widths):

@@ -115,15 +115,6 @@ def _scale_refusal(scale: float, c, H: int) -> Optional[str]:
           f"kernel 'flash' (a TPU), 'dot_product' or 'blockwise' for this model.")
 
 
-def _static_number(name: str, x) -> float:
-  try:
-    return float(x)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    raise UserError(f"The 'splash' kernel's {name} must be a number known when the "
-                    f"kernel is built, got a traced {type(x).__name__}; valid: a float, "
-                    f"e.g. {name}=0.125.") from None
-
-
 def _splash_mask(mask, T: int, S: int, Tp: int, Sp: int, N: int):
   """(splash's static mask for [N, Tp, Sp], whether padded keys need hiding)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
@@ -165,12 +156,11 @@ def splash_attention(q, k, v, *, mask=None, flags: contract.AttentionFlags = SUP
   prep = contract.prepare(q, k, v, flags, scale=scale)
   B, T, S, N, H = prep.B, prep.T, prep.S, prep.N, prep.H
   c, expected = q.dtype, prep.stages
-  scale = _static_number("scale", prep.scale)
+  scale = contract.static_number(NAME, "scale", prep.scale)
   why = _scale_refusal(scale, c, H)
   if why:
     raise UserError(why)
-  cap = None if logits_soft_cap is None else _static_number("logits_soft_cap",
-                                                            logits_soft_cap)
+  cap = contract.static_number(NAME, "logits_soft_cap", logits_soft_cap)
   Tp, Sp = -(-T // LANES) * LANES, -(-S // LANES) * LANES
   static_mask, hide_padding = _splash_mask(mask, T, S, Tp, Sp, N)
   bq, bk = _block(Tp), _block(Sp)
@@ -209,4 +199,4 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
 
 
 KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=refusal,
-                             qk_scope=None, wv_scope=None, trains=True)
+                             qk_scope=None, wv_scope=None, trains=True, call_scope=SCOPE)
