@@ -151,12 +151,15 @@ def test_the_audit_reads_its_bodies():
                            prompt_len=2, new_tokens=1, platform="cpu")
   assert result["ok"], result["problems"]
   bodies = result["phases"]["train"]["pallas"]["bodies"]
-  assert sorted(b["kernel"].split("_")[2] for b in bodies) == ["dkv", "dq", "fwd"], bodies
+  # each body twice: the interpreted (cpu) and the Mosaic (tpu) branch of the call
+  assert sorted(b["kernel"].split("_")[2] for b in bodies) == [
+      "dkv", "dkv", "dq", "dq", "fwd", "fwd"], bodies
   q = jnp.ones((1, 128, 4, 16), BF16)
   k = jnp.ones((1, 128, 2, 16), BF16)
   jaxpr = jax.make_jaxpr(lambda q, k, v: splash.splash_attention(q, k, v, mask=_own(128)))(
       q, k, k)
-  (eqn,) = pallas_check.kernel_bodies(jaxpr)
+  eqn, mosaic_branch = pallas_check.kernel_bodies(jaxpr)
+  assert eqn.params["interpret"] != mosaic_branch.params["interpret"]
   off = AttentionFlags(float32_qk_product=False, float32_logits=False)
   problems = pallas_check.check_body(pallas_check.read_body(eqn), BF16, off)
   assert any(p.startswith("qk accumulation (stage 'logits')") for p in problems), problems

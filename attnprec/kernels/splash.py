@@ -145,9 +145,11 @@ def _block(n: int) -> int:
 
 
 def splash_attention(q, k, v, *, mask=None, flags: contract.AttentionFlags = SUPPORTED,
-                     logits_soft_cap=None, scale=None, platform: str = "cpu"):
+                     logits_soft_cap=None, scale=None):
   """Same signature and contract as `dot_product_attention` for the one flag setting it
-  supports (module docstring); `platform` 'tpu' (Mosaic) or 'cpu' (interpreted)."""
+  supports (module docstring). Compiled or interpreted as the lowering platform says
+  (`lax.platform_dependent`, as 'flash'): Mosaic on a TPU, interpreted on CPU, so a
+  program lowered for CPU on a TPU machine runs the interpreted body."""
   from jax.experimental.pallas.ops.tpu.splash_attention import (
       splash_attention_kernel as sk)
   why = flags_refusal(flags)
@@ -167,9 +169,10 @@ def splash_attention(q, k, v, *, mask=None, flags: contract.AttentionFlags = SUP
   sizes = sk.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
                         block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
                         block_kv_dq=bk)
-  kernel = sk.make_splash_mha(static_mask, head_shards=1, q_seq_shards=1,
-                              block_sizes=sizes, attn_logits_soft_cap=cap,
-                              interpret=platform != "tpu")
+  made = {interpret: sk.make_splash_mha(static_mask, head_shards=1, q_seq_shards=1,
+                                        block_sizes=sizes, attn_logits_soft_cap=cap,
+                                        interpret=interpret)
+          for interpret in (True, False)}
   # q scaled in c: exact (a power of two, or c = float32: `_scale_refusal`)
   q_scaled = q * jnp.asarray(scale, c)
   heads = [jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, n - x.shape[1]), (0, 0)))
@@ -178,9 +181,13 @@ def splash_attention(q, k, v, *, mask=None, flags: contract.AttentionFlags = SUP
   if hide_padding:                 # padded keys: another segment than every query
     segments = sk.SegmentIds(q=jnp.zeros((Tp,), jnp.int32),
                              kv=jnp.asarray(np.arange(Sp) >= S, jnp.int32))
+  def run(interpret, *qkv):
+    return jax.vmap(lambda q1, k1, v1: made[interpret](q1, k1, v1, segment_ids=segments))(
+        *qkv)
+
   with jax.named_scope(SCOPE):      # its dots, read from its bodies, not as projections
-    out_BxNxTpxH = jax.vmap(lambda q1, k1, v1: kernel(q1, k1, v1, segment_ids=segments))(
-        *heads)
+    out_BxNxTpxH = jax.lax.platform_dependent(
+        *heads, cpu=lambda *a: run(True, *a), tpu=lambda *a: run(False, *a))
   out_BxTxNxH = jnp.swapaxes(out_BxNxTpxH[:, :, :T], 1, 2).astype(c)
   chex.assert_shape(out_BxTxNxH, (B, T, N, H))
   chex.assert_type(out_BxTxNxH, expected["output"])
@@ -193,9 +200,8 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None):
   why = refusal(precision, logits_soft_cap=logits_soft_cap)
   if why:
     raise UserError(why)
-  platform = precision.platform() if hasattr(precision, "platform") else "cpu"
   return splash_attention(q, k, v, mask=mask, flags=precision.attention,
-                          logits_soft_cap=logits_soft_cap, scale=scale, platform=platform)
+                          logits_soft_cap=logits_soft_cap, scale=scale)
 
 
 KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=refusal,
