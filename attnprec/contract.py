@@ -696,11 +696,12 @@ MOSAIC_PRECISIONS = ("default", "highest")
 
 
 def pallas_settings_refusal(kernel: str, flags: AttentionFlags,
-                            storage: CacheStorage) -> Optional[str]:
+                            storage: CacheStorage, reads_scales: bool = False
+                            ) -> Optional[str]:
   """The refusal of a Pallas attention kernel (`pallas`, `flash`): a quantized KV cache
-  (its body has no place for the scales) or an einsum precision Mosaic does not take
-  (only DEFAULT and HIGHEST); None if it honours them."""
-  if storage.quantized:
+  where its body has no place for the scales (`reads_scales` False) or an einsum
+  precision Mosaic does not take (only DEFAULT and HIGHEST); None if it honours them."""
+  if storage.quantized and not reads_scales:
     return (f"The {kernel!r} attention kernel cannot read a quantized KV cache "
             f"(precision.kv_cache_k_dtype = {storage.k_dtype!r}, "
             f"precision.kv_cache_v_dtype = {storage.v_dtype!r}): its body has no place "

@@ -37,6 +37,13 @@ matmul rates measured in the run; `attnprec.bench.attention_forms`);
 train step of a small model at `--depths=2,8,32,80` (`--quick`: 2,8), each compiled
 `--rounds` times (default 1), layouts interleaved. Writes <out>/compile.json, compile.md.
 
+`tpu_decode` (on a TPU; interpreted on CPU): one decode step's attention alone against
+the measured HBM read bandwidth, every kernel, the flash kernel's decode key blocks
+(`--decode_blocks`, default 1024,2048,4096,8192), flags off and an int8 cache beside
+(`attnprec.bench.tpu_decode`); `--decode_batches` (default 1,8), `--decode_seq_lens`
+(cache lengths, default 8192,32768), `--model` (attention shapes, default qwen2.5-0.5b),
+`--rounds` (default 5). Writes <out>/tpu_decode.json, tpu_decode.md.
+
 An option the chosen suite does not read (`--cases` with `--suite=attention`, say) is
 refused, not ignored.
 
@@ -63,11 +70,12 @@ from attnprec.bench import model as model_bench  # noqa: E402
 from attnprec.bench import profile as profile_bench  # noqa: E402
 from attnprec.bench import projections as projection_bench  # noqa: E402
 from attnprec.bench import tpu_attention as tpu_bench  # noqa: E402
+from attnprec.bench import tpu_decode as tpu_decode_bench  # noqa: E402
 from attnprec.errors import UserError  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m"   # the model and profile suites' model when --model is not given
 SUITES = ("model", "attention", "attention_forms", "projections", "profile", "compile",
-          "tpu_attention", "all")
+          "tpu_attention", "tpu_decode", "all")
 # The options each suite reads (--suite and --out: every suite). One a suite does not
 # read is refused, never ignored.
 _MODEL_OPTIONS = ("quick", "model", "cases", "model_presets", "steps", "rounds", "no_torch",
@@ -81,6 +89,8 @@ READS = {"model": _MODEL_OPTIONS, "attention": _ATTENTION_OPTIONS,
          "compile": ("quick", "depths", "rounds"),
          "tpu_attention": ("model", "seq_lens", "train_seq_lens", "kernels", "flag_rows",
                            "blocks", "rounds"),
+         "tpu_decode": ("model", "decode_seq_lens", "decode_batches", "decode_blocks",
+                        "rounds"),
          "all": tuple(dict.fromkeys(_MODEL_OPTIONS + _ATTENTION_OPTIONS))}
 
 
@@ -168,7 +178,7 @@ def run_attention(args):
   result = bench.run_attention_bench(
       seq_lens=args.seq_lens or bench.DEFAULT_SEQ_LENS,
       memory_seq_lens=args.memory_seq_lens,
-      decode_seq_lens=args.decode_seq_lens,
+      decode_seq_lens=args.decode_seq_lens or bench.DEFAULT_DECODE_SEQ_LENS,
       kernels=args.kernels or bench.KERNELS, presets=args.presets,
       include_torch=not args.no_torch)
   runs.write_json(args.out, "results.json", result, provenance=True)
@@ -243,6 +253,23 @@ def run_tpu_attention(args):
   print(f"wrote {args.out}/tpu_attention.json, tpu_attention.md")
 
 
+def run_tpu_decode(args):
+  shapes = ([m.strip() for m in args.model.split(",") if m.strip()] if args.model
+            else list(tpu_decode_bench.DEFAULT_SHAPES))
+  unknown = [m for m in shapes if m not in tpu_bench.SHAPES]
+  if unknown:
+    raise UserError(f"--model={args.model!r}: the tpu_decode suite knows the attention "
+                    f"shapes of {', '.join(tpu_bench.SHAPES)}, not "
+                    f"{', '.join(map(repr, unknown))}.")
+  result = tpu_decode_bench.run(
+      args.out, shapes=shapes, batches=args.decode_batches or tpu_decode_bench.DEFAULT_BATCHES,
+      seq_lens=args.decode_seq_lens or tpu_decode_bench.DEFAULT_SEQ_LENS,
+      blocks=args.decode_blocks or tpu_decode_bench.DEFAULT_DECODE_BLOCKS,
+      rounds=args.rounds or 5, progress=lambda m: print(m, flush=True))
+  print(tpu_decode_bench.to_markdown(result))
+  print(f"wrote {args.out}/tpu_decode.json, tpu_decode.md")
+
+
 def run_compile(args):
   depths = args.depths or (compile_bench.QUICK_DEPTHS if args.quick else compile_bench.DEPTHS)
   print(f"compile suite: depths {','.join(map(str, depths))}, programs "
@@ -277,8 +304,16 @@ def _parse(argv):
       f"{','.join(map(str, forms_bench.DEFAULT_SEQ_LENS))}")
   add("--memory_seq_lens", type=_ints, default=bench.DEFAULT_MEMORY_SEQ_LENS,
       help="attention suite: lengths whose peak memory is measured")
-  add("--decode_seq_lens", type=_ints, default=bench.DEFAULT_DECODE_SEQ_LENS,
-      help="attention suite: cache lengths of the single-token decode step")
+  add("--decode_seq_lens", type=_ints, default=None,
+      help=f"attention suite: cache lengths of the single-token decode step (default "
+      f"{','.join(map(str, bench.DEFAULT_DECODE_SEQ_LENS))}); tpu_decode: default "
+      f"{','.join(map(str, tpu_decode_bench.DEFAULT_SEQ_LENS))}")
+  add("--decode_batches", type=_ints, default=None,
+      help=f"tpu_decode suite: batch sizes (default "
+      f"{','.join(map(str, tpu_decode_bench.DEFAULT_BATCHES))})")
+  add("--decode_blocks", type=_ints, default=None,
+      help=f"tpu_decode suite: the flash kernel's decode key blocks (default "
+      f"{','.join(map(str, tpu_decode_bench.DEFAULT_DECODE_BLOCKS))})")
   add("--kernels", default=None, help=f"attention suite: kernels (default "
       f"{','.join(bench.KERNELS)}); tpu_attention: default {','.join(tpu_bench.KERNELS)}")
   add("--train_seq_lens", type=_ints, default=None,
@@ -407,6 +442,8 @@ def main(argv) -> int:
       run_attention_forms(args)
     if args.suite == "tpu_attention":
       run_tpu_attention(args)
+    if args.suite == "tpu_decode":
+      run_tpu_decode(args)
 
   # keep_partial: model.json is rewritten after every case, so an interrupted run keeps
   # the cases it measured

@@ -135,12 +135,26 @@ def test_hidden_blocks_are_neither_read_nor_computed():
 @pytest.mark.parametrize("settings,named", [
     (dict(einsum_precision="high"), "einsum_precision='high'"),
     (dict(einsum_precision="BF16_BF16_F32"), "einsum_precision='BF16_BF16_F32'"),
-    (dict(kv_cache_k_dtype="int8"), "precision.kv_cache_k_dtype = 'int8'"),
 ])
 def test_refused_settings_name_the_knob(settings, named):
   with pytest.raises(UserError) as err:
     Precision(kernel="flash", **settings)
   assert named in str(err.value) and "Valid" in str(err.value)
+
+
+def test_a_quantized_cache_is_read_and_has_no_gradient():
+  """An int8 cache is honoured (tests/test_kvcache_quant.py holds its numbers to float64);
+  a gradient through it is refused by name before anything runs."""
+  from attnprec import kvquant
+  q, k, v = _qkv(1, 40, 2)
+  codes, scale_BxSxK = kvquant.quantize_token(k, "int8")
+  scales = contract.KVScales(k_token_BxKxS=jnp.swapaxes(scale_BxSxK, 1, 2))
+  storage = contract.CacheStorage("int8", "compute", "token", None)
+  f = lambda q: flash.flash_attention(q, codes, v, kv_cache=storage,  # noqa: E731
+                                      kv_scales=scales).sum()
+  assert np.isfinite(float(f(q)))
+  with pytest.raises(UserError, match="quantized KV cache .* has no gradient"):
+    jax.grad(f)(q)
 
 
 @pytest.mark.parametrize("blocks,named", [
@@ -149,6 +163,8 @@ def test_refused_settings_name_the_knob(settings, named):
     (flash.Blocks(q_bwd=0), "q_bwd=0"),
     (flash.Blocks(q=8192, k=8192), "8192x8192"),   # past the VMEM it may use
     (flash.Blocks(k=1024, chunk=384), "chunk=384 does not divide"),
+    (flash.Blocks(decode_k=1000), "decode_k=1000"),
+    (flash.Blocks(decode_k=131072), "128x131072"),   # a decode block past the VMEM
 ])
 def test_blocks_that_cannot_tile_or_fit_are_refused(blocks, named):
   q, k, v = _qkv(4, 4, 2)

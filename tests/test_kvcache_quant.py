@@ -194,12 +194,17 @@ def _mask(decode):
 
 # dot_product on int8, on mixed float8 (per-channel float8_e4m3fn keys, float8_e5m2
 # values) and on compute keys with int8 values; blockwise on the mixed float8 and on int8;
-# bfloat16 on both kernels.
+# bfloat16 on both kernels; flash on three storages, its key blocks past the cache's
+# 24 keys unpadded (the decode geometry: what lies past them is masked).
 KERNEL_CASES = ([("dot_product", s, "float32") for s in (STORAGES[0], STORAGES[1],
                                                           STORAGES[3])]
                 + [("blockwise", STORAGES[1], "float32"),
                    ("dot_product", STORAGES[1], "bfloat16"),
-                   ("blockwise", STORAGES[0], "bfloat16")])
+                   ("blockwise", STORAGES[0], "bfloat16"),
+                   # flash reads codes and scales in its body (interpreted here; on a
+                   # TPU by make test-tpu): int8, the mixed float8 and compute/int8
+                   ("flash", STORAGES[0], "bfloat16"), ("flash", STORAGES[1], "float32"),
+                   ("flash", STORAGES[3], "float32")])
 
 
 @pytest.mark.parametrize("kernel,storage,dtype", KERNEL_CASES,

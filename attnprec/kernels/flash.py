@@ -92,9 +92,12 @@ class Blocks:
   q_bwd: int = 1024
   k_bwd: int = 1024
   chunk: int = 512   # keys per step in a block on the mask's edge (`Geometry.chunk`)
+  # keys per block of a call with few rows and no gradient (a decode step: `DECODE_ROWS`)
+  decode_k: int = 4096
 
   def describe(self) -> str:
-    return f"fwd {self.q}x{self.k} bwd {self.q_bwd}x{self.k_bwd} chunk {self.chunk}"
+    return (f"fwd {self.q}x{self.k} bwd {self.q_bwd}x{self.k_bwd} chunk {self.chunk} "
+            f"decode k {self.decode_k}")
 
 
 DEFAULT_BLOCKS = Blocks()
@@ -114,10 +117,16 @@ def refusal(precision, *, logits_soft_cap=None) -> Optional[str]:
 
 def settings_refusal(flags: contract.AttentionFlags,
                      storage: contract.CacheStorage) -> Optional[str]:
-  return contract.pallas_settings_refusal(NAME, flags, storage)
+  return contract.pallas_settings_refusal(NAME, flags, storage, reads_scales=True)
 
 
 # ----------------------------------------------------------------------------- geometry
+# A call of at most this many query rows per kv head (T * G: a decode step, a few tokens
+# of a speculative step) run without a gradient reads its keys in blocks of
+# `Blocks.decode_k`, the keys unpadded (`decode_geometry`).
+DECODE_ROWS = 128
+
+
 @dataclasses.dataclass(frozen=True)
 class Geometry:
   """The static sizes of one call and one pass (hashable: part of the body's closure)."""
@@ -127,6 +136,10 @@ class Geometry:
   # skipping the chunks no row of its q block sees (`Blocks.chunk`, or 128 where it does
   # not divide Sk)
   chunk: int = 128
+  # whether k / v (and their scales) are padded to Sp; False: a last key block past S
+  # reads what lies beyond the array (Mosaic: unspecified values; interpreted: NaN), which
+  # the body masks, values and scales included (`decode_geometry`)
+  pad_keys: bool = True
 
   @property
   def R(self) -> int:
@@ -171,6 +184,19 @@ def geometries(B, K, T, G, S, H, blocks: Blocks) -> Tuple[Geometry, Geometry]:
   return make(Tf, Sf), make(Tb, Sb)
 
 
+def decode_geometry(fwd: Geometry, blocks: Blocks, dense_mask: bool) -> Optional[Geometry]:
+  """The geometry of the forward run without a gradient (`_primal`) where it differs from
+  the forward's: a call of at most `DECODE_ROWS` rows in one q block and no dense mask
+  reads its keys in blocks of `decode_k` (fewer grid steps: each costs about as much as
+  reading a 1k-key block of a 64-wide head) and pads nothing, so a cache whose length
+  the block does not divide is not copied per step. None: use `fwd`."""
+  if dense_mask or fwd.nq != 1 or fwd.R > DECODE_ROWS:
+    return None
+  Sk = min(blocks.decode_k, _up(fwd.S, KEY_MULTIPLE))
+  chunk = blocks.chunk if Sk % blocks.chunk == 0 else KEY_MULTIPLE
+  return dataclasses.replace(fwd, Sk=Sk, Sp=_up(fwd.S, Sk), chunk=chunk, pad_keys=False)
+
+
 def vmem_bytes(Tq: int, Sk: int, Hp: int, itemsize: int, dense_mask: bool,
                backward: bool) -> int:
   """An upper estimate of one program's VMEM: double-buffered blocks, scratch, and a
@@ -187,7 +213,7 @@ def vmem_bytes(Tq: int, Sk: int, Hp: int, itemsize: int, dense_mask: bool,
 def check_blocks(blocks: Blocks, H: int, itemsize: int = 2, dense_mask: bool = False,
                  platform: str = "tpu") -> None:
   """A `UserError` naming a block size that Mosaic cannot tile or that does not fit."""
-  for name in ("q", "k", "q_bwd", "k_bwd", "chunk"):
+  for name in ("q", "k", "q_bwd", "k_bwd", "chunk", "decode_k"):
     value = getattr(blocks, name)
     multiple = ROW_MULTIPLE if name.startswith("q") else KEY_MULTIPLE
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0 \
@@ -197,7 +223,7 @@ def check_blocks(blocks: Blocks, H: int, itemsize: int = 2, dense_mask: bool = F
           f"{platform}: {'query-row' if multiple == ROW_MULTIPLE else 'key'} blocks must "
           f"be positive multiples of {multiple} (a {'bf16 tile' if multiple == 16 else 'lane width'}"
           f"). Valid values: {multiple}, {2 * multiple}, ... e.g. 256, 512, 1024.")
-  for name in ("k", "k_bwd"):
+  for name in ("k", "k_bwd", "decode_k"):
     if getattr(blocks, name) % blocks.chunk:
       raise UserError(
           f"The 'flash' kernel's chunk={blocks.chunk} does not divide its key block "
@@ -206,11 +232,15 @@ def check_blocks(blocks: Blocks, H: int, itemsize: int = 2, dense_mask: bool = F
           f"for {name}={getattr(blocks, name)}: "
           f"{[c for c in range(KEY_MULTIPLE, getattr(blocks, name) + 1, KEY_MULTIPLE) if getattr(blocks, name) % c == 0]}.")
   Hp = padded_head(H)
-  for fwd, (q, k) in ((True, (blocks.q, blocks.k)), (False, (blocks.q_bwd, blocks.k_bwd))):
+  for what, (q, k) in (("forward", (blocks.q, blocks.k)),
+                       ("backward", (blocks.q_bwd, blocks.k_bwd)),
+                       ("decode (up to DECODE_ROWS rows, decode_k keys)",
+                        (DECODE_ROWS, blocks.decode_k))):
+    fwd = what != "backward"
     need = vmem_bytes(q, k, Hp, itemsize, dense_mask, backward=not fwd)
     if need > VMEM_CAP:
       raise UserError(
-          f"The 'flash' kernel's {'forward' if fwd else 'backward'} blocks {q}x{k} (rows x "
+          f"The 'flash' kernel's {what} blocks {q}x{k} (rows x "
           f"keys, head dim {Hp}) need about {need / 2 ** 20:.0f} MiB of VMEM, over the "
           f"{VMEM_CAP // 2 ** 20} MiB it may use on {platform}. Valid: smaller blocks, "
           f"e.g. 512x512 ({vmem_bytes(512, 512, Hp, itemsize, dense_mask, not fwd) / 2 ** 20:.0f} MiB).")
@@ -279,10 +309,21 @@ class Spec:
   causal: bool
   window: Optional[int]
   dense_mask: bool
+  # a quantized cache's rows (`contract.cache_stage_dtypes`, items), or None
+  rows: Optional[Tuple[Tuple[str, object], ...]] = None
 
   @property
   def table(self) -> dict:
     return dict(self.stages)
+
+  @property
+  def cache_rows(self) -> Optional[dict]:
+    return dict(self.rows) if self.rows else None
+
+  def scaled(self, side: str) -> bool:
+    """Whether the cache's keys ('k') / values ('v') come with per-token scales."""
+    rows = self.cache_rows
+    return bool(rows) and rows[f"{side}_scale"] == "token"
 
 
 def _operand(spec: Spec):
@@ -290,17 +331,26 @@ def _operand(spec: Spec):
   return (lambda x: x.astype(F32)) if highest else (lambda x: x)
 
 
-def _logits(spec: Spec, q, k, qpos_Tqx1, kpos_1xSk, key0, mask_TqxSk, masked: bool):
+def _logits(spec: Spec, q, k, qpos_Tqx1, kpos_1xSk, key0, mask_TqxSk, masked: bool,
+            k_scale_1xSk=None):
   """The forward's logits for one block, as the table makes them: (logits in the
-  softmax dtype, masked; the soft-cap's tanh or None; the visibility mask or None)."""
-  st, op = spec.table, _operand(spec)
+  softmax dtype, masked; the soft-cap's tanh or None; the visibility mask or None).
+  A quantized cache (`Spec.rows`): k holds codes, cast exactly to the dot's operand
+  dtype; a per-token key scale multiplies the logits column-wise right after the dot,
+  in the table's dtype (the contract's cache rows)."""
+  st, op, rows = spec.table, _operand(spec), spec.cache_rows
   sm = st["softmax"]
   Tq, Sk = q.shape[0], k.shape[0]
+  chex.assert_type(q, rows["q_into_qk"] if rows else st["qkv"])
+  k = contract.code_operand(k, rows, "k_into_qk")
   with jax.named_scope(contract.QK_SCOPE):
     s = jnp.einsum("TH,SH->TS", op(q), op(k), precision=spec.einsum,
                    preferred_element_type=F32)
     s = s.astype(st["logits"])
   chex.assert_type(s, st["logits"])
+  if k_scale_1xSk is not None:
+    s = s * k_scale_1xSk.astype(rows["k_scale_in"])
+    chex.assert_type(s, rows["k_scale_in"])
   s = contract.scale_logits(s, spec.scale, st).astype(sm)
   tanh = None
   if spec.cap is not None:
@@ -362,10 +412,13 @@ def _fwd_body(spec: Spec, with_lse: bool):
     q_ref, k_ref, v_ref, qpos_ref, kpos_ref = refs[:5]
     refs = refs[5:]
     mask_ref = refs.pop(0) if spec.dense_mask else None
+    ktok_ref = refs.pop(0) if spec.scaled("k") else None
+    vtok_ref = refs.pop(0) if spec.scaled("v") else None
     o_ref = refs.pop(0)
     lse_ref = refs.pop(0) if with_lse else None
     m_sc, l_sc, acc_sc = refs
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    rows = spec.cache_rows
 
     @pl.when(j == 0)
     def _init():
@@ -374,11 +427,21 @@ def _fwd_body(spec: Spec, with_lse: bool):
       acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
 
     def update(keys, masked):
-      q = q_ref[...]
-      chex.assert_type(q, st["qkv"])
-      s, _, _ = _logits(spec, q, k_ref[keys, :], qpos_ref[...], kpos_ref[:, keys],
-                        j * geo.Sk + keys.start,
-                        mask_ref[:, keys] if spec.dense_mask else None, masked)
+      v = v_ref[keys, :]
+      vtok = None if vtok_ref is None else vtok_ref[:, keys]
+      if masked and not geo.pad_keys:
+        # keys past S in a last block of an unpadded array: values (and their scales)
+        # unspecified, so zeroed (their probabilities are 0, but 0 * NaN is not)
+        key0 = j * geo.Sk + keys.start
+        real_Cx1 = key0 + jax.lax.broadcasted_iota(jnp.int32, (keys.size, 1), 0) < geo.S
+        v = jnp.where(real_Cx1, v, jnp.zeros((), v.dtype))
+        if vtok is not None:
+          real_1xC = key0 + jax.lax.broadcasted_iota(jnp.int32, (1, keys.size), 1) < geo.S
+          vtok = jnp.where(real_1xC, vtok, 0.0)
+      s, _, _ = _logits(spec, q_ref[...], k_ref[keys, :], qpos_ref[...],
+                        kpos_ref[:, keys], j * geo.Sk + keys.start,
+                        mask_ref[:, keys] if spec.dense_mask else None, masked,
+                        None if ktok_ref is None else ktok_ref[:, keys])
       m_prev = m_sc[...]
       m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True).astype(F32))
       # A row that has seen no key yet (m = mask value) shifts by 0: its entries give 0.
@@ -389,8 +452,12 @@ def _fwd_body(spec: Spec, with_lse: bool):
       l_sc[...] = l_sc[...] * correction + jnp.sum(probs.astype(F32), axis=1,
                                                    keepdims=True)
       m_sc[...] = m_next
+      if vtok is not None:     # the value scale, on the probabilities (cache rows)
+        probs = probs * vtok.astype(rows["v_scale_in"])
+        chex.assert_type(probs, rows["v_scale_in"])
+      v = contract.code_operand(v, rows, "v_into_wv") if rows else v.astype(st["probs"])
       with jax.named_scope(contract.WV_SCOPE):
-        pv = jnp.einsum("TS,SH->TH", op(probs), op(v_ref[keys, :].astype(st["probs"])),
+        pv = jnp.einsum("TS,SH->TH", op(probs), op(v),
                         precision=spec.einsum, preferred_element_type=F32)
       acc_sc[...] = acc_sc[...] * correction + pv
 
@@ -519,7 +586,7 @@ N_PREFETCH = 8
 _sq = pl.squeezed
 
 
-def _specs(geo: Geometry, dense_mask: bool, kv_major: bool):
+def _specs(geo: Geometry, dense_mask: bool, kv_major: bool, scales: int = 0):
   """BlockSpecs of q, k, v, qpos, kpos (and the mask) for a grid (B, K, nq, nk) or, with
   kv_major, (B, K, nk, nq). The index map of the streamed axis clamps a block no row
   sees to [lo, hi] of the fixed block: the same index as its neighbour, so no DMA."""
@@ -548,6 +615,9 @@ def _specs(geo: Geometry, dense_mask: bool, kv_major: bool):
   if dense_mask:
     specs.append(pl.BlockSpec((_sq, _sq, Tq, Sk), lambda b, h, x, y, *pf: (
         b, h) + ij(b, x, y, *pf)))
+  for _ in range(scales):   # a quantized cache's per-token scales, [B, K, 1, S]
+    specs.append(pl.BlockSpec((_sq, _sq, 1, Sk), lambda b, h, x, y, *pf: (
+        b, h, 0, ij(b, x, y, *pf)[1])))
   rows = pl.BlockSpec((_sq, _sq, Tq, 1), lambda b, h, x, y, *pf: (b, h, ij(b, x, y, *pf)[0], 0))
   qblock = pl.BlockSpec((_sq, _sq, Tq, Hp), qmap)
   kblock = pl.BlockSpec((_sq, _sq, Sk, Hp), kmap)
@@ -564,10 +634,11 @@ def _params(interpret, geo, itemsize, dense_mask, backward):
 
 def _forward_call(spec: Spec, interpret: bool, with_lse: bool, prefetch, operands):
   geo = spec.geo
-  specs, rows, qblock, _ = _specs(geo, spec.dense_mask, kv_major=False)
+  specs, rows, qblock, _ = _specs(geo, spec.dense_mask, kv_major=False,
+                                  scales=spec.scaled("k") + spec.scaled("v"))
   q = operands[0]
   out_specs = [qblock] + ([rows] if with_lse else [])
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, spec.table["output"])]
   if with_lse:
     out_shape.append(jax.ShapeDtypeStruct((geo.B, geo.K, geo.Rp, 1), F32))
   grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -578,7 +649,8 @@ def _forward_call(spec: Spec, interpret: bool, with_lse: bool, prefetch, operand
   outs = pl.pallas_call(
       _fwd_body(spec, with_lse), grid_spec=grid_spec, out_shape=out_shape,
       interpret=interpret, name="attn_flash_fwd",
-      compiler_params=_params(interpret, geo, q.dtype.itemsize, spec.dense_mask, False),
+      compiler_params=_params(interpret, geo, operands[1].dtype.itemsize, spec.dense_mask,
+                              False),
   )(*prefetch, *operands)
   return outs if with_lse else (outs[0], None)
 
@@ -630,19 +702,36 @@ def _on_platform(f):
   return run
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash(fwd: Spec, bwd: Spec, q, k, v, qpos, kpos, mask):
-  return _primal(fwd, q, k, v, qpos, kpos, mask)
+def _keys(geo: Geometry, k, v, kpos_Bx1xS):
+  """k, v [B, K, S, Hp] and the key positions as a pass over `geo` reads them: padded to
+  Sp (zeros; positions repeat the last) where `geo.pad_keys`, else only the positions
+  (the bounds need whole blocks; the arrays' last block is partial)."""
+  pad = geo.Sp - geo.S
+  kpos = jnp.pad(kpos_Bx1xS, ((0, 0), (0, 0), (0, pad)), mode="edge")
+  if geo.pad_keys:
+    k, v = (_pad(x, ((0, pad), (0, 0))) for x in (k, v))
+  return k, v, kpos
 
 
-def _primal(fwd: Spec, q, k, v, qpos, kpos, mask):
-  prefetch = _prefetch(_bounds(qpos[..., 0], kpos[:, 0], fwd.geo, fwd.causal, fwd.window))
-  operands = [q, k, v, qpos, kpos] + ([mask] if mask is not None else [])
-  return _on_platform(lambda interp, *xs: _forward_call(fwd, interp, False, prefetch,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _flash(fwd: Spec, bwd: Spec, inf: Spec, q, k, v, qpos, kpos, mask):
+  return _primal(inf, q, k, v, qpos, kpos, mask)
+
+
+def _primal(spec: Spec, q, k, v, qpos, kpos, mask, scales=()):
+  """The forward without a gradient over `spec` (the decode geometry where it applies);
+  scales: a quantized cache's per-token [B, K, 1, S] scales (keys, values), if any."""
+  k, v, kpos = _keys(spec.geo, k, v, kpos)
+  prefetch = _prefetch(_bounds(qpos[..., 0], kpos[:, 0], spec.geo, spec.causal,
+                               spec.window))
+  operands = [q, k, v, qpos, kpos] + ([mask] if mask is not None else []) + list(scales)
+  return _on_platform(lambda interp, *xs: _forward_call(spec, interp, False, prefetch,
                                                         list(xs))[0])(*operands)
 
 
-def _flash_fwd(fwd: Spec, bwd: Spec, q, k, v, qpos, kpos, mask):
+def _flash_fwd(fwd: Spec, bwd: Spec, inf: Spec, q, k, v, qpos, kpos, mask):
+  del inf
+  k, v, kpos = _keys(fwd.geo, k, v, kpos)
   prefetch = _prefetch(_bounds(qpos[..., 0], kpos[:, 0], fwd.geo, fwd.causal, fwd.window))
   operands = [q, k, v, qpos, kpos] + ([mask] if mask is not None else [])
   o, lse = _on_platform(lambda interp, *xs: tuple(_forward_call(
@@ -650,9 +739,10 @@ def _flash_fwd(fwd: Spec, bwd: Spec, q, k, v, qpos, kpos, mask):
   return o, (q, k, v, qpos, kpos, mask, o, lse)
 
 
-def _flash_bwd(fwd: Spec, bwd: Spec, res, do):
+def _flash_bwd(fwd: Spec, bwd: Spec, inf: Spec, res, do):
+  del inf
   q, k, v, qpos, kpos, mask, o, lse = res
-  geo = bwd.geo
+  geo, S = bwd.geo, bwd.geo.S
   # The forward's padded rows are the backward's (Rp is a multiple of both q blocks).
   delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1, keepdims=True)
   bounds = _bounds(qpos[..., 0], kpos[:, 0], geo, bwd.causal, bwd.window)
@@ -663,10 +753,29 @@ def _flash_bwd(fwd: Spec, bwd: Spec, res, do):
   dk, dv = _on_platform(lambda interp, *xs: tuple(_dkv_call(
       bwd, interp, _prefetch(bounds, kv_major=True), list(xs[:-3]), *xs[-3:])))(
           *operands, lse, delta, do)
-  return dq, dk, dv, None, None, None
+  return dq, dk[:, :, :S], dv[:, :, :S], None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cached(spec: Spec, q, k, v, qpos, kpos, mask, tokens):
+  """Attention over a quantized cache (codes and per-token scales): the forward only."""
+  if spec.geo.pad_keys:
+    tokens = tuple(_pad(x, ((0, 0), (0, spec.geo.Sp - spec.geo.S))) for x in tokens)
+  return _primal(spec, q, k, v, qpos, kpos, mask, tokens)
+
+
+def _cached_fwd(spec: Spec, *args):
+  raise UserError(
+      f"The 'flash' kernel over a quantized KV cache "
+      f"({dict(spec.rows)['k_cache']} keys, {dict(spec.rows)['v_cache']} values) has no "
+      f"gradient: a cache's codes are read-only (prefill and decode). Train without a "
+      f"cache, or over an unscaled storage ('compute', 'float32', 'bfloat16').")
+
+
+_cached.defvjp(_cached_fwd, lambda spec, res, g: None)
 
 
 # ----------------------------------------------------------------------------- entry
@@ -697,24 +806,36 @@ def flash_attention(q, k, v, *, mask=None,
   stages = prep.stages if stages is None else stages
   B, T, K, G, S, H = prep.B, prep.T, prep.K, prep.G, prep.S, prep.H
   fgeo, bgeo = geometries(B, K, T, G, S, H, blocks)
+  rows = prep.rows
   common = dict(stages=tuple(stages.items()), einsum=prep.einsum,
                 scale=contract.static_number(NAME, "scale", prep.scale),
                 cap=logits_soft_cap, causal=causal, window=sliding_window,
-                dense_mask=mask is not None)
-  return _attention(prep.queries(q), k, v, q_positions_BxT, k_positions_BxS, mask,
-                    fwd=Spec(geo=fgeo, **common), bwd=Spec(geo=bgeo, **common))
+                dense_mask=mask is not None,
+                rows=tuple(rows.items()) if rows else None)
+  dgeo = decode_geometry(fgeo, blocks, mask is not None)
+  fwd = Spec(geo=fgeo, **common)
+  q_BxTxKxGxH = prep.queries(q)     # a per-channel key scale applied (`query_operand`)
+  tokens = ()
+  if rows:     # the per-token scales of a quantized cache, as [B, K, 1, S]
+    tokens = tuple(x[:, :, None, :] for x in (kv_scales.k_token_BxKxS,
+                                              kv_scales.v_token_BxKxS) if x is not None)
+  return _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, tokens,
+                    fwd=fwd, bwd=Spec(geo=bgeo, **common),
+                    inf=fwd if dgeo is None else Spec(geo=dgeo, **common))
 
 
-@functools.partial(jax.jit, static_argnames=("fwd", "bwd"))
-def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, *, fwd, bwd):
-  """`flash_attention` after its checks: layout, padding, the custom-vjp call."""
+@functools.partial(jax.jit, static_argnames=("fwd", "bwd", "inf"))
+def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, tokens, *, fwd,
+               bwd, inf):
+  """`flash_attention` after its checks: layout, padding, the custom-vjp call (k / v
+  are padded to each pass's keys inside it: `_keys`)."""
   geo = fwd.geo
   B, K, T, G, S, H = geo.B, geo.K, geo.T, geo.G, geo.S, geo.H
   N, R, Rp, Sp, Hp = K * G, geo.R, geo.Rp, geo.Sp, geo.Hp
   q_BxKxRxH = jnp.transpose(q_BxTxKxGxH, (0, 2, 1, 3, 4)).reshape(B, K, R, H)
   q_BxKxRpxHp = _pad(q_BxKxRxH, ((0, Rp - R), (0, Hp - H)))
-  k_BxKxSpxHp, v_BxKxSpxHp = (_pad(jnp.transpose(x, (0, 2, 1, 3)),
-                                   ((0, Sp - S), (0, Hp - H))) for x in (k, v))
+  k_BxKxSxHp, v_BxKxSxHp = (_pad(jnp.transpose(x, (0, 2, 1, 3)), ((0, 0), (0, Hp - H)))
+                            for x in (k, v))
   q_positions_BxT, k_positions_BxS = contract.default_positions(
       q_positions_BxT, k_positions_BxS, B, T, S)
   qpos_BxR = jnp.repeat(q_positions_BxT.astype(jnp.int32), G, axis=1)
@@ -723,15 +844,18 @@ def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, *, fwd
   qpos_BxRpx1 = (jnp.pad(qpos_BxR, ((0, 0), (0, Rp - R)), constant_values=PAD_POSITION)
                  if fwd.causal else
                  jnp.pad(qpos_BxR, ((0, 0), (0, Rp - R)), mode="edge"))[:, :, None]
-  kpos_Bx1xSp = jnp.pad(k_positions_BxS.astype(jnp.int32), ((0, 0), (0, Sp - S)),
-                        mode="edge")[:, None, :]
+  kpos_Bx1xS = k_positions_BxS.astype(jnp.int32)[:, None, :]
   dense = None
   if mask is not None:
     grouped = jnp.broadcast_to(contract.group_mask(mask, B, N, K, G, T, S), (B, K, G, T, S))
     mask_BxKxRxS = jnp.transpose(grouped, (0, 1, 3, 2, 4)).reshape(B, K, R, S)
     dense = _pad(mask_BxKxRxS.astype(jnp.int32), ((0, Rp - R), (0, Sp - S)))
-  out = _flash(fwd, bwd, q_BxKxRpxHp, k_BxKxSpxHp, v_BxKxSpxHp, qpos_BxRpx1, kpos_Bx1xSp,
-               dense)
+  if fwd.rows:
+    out = _cached(inf, q_BxKxRpxHp, k_BxKxSxHp, v_BxKxSxHp, qpos_BxRpx1, kpos_Bx1xS,
+                  dense, tokens)
+  else:
+    out = _flash(fwd, bwd, inf, q_BxKxRpxHp, k_BxKxSxHp, v_BxKxSxHp, qpos_BxRpx1,
+                 kpos_Bx1xS, dense)
   out_BxTxNxH = jnp.transpose(out[:, :, :R, :H].reshape(B, K, T, G, H),
                               (0, 2, 1, 3, 4)).reshape(B, T, N, H)
   chex.assert_shape(out_BxTxNxH, (B, T, N, H))
@@ -745,7 +869,8 @@ mask_kwargs = contract.structural_mask_kwargs
 def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
            kv_scales=None):
   """The registry's entry: a phase's `Precision` flags (and cache storage), a dense mask
-  or a `CausalMask`; kv_scales: those of a quantized cache (refused), or None."""
+  or a `CausalMask`; kv_scales: those of a quantized cache (read in the body, forward
+  only), or None."""
   return flash_attention(q, k, v, **mask_kwargs(mask), logits_soft_cap=logits_soft_cap,
                          scale=scale, flags=precision.attention,
                          kv_cache=precision.cache_storage, kv_scales=kv_scales)

@@ -1,0 +1,232 @@
+"""`--suite=tpu_decode`: one decode step's attention alone on an accelerator (a TPU),
+each kernel beside the measured HBM bandwidth, in interleaved rounds.
+
+Cases: batch B x cache length S at an attention shape of `tpu_attention.SHAPES`
+(default Qwen2.5-0.5B's: 14 query heads over 2 kv heads, head dim 64), one new query per
+sequence at position S - 1 (every key visible: the step reads the whole cache). The
+cache lies as the model keeps it ([B, K, S, H], `attnprec.cache`) and enters each kernel
+as its [B, S, K, H] view, as in a decode step. Rows (both flags unless named):
+  dot_product, blockwise                   the XLA kernels
+  flash dk=<n>                             the flash kernel's decode geometry, key blocks
+                                           of n (`flash.Blocks.decode_k`)
+  flash bf16 dk=<n>                        the same with the flags off (their cost)
+  dot_product int8, flash int8 dk=<n>      an int8 cache with per-token key and value
+                                           scales (codes and scales read by the kernel)
+Method: every row jitted, run once and checked against float64 (NumPy: the bf16 values,
+or the int8 codes times their scales); then `rounds` rounds, each row once per round in
+order, each sample the mean of `reps` calls (one block at the end); medians. Bytes: the
+keys and values (and scales) one step must read, B x K x S x (2 H x itemsize [+ 8]);
+'of HBM' divides the row's bytes/s by the read bandwidth measured in the same run (the
+larger of a bf16 reduction and a float32 matrix-vector product over 1 GiB). Results:
+<out>/tpu_decode.json (rewritten after every case; a rerun into the same --out measures
+only the cases it lacks, as `tpu_attention.previous` checks), tpu_decode.md.
+"""
+import os
+import statistics
+import time
+from typing import Callable, Dict, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnprec import contract, kernels, kvquant, runs
+from attnprec.bench import tpu_attention
+from attnprec.kernels import flash
+from attnprec.presets import variant
+
+DEFAULT_SHAPES = ("qwen2.5-0.5b",)
+DEFAULT_BATCHES = (1, 8)
+DEFAULT_SEQ_LENS = (8192, 32768)
+DEFAULT_DECODE_BLOCKS = (1024, 2048, 4096, 8192)
+INT8 = contract.CacheStorage("int8", "int8", "token", "token")
+GIB = 2 ** 30
+
+
+def hbm_read_bandwidth(reps: int = 5) -> Dict[str, float]:
+  """Bytes/s read by a bf16 sum with a float32 result and by a float32 matrix-vector
+  product, each over 1 GiB, median of `reps`; 'best' the larger."""
+  from attnprec.bench.model import read_bandwidth
+  x = jnp.ones((GIB // 2 // 4096, 4096), jnp.bfloat16)
+  f = jax.jit(lambda a: jnp.sum(a, axis=0, dtype=jnp.float32))
+  jax.block_until_ready(f(x))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    times.append(time.perf_counter() - t0)
+  out = {"bf16_sum": x.nbytes / statistics.median(times),
+         "f32_matvec": read_bandwidth(1024, reps)}
+  out["best"] = max(out.values())
+  return out
+
+
+def _inputs(shape: str, B: int, S: int, seed: int = 0):
+  N, K, H = tpu_attention.SHAPES[shape]
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.bfloat16)
+  k, v = (jnp.asarray(rng.standard_normal((B, K, S, H)), jnp.bfloat16) for _ in "kv")
+  pos = jnp.full((B, 1), S - 1, jnp.int32)
+  return q, k, v, pos
+
+
+def _quantized(k_BxKxSxH, v_BxKxSxH):
+  """int8 codes [B, K, S, H] and per-token scales [B, K, S] of k and v."""
+  out = []
+  for x in (k_BxKxSxH, v_BxKxSxH):
+    codes, scale = kvquant.quantize_token(jnp.swapaxes(x, 1, 2), "int8")  # [B, S, K, *]
+    out += [jnp.swapaxes(codes, 1, 2), jnp.swapaxes(scale, 1, 2)]
+  return out
+
+
+def rows_for(S: int, blocks: Sequence[int]) -> Dict[str, Tuple[Callable, bool]]:
+  """name -> (f(q, k, v, k_scale, v_scale, pos) over the [B, K, S, H] cache, int8)."""
+  both = variant("fp32_attention")
+  kpos = lambda B: jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))  # noqa: E731
+  view = lambda x: jnp.swapaxes(x, 1, 2)      # noqa: E731 -- the model's [B, S, K, H]
+
+  def xla(kernel, storage=contract.COMPUTE_CACHE):
+    prec = variant("fp32_attention", kernel=kernel, **(dict(
+        kv_cache_k_dtype="int8", kv_cache_v_dtype="int8", kv_cache_k_scale="token",
+        kv_cache_v_scale="token") if storage.quantized else {}))
+
+    def f(q, k, v, ks, vs, pos):
+      scales = contract.KVScales(k_token_BxKxS=ks, v_token_BxKxS=vs) \
+          if storage.quantized else None
+      return kernels.attend(prec, q, view(k), view(v),
+                            mask=contract.CausalMask(pos, kpos(q.shape[0])),
+                            kv_scales=scales)
+    return f
+
+  def fl(decode_k, flags=both.attention, storage=contract.COMPUTE_CACHE):
+    bl = flash.Blocks(decode_k=decode_k, chunk=min(flash.DEFAULT_BLOCKS.chunk, decode_k))
+
+    def f(q, k, v, ks, vs, pos):
+      scales = contract.KVScales(k_token_BxKxS=ks, v_token_BxKxS=vs) \
+          if storage.quantized else None
+      return flash.flash_attention(q, view(k), view(v), causal=True, q_positions_BxT=pos,
+                                   k_positions_BxS=kpos(q.shape[0]), flags=flags,
+                                   kv_cache=storage, kv_scales=scales, blocks=bl)
+    return f
+
+  rows = {"dot_product": (xla("dot_product"), False), "blockwise": (xla("blockwise"), False)}
+  for n in blocks:
+    rows[f"flash dk={n}"] = (fl(n), False)
+  mid = blocks[len(blocks) // 2]
+  rows[f"flash bf16 dk={mid}"] = (fl(mid, variant("bf16").attention), False)
+  rows["dot_product int8"] = (xla("dot_product", INT8), True)
+  for n in blocks[len(blocks) // 2:]:
+    rows[f"flash int8 dk={n}"] = (fl(n, storage=INT8), True)
+  return {name: (jax.jit(f), q8) for name, (f, q8) in rows.items()}
+
+
+def _reference(q, k, v, scale_k=None, scale_v=None):
+  """float64 attention of one query per sequence over the whole cache [B, K, S, H]
+  (values times their per-token scales where given)."""
+  f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+  k64, v64 = f64(k), f64(v)
+  if scale_k is not None:
+    k64, v64 = k64 * f64(scale_k)[..., None], v64 * f64(scale_v)[..., None]
+  B, K, S, H = k64.shape
+  N = q.shape[2]
+  q64 = f64(q)[:, 0].reshape(B, K, N // K, H)
+  logits = np.einsum("bkgh,bksh->bkgs", q64, k64) * H ** -0.5
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  out = np.einsum("bkgs,bksh->bkgh", p / p.sum(-1, keepdims=True), v64)
+  return out.reshape(B, 1, N, H)
+
+
+def run_case(shape: str, B: int, S: int, *, blocks, rounds: int, bandwidth: float,
+             progress=print) -> dict:
+  N, K, H = tpu_attention.SHAPES[shape]
+  q, k, v, pos = _inputs(shape, B, S)
+  kc, ks, vc, vs = _quantized(k, v)
+  want = {False: _reference(q, k, v), True: _reference(q, kc, vc, ks, vs)}
+  fns = rows_for(S, blocks)
+  rows, live = {}, {}
+  for name, (fn, q8) in fns.items():
+    args = (q, kc, vc, ks, vs, pos) if q8 else (q, k, v, ks, vs, pos)
+    try:
+      t0 = time.perf_counter()
+      out = np.asarray(jnp.asarray(jax.block_until_ready(fn(*args)), jnp.float32),
+                       np.float64)
+      row = {"compile_s": time.perf_counter() - t0,
+             "bytes": B * K * S * (2 * H * (1 if q8 else 2) + (8 if q8 else 0))}
+      if not np.isfinite(out).all():
+        raise FloatingPointError("a non-finite output")
+      ref = want[q8]
+      row["rel_l2"] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+      rows[name], live[name] = row, (fn, args)
+    except Exception as e:  # noqa: BLE001 -- recorded; the other rows still run
+      rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+      progress(f"  {name}: {rows[name]['error']}")
+  reps = 50
+  samples = {n: [] for n in live}
+  for _ in range(rounds):
+    for name, (fn, args) in live.items():
+      t0 = time.perf_counter()
+      for _ in range(reps):
+        out = fn(*args)
+      jax.block_until_ready(out)
+      samples[name].append((time.perf_counter() - t0) / reps)
+  for name, ts in samples.items():
+    med = statistics.median(ts)
+    r = rows[name]
+    r.update(median_us=1e6 * med, gbps=r["bytes"] / med / 1e9,
+             of_hbm=r["bytes"] / med / bandwidth)
+  bf16 = [r["median_us"] for n, r in rows.items()
+          if "median_us" in r and n.startswith("flash dk=")]
+  for name, r in rows.items():
+    if "median_us" in r and "int8" in name and bf16:
+      r["vs_best_bf16_flash"] = r["median_us"] / min(bf16)
+  return {"shape": shape, "B": B, "S": S, "N": N, "K": K, "H": H, "rounds": rounds,
+          "reps": reps, "rows": rows}
+
+
+def run(out_dir: str, *, shapes: Sequence[str] = DEFAULT_SHAPES,
+        batches: Sequence[int] = DEFAULT_BATCHES, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS,
+        blocks: Sequence[int] = DEFAULT_DECODE_BLOCKS, rounds: int = 5,
+        progress=print) -> dict:
+  settings = {"blocks": list(blocks), "rounds": rounds}
+  result = tpu_attention.previous(os.path.join(out_dir, "tpu_decode.json"), settings)
+  result["backend"] = jax.default_backend()
+  result["device"] = str(jax.devices()[0].device_kind)
+  bw = hbm_read_bandwidth()
+  result["read_gbps"] = {k: v / 1e9 for k, v in bw.items()}
+  todo = [(sh, B, S) for sh in shapes for S in seq_lens for B in batches]
+  for i, (sh, B, S) in enumerate(todo):
+    key = f"{sh} decode B={B} S={S}"
+    if key in result["cases"]:
+      progress(f"[{i + 1}/{len(todo)}] {key}: already measured")
+      continue
+    progress(f"[{i + 1}/{len(todo)}] {key}")
+    case = run_case(sh, B, S, blocks=blocks, rounds=rounds, bandwidth=bw["best"],
+                    progress=progress)
+    case["read_gbps"] = bw["best"] / 1e9      # the bandwidth of its own run
+    result["cases"][key] = case
+    for name, r in case["rows"].items():
+      progress(f"    {name:22s} " + (f"{r['median_us']:9.1f} us  {r['gbps']:6.0f} GB/s  "
+                                    f"of HBM {r['of_hbm']:.2f}  relL2 {r['rel_l2']:.1e}"
+                                    if "median_us" in r else r.get("error", "")))
+    runs.write_json(out_dir, "tpu_decode.json", result, provenance=True)
+  runs.atomic_write(os.path.join(out_dir, "tpu_decode.md"), to_markdown(result))
+  return result
+
+
+def to_markdown(result: dict) -> str:
+  bw = result.get("read_gbps", {})
+  lines = [f"TPU decode attention ({result.get('device')}; HBM read bandwidth measured "
+           f"{bw.get('best', float('nan')):.0f} GB/s: bf16 sum "
+           f"{bw.get('bf16_sum', float('nan')):.0f}, f32 matvec "
+           f"{bw.get('f32_matvec', float('nan')):.0f})", "",
+           "| case | row | median (us) | GB/s | of HBM | int8 / best bf16 flash | "
+           "rel L2 vs float64 |", "|---|---|---:|---:|---:|---:|---:|"]
+  for key, case in result["cases"].items():
+    for name, r in case["rows"].items():
+      if "median_us" not in r:
+        lines.append(f"| {key} | {name} | {r.get('error', '')} | | | | |")
+        continue
+      ratio = f"{r['vs_best_bf16_flash']:.2f}x" if "vs_best_bf16_flash" in r else ""
+      lines.append(f"| {key} | {name} | {r['median_us']:.1f} | {r['gbps']:.0f} | "
+                   f"{r['of_hbm']:.2f} | {ratio} | {r['rel_l2']:.1e} |")
+  return "\n".join(lines) + "\n"
