@@ -493,17 +493,19 @@ class AutoTest(parameterized.TestCase):
     self.assertEqual(kernels.resolve("auto", 1, n, "tpu"), "dot_product")
     self.assertEqual(kernels.resolve("auto", 1, n, "cpu"), "blockwise")
     # a long call runs the platform's long kernel (Platform.auto_long): flash on a TPU,
-    # where it was measured 2.8-6x faster than the dense kernel; blockwise where flash
-    # would refuse the precision (a quantized cache, an einsum precision Mosaic does not
-    # take), blockwise on XLA:CPU
+    # where it was measured 2.8-6x faster than the dense kernel (a quantized cache too:
+    # flash reads its codes and scales); blockwise where flash would refuse the precision
+    # (an einsum precision Mosaic does not take), blockwise on XLA:CPU
     self.assertEqual(kernels.resolve("auto", m, m, "tpu"), "flash")
     self.assertEqual(kernels.resolve("auto", 2, n, "tpu"), "flash")
     self.assertEqual(kernels.resolve("auto", m - 1, n - 1, "tpu"), "dot_product")
     both = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True)
     self.assertEqual(kernels.resolve("auto", m, m, "tpu", Precision(kernel="auto", **both)),
                      "flash")
-    for refused in (dict(kv_cache_k_dtype="int8", kv_cache_k_scale="token"),
-                    dict(einsum_precision="high")):
+    int8 = Precision(kernel="auto", **both, kv_cache_k_dtype="int8", kv_cache_k_scale="token")
+    self.assertIsNone(kernels.REGISTRY["flash"].refusal(int8))
+    self.assertEqual(kernels.resolve("auto", m, m, "tpu", int8), "flash")
+    for refused in (dict(einsum_precision="high"),):
       prec = Precision(kernel="auto", **both, **refused)
       self.assertIsNotNone(kernels.REGISTRY["flash"].refusal(prec))
       self.assertEqual(kernels.resolve("auto", m, m, "tpu", prec), "blockwise")

@@ -1,0 +1,42 @@
+"""`bench --suite=tpu_decode` (`attnprec.bench.tpu_decode`) on CPU, interpreted: every row
+runs and agrees with float64 (NumPy), the int8 rows with the codes times their scales; a
+rerun into the same --out measures only the cases it lacks. The timings here are the
+interpreter's and mean nothing; the TPU's are in results/tpu-decode/.
+
+Bounds (relative L2 against float64): a bf16 output is rounded once (at most 2^-8
+relative per element), so rows with both flags stay within 2^-8; flags off adds bf16
+logits (up to |logit| 2^-8 each, |logit| <= ~4 here), within 4 x 2^-8.
+"""
+import json
+
+import pytest
+
+from attnprec.bench import tpu_decode
+from attnprec.errors import UserError
+
+
+def test_every_row_runs_and_matches_float64_and_a_rerun_resumes(tmp_path, monkeypatch):
+  monkeypatch.setattr(tpu_decode, "hbm_read_bandwidth",
+                      lambda: {"bf16_sum": 1e10, "f32_matvec": 1e10, "best": 1e10})
+  kw = dict(shapes=("qwen2.5-0.5b",), batches=(2,), seq_lens=(300,), blocks=(128, 256),
+            rounds=1, progress=lambda m: None)
+  result = tpu_decode.run(str(tmp_path), **kw)
+  (case,) = result["cases"].values()
+  names = set(case["rows"])
+  assert {"dot_product", "blockwise", "flash dk=128", "flash dk=256", "flash bf16 dk=256",
+          "dot_product int8", "flash int8 dk=256"} == names
+  for name, row in case["rows"].items():
+    assert "error" not in row, (name, row)
+    bound = 4 * 2 ** -8 if "bf16" in name else 2 ** -8
+    assert row["rel_l2"] <= bound, (name, row["rel_l2"])
+    assert row["bytes"] == 2 * 2 * 300 * (2 * 64 * (1 if "int8" in name else 2)
+                                         + (8 if "int8" in name else 0))
+  assert case["rows"]["flash int8 dk=256"]["vs_best_bf16_flash"] > 0
+  saved = json.loads((tmp_path / "tpu_decode.json").read_text())
+  assert saved["provenance"]["source"] and "flash int8 dk=256" in (
+      tmp_path / "tpu_decode.md").read_text()
+  seen = []
+  tpu_decode.run(str(tmp_path), **dict(kw, progress=seen.append))
+  assert any("already measured" in m for m in seen), seen
+  with pytest.raises(UserError, match="other settings"):
+    tpu_decode.run(str(tmp_path), **dict(kw, blocks=(128,)))
