@@ -45,7 +45,11 @@ pallas_check` reads the bodies back from the jaxpr (`make audit`).
 Knobs: float32_qk_product, float32_logits, einsum_precision 'default' / 'highest' and the
 key offset (applied by the layer before any kernel) honoured; 'high' and dot-algorithm
 presets refused by name (Mosaic takes only DEFAULT and HIGHEST); a quantized cache
-refused by name (the scales have no place in the body); CUDA refused by name (a TPU
+(int8 / float8 codes with float32 scales) read in the forward body as the contract's
+cache rows say (codes cast exactly to the dot's operand dtype, a per-token key scale on
+the logits right after the QK dot, a value scale on the probabilities before the PV dot,
+a per-channel key scale on q before the call), its gradient refused by name (a cache is
+read-only); CUDA refused by name (a TPU
 kernel: its grid accumulates in sequential scratch, which Triton has no form for; the
 portable kernel is 'pallas').
 
