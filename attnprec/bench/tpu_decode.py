@@ -13,11 +13,16 @@ as its [B, S, K, H] view, as in a decode step. Rows (both flags unless named):
   dot_product int8, flash int8 dk=<n>      an int8 cache with per-token key and value
                                            scales (codes and scales read by the kernel)
 Method: every row jitted, run once and checked against float64 (NumPy: the bf16 values,
-or the int8 codes times their scales); then `rounds` rounds, each row once per round in
-order, each sample the mean of `reps` calls (one block at the end); medians. Bytes: the
-keys and values (and scales) one step must read, B x K x S x (2 H x itemsize [+ 8]);
-'of HBM' divides the row's bytes/s by the read bandwidth measured in the same run (the
-larger of a bf16 reduction and a float32 matrix-vector product over 1 GiB). Results:
+or the int8 codes times their scales); then timed as a decode loop runs it: one jitted
+`fori_loop` of `STEPS` steps, each writing a new key and value row into the carried
+cache (in place, as the model's decode loop does) and attending over it, so nothing
+is hoisted out of the loop (a layout change the kernel needs included) and a call's
+dispatch is spread over the steps; `rounds` rounds, each row once per round in order;
+medians of the loop's time / STEPS. Bytes: the keys and values (and scales) one step
+must read, B x K x S x (2 H x itemsize [+ 8]); 'of HBM' divides the row's bytes/s by
+the read bandwidth measured in the same run (the largest of three probes over 1 GiB:
+a bf16 reduction along rows, along columns, and a float32 matrix-vector product;
+`hbm_read_bandwidth`). Results:
 <out>/tpu_decode.json (rewritten after every case; a rerun into the same --out measures
 only the cases it lacks, as `tpu_attention.previous` checks), tpu_decode.md.
 """
@@ -43,22 +48,49 @@ INT8 = contract.CacheStorage("int8", "int8", "token", "token")
 GIB = 2 ** 30
 
 
+STEPS = 64
+
+
 def hbm_read_bandwidth(reps: int = 5) -> Dict[str, float]:
-  """Bytes/s read by a bf16 sum with a float32 result and by a float32 matrix-vector
-  product, each over 1 GiB, median of `reps`; 'best' the larger."""
+  """Bytes/s read by bf16 sums (float32 results) along the rows and along the columns
+  of 1 GiB, and by a float32 matrix-vector product over 1 GiB, medians of `reps`;
+  'best' the largest (each probe reads every byte once and writes next to nothing)."""
   from attnprec.bench.model import read_bandwidth
   x = jnp.ones((GIB // 2 // 4096, 4096), jnp.bfloat16)
-  f = jax.jit(lambda a: jnp.sum(a, axis=0, dtype=jnp.float32))
-  jax.block_until_ready(f(x))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
+  out = {}
+  for name, axis in (("bf16_sum_rows", 0), ("bf16_sum_columns", 1)):
+    f = jax.jit(lambda a, axis=axis: jnp.sum(a, axis=axis, dtype=jnp.float32))
     jax.block_until_ready(f(x))
-    times.append(time.perf_counter() - t0)
-  out = {"bf16_sum": x.nbytes / statistics.median(times),
-         "f32_matvec": read_bandwidth(1024, reps)}
+    times = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(x))
+      times.append(time.perf_counter() - t0)
+    out[name] = x.nbytes / statistics.median(times)
+  del x
+  out["f32_matvec"] = read_bandwidth(1024, reps)
   out["best"] = max(out.values())
   return out
+
+
+def decode_loop(f, steps: int = STEPS):
+  """A jitted loop of `steps` decode steps over f(q, k, v, k_scale, v_scale, pos): each
+  writes a new key / value row (from that step's q) at the last position of the
+  carried [B, K, S, H] cache and attends; returns the sum of the outputs (all used)."""
+  def run(qs_RxBx1xNxH, k, v, ks, vs, pos):
+    K, S = k.shape[1], k.shape[2]
+
+    def step(i, carry):
+      k, v, acc = carry
+      q = qs_RxBx1xNxH[i]
+      row_BxKx1xH = jnp.swapaxes(q[:, :, :K], 1, 2)
+      k = jax.lax.dynamic_update_slice_in_dim(k, row_BxKx1xH.astype(k.dtype), S - 1, 2)
+      v = jax.lax.dynamic_update_slice_in_dim(v, row_BxKx1xH.astype(v.dtype), S - 1, 2)
+      return k, v, acc + f(q, k, v, ks, vs, pos).astype(jnp.float32)
+
+    return jax.lax.fori_loop(0, qs_RxBx1xNxH.shape[0], step,
+                             (k, v, jnp.zeros(qs_RxBx1xNxH.shape[1:], jnp.float32)))[2]
+  return jax.jit(run)
 
 
 def _inputs(shape: str, B: int, S: int, seed: int = 0):
@@ -117,7 +149,7 @@ def rows_for(S: int, blocks: Sequence[int]) -> Dict[str, Tuple[Callable, bool]]:
   rows["dot_product int8"] = (xla("dot_product", INT8), True)
   for n in blocks[len(blocks) // 2:]:
     rows[f"flash int8 dk={n}"] = (fl(n, storage=INT8), True)
-  return {name: (jax.jit(f), q8) for name, (f, q8) in rows.items()}
+  return {name: (f, q8) for name, (f, q8) in rows.items()}
 
 
 def _reference(q, k, v, scale_k=None, scale_v=None):
@@ -143,32 +175,33 @@ def run_case(shape: str, B: int, S: int, *, blocks, rounds: int, bandwidth: floa
   kc, ks, vc, vs = _quantized(k, v)
   want = {False: _reference(q, k, v), True: _reference(q, kc, vc, ks, vs)}
   fns = rows_for(S, blocks)
+  qs = jnp.asarray(np.random.default_rng(1).standard_normal((STEPS,) + q.shape),
+                   jnp.bfloat16)
   rows, live = {}, {}
   for name, (fn, q8) in fns.items():
     args = (q, kc, vc, ks, vs, pos) if q8 else (q, k, v, ks, vs, pos)
     try:
       t0 = time.perf_counter()
-      out = np.asarray(jnp.asarray(jax.block_until_ready(fn(*args)), jnp.float32),
-                       np.float64)
+      out = np.asarray(jnp.asarray(jax.block_until_ready(jax.jit(fn)(*args)),
+                                   jnp.float32), np.float64)
+      loop = decode_loop(fn)
+      jax.block_until_ready(loop(qs, *args[1:]))
       row = {"compile_s": time.perf_counter() - t0,
              "bytes": B * K * S * (2 * H * (1 if q8 else 2) + (8 if q8 else 0))}
       if not np.isfinite(out).all():
         raise FloatingPointError("a non-finite output")
       ref = want[q8]
       row["rel_l2"] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-      rows[name], live[name] = row, (fn, args)
+      rows[name], live[name] = row, (loop, (qs,) + args[1:])
     except Exception as e:  # noqa: BLE001 -- recorded; the other rows still run
       rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
       progress(f"  {name}: {rows[name]['error']}")
-  reps = 50
   samples = {n: [] for n in live}
   for _ in range(rounds):
-    for name, (fn, args) in live.items():
+    for name, (loop, args) in live.items():
       t0 = time.perf_counter()
-      for _ in range(reps):
-        out = fn(*args)
-      jax.block_until_ready(out)
-      samples[name].append((time.perf_counter() - t0) / reps)
+      jax.block_until_ready(loop(*args))
+      samples[name].append((time.perf_counter() - t0) / STEPS)
   for name, ts in samples.items():
     med = statistics.median(ts)
     r = rows[name]
@@ -180,7 +213,7 @@ def run_case(shape: str, B: int, S: int, *, blocks, rounds: int, bandwidth: floa
     if "median_us" in r and "int8" in name and bf16:
       r["vs_best_bf16_flash"] = r["median_us"] / min(bf16)
   return {"shape": shape, "B": B, "S": S, "N": N, "K": K, "H": H, "rounds": rounds,
-          "reps": reps, "rows": rows}
+          "steps": STEPS, "rows": rows}
 
 
 def run(out_dir: str, *, shapes: Sequence[str] = DEFAULT_SHAPES,
@@ -216,9 +249,11 @@ def run(out_dir: str, *, shapes: Sequence[str] = DEFAULT_SHAPES,
 def to_markdown(result: dict) -> str:
   bw = result.get("read_gbps", {})
   lines = [f"TPU decode attention ({result.get('device')}; HBM read bandwidth measured "
-           f"{bw.get('best', float('nan')):.0f} GB/s: bf16 sum "
-           f"{bw.get('bf16_sum', float('nan')):.0f}, f32 matvec "
-           f"{bw.get('f32_matvec', float('nan')):.0f})", "",
+           f"{bw.get('best', float('nan')):.0f} GB/s, the largest of: bf16 sum along "
+           f"rows {bw.get('bf16_sum_rows', float('nan')):.0f}, along columns "
+           f"{bw.get('bf16_sum_columns', float('nan')):.0f}, f32 matvec "
+           f"{bw.get('f32_matvec', float('nan')):.0f}; each row timed as a loop of "
+           f"{STEPS} decode steps writing the cache)", "",
            "| case | row | median (us) | GB/s | of HBM | int8 / best bf16 flash | "
            "rel L2 vs float64 |", "|---|---|---:|---:|---:|---:|---:|"]
   for key, case in result["cases"].items():
