@@ -349,3 +349,48 @@ def test_a_tpu_bench_rerun_resumes_only_this_codes_finite_same_settings_file(tmp
   path.write_bytes(b"\xff\xfe")
   with pytest.raises(UserError, match="not UTF-8 text"):
     tpu_attention.previous(str(path), settings)
+
+
+def test_a_decode_step_reads_a_64_wide_cache_keys_minor():
+  """A decode step (one query, no gradient) at head dim 64 runs the decode geometry with
+  keys and values as [H, S] blocks (`flash.KEYS_MINOR_BELOW`), over a cache of 1000 keys
+  that its 384-key blocks do not divide (the last block partial, nothing padded), at
+  positions 20 and 990: == float64 and == dot_product (fp32, blockwise's bound), an int8
+  cache == dot_product over the same codes; and it lowers for a TPU to one Mosaic call
+  whose operands are the cache's keys-minor transpose (no padded copy)."""
+  from attnprec import kvquant
+  S, K, H64 = 1000, 2, 64
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.normal(size=(B, 1, N, H64)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(B, S, K, H64)), jnp.float32) for _ in "kv")
+  q_pos = jnp.asarray([[20], [990]], jnp.int32)
+  k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  blocks = flash.Blocks(chunk=128, decode_k=384)
+  geo = flash.decode_geometry(flash.geometries(B, K, 1, N // K, S, H64, blocks)[0], blocks,
+                              dense_mask=False)
+  assert (geo.keys_minor, geo.pad_keys, geo.Sk, geo.nk) == (True, False, 384, 3)
+  run = lambda q, k, v, **kw: flash.flash_attention(  # noqa: E731
+      q, k, v, causal=True, q_positions_BxT=q_pos, k_positions_BxS=k_pos, blocks=blocks,
+      **kw)
+  mask = contract.causal_mask(q_pos, k_pos)
+  got = run(q, k, v)
+  want = contract.reference_attention_np(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                                         mask=np.asarray(mask))
+  np.testing.assert_allclose(got, want, atol=tol(2e-5), rtol=tol(2e-5))
+  np.testing.assert_allclose(got, dot_product.dot_product_attention(q, k, v, mask=mask),
+                             atol=tol(2e-5), rtol=tol(2e-5))
+  storage = contract.CacheStorage("int8", "int8", "token", "token")
+  (kc, ks), (vc, vs) = (kvquant.quantize_token(x, "int8") for x in (k, v))
+  scales = contract.KVScales(k_token_BxKxS=jnp.swapaxes(ks, 1, 2),
+                             v_token_BxKxS=jnp.swapaxes(vs, 1, 2))
+  np.testing.assert_allclose(
+      run(q, kc, vc, kv_cache=storage, kv_scales=scales),
+      dot_product.dot_product_attention(q, kc, vc, mask=mask, kv_cache=storage,
+                                        kv_scales=scales), atol=tol(2e-5), rtol=tol(2e-5))
+  cache_BxKxSxH = jnp.swapaxes(k, 1, 2).astype(BF16)
+  text = jax.jit(lambda q, c: run(q, jnp.swapaxes(c, 1, 2), jnp.swapaxes(c, 1, 2))).trace(
+      q.astype(BF16), cache_BxKxSxH).lower(lowering_platforms=("tpu",)).as_text()
+  assert len(re.findall(r"custom_call @tpu_custom_call\(", text)) == 1
+  assert not re.search(rf"stablehlo.pad[^\n]*\(tensor<[0-9x]*{S}[0-9x]*xbf16>", text), \
+      "the cache is padded (copied)"
+  assert re.search(rf"tensor<{B}x{K}x{H64}x{S}xbf16>", text), "keys enter as [B, K, H, S]"

@@ -18,7 +18,9 @@ from attnprec.errors import UserError
 def test_every_row_runs_and_matches_float64_and_a_rerun_resumes(tmp_path, monkeypatch):
   monkeypatch.setattr(tpu_decode, "hbm_read_bandwidth",
                       lambda: {"f32_matvec": 1e10, "best": 1e10})
-  monkeypatch.setattr(tpu_decode, "STEPS", 2)
+  real_layers = tpu_decode.layers_for
+  monkeypatch.setattr(tpu_decode, "STEPS", 3)            # 3 steps over 2 caches here
+  monkeypatch.setattr(tpu_decode, "layers_for", lambda cache_bytes: 2)
   kw = dict(shapes=("qwen2.5-0.5b",), batches=(2,), seq_lens=(300,), blocks=(256,),
             rounds=1, progress=lambda m: None)
   result = tpu_decode.run(str(tmp_path), **kw)
@@ -33,6 +35,7 @@ def test_every_row_runs_and_matches_float64_and_a_rerun_resumes(tmp_path, monkey
     assert row["bytes"] == 2 * 2 * 300 * (2 * 64 * (1 if "int8" in name else 2)
                                          + (8 if "int8" in name else 0))
   assert case["rows"]["flash int8 dk=256"]["vs_best_bf16_flash"] > 0
+  assert real_layers(2 ** 20) == 1024 and real_layers(2 ** 31) == 2
   saved = json.loads((tmp_path / "tpu_decode.json").read_text())
   assert saved["provenance"]["source"] and "flash int8 dk=256" in (
       tmp_path / "tpu_decode.md").read_text()

@@ -125,6 +125,12 @@ def settings_refusal(flags: contract.AttentionFlags,
 
 
 # ----------------------------------------------------------------------------- geometry
+# A head dim below this many lanes: XLA:TPU lays a [.., S, H] array out with S minor
+# (measured on a TPU v5e: bf16[8,2,32768,64]{2,3,1,0:T(8,128)(2,1)}: unpadded), so the
+# decode geometry reads keys and values as [H, S] blocks, which that layout is without a
+# copy; as [S, H] blocks every step first transposed the whole cache (flash decode at
+# 0.26x the dense kernel's speed, results/tpu-decode).
+KEYS_MINOR_BELOW = 128
 # A call of at most this many query rows per kv head (T * G: a decode step, a few tokens
 # of a speculative step) run without a gradient reads its keys in blocks of
 # `Blocks.decode_k`, the keys unpadded (`decode_geometry`).
@@ -144,6 +150,8 @@ class Geometry:
   # reads what lies beyond the array (Mosaic: unspecified values; interpreted: NaN), which
   # the body masks, values and scales included (`decode_geometry`)
   pad_keys: bool = True
+  # whether k / v enter as [B, K, Hp, S] (keys minor: `decode_geometry`), else [B, K, S, Hp]
+  keys_minor: bool = False
 
   @property
   def R(self) -> int:
@@ -198,7 +206,8 @@ def decode_geometry(fwd: Geometry, blocks: Blocks, dense_mask: bool) -> Optional
     return None
   Sk = min(blocks.decode_k, _up(fwd.S, KEY_MULTIPLE))
   chunk = blocks.chunk if Sk % blocks.chunk == 0 else KEY_MULTIPLE
-  return dataclasses.replace(fwd, Sk=Sk, Sp=_up(fwd.S, Sk), chunk=chunk, pad_keys=False)
+  return dataclasses.replace(fwd, Sk=Sk, Sp=_up(fwd.S, Sk), chunk=chunk, pad_keys=False,
+                             keys_minor=fwd.Hp < KEYS_MINOR_BELOW)
 
 
 def vmem_bytes(Tq: int, Sk: int, Hp: int, itemsize: int, dense_mask: bool,
@@ -344,12 +353,12 @@ def _logits(spec: Spec, q, k, qpos_Tqx1, kpos_1xSk, key0, mask_TqxSk, masked: bo
   in the table's dtype (the contract's cache rows)."""
   st, op, rows = spec.table, _operand(spec), spec.cache_rows
   sm = st["softmax"]
-  Tq, Sk = q.shape[0], k.shape[0]
+  Tq, Sk = q.shape[0], k.shape[1 if spec.geo.keys_minor else 0]   # k [Hp, Sk] or [Sk, Hp]
   chex.assert_type(q, rows["q_into_qk"] if rows else st["qkv"])
   k = contract.code_operand(k, rows, "k_into_qk")
   with jax.named_scope(contract.QK_SCOPE):
-    s = jnp.einsum("TH,SH->TS", op(q), op(k), precision=spec.einsum,
-                   preferred_element_type=F32)
+    s = jnp.einsum("TH,HS->TS" if spec.geo.keys_minor else "TH,SH->TS", op(q), op(k),
+                   precision=spec.einsum, preferred_element_type=F32)
     s = s.astype(st["logits"])
   chex.assert_type(s, st["logits"])
   if k_scale_1xSk is not None:
@@ -431,18 +440,21 @@ def _fwd_body(spec: Spec, with_lse: bool):
       acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
 
     def update(keys, masked):
-      v = v_ref[keys, :]
+      minor = geo.keys_minor
+      v = v_ref[:, keys] if minor else v_ref[keys, :]
       vtok = None if vtok_ref is None else vtok_ref[:, keys]
       if masked and not geo.pad_keys:
         # keys past S in a last block of an unpadded array: values (and their scales)
         # unspecified, so zeroed (their probabilities are 0, but 0 * NaN is not)
         key0 = j * geo.Sk + keys.start
-        real_Cx1 = key0 + jax.lax.broadcasted_iota(jnp.int32, (keys.size, 1), 0) < geo.S
-        v = jnp.where(real_Cx1, v, jnp.zeros((), v.dtype))
+        real_1xC = key0 + jax.lax.broadcasted_iota(jnp.int32, (1, keys.size), 1) < geo.S
+        real = real_1xC if minor else (
+            key0 + jax.lax.broadcasted_iota(jnp.int32, (keys.size, 1), 0) < geo.S)
+        v = jnp.where(real, v, jnp.zeros((), v.dtype))
         if vtok is not None:
-          real_1xC = key0 + jax.lax.broadcasted_iota(jnp.int32, (1, keys.size), 1) < geo.S
           vtok = jnp.where(real_1xC, vtok, 0.0)
-      s, _, _ = _logits(spec, q_ref[...], k_ref[keys, :], qpos_ref[...],
+      s, _, _ = _logits(spec, q_ref[...], k_ref[:, keys] if minor else k_ref[keys, :],
+                        qpos_ref[...],
                         kpos_ref[:, keys], j * geo.Sk + keys.start,
                         mask_ref[:, keys] if spec.dense_mask else None, masked,
                         None if ktok_ref is None else ktok_ref[:, keys])
@@ -461,7 +473,7 @@ def _fwd_body(spec: Spec, with_lse: bool):
         chex.assert_type(probs, rows["v_scale_in"])
       v = contract.code_operand(v, rows, "v_into_wv") if rows else v.astype(st["probs"])
       with jax.named_scope(contract.WV_SCOPE):
-        pv = jnp.einsum("TS,SH->TH", op(probs), op(v),
+        pv = jnp.einsum("TS,HS->TH" if minor else "TS,SH->TH", op(probs), op(v),
                         precision=spec.einsum, preferred_element_type=F32)
       acc_sc[...] = acc_sc[...] * correction + pv
 
@@ -611,9 +623,10 @@ def _specs(geo: Geometry, dense_mask: bool, kv_major: bool, scales: int = 0):
   def kmap(b, h, x, y, *pf):
     return b, h, ij(b, x, y, *pf)[1], 0
 
-  specs = [pl.BlockSpec((_sq, _sq, Tq, Hp), qmap),
-           pl.BlockSpec((_sq, _sq, Sk, Hp), kmap),
-           pl.BlockSpec((_sq, _sq, Sk, Hp), kmap),
+  kv = (pl.BlockSpec((_sq, _sq, Hp, Sk), lambda b, h, x, y, *pf: (
+      b, h, 0, ij(b, x, y, *pf)[1])) if geo.keys_minor else
+        pl.BlockSpec((_sq, _sq, Sk, Hp), kmap))
+  specs = [pl.BlockSpec((_sq, _sq, Tq, Hp), qmap), kv, kv,
            pl.BlockSpec((_sq, Tq, 1), lambda b, h, x, y, *pf: (b, ij(b, x, y, *pf)[0], 0)),
            pl.BlockSpec((_sq, 1, Sk), lambda b, h, x, y, *pf: (b, 0, ij(b, x, y, *pf)[1]))]
   if dense_mask:
@@ -712,8 +725,11 @@ def _keys(geo: Geometry, k, v, kpos_Bx1xS):
   (the bounds need whole blocks; the arrays' last block is partial)."""
   pad = geo.Sp - geo.S
   kpos = jnp.pad(kpos_Bx1xS, ((0, 0), (0, 0), (0, pad)), mode="edge")
+  if geo.keys_minor:     # [B, K, Hp, S]: from the caller's [B, S, K, H] (a cache's view)
+    k, v = (jnp.swapaxes(x, 2, 3) for x in (k, v))
   if geo.pad_keys:
-    k, v = (_pad(x, ((0, pad), (0, 0))) for x in (k, v))
+    k, v = (_pad(x, ((0, 0), (0, pad)) if geo.keys_minor else ((0, pad), (0, 0)))
+            for x in (k, v))
   return k, v, kpos
 
 
