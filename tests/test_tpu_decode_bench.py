@@ -34,7 +34,10 @@ def test_every_row_runs_and_matches_float64_and_a_rerun_resumes(tmp_path, monkey
     assert row["rel_l2"] <= bound, (name, row["rel_l2"])
     assert row["bytes"] == 2 * 2 * 300 * (2 * 64 * (1 if "int8" in name else 2)
                                          + (8 if "int8" in name else 0))
-  assert case["rows"]["flash int8 dk=256"]["vs_best_bf16_flash"] > 0
+  ratio = tpu_decode.int8_ratio(case["rows"], "flash int8 dk=256")
+  assert ratio == (case["rows"]["flash int8 dk=256"]["median_us"]
+                   / case["rows"]["flash dk=256"]["median_us"])
+  assert tpu_decode.int8_ratio(case["rows"], "flash dk=256") is None
   assert real_layers(2 ** 20) == 1024 and real_layers(2 ** 31) == 2
   saved = json.loads((tmp_path / "tpu_decode.json").read_text())
   assert saved["provenance"]["source"] and "flash int8 dk=256" in (
