@@ -37,7 +37,7 @@ matmul rates measured in the run; `attnprec.bench.attention_forms`);
 train step of a small model at `--depths=2,8,32,80` (`--quick`: 2,8), each compiled
 `--rounds` times (default 1), layouts interleaved. Writes <out>/compile.json, compile.md.
 
-`tpu_decode` (on a TPU; interpreted on CPU): one decode step's attention alone against
+`tpu_decode` (on a TPU; refused elsewhere): one decode step's attention alone against
 the measured HBM read bandwidth, every kernel, the flash kernel's decode key blocks
 (`--decode_blocks`, default 1024,2048,4096,8192), flags off and an int8 cache beside
 (`attnprec.bench.tpu_decode`); `--decode_batches` (default 1,8), `--decode_seq_lens`
@@ -256,11 +256,6 @@ def run_tpu_attention(args):
 def run_tpu_decode(args):
   shapes = ([m.strip() for m in args.model.split(",") if m.strip()] if args.model
             else list(tpu_decode_bench.DEFAULT_SHAPES))
-  unknown = [m for m in shapes if m not in tpu_bench.SHAPES]
-  if unknown:
-    raise UserError(f"--model={args.model!r}: the tpu_decode suite knows the attention "
-                    f"shapes of {', '.join(tpu_bench.SHAPES)}, not "
-                    f"{', '.join(map(repr, unknown))}.")
   result = tpu_decode_bench.run(
       args.out, shapes=shapes, batches=args.decode_batches or tpu_decode_bench.DEFAULT_BATCHES,
       seq_lens=args.decode_seq_lens or tpu_decode_bench.DEFAULT_SEQ_LENS,
@@ -378,6 +373,26 @@ def _parse(argv):
       raise UserError(f"--model={args.model!r}: the attention_forms suite knows the "
                       f"attention shapes of {', '.join(forms_bench.SHAPES)}, not "
                       f"{', '.join(map(repr, unknown))}.")
+  if args.suite == "tpu_decode":
+    import jax
+    if jax.default_backend() != "tpu":
+      raise UserError(f"--suite=tpu_decode times a decode step's attention on a TPU against "
+                      f"its HBM bandwidth; this machine's backend is "
+                      f"{jax.default_backend()!r} (the flash kernel would run "
+                      f"interpreted). Run it on a TPU (docs/tpu.md); on CPU use "
+                      f"--suite=attention (its decode rows).")
+    unknown = [m for m in (args.model or "").split(",") if m.strip()
+               and m.strip() not in tpu_bench.SHAPES]
+    if unknown:
+      raise UserError(f"--model={args.model!r}: the tpu_decode suite knows the attention "
+                      f"shapes of {', '.join(tpu_bench.SHAPES)}, not "
+                      f"{', '.join(map(repr, unknown))}.")
+    bad = [b for b in (args.decode_blocks or ()) if b <= 0 or b % 128]
+    if bad:
+      raise UserError(f"--decode_blocks={','.join(map(str, args.decode_blocks))}: the flash "
+                      f"kernel's decode key blocks must be positive multiples of 128 (the "
+                      f"lane width), not {', '.join(map(str, bad))}. Valid: e.g. "
+                      f"1024,2048,4096,8192.")
   if args.suite == "tpu_attention":
     import jax
     if jax.default_backend() != "tpu":

@@ -319,7 +319,11 @@ def test_attention_forms_bad_input_exits_2_and_writes_nothing(tmp_path):
   for i, argv in enumerate((["--suite=attention_forms", "--model=gpt2"],
                             ["--suite=attention_forms", "--blocks=512/0"],
                             ["--suite=attention_forms", "--blocks=512"],
-                            ["--suite=model", "--blocks=512/256"])):
+                            ["--suite=model", "--blocks=512/256"],
+                            # off a TPU, and options it does not read / cannot use
+                            ["--suite=tpu_decode"],
+                            ["--suite=tpu_decode", "--seq_lens=1024"],
+                            ["--suite=tpu_decode", "--decode_batches=0"])):
     out = tmp_path / f"out{i}"
     assert runner.main(argv + [f"--out={out}"]) == 2, argv
     assert not out.exists() or not list(out.iterdir()), argv

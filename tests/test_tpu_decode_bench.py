@@ -47,3 +47,18 @@ def test_every_row_runs_and_matches_float64_and_a_rerun_resumes(tmp_path, monkey
   assert any("already measured" in m for m in seen), seen
   with pytest.raises(UserError, match="other settings"):
     tpu_decode.run(str(tmp_path), **dict(kw, blocks=(128,)))
+
+
+def test_the_docs_table_is_the_tpu_run_s():
+  """docs/performance.md quotes the TPU's decode table to the character, rendered from
+  results/tpu-decode/stacked_loop.json (`tpu_decode.to_markdown`, less its title line),
+  a run on a TPU by the code its README names."""
+  import os
+  root = os.path.join(os.path.dirname(__file__), "..")
+  with open(os.path.join(root, "results", "tpu-decode", "stacked_loop.json")) as f:
+    result = json.load(f)
+  assert result["backend"] == "tpu" and result["provenance"]["source"] == "afcca651bbe3e5fe"
+  table = tpu_decode.to_markdown(result).split("\n", 2)[2]
+  assert table.count("\n") >= 2 + 2 * 7       # two cases of seven rows
+  with open(os.path.join(root, "docs", "performance.md")) as f:
+    assert table in f.read()
