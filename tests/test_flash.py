@@ -394,3 +394,52 @@ def test_a_decode_step_reads_a_64_wide_cache_keys_minor():
   assert not re.search(rf"stablehlo.pad[^\n]*\(tensor<[0-9x]*{S}[0-9x]*xbf16>", text), \
       "the cache is padded (copied)"
   assert re.search(rf"tensor<{B}x{K}x{H64}x{S}xbf16>", text), "keys enter as [B, K, H, S]"
+
+
+def test_a_decode_step_reads_one_layer_of_a_stack_in_place():
+  """`layer=`: given a stack of 3 layers' caches [L, B, S, K, H] (int8 codes and their
+  per-token scales too), a decode step reads layer l == dot_product over that layer
+  alone (fp32, blockwise's bound), for a traced l; lowered for a TPU, the stack enters
+  the one Mosaic call whole (no slice of it is copied out); a gradient, or a call with
+  more rows than a decode step, is refused by name."""
+  from attnprec import kvquant
+  L, S, K, H64 = 3, 300, 2, 64
+  rng = np.random.default_rng(4)
+  q = jnp.asarray(rng.normal(size=(B, 1, N, H64)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(L, B, S, K, H64)), jnp.float32) for _ in "kv")
+  q_pos = jnp.asarray([[20], [290]], jnp.int32)
+  k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  mask = contract.causal_mask(q_pos, k_pos)
+  blocks = flash.Blocks(chunk=128, decode_k=256)
+  run = jax.jit(lambda q, k, v, layer, kv_cache=contract.COMPUTE_CACHE, kv_scales=None:
+                flash.flash_attention(q, k, v, causal=True, q_positions_BxT=q_pos,
+                                      k_positions_BxS=k_pos, blocks=blocks, layer=layer,
+                                      kv_cache=kv_cache, kv_scales=kv_scales),
+                static_argnames="kv_cache")
+  for layer in (0, 2):
+    np.testing.assert_allclose(run(q, k, v, layer),
+                               dot_product.dot_product_attention(q, k[layer], v[layer],
+                                                                 mask=mask),
+                               atol=tol(2e-5), rtol=tol(2e-5))
+  storage = contract.CacheStorage("int8", "int8", "token", "token")
+  (kc, ks), (vc, vs) = (jax.vmap(lambda x: kvquant.quantize_token(x, "int8"))(x)
+                        for x in (k, v))
+  scales = contract.KVScales(k_token_BxKxS=jnp.swapaxes(ks, 2, 3),
+                             v_token_BxKxS=jnp.swapaxes(vs, 2, 3))
+  one = contract.KVScales(k_token_BxKxS=scales.k_token_BxKxS[1],
+                          v_token_BxKxS=scales.v_token_BxKxS[1])
+  np.testing.assert_allclose(
+      run(q, kc, vc, 1, kv_cache=storage, kv_scales=scales),
+      dot_product.dot_product_attention(q, kc[1], vc[1], mask=mask, kv_cache=storage,
+                                        kv_scales=one), atol=tol(2e-5), rtol=tol(2e-5))
+  text = jax.jit(lambda q, c, layer: flash.flash_attention(
+      q, c, c, causal=True, q_positions_BxT=q_pos, k_positions_BxS=k_pos, blocks=blocks,
+      layer=layer)).trace(q.astype(BF16), k.astype(BF16), 1).lower(
+          lowering_platforms=("tpu",)).as_text()
+  assert len(re.findall(r"custom_call @tpu_custom_call\(", text)) == 1
+  assert not re.search(rf"slice[^\n]*\(tensor<{L}x", text), "a layer sliced out of the stack"
+  with pytest.raises(UserError, match="stack of layers' caches .* has no gradient"):
+    jax.grad(lambda q: run(q, k, v, 0).sum())(q)
+  with pytest.raises(UserError, match="only in a decode call"):
+    flash.flash_attention(jnp.zeros((B, 100, N, H64)), k, v, causal=True, layer=0,
+                          blocks=blocks)

@@ -27,7 +27,8 @@ def test_every_row_runs_and_matches_float64_and_a_rerun_resumes(tmp_path, monkey
   (case,) = result["cases"].values()
   names = set(case["rows"])
   assert {"dot_product", "blockwise", "flash dk=256", "flash bf16 dk=256",
-          "dot_product int8", "flash int8 dk=256"} == names
+          "flash stacked dk=256", "dot_product int8", "flash int8 dk=256",
+          "flash stacked int8 dk=256"} == names
   for name, row in case["rows"].items():
     assert "error" not in row, (name, row)
     bound = 4 * 2 ** -8 if "bf16" in name else 2 ** -8

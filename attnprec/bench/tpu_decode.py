@@ -12,6 +12,9 @@ as its [B, S, K, H] view, as in a decode step. Rows (both flags unless named):
   flash bf16 dk=<n>                        the same with the flags off (their cost)
   dot_product int8, flash int8 dk=<n>      an int8 cache with per-token key and value
                                            scales (codes and scales read by the kernel)
+  flash stacked [int8] dk=<n>              the same given the whole stack of caches and
+                                           the layer (`flash_attention(layer=)`): the
+                                           layer's cache read in place, not sliced out
 Method: every row jitted, run once and checked against float64 (NumPy: the bf16 values,
 or the int8 codes times their scales); then timed as a decode loop runs it: one jitted
 `fori_loop` of `STEPS` steps, each writing a new key and value row into the carried
@@ -82,11 +85,12 @@ def layers_for(cache_bytes: int) -> int:
   return max(2, -(-GIB // cache_bytes))
 
 
-def decode_loop(f):
+def decode_loop(f, stacked: bool = False):
   """A jitted loop of decode steps over f(q, k, v, k_scale, v_scale, pos) and a stack of
   L caches [L, B, K, S, H] (scales [L, B, K, S]): step i writes a new key / value row
   (from its q) at the last position of layer i mod L's cache, in the carried stack, and
-  attends over that cache; returns the sum of the outputs (every step's used)."""
+  attends over that cache (the layer sliced out of the stack; with `stacked`, f is given
+  the whole stack and the layer); returns the sum of the outputs (every step's used)."""
   def run(qs_RxBx1xNxH, k_L, v_L, ks_L, vs_L, pos):
     L, K, S = k_L.shape[0], k_L.shape[2], k_L.shape[3]
     take = lambda x, l: jax.lax.dynamic_index_in_dim(x, l, 0, keepdims=False)  # noqa: E731
@@ -98,8 +102,9 @@ def decode_loop(f):
       at = (layer, 0, 0, S - 1, 0)
       k_L = jax.lax.dynamic_update_slice(k_L, row_1xBxKx1xH.astype(k_L.dtype), at)
       v_L = jax.lax.dynamic_update_slice(v_L, row_1xBxKx1xH.astype(v_L.dtype), at)
-      out = f(q, take(k_L, layer), take(v_L, layer), take(ks_L, layer), take(vs_L, layer),
-              pos)
+      out = (f(q, k_L, v_L, ks_L, vs_L, pos, layer) if stacked else
+             f(q, take(k_L, layer), take(v_L, layer), take(ks_L, layer), take(vs_L, layer),
+               pos))
       return k_L, v_L, acc + out.astype(jnp.float32)
 
     return jax.lax.fori_loop(0, qs_RxBx1xNxH.shape[0], step,
@@ -138,11 +143,12 @@ def _quantized(k_BxKxSxH, v_BxKxSxH):
   return out
 
 
-def rows_for(S: int, blocks: Sequence[int]) -> Dict[str, Tuple[Callable, bool]]:
-  """name -> (f(q, k, v, k_scale, v_scale, pos) over the [B, K, S, H] cache, int8)."""
+def rows_for(S: int, blocks: Sequence[int]) -> Dict[str, Tuple[Callable, bool, bool]]:
+  """name -> (f(q, k, v, k_scale, v_scale, pos[, layer]) over the [B, K, S, H] cache, or
+  with stacked over the [L, B, K, S, H] stack and its layer `layer`; int8; stacked)."""
   both = variant("fp32_attention")
   kpos = lambda B: jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))  # noqa: E731
-  view = lambda x: jnp.swapaxes(x, 1, 2)      # noqa: E731 -- the model's [B, S, K, H]
+  view = lambda x: jnp.swapaxes(x, -3, -2)   # noqa: E731 -- the model's [(L,) B, S, K, H]
 
   def xla(kernel, storage=contract.COMPUTE_CACHE):
     prec = variant("fp32_attention", kernel=kernel, **(dict(
@@ -160,23 +166,27 @@ def rows_for(S: int, blocks: Sequence[int]) -> Dict[str, Tuple[Callable, bool]]:
   def fl(decode_k, flags=both.attention, storage=contract.COMPUTE_CACHE):
     bl = flash.Blocks(decode_k=decode_k, chunk=min(flash.DEFAULT_BLOCKS.chunk, decode_k))
 
-    def f(q, k, v, ks, vs, pos):
+    def f(q, k, v, ks, vs, pos, layer=None):
       scales = contract.KVScales(k_token_BxKxS=ks, v_token_BxKxS=vs) \
           if storage.quantized else None
       return flash.flash_attention(q, view(k), view(v), causal=True, q_positions_BxT=pos,
                                    k_positions_BxS=kpos(q.shape[0]), flags=flags,
-                                   kv_cache=storage, kv_scales=scales, blocks=bl)
+                                   kv_cache=storage, kv_scales=scales, blocks=bl,
+                                   layer=layer)
     return f
 
-  rows = {"dot_product": (xla("dot_product"), False), "blockwise": (xla("blockwise"), False)}
+  rows = {"dot_product": (xla("dot_product"), False, False),
+          "blockwise": (xla("blockwise"), False, False)}
   for n in blocks:
-    rows[f"flash dk={n}"] = (fl(n), False)
-  mid = blocks[len(blocks) // 2]
-  rows[f"flash bf16 dk={mid}"] = (fl(mid, variant("bf16").attention), False)
-  rows["dot_product int8"] = (xla("dot_product", INT8), True)
+    rows[f"flash dk={n}"] = (fl(n), False, False)
+  mid, last = blocks[len(blocks) // 2], blocks[-1]
+  rows[f"flash bf16 dk={mid}"] = (fl(mid, variant("bf16").attention), False, False)
+  rows[f"flash stacked dk={last}"] = (fl(last), False, True)
+  rows["dot_product int8"] = (xla("dot_product", INT8), True, False)
   for n in blocks[len(blocks) // 2:]:
-    rows[f"flash int8 dk={n}"] = (fl(n, storage=INT8), True)
-  return {name: (f, q8) for name, (f, q8) in rows.items()}
+    rows[f"flash int8 dk={n}"] = (fl(n, storage=INT8), True, False)
+  rows[f"flash stacked int8 dk={last}"] = (fl(last, storage=INT8), True, True)
+  return rows
 
 
 def _reference(q, k, v, scale_k=None, scale_v=None):
@@ -208,13 +218,15 @@ def run_case(shape: str, B: int, S: int, *, blocks, rounds: int, bandwidth: floa
   stacks = {False: tuple(_stack(x, L, i) for i, x in enumerate((k, v, ks, vs))),
             True: tuple(_stack(x, L, 4 + i) for i, x in enumerate((kc, vc, ks, vs)))}
   rows, live = {}, {}
-  for name, (fn, q8) in fns.items():
+  for name, (fn, q8, stacked) in fns.items():
     args = (q, kc, vc, ks, vs, pos) if q8 else (q, k, v, ks, vs, pos)
+    if stacked:      # checked as a stack of one, layer 0
+      args = (q,) + tuple(x[None] for x in args[1:5]) + (pos, 0)
     try:
       t0 = time.perf_counter()
       out = np.asarray(jnp.asarray(jax.block_until_ready(jax.jit(fn)(*args)),
                                    jnp.float32), np.float64)
-      loop, loop_args = decode_loop(fn), (qs,) + stacks[q8] + (pos,)
+      loop, loop_args = decode_loop(fn, stacked), (qs,) + stacks[q8] + (pos,)
       jax.block_until_ready(loop(*loop_args))
       row = {"compile_s": time.perf_counter() - t0,
              "bytes": B * K * S * (2 * H * (1 if q8 else 2) + (8 if q8 else 0))}

@@ -152,6 +152,13 @@ class Geometry:
   pad_keys: bool = True
   # whether k / v enter as [B, K, Hp, S] (keys minor: `decode_geometry`), else [B, K, S, Hp]
   keys_minor: bool = False
+  # whether k / v (and their scales) are a stack of layers' caches with a leading L axis,
+  # the layer read given as one more scalar-prefetch value (`flash_attention(layer=)`)
+  stacked: bool = False
+
+  @property
+  def n_prefetch(self) -> int:
+    return N_PREFETCH + (1 if self.stacked else 0)
 
   @property
   def R(self) -> int:
@@ -421,7 +428,7 @@ def _fwd_body(spec: Spec, with_lse: bool):
   mv = contract.mask_value(sm)
 
   def body(*refs):
-    prefetch, refs = refs[:N_PREFETCH], list(refs[N_PREFETCH:])
+    prefetch, refs = refs[:N_PREFETCH], list(refs[geo.n_prefetch:])
     q_ref, k_ref, v_ref, qpos_ref, kpos_ref = refs[:5]
     refs = refs[5:]
     mask_ref = refs.pop(0) if spec.dense_mask else None
@@ -623,17 +630,21 @@ def _specs(geo: Geometry, dense_mask: bool, kv_major: bool, scales: int = 0):
   def kmap(b, h, x, y, *pf):
     return b, h, ij(b, x, y, *pf)[1], 0
 
-  kv = (pl.BlockSpec((_sq, _sq, Hp, Sk), lambda b, h, x, y, *pf: (
+  # a stack's leading layer axis: its index the last scalar-prefetch value
+  lead = (_sq,) if geo.stacked else ()
+  layer = (lambda pf: (pf[N_PREFETCH][0],)) if geo.stacked else (lambda pf: ())
+  kv = (pl.BlockSpec(lead + (_sq, _sq, Hp, Sk), lambda b, h, x, y, *pf: layer(pf) + (
       b, h, 0, ij(b, x, y, *pf)[1])) if geo.keys_minor else
-        pl.BlockSpec((_sq, _sq, Sk, Hp), kmap))
+        pl.BlockSpec(lead + (_sq, _sq, Sk, Hp),
+                     lambda b, h, x, y, *pf: layer(pf) + kmap(b, h, x, y, *pf)))
   specs = [pl.BlockSpec((_sq, _sq, Tq, Hp), qmap), kv, kv,
            pl.BlockSpec((_sq, Tq, 1), lambda b, h, x, y, *pf: (b, ij(b, x, y, *pf)[0], 0)),
            pl.BlockSpec((_sq, 1, Sk), lambda b, h, x, y, *pf: (b, 0, ij(b, x, y, *pf)[1]))]
   if dense_mask:
     specs.append(pl.BlockSpec((_sq, _sq, Tq, Sk), lambda b, h, x, y, *pf: (
         b, h) + ij(b, x, y, *pf)))
-  for _ in range(scales):   # a quantized cache's per-token scales, [B, K, 1, S]
-    specs.append(pl.BlockSpec((_sq, _sq, 1, Sk), lambda b, h, x, y, *pf: (
+  for _ in range(scales):   # a quantized cache's per-token scales, [(L,) B, K, 1, S]
+    specs.append(pl.BlockSpec(lead + (_sq, _sq, 1, Sk), lambda b, h, x, y, *pf: layer(pf) + (
         b, h, 0, ij(b, x, y, *pf)[1])))
   rows = pl.BlockSpec((_sq, _sq, Tq, 1), lambda b, h, x, y, *pf: (b, h, ij(b, x, y, *pf)[0], 0))
   qblock = pl.BlockSpec((_sq, _sq, Tq, Hp), qmap)
@@ -659,7 +670,7 @@ def _forward_call(spec: Spec, interpret: bool, with_lse: bool, prefetch, operand
   if with_lse:
     out_shape.append(jax.ShapeDtypeStruct((geo.B, geo.K, geo.Rp, 1), F32))
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=N_PREFETCH, grid=(geo.B, geo.K, geo.nq, geo.nk),
+      num_scalar_prefetch=geo.n_prefetch, grid=(geo.B, geo.K, geo.nq, geo.nk),
       in_specs=specs, out_specs=out_specs,
       scratch_shapes=[pltpu.VMEM((geo.Tq, 1), F32), pltpu.VMEM((geo.Tq, 1), F32),
                       pltpu.VMEM((geo.Tq, geo.Hp), F32)])
@@ -726,7 +737,7 @@ def _keys(geo: Geometry, k, v, kpos_Bx1xS):
   pad = geo.Sp - geo.S
   kpos = jnp.pad(kpos_Bx1xS, ((0, 0), (0, 0), (0, pad)), mode="edge")
   if geo.keys_minor:     # [B, K, Hp, S]: from the caller's [B, S, K, H] (a cache's view)
-    k, v = (jnp.swapaxes(x, 2, 3) for x in (k, v))
+    k, v = (jnp.swapaxes(x, -1, -2) for x in (k, v))
   if geo.pad_keys:
     k, v = (_pad(x, ((0, 0), (0, pad)) if geo.keys_minor else ((0, pad), (0, 0)))
             for x in (k, v))
@@ -738,12 +749,13 @@ def _flash(fwd: Spec, bwd: Spec, inf: Spec, q, k, v, qpos, kpos, mask):
   return _primal(inf, q, k, v, qpos, kpos, mask)
 
 
-def _primal(spec: Spec, q, k, v, qpos, kpos, mask, scales=()):
+def _primal(spec: Spec, q, k, v, qpos, kpos, mask, scales=(), layer=None):
   """The forward without a gradient over `spec` (the decode geometry where it applies);
-  scales: a quantized cache's per-token [B, K, 1, S] scales (keys, values), if any."""
+  scales: a quantized cache's per-token [(L,) B, K, 1, S] scales (keys, values), if any;
+  layer: the [1] int32 index into stacked k / v / scales (`Geometry.stacked`)."""
   k, v, kpos = _keys(spec.geo, k, v, kpos)
   prefetch = _prefetch(_bounds(qpos[..., 0], kpos[:, 0], spec.geo, spec.causal,
-                               spec.window))
+                               spec.window)) + ((layer,) if spec.geo.stacked else ())
   operands = [q, k, v, qpos, kpos] + ([mask] if mask is not None else []) + list(scales)
   return _on_platform(lambda interp, *xs: _forward_call(spec, interp, False, prefetch,
                                                         list(xs))[0])(*operands)
@@ -780,19 +792,22 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _cached(spec: Spec, q, k, v, qpos, kpos, mask, tokens):
-  """Attention over a quantized cache (codes and per-token scales): the forward only."""
+def _cached(spec: Spec, q, k, v, qpos, kpos, mask, tokens, layer):
+  """Attention over a quantized cache (codes and per-token scales) or a stack of layers'
+  caches (`layer`): the forward only."""
   if spec.geo.pad_keys:
     tokens = tuple(_pad(x, ((0, 0), (0, spec.geo.Sp - spec.geo.S))) for x in tokens)
-  return _primal(spec, q, k, v, qpos, kpos, mask, tokens)
+  return _primal(spec, q, k, v, qpos, kpos, mask, tokens, layer)
 
 
 def _cached_fwd(spec: Spec, *args):
+  what = (f"a quantized KV cache ({dict(spec.rows)['k_cache']} keys, "
+          f"{dict(spec.rows)['v_cache']} values)" if spec.rows else
+          "a stack of layers' caches (layer=)")
   raise UserError(
-      f"The 'flash' kernel over a quantized KV cache "
-      f"({dict(spec.rows)['k_cache']} keys, {dict(spec.rows)['v_cache']} values) has no "
-      f"gradient: a cache's codes are read-only (prefill and decode). Train without a "
-      f"cache, or over an unscaled storage ('compute', 'float32', 'bfloat16').")
+      f"The 'flash' kernel over {what} has no gradient: a cache is read-only (prefill "
+      f"and decode). Train without a cache, or over an unscaled storage ('compute', "
+      f"'float32', 'bfloat16') passed per layer.")
 
 
 _cached.defvjp(_cached_fwd, lambda spec, res, g: None)
@@ -805,14 +820,31 @@ def flash_attention(q, k, v, *, mask=None,
                     q_positions_BxT=None, k_positions_BxS=None,
                     sliding_window: Optional[int] = None,
                     kv_cache: contract.CacheStorage = contract.COMPUTE_CACHE,
-                    kv_scales=None, blocks: Blocks = DEFAULT_BLOCKS, stages=None):
+                    kv_scales=None, blocks: Blocks = DEFAULT_BLOCKS, stages=None,
+                    layer=None):
   """Flash attention in Pallas, forward and backward; same contract and arguments as
   `blockwise_attention` (positions default to k_pos = arange(S), q_pos = the last T).
 
   blocks: the `Blocks` (checked: `check_blocks`). stages: the table row the body is
   built from; None (always, outside tests) = the row for `flags`.
+  layer: None, or an int32 scalar (traced or not): k / v are then a stack of layers'
+  caches [L, B, S, K, H] (a scanned model's cache, as its [L, B, K, S, H] view) and
+  their per-token scales [L, B, K, S] (per-channel [L, B, K, H]), of which the call reads
+  layer `layer` in place: the index enters the kernel's block index maps, so the layer's
+  cache is never sliced out (a copy a Pallas call's operand would need). A decode call
+  only (the decode geometry), without a gradient.
   Returns [B, T, N, H] in q's dtype."""
-  prep = contract.prepare(q, k, v, flags, scale=scale, kv_cache=kv_cache,
+  if layer is not None:
+    k_one, v_one = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k, v))
+    stacked_scales, kv_scales = kv_scales, (None if kv_scales is None else contract.KVScales(
+        **{f: None if getattr(kv_scales, f) is None else (
+            jax.lax.dynamic_index_in_dim(getattr(kv_scales, f), layer, 0, keepdims=False)
+            if f == "k_channel_BxKxH" else
+            jax.ShapeDtypeStruct(getattr(kv_scales, f).shape[1:], getattr(kv_scales, f).dtype))
+           for f in ("k_token_BxKxS", "k_channel_BxKxH", "v_token_BxKxS")}))
+  else:
+    k_one, v_one, stacked_scales = k, v, kv_scales
+  prep = contract.prepare(q, k_one, v_one, flags, scale=scale, kv_cache=kv_cache,
                           kv_scales=kv_scales)
   why = settings_refusal(flags, kv_cache)
   if why:
@@ -833,20 +865,28 @@ def flash_attention(q, k, v, *, mask=None,
                 dense_mask=mask is not None,
                 rows=tuple(rows.items()) if rows else None)
   dgeo = decode_geometry(fgeo, blocks, mask is not None)
+  if layer is not None:
+    if dgeo is None:
+      raise UserError(
+          f"The 'flash' kernel reads a stack of layers' caches (layer=) only in a decode "
+          f"call: at most {DECODE_ROWS} query rows per kv head (T x G = {T * G} here) and "
+          f"no dense mask. Pass the layer's own cache for this call.")
+    dgeo = dataclasses.replace(dgeo, stacked=True)
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   fwd = Spec(geo=fgeo, **common)
   q_BxTxKxGxH = prep.queries(q)     # a per-channel key scale applied (`query_operand`)
   tokens = ()
-  if rows:     # the per-token scales of a quantized cache, as [B, K, 1, S]
-    tokens = tuple(x[:, :, None, :] for x in (kv_scales.k_token_BxKxS,
-                                              kv_scales.v_token_BxKxS) if x is not None)
+  if rows:     # the per-token scales of a quantized cache, as [(L,) B, K, 1, S]
+    tokens = tuple(x[..., None, :] for x in (stacked_scales.k_token_BxKxS,
+                                             stacked_scales.v_token_BxKxS) if x is not None)
   return _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, tokens,
-                    fwd=fwd, bwd=Spec(geo=bgeo, **common),
+                    layer, fwd=fwd, bwd=Spec(geo=bgeo, **common),
                     inf=fwd if dgeo is None else Spec(geo=dgeo, **common))
 
 
 @functools.partial(jax.jit, static_argnames=("fwd", "bwd", "inf"))
-def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, tokens, *, fwd,
-               bwd, inf):
+def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, tokens, layer, *,
+               fwd, bwd, inf):
   """`flash_attention` after its checks: layout, padding, the custom-vjp call (k / v
   are padded to each pass's keys inside it: `_keys`)."""
   geo = fwd.geo
@@ -854,7 +894,8 @@ def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, tokens
   N, R, Rp, Sp, Hp = K * G, geo.R, geo.Rp, geo.Sp, geo.Hp
   q_BxKxRxH = jnp.transpose(q_BxTxKxGxH, (0, 2, 1, 3, 4)).reshape(B, K, R, H)
   q_BxKxRpxHp = _pad(q_BxKxRxH, ((0, Rp - R), (0, Hp - H)))
-  k_BxKxSxHp, v_BxKxSxHp = (_pad(jnp.transpose(x, (0, 2, 1, 3)), ((0, 0), (0, Hp - H)))
+  # [(L,) B, S, K, H] -> [(L,) B, K, S, Hp] (a cache's own layout: the transposes cancel)
+  k_BxKxSxHp, v_BxKxSxHp = (_pad(jnp.swapaxes(x, -3, -2), ((0, 0), (0, Hp - H)))
                             for x in (k, v))
   q_positions_BxT, k_positions_BxS = contract.default_positions(
       q_positions_BxT, k_positions_BxS, B, T, S)
@@ -870,9 +911,9 @@ def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, tokens
     grouped = jnp.broadcast_to(contract.group_mask(mask, B, N, K, G, T, S), (B, K, G, T, S))
     mask_BxKxRxS = jnp.transpose(grouped, (0, 1, 3, 2, 4)).reshape(B, K, R, S)
     dense = _pad(mask_BxKxRxS.astype(jnp.int32), ((0, Rp - R), (0, Sp - S)))
-  if fwd.rows:
+  if fwd.rows or inf.geo.stacked:
     out = _cached(inf, q_BxKxRpxHp, k_BxKxSxHp, v_BxKxSxHp, qpos_BxRpx1, kpos_Bx1xS,
-                  dense, tokens)
+                  dense, tokens, layer)
   else:
     out = _flash(fwd, bwd, inf, q_BxKxRpxHp, k_BxKxSxHp, v_BxKxSxHp, qpos_BxRpx1,
                  kpos_Bx1xS, dense)
