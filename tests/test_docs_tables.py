@@ -13,7 +13,8 @@ Only JSON, JSONL, markdown and text files under results/ are read: nothing is ru
 
 Held elsewhere, and not repeated here: README's headline table (tests/test_docs.py, the
 sizes record), docs/performance.md's TPU tables (tests/test_docs.py, `device_tables`;
-tests/test_flash.py, the flash kernel's flags table), docs/precision.md's held-out table
+tests/test_flash.py, the flash kernel's flags table; tests/test_tpu_decode_bench.py, the
+decode attention table), docs/precision.md's held-out table
 (tests/test_docs.py), docs/training.md's sweep tables (tests/test_lrsweep.py) and
 docs/contract.md's platform table (tests/test_platforms.py).
 """
