@@ -443,3 +443,33 @@ def test_a_decode_step_reads_one_layer_of_a_stack_in_place():
   with pytest.raises(UserError, match="only in a decode call"):
     flash.flash_attention(jnp.zeros((B, 100, N, H64)), k, v, causal=True, layer=0,
                           blocks=blocks)
+
+
+def test_a_long_prefill_over_a_quantized_cache_pads_its_scales():
+  """A prefill of 100 tokens (200 rows per kv head: the forward geometry, keys padded to
+  its blocks) over an int8 per-token cache and over float8 per-channel keys with int8
+  values == dot_product over the same codes and scales (fp32, blockwise's bound)."""
+  from attnprec import kvquant
+  T, S, K = 100, 300, 2
+  q, k, v = _qkv(T, S, K, logit_scale=1.0)
+  k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  q_pos = k_pos[:, S - T:]
+  mask = contract.causal_mask(q_pos, k_pos)
+  vc, vs = kvquant.quantize_token(v, "int8")
+  for storage in (contract.CacheStorage("int8", "int8", "token", "token"),
+                  contract.CacheStorage("float8_e4m3fn", "int8", "channel", "token")):
+    if storage.k_scale == "token":
+      kc, ks = kvquant.quantize_token(k, "int8")
+      scales = contract.KVScales(k_token_BxKxS=jnp.swapaxes(ks, 1, 2),
+                                 v_token_BxKxS=jnp.swapaxes(vs, 1, 2))
+    else:
+      kc, kch = kvquant.quantize_channel(k, kvquant.channel_scale(k, storage.k_dtype),
+                                         storage.k_dtype)
+      scales = contract.KVScales(k_channel_BxKxH=kch, v_token_BxKxS=jnp.swapaxes(vs, 1, 2))
+    got = flash.flash_attention(q, kc, vc, causal=True, q_positions_BxT=q_pos,
+                                k_positions_BxS=k_pos, blocks=SMALL, kv_cache=storage,
+                                kv_scales=scales)
+    want = dot_product.dot_product_attention(q, kc, vc, mask=mask, kv_cache=storage,
+                                             kv_scales=scales)
+    np.testing.assert_allclose(got, want, atol=tol(2e-5), rtol=tol(2e-5),
+                               err_msg=storage.describe())
