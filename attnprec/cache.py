@@ -74,31 +74,35 @@ class LayerCache:
   def length(self) -> int:
     return self.k.shape[-2]
 
-  def _at(self, x):
-    """This layer's part of a leaf (the leaf itself unless a view of a stack)."""
-    return x if x is None or self.layer is None else x[self.layer]
+  def _at(self, x, whole_stack: bool = False):
+    """This layer's part of a leaf (the leaf itself unless a view of a stack; the whole
+    stack with `whole_stack`, for a kernel that reads the layer in place)."""
+    return x if x is None or self.layer is None or whole_stack else x[self.layer]
 
   def _set(self, stored, x):
     """`stored` (a leaf) with this layer's part replaced by `x`."""
     return x if self.layer is None else stored.at[self.layer].set(x)
 
-  def read(self, dtype, storage: CacheStorage = COMPUTE_CACHE
+  def read(self, dtype, storage: CacheStorage = COMPUTE_CACHE, whole_stack: bool = False
            ) -> Tuple[jax.Array, jax.Array]:
-    """(k, v) as [B, K, S, H] arrays as the kernels take them.
+    """(k, v) as [B, K, S, H] arrays as the kernels take them ([L, B, K, S, H]: the whole
+    stack of a scanned model's view, with `whole_stack`, for `kernels.attend(kv_layer=)`).
 
     'compute': a reinterpretation of the stored bits as the compute dtype `dtype` (no
     rounding); 'float32' / 'bfloat16': the stored values cast to `dtype` (exact, see
     `contract.cache_storage_error`); a scaled dtype: the codes in their code dtype
     (float8 bits reinterpreted), to be read with `scales`."""
-    return (_read(self._at(self.k), storage.k_dtype, dtype),
-            _read(self._at(self.v), storage.v_dtype, dtype))
+    return (_read(self._at(self.k, whole_stack), storage.k_dtype, dtype),
+            _read(self._at(self.v, whole_stack), storage.v_dtype, dtype))
 
-  def scales(self, storage: CacheStorage = COMPUTE_CACHE) -> Optional[KVScales]:
+  def scales(self, storage: CacheStorage = COMPUTE_CACHE, whole_stack: bool = False
+             ) -> Optional[KVScales]:
     """None when neither side is scaled, else the `KVScales` the kernels apply to the
-    codes `read` returns (`contract.cache_stage_dtypes`)."""
+    codes `read` returns (`contract.cache_stage_dtypes`; the stack's with `whole_stack`)."""
     if not storage.quantized:
       return None
-    k_scale, v_scale = self._at(self.k_scale), self._at(self.v_scale)
+    k_scale, v_scale = (self._at(self.k_scale, whole_stack),
+                        self._at(self.v_scale, whole_stack))
     return KVScales(
         k_token_BxKxS=k_scale if storage.k_scale == "token" else None,
         k_channel_BxKxH=k_scale if storage.k_scale == "channel" else None,

@@ -674,6 +674,7 @@ class KernelSpec:
     anything runs).
   call_scope: the named scope around a library call whose dots the audit reads from the
     kernel's bodies (splash), not as projections.
+  reads_stack: whether a call takes a stack of layers' caches and reads one in place.
   float32_qk_form: whether its `attend` runs the QK dot in the float32 form where
     `Precision.float32_qk_operands` asks for it (q and k cast to float32); a kernel whose
     dots sit in a library has no say in their operands.
@@ -689,6 +690,10 @@ class KernelSpec:
   # bodies (`inspect.pallas_check`): interpreted, they are plain HLO dots in this scope,
   # not projections. None: no such call.
   call_scope: Optional[str] = None
+  # reads_stack(num_queries, G, dense_mask) -> whether `attend` takes a stack of layers'
+  # caches and the layer (`kv_layer`), reading that layer in place (a scanned model's
+  # decode step); None: never (the layer is sliced out for it, `kernels.attend`).
+  reads_stack: Optional[Callable[..., bool]] = None
 
 
 # The einsum precisions Mosaic's lowering of a dot inside a Pallas TPU kernel takes.

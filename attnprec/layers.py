@@ -240,15 +240,25 @@ class Attention(hk.Module):
       # forwards) attention sees the exact keys/values.
       storage = prec.cache_storage
       cache = cache.write(k_BxTxKxH, v_BxTxKxH, positions_BxT, storage)
-      k_BxKxSxH, v_BxKxSxH = cache.read(q_BxTxNxH.dtype, storage)
-      scales = cache.scales(storage)
-      k_BxSxKxH, v_BxSxKxH = (jnp.swapaxes(x, 1, 2) for x in (k_BxKxSxH, v_BxKxSxH))
+      # A scanned model's decode step under a kernel that reads one layer of the stack
+      # in place (flash: `kernels.reads_stack`) gets the whole stack and the layer: a
+      # Pallas call given the layer's slice would copy it out every step.
+      whole = cache.layer is not None and kernels.reads_stack(
+          prec, T, cache.length, N // K, logits_soft_cap=cfg.attn_logit_soft_cap)
+      k_BxKxSxH, v_BxKxSxH = cache.read(q_BxTxNxH.dtype, storage, whole_stack=whole)
+      scales = cache.scales(storage, whole_stack=whole)
+      layer = cache.layer if whole else None
+      # [(L,) B, K, S, H] -> the kernels' [(L,) B, S, K, H] view
+      k_BxSxKxH, v_BxSxKxH = (jnp.swapaxes(x, -3, -2) for x in (k_BxKxSxH, v_BxKxSxH))
     else:
       k_BxSxKxH, v_BxSxKxH = k_BxTxKxH, v_BxTxKxH
+      layer = None
 
     kernel = AttentionKernel(cfg, prec, self.layer, self.scanned, name="kernel")
-    out_BxTxNxH = (kernel(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask) if scales is None else
-                   kernel(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, kv_scales=scales))
+    extra = {} if layer is None else dict(kv_layer=layer)
+    out_BxTxNxH = (kernel(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, **extra) if scales is None
+                   else kernel(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, kv_scales=scales,
+                               **extra))
     chex.assert_shape(out_BxTxNxH, (B, T, N, H))
     out_BxTxD = Dense(cfg.d_model, precision=mp, carrier=cw, form=form, name="o")(
         out_BxTxNxH.reshape(B, T, N * H))
@@ -299,9 +309,11 @@ class AttentionKernel(hk.Module):
   scanned: bool = False
   name: Optional[str] = None
 
-  def __call__(self, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, kv_scales=None):
+  def __call__(self, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, kv_scales=None, kv_layer=None):
     """kv_scales: the `contract.KVScales` of a quantized cache (k, v are then its codes),
-    or None (k, v in the compute dtype)."""
+    or None (k, v in the compute dtype). kv_layer: a scanned model's layer index when k,
+    v (and the scales) are the whole stack (`kernels.attend(kv_layer=)`)."""
+    extra = {} if kv_layer is None else dict(kv_layer=kv_layer)
     return kernels.attend(self.precision, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask,
                           logits_soft_cap=self.config.attn_logit_soft_cap,
-                          scale=self.config.query_scale, kv_scales=kv_scales)
+                          scale=self.config.query_scale, kv_scales=kv_scales, **extra)

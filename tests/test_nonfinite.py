@@ -225,8 +225,8 @@ def test_stage_finder_runs_through_a_quantized_cache(models, monkeypatch):
   assert finite.first_nonfinite_stage(ckpt.config, ckpt.params, tokens, int8) is None
   real = cache_lib.LayerCache.scales
 
-  def nan_scales(self, storage):
-    out = real(self, storage)
+  def nan_scales(self, storage, **kw):
+    out = real(self, storage, **kw)
     return dataclasses.replace(out, k_token_BxKxS=out.k_token_BxKxS * np.float32("nan"))
   monkeypatch.setattr(cache_lib.LayerCache, "scales", nan_scales)
   stage = finite.first_nonfinite_stage(ckpt.config, ckpt.params, tokens, int8)

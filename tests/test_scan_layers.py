@@ -202,3 +202,42 @@ def test_the_compile_bench_measures_both_layouts():
   assert all(r["compile_s"] > 0 and r["hlo_instructions"] > 0 for r in rows.values())
   assert "| decode | 3 | scanned |" in compile_time.to_markdown(result)
   assert set(compile_time.ratios(result)["decode"]) == {"unrolled", "scanned"}
+
+
+def test_flash_reads_the_layer_in_the_stack_and_equals_the_unrolled_model(params):
+  """kernel='flash' (interpreted here): a scanned model's prefill and decode steps give
+  the flash kernel the whole stacked cache and the scan's layer index
+  (`kernels.reads_stack`, `flash_attention(layer=)`), int8 codes and scales and the
+  'bias' key offset included, and equal the unrolled model, whose layers pass their own
+  caches, bit for bit; the decode step's Pallas call takes the [L, ...] stack."""
+  from attnprec.inspect import pallas_check
+  unrolled, stacked = params
+  precision = dataclasses.replace(BIAS_INT8, kernel="flash")
+  prompt_BxP = jnp.array([[3, 5, 7, 9, 2], [4, 4, 1, 0, 0]], jnp.int32)
+  lengths_B = jnp.array([5, 3], jnp.int32)
+  run = {}
+  for config, p in ((UNROLLED, unrolled), (SCANNED, stacked)):
+    prefill = jax.jit(lambda p, t, n, c=config: decoding.prefill(
+        p, t, n, config=c, precision=precision, cache_length=8))
+    step = lambda p, s, t, c=config: decoding.decode_step(  # noqa: E731
+        p, s, t, config=c, precision=precision)
+    state = prefill(p, prompt_BxP, lengths_B)
+    logits = [state.last_BxV]
+    for _ in range(2):
+      token = jnp.argmax(state.last_BxV, -1).astype(jnp.int32)
+      if config.scan_layers:
+        jaxpr = jax.make_jaxpr(step)(p, state, token)
+        operands = [e.invars[_k_operand(e)].aval.ndim
+                    for e in pallas_check.kernel_bodies(jaxpr)]
+        assert operands and set(operands) == {5}, operands   # k: [L, B, K, H, S]
+      state = jax.jit(step)(p, state, token)
+      logits.append(state.last_BxV)
+    run[config.scan_layers] = (np.stack(logits), state.cache)
+  np.testing.assert_array_equal(run[True][0], run[False][0])
+  _equal(unstack_cache(run[True][1]), run[False][1])
+
+
+def _k_operand(eqn) -> int:
+  """The index of a flash forward call's k operand among its inputs (after the scalar
+  prefetch arrays: the grid spec's num_scalar_prefetch)."""
+  return eqn.params["grid_mapping"].num_index_operands + 1

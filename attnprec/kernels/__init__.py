@@ -26,6 +26,8 @@ a loop is blockwise; a Mosaic body is flash).
 """
 from typing import Dict, Optional, Tuple
 
+import jax
+
 from attnprec import contract, platforms
 from attnprec.errors import UserError, choice_error
 from attnprec.kernels import blockwise, dot_product, flash, jax_nn, pallas, splash
@@ -112,8 +114,19 @@ def refusal(precision, *, logits_soft_cap=None) -> Optional[str]:
   return None
 
 
+def reads_stack(precision, num_queries: int, num_keys: int, G: int,
+                dense_mask: bool = False, logits_soft_cap=None) -> bool:
+  """Whether the kernel a call resolves to reads one layer of a stack of caches in place
+  (`KernelSpec.reads_stack`: flash's decode calls), so a scanned model passes it the
+  stack and the layer (`attend(kv_layer=)`) instead of the layer's slice."""
+  platform = precision.platform() if hasattr(precision, "platform") else None
+  spec = get(resolve(precision.kernel, num_queries, num_keys, platform, precision,
+                     logits_soft_cap))
+  return spec.reads_stack is not None and spec.reads_stack(num_queries, G, dense_mask)
+
+
 def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
-           kv_scales=None):
+           kv_scales=None, kv_layer=None):
   """Runs the kernel a phase's `Precision` selects, with its attention flags.
 
   q [B, T, N, H], k/v [B, S, K, H] in the compute dtype, or, with `kv_scales` (a
@@ -122,15 +135,30 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
   dense bool array broadcastable to [B, N, T, S], or a `contract.CausalMask` (positions +
   sliding window), which 'blockwise' uses structurally (skipping hidden blocks) and the
   other kernels as the equivalent dense mask. Returns [B, T, N, H] in q's dtype.
+  kv_layer: None, or an int32 scalar: k / v (and the scales' leaves) are then a stack of
+  layers' caches with a leading L axis, and the call attends over layer `kv_layer`: read
+  in place by a kernel that can (`reads_stack`), else sliced out for it.
   `precision.kernel` may be 'auto' (`resolve`: by the static numbers of queries T and
   keys S).
   """
   platform = precision.platform() if hasattr(precision, "platform") else None
-  kernel = get(resolve(precision.kernel, q.shape[1], k.shape[1], platform, precision,
+  S = k.shape[-3]
+  kernel = get(resolve(precision.kernel, q.shape[1], S, platform, precision,
                        logits_soft_cap))
   why = kernel.refusal(precision, logits_soft_cap=logits_soft_cap)
   if why:
     raise UserError(why)
+  if kv_layer is not None:
+    G = q.shape[2] // k.shape[-2]
+    dense = mask is not None and not isinstance(mask, contract.CausalMask)
+    if kernel.reads_stack is not None and kernel.reads_stack(q.shape[1], G, dense):
+      return kernel.attend(precision, q, k, v, mask=mask, logits_soft_cap=logits_soft_cap,
+                           scale=scale, kv_scales=kv_scales, kv_layer=kv_layer)
+    take = lambda x: None if x is None else jax.lax.dynamic_index_in_dim(  # noqa: E731
+        x, kv_layer, 0, keepdims=False)
+    k, v = take(k), take(v)
+    if kv_scales is not None:
+      kv_scales = jax.tree_util.tree_map(take, kv_scales)
   if kv_scales is None:
     return kernel.attend(precision, q, k, v, mask=mask, logits_soft_cap=logits_soft_cap,
                          scale=scale)

@@ -928,16 +928,25 @@ mask_kwargs = contract.structural_mask_kwargs
 
 
 def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
-           kv_scales=None):
+           kv_scales=None, kv_layer=None):
   """The registry's entry: a phase's `Precision` flags (and cache storage), a dense mask
   or a `CausalMask`; kv_scales: those of a quantized cache (read in the body, forward
   only), or None."""
   return flash_attention(q, k, v, **mask_kwargs(mask), logits_soft_cap=logits_soft_cap,
                          scale=scale, flags=precision.attention,
-                         kv_cache=precision.cache_storage, kv_scales=kv_scales)
+                         kv_cache=precision.cache_storage, kv_scales=kv_scales,
+                         layer=kv_layer)
 
 
-KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=refusal, trains=True)
+def reads_stack(num_queries: int, G: int, dense_mask: bool) -> bool:
+  """Whether a call reads one layer of a stack in place (`flash_attention(layer=)`): a
+  decode call, at most `DECODE_ROWS` rows per kv head in one q block, no dense mask."""
+  return (not dense_mask and num_queries * G <= DECODE_ROWS
+          and num_queries * G <= DEFAULT_BLOCKS.q)
+
+
+KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=refusal, trains=True,
+                             reads_stack=reads_stack)
 
 
 def _pad(x, widths):
