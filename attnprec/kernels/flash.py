@@ -18,6 +18,13 @@ the step before, so Pallas issues no DMA for it), and the body computes nothing 
 computed outside from the positions, so any positions work (a batch of caches at
 different lengths); a block every one of whose pairs is visible runs without the mask.
 
+Decode (`decode_geometry`): a call of at most `DECODE_ROWS` rows per kv head run without
+a gradient reads its keys in blocks of `Blocks.decode_k`, the cache unpadded (a last
+partial block masked, its values and scales zeroed), a 64-wide head keys-minor ([H, S]
+blocks: XLA:TPU's own layout of such a cache), and, given a stack of layers' caches and
+a layer (`layer=`: a scanned model's cache), that layer in place, its index one more
+scalar-prefetch value in the block index maps.
+
 Backward (`jax.custom_vjp`, residuals q, k, v, the output and the float32 logsumexp):
 two kernels, dq (grid (B, K, q blocks, kv blocks), the kv axis arbitrary, a float32 dq
 accumulator) and dk/dv (grid (B, K, kv blocks, q blocks), the q axis arbitrary, float32
