@@ -400,8 +400,9 @@ def test_a_decode_step_reads_one_layer_of_a_stack_in_place():
   """`layer=`: given a stack of 3 layers' caches [L, B, S, K, H] (int8 codes and their
   per-token scales too), a decode step reads layer l == dot_product over that layer
   alone (fp32, blockwise's bound), for a traced l; lowered for a TPU, the stack enters
-  the one Mosaic call whole (no slice of it is copied out); a gradient, or a call with
-  more rows than a decode step, is refused by name."""
+  the one Mosaic call whole (no slice of it is copied out); a gradient, a call with
+  more rows than a decode step, a layer outside the stack or keys that are not a stack
+  are refused by name."""
   from attnprec import kvquant
   L, S, K, H64 = 3, 300, 2, 64
   rng = np.random.default_rng(4)
@@ -440,6 +441,10 @@ def test_a_decode_step_reads_one_layer_of_a_stack_in_place():
   assert not re.search(rf"slice[^\n]*\(tensor<{L}x", text), "a layer sliced out of the stack"
   with pytest.raises(UserError, match="stack of layers' caches .* has no gradient"):
     jax.grad(lambda q: run(q, k, v, 0).sum())(q)
+  with pytest.raises(UserError, match=r"layer=3 is not a layer .* valid layers 0 \.\. 2"):
+    flash.flash_attention(q, k, v, causal=True, layer=3, blocks=blocks)
+  with pytest.raises(UserError, match="reads a stack of layers' caches"):
+    flash.flash_attention(q, k[0], v[0], causal=True, layer=0, blocks=blocks)
   with pytest.raises(UserError, match="only in a decode call"):
     flash.flash_attention(jnp.zeros((B, 100, N, H64)), k, v, causal=True, layer=0,
                           blocks=blocks)

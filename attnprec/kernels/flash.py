@@ -78,6 +78,7 @@ from typing import Optional, Tuple
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -842,6 +843,13 @@ def flash_attention(q, k, v, *, mask=None,
   only (the decode geometry), without a gradient.
   Returns [B, T, N, H] in q's dtype."""
   if layer is not None:
+    if k.ndim != 5:
+      raise UserError(f"The 'flash' kernel's layer={layer!r} reads a stack of layers' "
+                      f"caches [L, B, S, K, H]; got keys of shape {tuple(k.shape)}. Pass "
+                      f"the stack, or layer=None with one layer's cache.")
+    if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < k.shape[0]:
+      raise UserError(f"The 'flash' kernel's layer={layer!r} is not a layer of the stack "
+                      f"of {k.shape[0]} caches: valid layers 0 .. {k.shape[0] - 1}.")
     k_one, v_one = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k, v))
     stacked_scales, kv_scales = kv_scales, (None if kv_scales is None else contract.KVScales(
         **{f: None if getattr(kv_scales, f) is None else (
