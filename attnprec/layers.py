@@ -312,7 +312,9 @@ class AttentionKernel(hk.Module):
   def __call__(self, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask, kv_scales=None, kv_layer=None):
     """kv_scales: the `contract.KVScales` of a quantized cache (k, v are then its codes),
     or None (k, v in the compute dtype). kv_layer: a scanned model's layer index when k,
-    v (and the scales) are the whole stack (`kernels.attend(kv_layer=)`)."""
+    v (and the scales) are the whole stack (`kernels.attend(kv_layer=)`): an interceptor
+    of this call then sees [L, B, S, K, H] keys and values and `kv_layer` in its kwargs
+    (a scanned model's prefill or decode step under a kernel that reads the stack)."""
     extra = {} if kv_layer is None else dict(kv_layer=kv_layer)
     return kernels.attend(self.precision, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask,
                           logits_soft_cap=self.config.attn_logit_soft_cap,

@@ -154,11 +154,10 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
     if kernel.reads_stack is not None and kernel.reads_stack(q.shape[1], G, dense):
       return kernel.attend(precision, q, k, v, mask=mask, logits_soft_cap=logits_soft_cap,
                            scale=scale, kv_scales=kv_scales, kv_layer=kv_layer)
-    take = lambda x: None if x is None else jax.lax.dynamic_index_in_dim(  # noqa: E731
-        x, kv_layer, 0, keepdims=False)
-    k, v = take(k), take(v)
-    if kv_scales is not None:
-      kv_scales = jax.tree_util.tree_map(take, kv_scales)
+    # a kernel that cannot read the stack gets the layer's slice (its scales' too)
+    k, v, kv_scales = jax.tree_util.tree_map(
+        lambda x: jax.lax.dynamic_index_in_dim(x, kv_layer, 0, keepdims=False),
+        (k, v, kv_scales))
   if kv_scales is None:
     return kernel.attend(precision, q, k, v, mask=mask, logits_soft_cap=logits_soft_cap,
                          scale=scale)

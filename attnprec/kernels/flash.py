@@ -211,13 +211,20 @@ def geometries(B, K, T, G, S, H, blocks: Blocks) -> Tuple[Geometry, Geometry]:
   return make(Tf, Sf), make(Tb, Sb)
 
 
+def decodes(rows: int, blocks: Blocks, dense_mask: bool) -> bool:
+  """Whether a call of `rows` query rows per kv head (T x G) runs the decode geometry
+  without a gradient (`decode_geometry`): at most `DECODE_ROWS` rows, within one q block
+  of either pass (so one block of rows), and no dense mask."""
+  return not dense_mask and rows <= min(DECODE_ROWS, blocks.q, blocks.q_bwd)
+
+
 def decode_geometry(fwd: Geometry, blocks: Blocks, dense_mask: bool) -> Optional[Geometry]:
   """The geometry of the forward run without a gradient (`_primal`) where it differs from
-  the forward's: a call of at most `DECODE_ROWS` rows in one q block and no dense mask
-  reads its keys in blocks of `decode_k` (fewer grid steps: each costs about as much as
-  reading a 1k-key block of a 64-wide head) and pads nothing, so a cache whose length
-  the block does not divide is not copied per step. None: use `fwd`."""
-  if dense_mask or fwd.nq != 1 or fwd.R > DECODE_ROWS:
+  the forward's (`decodes`): its keys in blocks of `decode_k` (fewer grid steps: each
+  costs about as much as reading a 1k-key block of a 64-wide head), nothing padded, so a
+  cache whose length the block does not divide is not copied per step. None: use
+  `fwd`."""
+  if not decodes(fwd.R, blocks, dense_mask):
     return None
   Sk = min(blocks.decode_k, _up(fwd.S, KEY_MULTIPLE))
   chunk = blocks.chunk if Sk % blocks.chunk == 0 else KEY_MULTIPLE
@@ -851,12 +858,7 @@ def flash_attention(q, k, v, *, mask=None,
       raise UserError(f"The 'flash' kernel's layer={layer!r} is not a layer of the stack "
                       f"of {k.shape[0]} caches: valid layers 0 .. {k.shape[0] - 1}.")
     k_one, v_one = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k, v))
-    stacked_scales, kv_scales = kv_scales, (None if kv_scales is None else contract.KVScales(
-        **{f: None if getattr(kv_scales, f) is None else (
-            jax.lax.dynamic_index_in_dim(getattr(kv_scales, f), layer, 0, keepdims=False)
-            if f == "k_channel_BxKxH" else
-            jax.ShapeDtypeStruct(getattr(kv_scales, f).shape[1:], getattr(kv_scales, f).dtype))
-           for f in ("k_token_BxKxS", "k_channel_BxKxH", "v_token_BxKxS")}))
+    stacked_scales, kv_scales = kv_scales, _one_layer(kv_scales, layer)
   else:
     k_one, v_one, stacked_scales = k, v, kv_scales
   prep = contract.prepare(q, k_one, v_one, flags, scale=scale, kv_cache=kv_cache,
@@ -897,6 +899,20 @@ def flash_attention(q, k, v, *, mask=None,
   return _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, tokens,
                     layer, fwd=fwd, bwd=Spec(geo=bgeo, **common),
                     inf=fwd if dgeo is None else Spec(geo=dgeo, **common))
+
+
+def _one_layer(kv_scales, layer):
+  """What `contract.prepare` checks for one layer of a stack's scales: the per-token ones
+  as their shapes (the body reads them from the stack), the per-channel key scale as
+  the layer's values (q is multiplied by them before the call)."""
+  if kv_scales is None:
+    return None
+  shape = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
+  channel = kv_scales.k_channel_BxKxH
+  return contract.KVScales(
+      k_token_BxKxS=shape(kv_scales.k_token_BxKxS), v_token_BxKxS=shape(kv_scales.v_token_BxKxS),
+      k_channel_BxKxH=None if channel is None else jax.lax.dynamic_index_in_dim(
+          channel, layer, 0, keepdims=False))
 
 
 @functools.partial(jax.jit, static_argnames=("fwd", "bwd", "inf"))
@@ -954,10 +970,9 @@ def attend(precision, q, k, v, *, mask=None, logits_soft_cap=None, scale=None,
 
 
 def reads_stack(num_queries: int, G: int, dense_mask: bool) -> bool:
-  """Whether a call reads one layer of a stack in place (`flash_attention(layer=)`): a
-  decode call, at most `DECODE_ROWS` rows per kv head in one q block, no dense mask."""
-  return (not dense_mask and num_queries * G <= DECODE_ROWS
-          and num_queries * G <= DEFAULT_BLOCKS.q)
+  """Whether a registry call (`attend`: the default blocks) reads one layer of a stack
+  in place (`flash_attention(layer=)`): a call of the decode geometry (`decodes`)."""
+  return decodes(num_queries * G, DEFAULT_BLOCKS, dense_mask)
 
 
 KERNEL = contract.KernelSpec(name=NAME, attend=attend, refusal=refusal, trains=True,
