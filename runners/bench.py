@@ -279,6 +279,22 @@ def run_compile(args):
   print(f"wall time {result['wall_s']:.0f} s; wrote {args.out}/compile.json, compile.md")
 
 
+def _check_tpu_suite(args, what: str, instead: str) -> None:
+  """A TPU suite's checks before anything runs: a TPU backend, and --model naming
+  attention shapes it knows (`tpu_attention.SHAPES`)."""
+  import jax
+  if jax.default_backend() != "tpu":
+    raise UserError(f"--suite={args.suite} {what}; this machine's backend is "
+                    f"{jax.default_backend()!r}. Run it on a TPU (docs/tpu.md); on CPU use "
+                    f"{instead}.")
+  unknown = [m for m in (args.model or "").split(",") if m.strip()
+             and m.strip() not in tpu_bench.SHAPES]
+  if unknown:
+    raise UserError(f"--model={args.model!r}: the {args.suite} suite knows the attention "
+                    f"shapes of {', '.join(tpu_bench.SHAPES)}, not "
+                    f"{', '.join(map(repr, unknown))}.")
+
+
 def _parse(argv):
   parser = cli.ArgumentParser(prog="bench", doc=__doc__, examples=EXAMPLES)
   add = parser.add_argument
@@ -374,19 +390,9 @@ def _parse(argv):
                       f"attention shapes of {', '.join(forms_bench.SHAPES)}, not "
                       f"{', '.join(map(repr, unknown))}.")
   if args.suite == "tpu_decode":
-    import jax
-    if jax.default_backend() != "tpu":
-      raise UserError(f"--suite=tpu_decode times a decode step's attention on a TPU against "
-                      f"its HBM bandwidth; this machine's backend is "
-                      f"{jax.default_backend()!r} (the flash kernel would run "
-                      f"interpreted). Run it on a TPU (docs/tpu.md); on CPU use "
-                      f"--suite=attention (its decode rows).")
-    unknown = [m for m in (args.model or "").split(",") if m.strip()
-               and m.strip() not in tpu_bench.SHAPES]
-    if unknown:
-      raise UserError(f"--model={args.model!r}: the tpu_decode suite knows the attention "
-                      f"shapes of {', '.join(tpu_bench.SHAPES)}, not "
-                      f"{', '.join(map(repr, unknown))}.")
+    _check_tpu_suite(args, "times a decode step's attention on a TPU against its HBM "
+                     "bandwidth (the flash kernel would run interpreted)",
+                     "--suite=attention (its decode rows)")
     bad = [b for b in (args.decode_blocks or ()) if b <= 0 or b % 128]
     if bad:
       raise UserError(f"--decode_blocks={','.join(map(str, args.decode_blocks))}: the flash "
@@ -394,18 +400,8 @@ def _parse(argv):
                       f"lane width), not {', '.join(map(str, bad))}. Valid: e.g. "
                       f"1024,2048,4096,8192.")
   if args.suite == "tpu_attention":
-    import jax
-    if jax.default_backend() != "tpu":
-      raise UserError(f"--suite=tpu_attention benches attention on a TPU against jax's splash "
-                      f"attention (a Mosaic kernel); this machine's backend is "
-                      f"{jax.default_backend()!r}. Run it on a TPU (docs/tpu.md); on CPU use "
-                      f"--suite=attention or --suite=attention_forms.")
-    unknown = [m for m in (args.model or "").split(",") if m.strip()
-               and m.strip() not in tpu_bench.SHAPES]
-    if unknown:
-      raise UserError(f"--model={args.model!r}: the tpu_attention suite knows the attention "
-                      f"shapes of {', '.join(tpu_bench.SHAPES)}, not "
-                      f"{', '.join(map(repr, unknown))}.")
+    _check_tpu_suite(args, "benches attention on a TPU against jax's splash attention (a "
+                     "Mosaic kernel)", "--suite=attention or --suite=attention_forms")
     bad = [b for b in (args.blocks or ()) if b[0] % 16 or any(x % 128 for x in b[1:])]
     if bad:
       raise UserError(f"--blocks={'/'.join(map(str, bad[0]))}: the tpu_attention suite's "

@@ -63,3 +63,28 @@ def test_the_docs_table_is_the_tpu_run_s():
   assert table.count("\n") >= 2 + 2 * 7       # two cases of seven rows
   with open(os.path.join(root, "docs", "performance.md")) as f:
     assert table in f.read()
+
+
+def test_a_case_past_the_device_memory_is_refused_and_a_nan_loop_is_an_error(
+    tmp_path, monkeypatch):
+  """A case whose stacks would not fit is refused by name before anything runs (nothing
+  written); a row whose timed loop gives a non-finite output is recorded as an error,
+  never timed."""
+  with pytest.raises(UserError, match=r"B=4096 S=32768 needs about .* GiB"):
+    tpu_decode.run(str(tmp_path / "big"), batches=(1, 4096), seq_lens=(32768,),
+                   progress=lambda m: None)
+  assert not (tmp_path / "big").exists()
+  monkeypatch.setattr(tpu_decode, "hbm_read_bandwidth", lambda: {"best": 1e10})
+  monkeypatch.setattr(tpu_decode, "STEPS", 2)
+  monkeypatch.setattr(tpu_decode, "layers_for", lambda cache_bytes: 2)
+  rows = tpu_decode.rows_for
+  monkeypatch.setattr(tpu_decode, "rows_for", lambda S, blocks: {
+      n: r for n, r in rows(S, blocks).items() if n in ("dot_product", "flash int8 dk=256")})
+  real = tpu_decode.decode_loop
+  monkeypatch.setattr(tpu_decode, "decode_loop",
+                      lambda f, stacked=False: lambda *a: real(f, stacked)(*a) * float("nan"))
+  case = tpu_decode.run_case("qwen2.5-0.5b", 1, 256, blocks=(256,), rounds=1,
+                             bandwidth=1e10, progress=lambda m: None)
+  assert len(case["rows"]) == 2 and all(
+      "non-finite output in the timed decode loop" in r["error"]
+      for r in case["rows"].values()), case["rows"]

@@ -203,14 +203,10 @@ def run(out_dir: str, *, shapes: Sequence[str] = tuple(SHAPES),
   result["backend"] = jax.default_backend()
   result["device"] = str(jax.devices()[0].device_kind)
   result["peak_bf16_tflops"] = matmul_peak(PEAK_SHAPE)["bf16"] / 1e12
-  todo = [(sh, S, False) for sh in shapes for S in seq_lens] + \
-         [(sh, S, True) for sh in shapes for S in train_seq_lens]
-  for i, (sh, S, train) in enumerate(todo):
-    key = f"{sh} {'train' if train else 'prefill'} S={S}"
-    if key in result["cases"]:
-      progress(f"[{i + 1}/{len(todo)}] {key}: already measured")
-      continue
-    progress(f"[{i + 1}/{len(todo)}] {key}")
+  todo = [(f"{sh} {'train' if train else 'prefill'} S={S}", (sh, S, train))
+          for train, lens in ((False, seq_lens), (True, train_seq_lens))
+          for sh in shapes for S in lens]
+  for key, (sh, S, train) in pending(todo, result, progress):
     case = run_case(sh, S, train, kernel_names=kernel_names, flag_rows=flag_rows,
                     blocks=blocks, rounds=rounds, progress=progress)
     case["peak_bf16_tflops"] = result["peak_bf16_tflops"]   # the peak of its own run
@@ -226,6 +222,17 @@ def run(out_dir: str, *, shapes: Sequence[str] = tuple(SHAPES),
     runs.write_json(out_dir, "tpu_attention.json", result, provenance=True)
   runs.atomic_write(os.path.join(out_dir, "tpu_attention.md"), to_markdown(result))
   return result
+
+
+def pending(todo, result: dict, progress):
+  """The (key, case) pairs of `todo` a run still has to measure, each announced as
+  '[i/n] key'; those `result` holds (a resumed run's) announced as already measured."""
+  for i, (key, case) in enumerate(todo):
+    if key in result["cases"]:
+      progress(f"[{i + 1}/{len(todo)}] {key}: already measured")
+      continue
+    progress(f"[{i + 1}/{len(todo)}] {key}")
+    yield key, case
 
 
 def previous(path: str, settings: dict) -> dict:

@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnprec import contract, kernels, kvquant, runs
+from attnprec import contract, kernels, kvquant, memory, runs
+from attnprec.errors import UserError
 from attnprec.bench import tpu_attention
 from attnprec.kernels import flash
 from attnprec.presets import variant
@@ -110,6 +111,37 @@ def decode_loop(f, stacked: bool = False):
     return jax.lax.fori_loop(0, qs_RxBx1xNxH.shape[0], step,
                              (k_L, v_L, jnp.zeros(qs_RxBx1xNxH.shape[1:], jnp.float32)))[2]
   return jax.jit(run)
+
+
+def case_bytes(shape: str, B: int, S: int) -> int:
+  """The device memory a case holds at once: its bf16 stack of caches and its int8 one
+  (codes and per-token scales), each at least 1 GiB (`layers_for`)."""
+  _, K, H = tpu_attention.SHAPES[shape]
+  bf16 = B * K * S * 2 * H * 2
+  L = layers_for(bf16)
+  return L * (bf16 + B * K * S * (2 * H + 2 * 4))
+
+
+def device_bytes() -> Optional[int]:
+  """The memory of the device the suite runs on (its allocator's limit), else the
+  machine's (XLA:CPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("bytes_limit") or memory.physical_bytes()
+
+
+def check_fits(shapes: Sequence[str], batches: Sequence[int],
+               seq_lens: Sequence[int]) -> None:
+  """A UserError naming the largest case and its estimate (`case_bytes`) when it would
+  need more than `memory.SHARE` of the device's memory: refused before anything runs."""
+  total = device_bytes()
+  need, sh, B, S = max((case_bytes(sh, B, S), sh, B, S)
+                       for sh in shapes for B in batches for S in seq_lens)
+  if total is not None and need > memory.SHARE * total:
+    raise UserError(
+        f"The tpu_decode case {sh} B={B} S={S} needs about {need / 2 ** 30:.1f} GiB of "
+        f"device memory (its stacks of bf16 and int8 caches, each at least 1 GiB), more "
+        f"than {memory.SHARE:.0%} of the device's {total / 2 ** 30:.1f} GiB. Lower "
+        f"--decode_batches or --decode_seq_lens.")
 
 
 def _stack(x, L: int, seed: int):
@@ -227,7 +259,8 @@ def run_case(shape: str, B: int, S: int, *, blocks, rounds: int, bandwidth: floa
       out = np.asarray(jnp.asarray(jax.block_until_ready(jax.jit(fn)(*args)),
                                    jnp.float32), np.float64)
       loop, loop_args = decode_loop(fn, stacked), (qs,) + stacks[q8] + (pos,)
-      jax.block_until_ready(loop(*loop_args))
+      if not np.isfinite(np.asarray(loop(*loop_args))).all():   # what is timed is checked
+        raise FloatingPointError("a non-finite output in the timed decode loop")
       row = {"compile_s": time.perf_counter() - t0,
              "bytes": B * K * S * (2 * H * (1 if q8 else 2) + (8 if q8 else 0))}
       if not np.isfinite(out).all():
@@ -257,19 +290,16 @@ def run(out_dir: str, *, shapes: Sequence[str] = DEFAULT_SHAPES,
         batches: Sequence[int] = DEFAULT_BATCHES, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS,
         blocks: Sequence[int] = DEFAULT_DECODE_BLOCKS, rounds: int = 5,
         progress=print) -> dict:
+  check_fits(shapes, batches, seq_lens)
   settings = {"blocks": list(blocks), "rounds": rounds}
   result = tpu_attention.previous(os.path.join(out_dir, "tpu_decode.json"), settings)
   result["backend"] = jax.default_backend()
   result["device"] = str(jax.devices()[0].device_kind)
   bw = hbm_read_bandwidth()
   result["read_gbps"] = {k: v / 1e9 for k, v in bw.items()}
-  todo = [(sh, B, S) for sh in shapes for S in seq_lens for B in batches]
-  for i, (sh, B, S) in enumerate(todo):
-    key = f"{sh} decode B={B} S={S}"
-    if key in result["cases"]:
-      progress(f"[{i + 1}/{len(todo)}] {key}: already measured")
-      continue
-    progress(f"[{i + 1}/{len(todo)}] {key}")
+  todo = [(f"{sh} decode B={B} S={S}", (sh, B, S))
+          for sh in shapes for S in seq_lens for B in batches]
+  for key, (sh, B, S) in tpu_attention.pending(todo, result, progress):
     case = run_case(sh, B, S, blocks=blocks, rounds=rounds, bandwidth=bw["best"],
                     progress=progress)
     case["read_gbps"] = bw["best"] / 1e9      # the bandwidth of its own run
