@@ -44,6 +44,26 @@ def params():
   return p, layout.stack(p, UNROLLED.num_layers)
 
 
+def _greedy(config, p, precision, steps: int, inspect=None):
+  """(the logits of a prefill of two prompts (lengths 5 and 3) and `steps` greedy decode
+  steps, stacked; the final cache). inspect(step, p, state, token): called before each
+  step with the step's function and arguments."""
+  prompt_BxP = jnp.array([[3, 5, 7, 9, 2], [4, 4, 1, 0, 0]], jnp.int32)
+  state = jax.jit(lambda p, t, n: decoding.prefill(
+      p, t, n, config=config, precision=precision, cache_length=8))(
+          p, prompt_BxP, jnp.array([5, 3], jnp.int32))
+  step = lambda p, s, t: decoding.decode_step(p, s, t, config=config,  # noqa: E731
+                                              precision=precision)
+  jitted, logits = jax.jit(step), [state.last_BxV]
+  for _ in range(steps):
+    token = jnp.argmax(state.last_BxV, -1).astype(jnp.int32)
+    if inspect is not None:
+      inspect(step, p, state, token)
+    state = jitted(p, state, token)
+    logits.append(state.last_BxV)
+  return np.stack(logits), state.cache
+
+
 def _equal(a, b):
   for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -81,21 +101,8 @@ def test_prefill_and_decode_steps_equal_the_unrolled_model(params):
   codes with per-channel key scales (fixed by the prefill) and per-token value scales:
   every leaf of the stacked cache is written through the scan's per-layer view."""
   unrolled, stacked = params
-  precision = BIAS_INT8
-  prompt_BxP = jnp.array([[3, 5, 7, 9, 2], [4, 4, 1, 0, 0]], jnp.int32)
-  lengths_B = jnp.array([5, 3], jnp.int32)
-  run = {}
-  for config, p in ((UNROLLED, unrolled), (SCANNED, stacked)):
-    prefill = jax.jit(lambda p, t, n, c=config: decoding.prefill(
-        p, t, n, config=c, precision=precision, cache_length=8))
-    step = jax.jit(lambda p, s, t, c=config: decoding.decode_step(
-        p, s, t, config=c, precision=precision))
-    state = prefill(p, prompt_BxP, lengths_B)
-    logits = [state.last_BxV]
-    for t in range(3):
-      state = step(p, state, jnp.argmax(state.last_BxV, -1).astype(jnp.int32))
-      logits.append(state.last_BxV)
-    run[config.scan_layers] = (np.stack(logits), state.cache)
+  run = {c.scan_layers: _greedy(c, p, BIAS_INT8, steps=3)
+         for c, p in ((UNROLLED, unrolled), (SCANNED, stacked))}
   assert isinstance(run[True][1], StackedKVCache) and isinstance(run[False][1], KVCache)
   np.testing.assert_array_equal(run[True][0], run[False][0])
   _equal(unstack_cache(run[True][1]), run[False][1])      # the key offset's entries too
@@ -213,26 +220,14 @@ def test_flash_reads_the_layer_in_the_stack_and_equals_the_unrolled_model(params
   from attnprec.inspect import pallas_check
   unrolled, stacked = params
   precision = dataclasses.replace(BIAS_INT8, kernel="flash")
-  prompt_BxP = jnp.array([[3, 5, 7, 9, 2], [4, 4, 1, 0, 0]], jnp.int32)
-  lengths_B = jnp.array([5, 3], jnp.int32)
-  run = {}
-  for config, p in ((UNROLLED, unrolled), (SCANNED, stacked)):
-    prefill = jax.jit(lambda p, t, n, c=config: decoding.prefill(
-        p, t, n, config=c, precision=precision, cache_length=8))
-    step = lambda p, s, t, c=config: decoding.decode_step(  # noqa: E731
-        p, s, t, config=c, precision=precision)
-    state = prefill(p, prompt_BxP, lengths_B)
-    logits = [state.last_BxV]
-    for _ in range(2):
-      token = jnp.argmax(state.last_BxV, -1).astype(jnp.int32)
-      if config.scan_layers:
-        jaxpr = jax.make_jaxpr(step)(p, state, token)
-        operands = [e.invars[_k_operand(e)].aval.ndim
-                    for e in pallas_check.kernel_bodies(jaxpr)]
-        assert operands and set(operands) == {5}, operands   # k: [L, B, K, H, S]
-      state = jax.jit(step)(p, state, token)
-      logits.append(state.last_BxV)
-    run[config.scan_layers] = (np.stack(logits), state.cache)
+  seen = []
+
+  def k_ranks(step, *args):     # the rank of each flash call's k operand
+    seen.extend(e.invars[_k_operand(e)].aval.ndim
+                for e in pallas_check.kernel_bodies(jax.make_jaxpr(step)(*args)))
+  run = {False: _greedy(UNROLLED, unrolled, precision, steps=2),
+         True: _greedy(SCANNED, stacked, precision, steps=2, inspect=k_ranks)}
+  assert seen and set(seen) == {5}, seen                  # k: [L, B, K, H, S]
   np.testing.assert_array_equal(run[True][0], run[False][0])
   _equal(unstack_cache(run[True][1]), run[False][1])
 
