@@ -106,8 +106,11 @@ eval: setup
 sizes: setup
 	$(PY) runners/sizes.py $(call gin_files,$(SIZES_GIN)) $(ARGS)
 
-bench: setup
-	$(PY) runners/bench.py --out=bench $(ARGS)
+# On a TPU through its own Python (docs/tpu.md: the tpu_* suites), else the .venv.
+bench:
+	@if $(on_tpu); then \
+	  bash -c '. scripts/tpu_install.sh $(TPU_SITE) && python3 runners/bench.py --out=bench $(ARGS)'; \
+	else $(MAKE) --no-print-directory setup && $(PY) runners/bench.py --out=bench $(ARGS); fi
 
 # On a TPU (the TPU path above) or an NVIDIA GPU: the audit on the compiled program, the
 # kernels' speed and error (against float64; jax's splash on a TPU, cuDNN on a GPU), the

@@ -44,6 +44,15 @@ the measured HBM read bandwidth, every kernel, the flash kernel's decode key blo
 (cache lengths, default 8192,32768), `--model` (attention shapes, default qwen2.5-0.5b),
 `--rounds` (default 5). Writes <out>/tpu_decode.json, tpu_decode.md.
 
+`tpu_model` (on a TPU; refused elsewhere): a whole model of Qwen2.5-0.5B's shape (random
+weights, scanned): prefill MFU (`--cases`, default 8x1024,1x8192), a decode step against
+its HBM floor (`--decode_cases`, default batch 1, 8, 32 at caches of 1k, 8k, 32k that
+fit), a train step's MFU (`--train_cases`, default 1x4096), per preset
+(`--model_presets`, default bf16,bf16_flags,bf16_flags_offset,bf16_flags_kv_int8) and
+the flags' cost per phase (`attnprec.bench.tpu_model`); `--steps` (decode steps per
+timed loop, default 16), `--rounds` (default 3). Writes <out>/tpu_model.json,
+tpu_model.md.
+
 An option the chosen suite does not read (`--cases` with `--suite=attention`, say) is
 refused, not ignored.
 
@@ -71,11 +80,12 @@ from attnprec.bench import profile as profile_bench  # noqa: E402
 from attnprec.bench import projections as projection_bench  # noqa: E402
 from attnprec.bench import tpu_attention as tpu_bench  # noqa: E402
 from attnprec.bench import tpu_decode as tpu_decode_bench  # noqa: E402
+from attnprec.bench import tpu_model as tpu_model_bench  # noqa: E402
 from attnprec.errors import UserError  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m"   # the model and profile suites' model when --model is not given
 SUITES = ("model", "attention", "attention_forms", "projections", "profile", "compile",
-          "tpu_attention", "tpu_decode", "all")
+          "tpu_attention", "tpu_decode", "tpu_model", "all")
 # The options each suite reads (--suite and --out: every suite). One a suite does not
 # read is refused, never ignored.
 _MODEL_OPTIONS = ("quick", "model", "cases", "model_presets", "steps", "rounds", "no_torch",
@@ -91,6 +101,8 @@ READS = {"model": _MODEL_OPTIONS, "attention": _ATTENTION_OPTIONS,
                            "blocks", "rounds"),
          "tpu_decode": ("model", "decode_seq_lens", "decode_batches", "decode_blocks",
                         "rounds"),
+         "tpu_model": ("cases", "decode_cases", "train_cases", "model_presets", "steps",
+                       "rounds"),
          "all": tuple(dict.fromkeys(_MODEL_OPTIONS + _ATTENTION_OPTIONS))}
 
 
@@ -265,6 +277,18 @@ def run_tpu_decode(args):
   print(f"wrote {args.out}/tpu_decode.json, tpu_decode.md")
 
 
+def run_tpu_model(args):
+  result = tpu_model_bench.run(
+      args.out, presets=args.model_presets,
+      prefill_cases=args.cases or tpu_model_bench.PREFILL_CASES,
+      decode_cases=args.decode_cases,
+      train_cases=args.train_cases or tpu_model_bench.TRAIN_CASES,
+      rounds=args.rounds or 3, steps=args.steps or tpu_model_bench.STEPS,
+      progress=lambda m: print(m, flush=True))
+  print(tpu_model_bench.to_markdown(result))
+  print(f"wrote {args.out}/tpu_model.json, tpu_model.md")
+
+
 def run_compile(args):
   depths = args.depths or (compile_bench.QUICK_DEPTHS if args.quick else compile_bench.DEPTHS)
   print(f"compile suite: depths {','.join(map(str, depths))}, programs "
@@ -305,8 +329,15 @@ def _parse(argv):
       "(default both shipped: smollm2-135m,qwen2.5-coder-0.5b)")
   add("--cases", type=_cases, default=None,
       help="model suite: BATCHxPROMPT cases, e.g. 1x32,8x1000 (None: the suite's own)")
-  add("--model_presets", default="fp32,bf16_flags",
-      help=f"model suite: comma-separated, from {','.join(model_bench.PRESETS)}")
+  add("--model_presets", default=None,
+      help=f"model suite: comma-separated, from {','.join(model_bench.PRESETS)} (default "
+      f"fp32,bf16_flags); tpu_model: default {','.join(tpu_model_bench.PRESETS)}")
+  add("--decode_cases", type=_cases, default=None,
+      help="tpu_model suite: BATCHxCACHE decode cases, e.g. 1x8192,8x32768 (default: "
+      "batch 1, 8, 32 at caches of 1024, 8192, 32768, those that fit the device)")
+  add("--train_cases", type=_cases, default=None,
+      help=f"tpu_model suite: BATCHxTOKENS train cases (default "
+      f"{','.join(f'{b}x{t}' for b, t in tpu_model_bench.TRAIN_CASES)})")
   add("--steps", type=_count, default=0, help="model suite: decode steps (0: 32, quick 8)")
   add("--rounds", type=_count, default=0, help="model suite: timing rounds (0: 3, quick 2)")
   add("--seq_lens", type=_ints, default=None,
@@ -354,8 +385,9 @@ def _parse(argv):
       help="compile suite: layer counts (None: 2,8,32,80; quick 2,8)")
   add("--out", default="bench", metavar="DIR", help="where results are written")
   args = parser.parse_args(argv)
-  args.model_presets = _names("--model_presets", args.model_presets,
-                              list(model_bench.PRESETS))
+  args.model_presets = _names("--model_presets", args.model_presets or (
+      ",".join(tpu_model_bench.PRESETS) if args.suite == "tpu_model" else "fp32,bf16_flags"),
+      list(model_bench.PRESETS))
   args.kernels = _names("--kernels", args.kernels, list(kernel_names.NAMES)) \
       if args.kernels is not None else None
   args.flag_rows = _names("--flag_rows", args.flag_rows, list(tpu_bench.FLAG_ROWS))
@@ -399,6 +431,10 @@ def _parse(argv):
                       f"kernel's decode key blocks must be positive multiples of 128 (the "
                       f"lane width), not {', '.join(map(str, bad))}. Valid: e.g. "
                       f"1024,2048,4096,8192.")
+  if args.suite == "tpu_model":
+    _check_tpu_suite(args, "times a whole model's prefill, decode steps and train step on a "
+                     "TPU against its matmul peak and HBM floor (the flash kernel would run "
+                     "interpreted)", "--suite=model")
   if args.suite == "tpu_attention":
     _check_tpu_suite(args, "benches attention on a TPU against jax's splash attention (a "
                      "Mosaic kernel)", "--suite=attention or --suite=attention_forms")
@@ -455,6 +491,8 @@ def main(argv) -> int:
       run_tpu_attention(args)
     if args.suite == "tpu_decode":
       run_tpu_decode(args)
+    if args.suite == "tpu_model":
+      run_tpu_model(args)
 
   # keep_partial: model.json is rewritten after every case, so an interrupted run keeps
   # the cases it measured

@@ -216,11 +216,8 @@ def tpu_flags_part() -> dict:
           **{k: result[k] for k in ("flags_over_no_flags", "median_s")}}
 
 
-# Qwen2.5-0.5B's architecture (random weights: no checkpoint travels to a device), its 24
-# layers scanned: the whole-model parts on a TPU.
-QWEN05 = dict(vocab_size=151936, d_model=896, num_layers=24, num_heads=14, num_kv_heads=2,
-              head_dim=64, mlp_hidden=4864, max_seq_len=32768, rope_base=1e6,
-              tie_embeddings=True, qkv_bias=True, scan_layers=True)
+# Qwen2.5-0.5B's architecture, random weights, 24 layers scanned (`bench.tpu_model.QWEN05`):
+# the whole-model parts on a TPU.
 TRAIN_CASES = ((1, 4096), (8, 2048))
 # (kernel, train.remat, train.loss_chunk) per row: what each buys, one at a time
 TRAIN_ROWS = (("flash", "none", 1024), ("flash", "block", 1024),
@@ -232,25 +229,9 @@ DECODE_CASES = ((1, 4096), (8, 1024))
 
 
 def _qwen05():
-  from attnprec.config import ModelConfig
-  from attnprec.model import init_params
-  config = ModelConfig(**QWEN05)
-  return config, init_params(config, jax.random.PRNGKey(0))
-
-
-def _train_flops(config, params, B: int, T: int) -> float:
-  """A train step's model FLOPs: 3x (forward + 2 backward) the forward's matmuls, every
-  layer matrix and the unembedding per token, and causal attention's two [T, T] products
-  over the visible half (the useful work; the dense kernel computes the hidden half too,
-  so its MFU understates what it multiplies)."""
-  from attnprec import layout
-  # a layer matrix is 2-D, or 3-D stacked [L, ...] in the scanned layout
-  dense = sum(x.size for module, group in params.items() for x in group.values()
-              if "embed" not in module
-              and x.ndim == (3 if module.startswith(layout.STACKED + "/") else 2))
-  unembed = config.d_model * config.vocab_size
-  attn = 2 * T * T * config.num_heads * config.head_dim * config.num_layers   # causal
-  return 3.0 * (2.0 * B * T * (dense + unembed) + B * attn)
+  from attnprec.bench import tpu_model
+  config = tpu_model.qwen05_config()
+  return config, tpu_model.init_params(config)
 
 
 def tpu_train_part() -> dict:
@@ -261,6 +242,7 @@ def tpu_train_part() -> dict:
   import dataclasses as dc
   from attnprec import train
   from attnprec.bench import model as model_bench
+  from attnprec.bench import tpu_model
   from attnprec.presets import variant
   config, params = _qwen05()
   peak = model_bench.matmul_peak((4096, 4096, 4096))["bf16"]
@@ -292,7 +274,7 @@ def tpu_train_part() -> dict:
                                      compiled(state, tokens, mask)[1])
         t = _median_s(compiled, state, tokens, mask, reps=5)
         row["step_ms"] = 1e3 * t
-        row["mfu"] = _train_flops(config, params, B, T) / t / peak
+        row["mfu"] = tpu_model.train_flops(config, params, B, T) / t / peak
       except Exception as e:  # noqa: BLE001 -- recorded: a step that does not fit says so
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
   return out
