@@ -74,3 +74,18 @@ def test_a_decode_case_past_the_device_memory_is_refused_by_name(tmp_path, monke
   grid = tpu_model.fitting(config, tpu_model.DECODE_CASES, tpu_model.PRESETS)
   assert (32, 32768) not in grid and (8, 32768) in grid and len(grid) == 8
   assert np.isclose(cache_lib.cache_bytes(config, 32, 32768, "bfloat16"), 12.88e9, rtol=1e-3)
+
+
+def test_the_docs_table_is_the_tpu_run_s():
+  """docs/performance.md quotes the TPU's whole-model table to the character, rendered from
+  results/tpu-model/tpu_model.json (`tpu_model.to_markdown`, less its title line), a run on
+  a TPU by the code its README names."""
+  import os
+  root = os.path.join(os.path.dirname(__file__), "..")
+  with open(os.path.join(root, "results", "tpu-model", "tpu_model.json")) as f:
+    result = json.load(f)
+  assert result["backend"] == "tpu" and result["provenance"]["source"] == "2ba24c8d5a3fa6e0"
+  table = tpu_model.to_markdown(result).split("\n", 2)[2]
+  assert table.count("\n") >= 2 + 2 * 3 + 8 * 4 + 2     # prefill, decode, train rows
+  with open(os.path.join(root, "docs", "performance.md")) as f:
+    assert table in f.read()

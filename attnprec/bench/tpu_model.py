@@ -20,7 +20,8 @@ case once, in order; medians):
            (`bench.model.matmul_peak` at 4096^3).
   decode   B sequences at cache length S (`--decode_cases`, default 1, 8 and 32 at 1k, 8k,
            32k that fit): `--steps` greedy `decoding.decode_step`s in one jitted
-           `fori_loop` with the state donated (as `generate` runs them), from a cache of
+           `fori_loop` with the state donated (as `generate` runs them; `args_gb` /
+           `temp_gb` what the compiled program holds), from a cache of
            S positions at position S - steps (the cache zero-filled: a TPU's time does not
            depend on the values; every key up to the position is attended). Floor: the
            bytes a step must read, the serving weights (the tied embedding table once,
@@ -238,6 +239,11 @@ def decode_case(config, serving, B: int, S: int, presets, *, rounds: int, steps:
           "kernel": kernels.resolve(prec.kernel, 1, S, platform, prec),
           "weight_gb": weights / 1e9, "cache_gb": (need - weights) / 1e9,
           "floor_ms": 1e3 * need / bandwidth}
+      # what the compiled program holds: arguments above the weights and the cache's
+      # logical bytes mean a padded layout (a head dim under 128 lanes, minor)
+      m = compiled.memory_analysis()
+      if m is not None:
+        row.update(args_gb=m.argument_size_in_bytes / 1e9, temp_gb=m.temp_size_in_bytes / 1e9)
       state, _ = compiled(params, make(), tokens)
       _finite("decode steps' logits", state.last_BxV)
       del state
