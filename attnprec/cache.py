@@ -122,10 +122,13 @@ class LayerCache:
     at = () if self.layer is None else (self.layer,)   # a stack's layer, in place
 
     def put(cache_BxKxS_, x_BxTxK_):
+      x_BxTxK_ = reinterpret(x_BxTxK_, cache_BxKxS_.dtype)
+      if positions_BxT.shape[1] == 1 and ROW_WRITES:
+        return _put_rows(cache_BxKxS_, x_BxTxK_, positions_BxT[:, 0], at)
       # Indices (b, pos) on axes 0 and 2 with the K slice between them: the update rows
       # are [B, T, K(, H)], the new keys (or their scales) as they come.
       return cache_BxKxS_.at[at + (b_Bx1, slice(None), positions_BxT)].set(
-          reinterpret(x_BxTxK_, cache_BxKxS_.dtype), mode="drop")
+          x_BxTxK_, mode="drop")
 
     k, k_scale = self.k, self.k_scale
     if storage.k_scale == "token":
@@ -166,6 +169,40 @@ class LayerCache:
     """Refuses (`UserError`, while tracing) a step under key offset `name` over a cache
     whose keys were stored with another."""
     _refuse_mixed(self, name)
+
+
+# True: a decode step (one new row per sequence) writes its rows as B update slices
+# (`_put_rows`, the same bits); False (the default): as one scatter, as every write does.
+# Not adopted on any platform: on XLA:CPU the slices made XLA fuse the last update into
+# the kernel's read and copy each layer's cache per step (tests/test_cache.py would fail);
+# on a TPU it is not measured yet (results/tpu-model/decode_write.py times both forms in
+# one run).
+ROW_WRITES = False
+
+
+def _put_rows(cache_BxKxS_, x_Bx1xK_, positions_B, at: tuple):
+  """A decode step's write (one new row per sequence) as B slice updates, sequence b's
+  [K(, H)] row at its position, with the scatter's semantics (`mode='drop'`: a position
+  outside the cache writes nothing; a negative one counts from the end, as indexing
+  does). The same values as the scatter, as update slices, the form the decode
+  attention bench's loop writes in (results/tpu-decode: the dense kernel at the HBM
+  bandwidth). On a TPU the whole model's decode step with the scatter ran at its floor
+  with one sequence and at 2.4-4.7x it with 8 (results/tpu-model/README.md); this form
+  is not measured there yet (`ROW_WRITES`)."""
+  S = cache_BxKxS_.shape[len(at) + 2]
+  pos_B = jnp.where(positions_B < 0, positions_B + S, positions_B)
+  valid_B = (pos_B >= 0) & (pos_B < S)
+  pos_B = jnp.clip(pos_B, 0, S - 1)
+  zeros = (0,) * (x_Bx1xK_.ndim - 3)      # the H axis of keys and values; none for scales
+  for b in range(x_Bx1xK_.shape[0]):
+    # [1, K(, H)] -> [(1,) 1, K, 1(, H)]: the cache's axes, one sequence and one position
+    row = jnp.swapaxes(x_Bx1xK_[b], 0, 1)[None, :, :]
+    row = row.reshape((1,) * len(at) + row.shape)
+    start = tuple(at) + (b, 0, pos_B[b]) + zeros
+    held = jax.lax.dynamic_slice(cache_BxKxS_, start, row.shape)
+    cache_BxKxS_ = jax.lax.dynamic_update_slice(
+        cache_BxKxS_, jnp.where(valid_B[b], row, held), start)
+  return cache_BxKxS_
 
 
 def _refuse_mixed(cache: LayerCache, name: str) -> None:

@@ -278,3 +278,45 @@ def test_the_decode_line_gives_the_cache_setting_and_bytes():
   # layer 2 x 2 x 256 x 4 bytes = 4 KiB, 16 KiB in all -> 80 / 128 KiB = 0.625x.
   assert line == ("KV cache: kv_cache=k:int8/token,v:int8/token, 2 x 256 positions x 2 layers: "
                        "80.0 KiB (0.62x the 128.0 KiB of a compute-dtype cache)"), line
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_a_decode_write_as_row_slices_is_the_scatter_s(stacked):
+  """A decode step's rows written as B update slices (`cache.ROW_WRITES`, off by default,
+  for the TPU comparison in results/tpu-model/decode_write.py) give the bits the scatter
+  gives, keys and values, per-token scales and bf16 bits alike, with the
+  scatter's edge cases: a position past the cache writes nothing, a negative one counts
+  from the end; a layer of a stack is written and no other."""
+  from attnprec import cache as cache_lib
+  from attnprec.contract import CacheStorage
+  int8 = CacheStorage("int8", "int8", "token", "token")
+  rng = np.random.default_rng(0)
+  K, H, S_, B_ = 2, 8, 16, 4
+  k = jnp.asarray(rng.standard_normal((B_, 1, K, H)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((B_, 1, K, H)), jnp.bfloat16)
+  positions = jnp.array([[3], [15], [16], [-1]], jnp.int32)   # last, past the end, from it
+  config = ModelConfig(vocab_size=32, d_model=16, num_layers=3, num_heads=2, num_kv_heads=K,
+                       head_dim=H, mlp_hidden=32, scan_layers=stacked)
+  for storage in (cache_lib.COMPUTE_CACHE, int8):
+    fresh = init_cache(config, B_, S_, jnp.bfloat16, storage)
+    fresh = jax.tree_util.tree_map(                       # something to overwrite
+        lambda x: jnp.asarray(rng.integers(1, 100, x.shape)).astype(x.dtype), fresh)
+    view = fresh.stack.replace(layer=jnp.int32(1)) if stacked else fresh.layers[1]
+    written = {}
+    for rows in (True, False):
+      cache_lib.ROW_WRITES = rows
+      try:
+        written[rows] = jax.jit(lambda c: c.write(k, v, positions, storage))(view)
+      finally:
+        cache_lib.ROW_WRITES = False
+    for a, b in zip(jax.tree_util.tree_leaves(written[True]),
+                    jax.tree_util.tree_leaves(written[False])):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    new = written[True]
+    held = view.k[1] if stacked else view.k
+    got = new.k[1] if stacked else new.k
+    assert not np.array_equal(np.asarray(got[0, :, 3]), np.asarray(held[0, :, 3]))
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(held[2]))   # dropped
+    if stacked:          # the other layers as they were
+      for layer in (0, 2):
+        np.testing.assert_array_equal(np.asarray(new.k[layer]), np.asarray(view.k[layer]))

@@ -1,0 +1,99 @@
+"""A decode step's cache write, as one scatter (the default) or as B update slices
+(`cache.ROW_WRITES`), side by side in one run: the whole model of `bench --suite=tpu_model`
+(Qwen2.5-0.5B's shape, scanned, 'auto', weights as served), its decode loop timed in
+interleaved rounds per form, and the compiled program of each kept (gzipped) to read
+what the step does with its stacked cache (copies, transposes, layouts).
+
+  python3 results/tpu-model/decode_write.py OUT_DIR [PRESET:BxS ...]
+
+Default cases: bf16_flags at 8x8192, 8x32768, 1x8192 and bf16_flags_kv_int8 at 1x32768.
+Writes OUT_DIR/decode_write.json (with provenance; rewritten after every case),
+decode-<form>-<preset>-<B>x<S>.hlo.txt.gz, and prints a line per row."""
+import functools
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnprec import cache as cache_lib
+from attnprec import decoding, runs
+from attnprec.bench import model as model_bench
+from attnprec.bench import tpu_decode, tpu_model
+
+FORMS = {"slices": True, "scatter": False}
+STEPS, ROUNDS = 16, 5
+
+
+def programs(config, serving, name, B, S):
+  params, prec = serving(model_bench.PRESETS[name])
+
+  def fresh():
+    return decoding.DecodeState(
+        cache_lib.init_cache(config, B, S, prec.compute_dtype, prec.cache_storage),
+        jnp.zeros((B, config.vocab_size), jnp.float32), jnp.full((B,), S - STEPS, jnp.int32))
+
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (B,)),
+                       jnp.int32)
+  out = {}
+  for form, rows in FORMS.items():
+    cache_lib.ROW_WRITES = rows            # read while tracing: each form its own program
+    try:
+      loop = jax.jit(functools.partial(model_bench._decode_loop, config=config,
+                                       precision=prec, steps=STEPS), donate_argnums=(1,))
+      compiled = loop.lower(params, jax.eval_shape(fresh), tokens).compile()
+    finally:
+      cache_lib.ROW_WRITES = False
+    out[form] = (compiled, params, tokens, jax.jit(fresh), prec)
+  return out
+
+
+def main(out_dir, wanted):
+  os.makedirs(out_dir, exist_ok=True)
+  config = tpu_model.qwen05_config()
+  serving = tpu_model._Serving(tpu_model.init_params(config))
+  bw = tpu_decode.hbm_read_bandwidth()["best"]
+  result = {"steps": STEPS, "rounds": ROUNDS, "read_gbps": bw / 1e9,
+            "device": str(jax.devices()[0].device_kind), "cases": {}}
+  for item in wanted:
+    name, case = item.split(":")
+    B, S = map(int, case.split("x"))
+    rows = {}
+    built = programs(config, serving, name, B, S)
+    for form, (compiled, params, tokens, make, prec) in built.items():
+      with gzip.open(os.path.join(out_dir, f"decode-{form}-{name}-{B}x{S}.hlo.txt.gz"),
+                     "wt") as f:
+        f.write(compiled.as_text())
+      m = compiled.memory_analysis()
+      weights = model_bench.weight_bytes(params)
+      need = tpu_model.decode_bytes(config, weights, B, S, prec)
+      state, _ = compiled(params, make(), tokens)
+      finite = bool(np.isfinite(np.asarray(state.last_BxV)).all())
+      del state
+      rows[form] = {"floor_ms": 1e3 * need / bw, "finite": finite,
+                    "args_gb": m.argument_size_in_bytes / 1e9 if m else None,
+                    "temp_gb": m.temp_size_in_bytes / 1e9 if m else None, "samples": []}
+    for _ in range(ROUNDS):
+      for form, (compiled, params, tokens, make, _) in built.items():
+        state = jax.block_until_ready(make())
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(params, state, tokens))
+        rows[form]["samples"].append((time.perf_counter() - t0) / STEPS)
+    for form, r in rows.items():
+      r["step_ms"] = 1e3 * statistics.median(r["samples"])
+      r["over_floor"] = r["step_ms"] / r["floor_ms"]
+      print(f"{item:28s} {form:8s} {r['step_ms']:8.3f} ms/step  x{r['over_floor']:.2f} floor  "
+            f"args {r['args_gb']:.2f} GB  temp {r['temp_gb']:.3f} GB  finite {r['finite']}",
+            flush=True)
+    result["cases"][item] = rows
+    runs.write_json(out_dir, "decode_write.json", result, provenance=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], sys.argv[2:] or ["bf16_flags:8x8192", "bf16_flags:8x32768",
+                                     "bf16_flags:1x8192", "bf16_flags_kv_int8:1x32768"])
