@@ -29,7 +29,8 @@ case once, in order; medians):
            `cache.cache_bytes`), over the HBM read bandwidth measured in the same run
            (`tpu_decode.hbm_read_bandwidth`); `over_floor` = step time / floor.
   train    B x T tokens (`--train_cases`, default 1x4096): `train.make_update` (AdamW,
-           float32 master weights) with `train.remat='block'` and `train.loss_chunk=1024`,
+           float32 master weights), presets bf16 and bf16_flags (`TRAIN_PRESETS`: the
+           flags' cost), with `train.remat='block'` and `train.loss_chunk=1024`,
            what fits the 16 GB chip (results/tpu-device-check/device_check-train.json).
            MFU: 3x the forward's matmul FLOPs with the unembedding at every token.
 The flags' cost per phase is bf16_flags over bf16 in the same rounds. Every program's
