@@ -17,6 +17,11 @@ tests/test_flash.py, the flash kernel's flags table; tests/test_tpu_decode_bench
 decode attention table), docs/precision.md's held-out table
 (tests/test_docs.py), docs/training.md's sweep tables (tests/test_lrsweep.py) and
 docs/contract.md's platform table (tests/test_platforms.py).
+
+Every table of the docs is accounted for (`test_every_table_is_accounted_for`): a case
+here, a test elsewhere, a reference table, a command's printed output, or one of the 22
+results tables listed as not yet checked (`UNCHECKED`: their runs' files were written
+under bench/ or runs/ and not committed).
 """
 import functools
 import json
@@ -849,3 +854,109 @@ def test_the_number_reader():
   assert _cell_problem("0.0139", 0.01396) is not None
   assert _cell_problem("**95.0 (91.0–97.3)**", [95.0, 91.04, 97.26]) is None
   assert _cells("| `<|endoftext|>` | bf16 |  |") == ["`<|endoftext|>`", "bf16", ""]
+
+
+# Every other table of README.md and docs/*.md, keyed by (doc, the start of its header
+# line), with how many tables of that doc start so and what holds them. A table that is
+# in none of these, nor a case above, fails `test_every_table_is_accounted_for`: a new
+# results table comes with its record.
+ELSEWHERE = {   # results tables checked against their records by another test
+    ("README.md", "| measure | preset |"):
+        (1, "tests/test_docs.py::test_the_readme_headline_table_is_the_sizes_record"),
+    ("docs/contract.md", "| platform |"): (1, "tests/test_platforms.py"),
+    ("docs/performance.md", "| kernel | median (ms) |"):
+        (1, "tests/test_docs.py::test_the_tpu_tables_are_the_device_check_records"),
+    ("docs/performance.md", "| phase | kernel run |"):
+        (1, "tests/test_docs.py::test_the_tpu_tables_are_the_device_check_records"),
+    ("docs/performance.md", "| batch x cache | step |"):
+        (1, "tests/test_docs.py::test_the_tpu_tables_are_the_device_check_records"),
+    ("docs/performance.md", "| tokens | kernel | remat |"):
+        (1, "tests/test_docs.py::test_the_tpu_tables_are_the_device_check_records"),
+    ("docs/performance.md", "| case | row | median (ms) |"): (1, "tests/test_flash.py"),
+    ("docs/performance.md", "| case | preset | kernel |"): (1, "tests/test_tpu_model_bench.py"),
+    ("docs/performance.md", "| case | row | median (us) |"):
+        (1, "tests/test_tpu_decode_bench.py"),
+    ("docs/precision.md", "| setting | 0.5B logits KL, held-out |"):
+        (1, "tests/test_docs.py::test_the_heldout_table_is_the_study_records"),
+    ("docs/training.md", "| setting |"): (6, "tests/test_lrsweep.py"),
+    ("docs/training.md", "| a | b | difference |"): (2, "tests/test_lrsweep.py"),
+    ("docs/tpu.md", "| kernel | QK matmul |"): (1, "tests/test_tpu_fixtures.py"),
+}
+REFERENCE = {   # not results: what a knob, stage, preset, command or exit code means
+    ("README.md", "| page |"): 1, ("README.md", "| knob"): 1, ("README.md", "| preset |"): 1,
+    ("docs/contract.md", "| knob |"): 1, ("docs/contract.md", "| stage | qk=F"): 1,
+    ("docs/contract.md", "| stage | what it is |"): 1, ("docs/errors.md", "| code |"): 1,
+    ("docs/precision.md", "| stage | qk=F"): 1,
+    ("docs/precision.md", "| `precision.key_offset` |"): 1, ("docs/tpu.md", "| command |"): 1,
+    # the CPU targets, each with a link to the section whose table holds its figure
+    ("docs/performance.md", "| target | measured |"): 1,
+}
+PRINTED = {     # a command's output pasted as printed (the command is named above it)
+    ("docs/audit.md", "| phase | dot |"): 2, ("docs/audit.md", "| phase | layers |"): 1,
+    ("docs/audit.md", "| # | attention |"): 2, ("docs/study.md", "| pairs |"): 1,
+}
+# Results tables with no record checked yet: the runs behind them wrote their files under
+# bench/ or runs/, which are not committed. Each stays listed until its run is made
+# again into results/ and a case above reads it.
+UNCHECKED = {
+    ("docs/performance.md", "| rows |"): 1, ("docs/performance.md", "| batch, prompt |"): 5,
+    ("docs/performance.md", "| phase | bf16 s |"): 1, ("docs/performance.md", "| S |"): 1,
+    ("docs/performance.md", "| program | L |"): 1, ("docs/precision.md", "| cache |"): 1,
+    ("docs/precision.md", "| config | flags | KV cache |"): 4,
+    ("docs/study.md", "| config |"): 3, ("docs/study.md", "| preset | logits KL |"): 1,
+    ("docs/study.md", "| layer |"): 1, ("docs/study.md", "| first token |"): 1,
+    ("docs/study.md", "| preset | exact match |"): 1,
+    ("docs/checkpoints.md", "| model | max abs diff |"): 1,
+}
+
+
+def _all_tables():
+  """(doc, line number, header line) of every markdown table in README.md and docs/*.md."""
+  import glob
+  out = []
+  for doc in ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in
+                                    glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+    lines = _file(doc).split("\n")
+    for i in range(len(lines) - 1):
+      if (lines[i].lstrip().startswith("|") and "-" in lines[i + 1]
+              and re.match(r"^\s*\|[\s:|-]+\|\s*$", lines[i + 1])):
+        out.append((doc, i + 1, lines[i].strip()))
+  return out
+
+
+def test_every_table_is_accounted_for():
+  """Every table of README.md and docs/*.md is a case above (checked against its record
+  here), checked by the test `ELSEWHERE` names, a reference table, a command's printed
+  output, or a results table listed as not yet checked (`UNCHECKED`), each list holding
+  exactly as many tables as it says: a table added without its record fails, as does a
+  listed one that is gone (the lists shrink as records arrive)."""
+  cases = set()
+  for name, doc, after, header, sources, _ in CASES:
+    text = _file(doc)
+    start = text.index(after)
+    first = next(m.start() for m in re.finditer(r"(?m)^[ \t]*" + re.escape(header), text)
+                 if m.start() >= start)
+    cases.add((doc, text[:first].count("\n") + 1))
+  kinds = {"ELSEWHERE": {k: n for k, (n, _) in ELSEWHERE.items()}, "REFERENCE": REFERENCE,
+           "PRINTED": PRINTED, "UNCHECKED": UNCHECKED}
+  seen = {(kind, key): 0 for kind, keys in kinds.items() for key in keys}
+  strays = []
+  for doc, line, header in _all_tables():
+    if (doc, line) in cases:
+      continue
+    hits = [(kind, key) for kind, keys in kinds.items() for key in keys
+            if key[0] == doc and header.startswith(key[1])]
+    # the longest matching start wins ('| config | flags |' over '| config |')
+    hits.sort(key=lambda h: -len(h[1][1]))
+    if not hits:
+      strays.append(f"{doc}:{line} {header[:80]}")
+      continue
+    seen[hits[0]] += 1
+  assert not strays, ("tables not accounted for (add a case with their record, or list "
+                      "them): " + "; ".join(strays))
+  wrong = {f"{kind} {key}": (seen[(kind, key)], kinds[kind][key]) for kind, key in seen
+           if seen[(kind, key)] != kinds[kind][key]}
+  assert not wrong, f"(found, listed) per key: {wrong}"
+  for _, where in ELSEWHERE.values():
+    assert os.path.isfile(os.path.join(ROOT, where.split("::")[0])), where
+  assert sum(UNCHECKED.values()) == 22
