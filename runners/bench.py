@@ -338,8 +338,10 @@ def _parse(argv):
   add("--train_cases", type=_cases, default=None,
       help=f"tpu_model suite: BATCHxTOKENS train cases (default "
       f"{','.join(f'{b}x{t}' for b, t in tpu_model_bench.TRAIN_CASES)})")
-  add("--steps", type=_count, default=0, help="model suite: decode steps (0: 32, quick 8)")
-  add("--rounds", type=_count, default=0, help="model suite: timing rounds (0: 3, quick 2)")
+  add("--steps", type=_count, default=0, help="model suite: decode steps (0: 32, quick 8); "
+      f"tpu_model: decode steps per timed loop (0: {tpu_model_bench.STEPS})")
+  add("--rounds", type=_count, default=0, help="model suite: timing rounds (0: 3, quick 2); "
+      "other suites: their rounds (0: the suite's default, named above)")
   add("--seq_lens", type=_ints, default=None,
       help=f"attention suite: sequence lengths (default "
       f"{','.join(map(str, bench.DEFAULT_SEQ_LENS))}); attention_forms: default "
@@ -385,9 +387,12 @@ def _parse(argv):
       help="compile suite: layer counts (None: 2,8,32,80; quick 2,8)")
   add("--out", default="bench", metavar="DIR", help="where results are written")
   args = parser.parse_args(argv)
-  args.model_presets = _names("--model_presets", args.model_presets or (
-      ",".join(tpu_model_bench.PRESETS) if args.suite == "tpu_model" else "fp32,bf16_flags"),
-      list(model_bench.PRESETS))
+  if args.model_presets is None:
+    args.model_presets = (",".join(tpu_model_bench.PRESETS) if args.suite == "tpu_model"
+                          else "fp32,bf16_flags")
+  args.model_presets = _names("--model_presets", args.model_presets,
+                              list(tpu_model_bench.VALID_PRESETS if args.suite == "tpu_model"
+                                   else model_bench.PRESETS))
   args.kernels = _names("--kernels", args.kernels, list(kernel_names.NAMES)) \
       if args.kernels is not None else None
   args.flag_rows = _names("--flag_rows", args.flag_rows, list(tpu_bench.FLAG_ROWS))

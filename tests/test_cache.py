@@ -291,10 +291,12 @@ def test_a_decode_write_as_row_slices_is_the_scatter_s(stacked):
   from attnprec.contract import CacheStorage
   int8 = CacheStorage("int8", "int8", "token", "token")
   rng = np.random.default_rng(0)
-  K, H, S_, B_ = 2, 8, 16, 4
+  K, H, S_, B_ = 2, 8, 16, 5
   k = jnp.asarray(rng.standard_normal((B_, 1, K, H)), jnp.bfloat16)
   v = jnp.asarray(rng.standard_normal((B_, 1, K, H)), jnp.bfloat16)
-  positions = jnp.array([[3], [15], [16], [-1]], jnp.int32)   # last, past the end, from it
+  # inside, the last position, past the end, -1 (the last, counted from the end), and
+  # -17 (past the start even counted from the end: dropped)
+  positions = jnp.array([[3], [15], [16], [-1], [-17]], jnp.int32)
   config = ModelConfig(vocab_size=32, d_model=16, num_layers=3, num_heads=2, num_kv_heads=K,
                        head_dim=H, mlp_hidden=32, scan_layers=stacked)
   for storage in (cache_lib.COMPUTE_CACHE, int8):
@@ -306,9 +308,13 @@ def test_a_decode_write_as_row_slices_is_the_scatter_s(stacked):
     for rows in (True, False):
       cache_lib.ROW_WRITES = rows
       try:
-        written[rows] = jax.jit(lambda c: c.write(k, v, positions, storage))(view)
+        write = jax.jit(lambda c: c.write(k, v, positions, storage))
+        jaxpr = str(jax.make_jaxpr(lambda c: c.write(k, v, positions, storage))(view))
+        written[rows] = write(view)
       finally:
         cache_lib.ROW_WRITES = False
+      # each form is the one asked for: slices only, or scatters only
+      assert ("scatter" in jaxpr) != rows and ("dynamic_update_slice" in jaxpr) == rows
     for a, b in zip(jax.tree_util.tree_leaves(written[True]),
                     jax.tree_util.tree_leaves(written[False])):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -316,7 +322,9 @@ def test_a_decode_write_as_row_slices_is_the_scatter_s(stacked):
     held = view.k[1] if stacked else view.k
     got = new.k[1] if stacked else new.k
     assert not np.array_equal(np.asarray(got[0, :, 3]), np.asarray(held[0, :, 3]))
-    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(held[2]))   # dropped
+    for b in (2, 4):                                                          # dropped
+      np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(held[b]))
+    assert not np.array_equal(np.asarray(got[3, :, 15]), np.asarray(held[3, :, 15]))
     if stacked:          # the other layers as they were
       for layer in (0, 2):
         np.testing.assert_array_equal(np.asarray(new.k[layer]), np.asarray(view.k[layer]))

@@ -64,13 +64,23 @@ def test_every_phase_runs_and_its_figures_follow_from_their_definitions(tmp_path
 def test_a_decode_case_past_the_device_memory_is_refused_by_name(tmp_path, monkeypatch):
   """Refused before anything is compiled or written; the default grid keeps only the
   cases that fit (at Qwen2.5-0.5B's shape on a 16 GiB chip, batch 32 at 32k does not:
-  its bf16 cache alone is 12.9 GB)."""
+  its bf16 cache alone is 12.9 GB, with the float32 params and their bf16 copy 14.8 GiB).
+  So are presets this suite would run under another's name, and a prefill longer than
+  the model."""
   monkeypatch.setattr(tpu_decode, "device_bytes", lambda: 16 * 2 ** 30)
   config = tpu_model.qwen05_config()
-  with pytest.raises(UserError, match=r"decode case 32x32768 needs about 12\.9 GiB"):
+  with pytest.raises(UserError, match=r"decode case 32x32768 needs about 14\.8 GiB"):
     tpu_model.run(str(tmp_path / "big"), decode_cases=((1, 1024), (32, 32768)),
                   config=config, progress=lambda m: None)
   assert not (tmp_path / "big").exists()
+  # a preset the model suite reads by its name alone (its weight form) is not this one's
+  with pytest.raises(UserError, match=r"'bf16_flags_cast'.*choose from .*bf16_flags_kv_int8"):
+    tpu_model.run(str(tmp_path / "named"), presets=("bf16_flags_cast",), config=config,
+                  decode_cases=(), progress=lambda m: None)
+  with pytest.raises(UserError, match=r"1x40000: more tokens than the model's max_seq_len"):
+    tpu_model.run(str(tmp_path / "long"), prefill_cases=((1, 40000),), decode_cases=(),
+                  config=config, progress=lambda m: None)
+  assert not (tmp_path / "named").exists() and not (tmp_path / "long").exists()
   grid = tpu_model.fitting(config, tpu_model.DECODE_CASES, tpu_model.PRESETS)
   assert (32, 32768) not in grid and (8, 32768) in grid and len(grid) == 8
   assert np.isclose(cache_lib.cache_bytes(config, 32, 32768, "bfloat16"), 12.88e9, rtol=1e-3)

@@ -73,6 +73,10 @@ DECODE_CASES: Tuple[Tuple[int, int], ...] = tuple(
 TRAIN_CASES: Tuple[Tuple[int, int], ...] = ((1, 4096),)
 TRAIN_PRESETS = ("bf16", "bf16_flags")
 STEPS = 16
+# The model suite's presets whose Precision is bf16_flags' and whose weight form that
+# suite reads from the name (`bench.model.CAST_AT_USE`, `CARRIED_PREFILL`): not ours.
+NAMED_FORMS = model_bench.CAST_AT_USE + model_bench.CARRIED_PREFILL
+VALID_PRESETS = tuple(p for p in model_bench.PRESETS if p not in NAMED_FORMS)
 TRAIN_REMAT, TRAIN_LOSS_CHUNK = "block", 1024
 PEAK_SHAPE = (4096, 4096, 4096)
 
@@ -107,13 +111,14 @@ def decode_bytes(config: ModelConfig, weights: int, B: int, S: int, precision) -
 
 
 def check_fits(config: ModelConfig, decode_cases, presets) -> None:
-  """A UserError naming the largest decode case and its estimate (weights + cache, the
-  bf16 cache of the presets asked for) when it would need more than `memory.SHARE` of
-  the device's memory: refused before anything runs."""
+  """A UserError naming the largest decode case and its estimate (the float32 params the
+  run holds, their bf16 serving copy, and the largest cache of the presets asked for)
+  when it would need more than `memory.SHARE` of the device's memory: refused before
+  anything runs."""
   total = tpu_decode.device_bytes()
   if total is None or not decode_cases:
     return
-  weights = 2 * sum(int(np.prod(s.shape)) for s in jax.tree_util.tree_leaves(
+  weights = (4 + 2) * sum(int(np.prod(s.shape)) for s in jax.tree_util.tree_leaves(
       jax.eval_shape(lambda: init_params(config))))
   precs = [model_bench.PRESETS[p] for p in presets]
   need, B, S = max((max(decode_bytes(config, weights, B, S, p) for p in precs), B, S)
@@ -121,7 +126,8 @@ def check_fits(config: ModelConfig, decode_cases, presets) -> None:
   if need > memory.SHARE * total:
     raise UserError(
         f"The tpu_model decode case {B}x{S} needs about {need / 2 ** 30:.1f} GiB of device "
-        f"memory (the bf16 weights and a cache of {S} positions for {B} sequences), more "
+        f"memory (the float32 params, their bf16 serving copy and a cache of {S} positions "
+        f"for {B} sequences), more "
         f"than {memory.SHARE:.0%} of the device's {total / 2 ** 30:.1f} GiB. Drop it from "
         f"--decode_cases (the default grid keeps only the cases that fit).")
 
@@ -175,11 +181,17 @@ class _Serving:
     return self._made[key], serving
 
 
-def _interleave(live: Dict[str, callable], rounds: int) -> Dict[str, float]:
+def _interleave(live: Dict[str, callable], rounds: int, rows: dict) -> Dict[str, float]:
+  """Medians of `rounds` interleaved calls of each of `live`; a row whose call fails (out
+  of memory, say) gets the error in `rows` and drops out, the others go on."""
   samples = {n: [] for n in live}
   for _ in range(rounds):
-    for name, call in live.items():
-      samples[name].append(call())
+    for name, call in list(live.items()):
+      try:
+        samples[name].append(call())
+      except Exception as e:  # noqa: BLE001 -- recorded; the other rows still run
+        rows[name] = {"error": _error(e)}
+        del live[name], samples[name]
   return {n: statistics.median(ts) for n, ts in samples.items()}
 
 
@@ -208,7 +220,7 @@ def prefill_case(config, serving, B: int, P: int, presets, *, rounds: int, peak:
     except Exception as e:  # noqa: BLE001 -- recorded; the other rows still run
       rows[name] = {"error": _error(e)}
   flops = matmul_flops(config, serving.params, B, P, B)
-  for name, t in _interleave(live, rounds).items():
+  for name, t in _interleave(live, rounds, rows).items():
     rows[name].update(median_ms=1e3 * t, tokens_per_s=B * P / t, mfu=flops / t / peak)
   return {"phase": "prefill", "B": B, "P": P, "flops": flops, "rows": rows}
 
@@ -257,7 +269,7 @@ def decode_case(config, serving, B: int, S: int, presets, *, rounds: int, steps:
       del row
     except Exception as e:  # noqa: BLE001 -- recorded; the other rows still run
       rows[name] = {"error": _error(e)}
-  for name, t in _interleave(live, rounds).items():
+  for name, t in _interleave(live, rounds, rows).items():
     r = rows[name]
     r.update(step_ms=1e3 * t, over_floor=1e3 * t / r["floor_ms"])
   return {"phase": "decode", "B": B, "S": S, "steps": steps, "rows": rows}
@@ -293,7 +305,7 @@ def train_case(config, params, B: int, T: int, presets, *, rounds: int, peak: fl
     except Exception as e:  # noqa: BLE001 -- recorded; the other rows still run
       rows[name] = {"error": _error(e)}
   flops = train_flops(config, params, B, T)
-  for name, t in _interleave(live, rounds).items():
+  for name, t in _interleave(live, rounds, rows).items():
     rows[name].update(median_ms=1e3 * t, tokens_per_s=B * T / t, mfu=flops / t / peak)
   return {"phase": "train", "B": B, "T": T, "flops": flops, "rows": rows}
 
@@ -312,10 +324,17 @@ def run(out_dir: str, *, presets: Sequence[str] = PRESETS,
   """Runs the suite (decode_cases None: `DECODE_CASES` that fit the device); writes
   <out_dir>/tpu_model.json after every case and tpu_model.md at the end."""
   config = config or qwen05_config()
-  unknown = [p for p in presets if p not in model_bench.PRESETS]
+  unknown = [p for p in presets if p not in VALID_PRESETS]
   if unknown:
     raise UserError(f"tpu_model presets {unknown!r}: choose from "
-                    f"{', '.join(model_bench.PRESETS)}.")
+                    f"{', '.join(VALID_PRESETS)} (the model suite's weight-form presets, "
+                    f"{', '.join(NAMED_FORMS)}, differ from bf16_flags by their name alone, "
+                    f"which only that suite reads).")
+  long = [f"{B}x{T}" for B, T in tuple(prefill_cases) + tuple(train_cases)
+          if T > config.max_seq_len]
+  if long:
+    raise UserError(f"--cases / --train_cases {', '.join(long)}: more tokens than the "
+                    f"model's max_seq_len ({config.max_seq_len}).")
   if decode_cases is None:
     decode_cases = fitting(config, DECODE_CASES, presets)
   check_fits(config, decode_cases, presets)

@@ -80,16 +80,19 @@ def main(out_dir, wanted):
                     "temp_gb": m.temp_size_in_bytes / 1e9 if m else None, "samples": []}
     for _ in range(ROUNDS):
       for form, (compiled, params, tokens, make, _) in built.items():
+        if not rows[form]["finite"]:
+          continue                        # a broken program's time would read like any other
         state = jax.block_until_ready(make())
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(params, state, tokens))
         rows[form]["samples"].append((time.perf_counter() - t0) / STEPS)
     for form, r in rows.items():
-      r["step_ms"] = 1e3 * statistics.median(r["samples"])
-      r["over_floor"] = r["step_ms"] / r["floor_ms"]
-      print(f"{item:28s} {form:8s} {r['step_ms']:8.3f} ms/step  x{r['over_floor']:.2f} floor  "
-            f"args {r['args_gb']:.2f} GB  temp {r['temp_gb']:.3f} GB  finite {r['finite']}",
-            flush=True)
+      if r["samples"]:
+        r["step_ms"] = 1e3 * statistics.median(r["samples"])
+        r["over_floor"] = r["step_ms"] / r["floor_ms"]
+      print(f"{item:28s} {form:8s} {r.get('step_ms', float('nan')):8.3f} ms/step  "
+            f"x{r.get('over_floor', float('nan')):.2f} floor  args {r['args_gb']} GB  "
+            f"temp {r['temp_gb']} GB  finite {r['finite']}", flush=True)
     result["cases"][item] = rows
     runs.write_json(out_dir, "decode_write.json", result, provenance=True)
 
