@@ -99,3 +99,25 @@ def test_the_docs_table_is_the_tpu_run_s():
   assert table.count("\n") >= 2 + 2 * 3 + 8 * 4 + 2     # prefill, decode, train rows
   with open(os.path.join(root, "docs", "performance.md")) as f:
     assert table in f.read()
+
+
+def test_a_phase_left_without_rows_or_a_broken_probe_is_refused(tmp_path, monkeypatch):
+  """Presets that run no row of an asked phase (an int8 cache is decode-only; the train
+  step runs bf16 and bf16_flags) are refused by name, not run as empty cases; a peak or a
+  bandwidth that is not a finite positive number stops the run before anything is
+  written (every MFU and floor divides by it)."""
+  config = tpu_model.qwen05_config(**TINY)
+  kw = dict(prefill_cases=((2, 16),), decode_cases=(), train_cases=(), rounds=1, steps=4,
+            config=config, progress=lambda m: None)
+  with pytest.raises(UserError, match=r"bf16_flags_kv_int8 leaves no row to time in --cases"):
+    tpu_model.run(str(tmp_path / "a"), presets=("bf16_flags_kv_int8",), **kw)
+  with pytest.raises(UserError, match=r"no row to time in --train_cases"):
+    tpu_model.run(str(tmp_path / "a"), presets=("bf16_flags_offset",),
+                  **dict(kw, train_cases=((1, 16),)))
+  monkeypatch.setattr(tpu_decode, "hbm_read_bandwidth", lambda: {"best": 1e10})
+  monkeypatch.setattr(tpu_model.model_bench, "matmul_peak",
+                      lambda shape: {"bf16": float("nan")})
+  from attnprec.errors import NonFiniteError
+  with pytest.raises(NonFiniteError, match=r"bf16 matmul peak .* is nan"):
+    tpu_model.run(str(tmp_path / "b"), presets=("bf16",), **kw)
+  assert not (tmp_path / "a").exists() and not (tmp_path / "b" / "tpu_model.json").exists()

@@ -58,7 +58,7 @@ from attnprec import decoding, kernels, layout, memory, runs, train
 from attnprec.bench import model as model_bench
 from attnprec.bench import tpu_attention, tpu_decode
 from attnprec.config import ModelConfig
-from attnprec.errors import UserError
+from attnprec.errors import NonFiniteError, UserError
 
 # Qwen2.5-0.5B's architecture (random weights: no checkpoint travels to a device), its 24
 # layers scanned.
@@ -118,8 +118,7 @@ def check_fits(config: ModelConfig, decode_cases, presets) -> None:
   total = tpu_decode.device_bytes()
   if total is None or not decode_cases:
     return
-  weights = (4 + 2) * sum(int(np.prod(s.shape)) for s in jax.tree_util.tree_leaves(
-      jax.eval_shape(lambda: init_params(config))))
+  weights = (4 + 2) * param_count(config)
   precs = [model_bench.PRESETS[p] for p in presets]
   need, B, S = max((max(decode_bytes(config, weights, B, S, p) for p in precs), B, S)
                    for B, S in decode_cases)
@@ -130,6 +129,13 @@ def check_fits(config: ModelConfig, decode_cases, presets) -> None:
         f"for {B} sequences), more "
         f"than {memory.SHARE:.0%} of the device's {total / 2 ** 30:.1f} GiB. Drop it from "
         f"--decode_cases (the default grid keeps only the cases that fit).")
+
+
+@functools.lru_cache(maxsize=8)
+def param_count(config: ModelConfig) -> int:
+  """The model's parameters, from the shapes alone (traced once per config)."""
+  return sum(int(np.prod(s.shape)) for s in jax.tree_util.tree_leaves(
+      jax.eval_shape(lambda: init_params(config))))
 
 
 def fitting(config: ModelConfig, cases, presets) -> Tuple[Tuple[int, int], ...]:
@@ -335,6 +341,13 @@ def run(out_dir: str, *, presets: Sequence[str] = PRESETS,
   if long:
     raise UserError(f"--cases / --train_cases {', '.join(long)}: more tokens than the "
                     f"model's max_seq_len ({config.max_seq_len}).")
+  empty = [f"{flag} (its presets: {', '.join(among)})" for flag, cases, among in (
+      ("--cases", prefill_cases, [p for p in VALID_PRESETS if p not in DECODE_ONLY]),
+      ("--train_cases", train_cases, TRAIN_PRESETS))
+      if cases and not set(presets) & set(among)]
+  if empty:
+    raise UserError(f"--model_presets={','.join(presets)} leaves no row to time in "
+                    f"{' and '.join(empty)}; add one of those presets, or drop the cases.")
   if decode_cases is None:
     decode_cases = fitting(config, DECODE_CASES, presets)
   check_fits(config, decode_cases, presets)
@@ -352,6 +365,12 @@ def run(out_dir: str, *, presets: Sequence[str] = PRESETS,
   serving = _Serving(params)
   peak = model_bench.matmul_peak(PEAK_SHAPE)["bf16"]
   bw = tpu_decode.hbm_read_bandwidth()
+  for what, value in (("bf16 matmul peak (FLOP/s)", peak),
+                      ("HBM read bandwidth (bytes/s)", bw["best"])):
+    if not (np.isfinite(value) and value > 0):   # every MFU and floor divides by it
+      raise NonFiniteError(f"The measured {what} is {value!r}: every MFU or floor of this "
+                           f"run divides by it, so nothing is timed or written. Run it again "
+                           f"on an idle device.")
   result.update(bf16_peak_tflops=peak / 1e12,
                 read_gbps={k: v / 1e9 for k, v in bw.items()})
   todo = ([(f"prefill {B}x{P}", ("prefill", B, P)) for B, P in prefill_cases] +
