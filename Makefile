@@ -35,6 +35,11 @@ TPU_TESTS ?= tests/test_tpu.py tests/test_tpu_fixtures.py tests/test_kernels.py 
 # The wheels a TPU machine without a registry needs, pinned (docs/tpu.md).
 TPU_WHEELS ?= chex==0.1.92 dm-haiku==0.0.17 jmp==0.0.4 tabulate==0.10.0 gin-config==0.5.0 gguf==0.19.0
 on_tpu = python3 -c 'import jax, sys; sys.exit(jax.default_backend() != "tpu")' 2>/dev/null
+# $(call tpu_or_venv,SCRIPT ARGS): on a TPU machine through its own Python (after
+# scripts/tpu_install.sh), else through the .venv (set up first).
+tpu_or_venv = if $(on_tpu); then \
+  bash -c '. scripts/tpu_install.sh $(TPU_SITE) && python3 $(1)'; \
+  else $(MAKE) --no-print-directory setup && $(PY) $(1); fi
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -89,9 +94,7 @@ study: setup
 # The LR sweep (docs/training.md): on a TPU through its own Python (docs/tpu.md), else
 # the .venv. Resumable: run it again with the same --run_dir.
 sweep:
-	@if $(on_tpu); then \
-	  bash -c '. scripts/tpu_install.sh $(TPU_SITE) && python3 runners/sweep.py $(call gin_files,$(SWEEP_GIN)) $(ARGS)'; \
-	else $(MAKE) --no-print-directory setup && $(PY) runners/sweep.py $(call gin_files,$(SWEEP_GIN)) $(ARGS); fi
+	@$(call tpu_or_venv,runners/sweep.py $(call gin_files,$(SWEEP_GIN)) $(ARGS))
 
 nextline: setup
 	$(PY) runners/nextline.py $(call gin_files,$(NEXTLINE_GIN)) $(ARGS)
@@ -108,17 +111,13 @@ sizes: setup
 
 # On a TPU through its own Python (docs/tpu.md: the tpu_* suites), else the .venv.
 bench:
-	@if $(on_tpu); then \
-	  bash -c '. scripts/tpu_install.sh $(TPU_SITE) && python3 runners/bench.py --out=bench $(ARGS)'; \
-	else $(MAKE) --no-print-directory setup && $(PY) runners/bench.py --out=bench $(ARGS); fi
+	@$(call tpu_or_venv,runners/bench.py --out=bench $(ARGS))
 
 # On a TPU (the TPU path above) or an NVIDIA GPU: the audit on the compiled program, the
 # kernels' speed and error (against float64; jax's splash on a TPU, cuDNN on a GPU), the
 # flags' cost per phase. Elsewhere: one line, exit 0.
 device-check:
-	@if $(on_tpu); then \
-	  bash -c '. scripts/tpu_install.sh $(TPU_SITE) && python3 runners/device_check.py $(ARGS)'; \
-	else $(MAKE) --no-print-directory setup && $(PY) runners/device_check.py $(ARGS); fi
+	@$(call tpu_or_venv,runners/device_check.py $(ARGS))
 
 plot: setup
 	$(PY) runners/plot.py --run_dir=$(RUN)
