@@ -66,9 +66,10 @@ def main(out_dir, wanted):
     rows = {}
     built = programs(config, serving, name, B, S)
     for form, (compiled, params, tokens, make, prec) in built.items():
-      with gzip.open(os.path.join(out_dir, f"decode-{form}-{name}-{B}x{S}.hlo.txt.gz"),
-                     "wt") as f:
+      path = os.path.join(out_dir, f"decode-{form}-{name}-{B}x{S}.hlo.txt.gz")
+      with gzip.open(path + ".tmp", "wt") as f:    # renamed whole: a kill leaves no half file
         f.write(compiled.as_text())
+      os.replace(path + ".tmp", path)
       m = compiled.memory_analysis()
       weights = model_bench.weight_bytes(params)
       need = tpu_model.decode_bytes(config, weights, B, S, prec)
