@@ -157,6 +157,18 @@ def _check_finite(label: str, what: str, logits, config, params, precision, prom
                                where, stage, advice=" Not timed.")
 
 
+def serving_params(carried: dict, params, precision):
+  """(params, precision, key) as `decoding.for_serving` gives them for `precision`. The
+  serving params depend only on the compute dtype and whether they are carried: `carried`
+  ({key: params}, one per bench run) lets presets and cases share one copy (a 1.5B
+  model's carried weights are 6 GB); `key` names it."""
+  serving = decoding.serving_precision(precision)
+  key = (jnp.dtype(precision.compute_dtype).name, serving.carrier_weights)
+  if key not in carried:
+    carried[key], _ = decoding.for_serving(params, precision)
+  return carried[key], serving, key
+
+
 class _AttnprecCase:
   """Compiled prefill + decode of one (preset, B, P); `prefill()` / `decode()` time one
   call each. Every suite's timings come from here, so here the programs are checked:
@@ -172,15 +184,8 @@ class _AttnprecCase:
     self.steps = steps
     self.weights = weights
     if weights == "serving":
-      # the serving params depend only on the compute dtype and whether they are carried:
-      # `carried` ({(dtype name, carried): params}, one per bench run) lets presets and
-      # cases share one copy (a 1.5B model's carried weights are 6 GB)
       carried = {} if carried is None else carried
-      serving = decoding.serving_precision(precision)
-      key = (jnp.dtype(precision.compute_dtype).name, serving.carrier_weights)
-      if key not in carried:
-        carried[key], _ = decoding.for_serving(params, precision)
-      self.params, precision = carried[key], serving
+      self.params, precision, key = serving_params(carried, params, precision)
       self.weights = ("carried" if precision.carrier_weights else
                       f"{jnp.dtype(precision.compute_dtype).name}-stored"
                       if precision.stored_weights else "float32")

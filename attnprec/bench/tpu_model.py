@@ -172,19 +172,14 @@ def _time(call) -> float:
 
 
 class _Serving:
-  """(params, precision) as `decoding.for_serving` gives them for a preset; the weights
-  made once per compute dtype and weight form, shared by the presets."""
+  """(params, precision) as served for a preset (`bench.model.serving_params`: the
+  weights made once per compute dtype and weight form, shared by the presets)."""
 
   def __init__(self, params):
     self.params, self._made = params, {}
 
   def __call__(self, precision):
-    serving = decoding.serving_precision(precision)
-    key = (jnp.dtype(precision.compute_dtype).name, serving.carrier_weights,
-           serving.stored_weights)
-    if key not in self._made:
-      self._made[key] = decoding.for_serving(self.params, precision)[0]
-    return self._made[key], serving
+    return model_bench.serving_params(self._made, self.params, precision)[:2]
 
 
 def _interleave(live: Dict[str, callable], rounds: int, rows: dict) -> Dict[str, float]:
