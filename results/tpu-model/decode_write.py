@@ -8,13 +8,17 @@ what the step does with its stacked cache (copies, transposes, layouts).
 
 Default cases: bf16_flags at 8x8192, 8x32768, 1x8192 and bf16_flags_kv_int8 at 1x32768.
 Writes OUT_DIR/decode_write.json (with provenance; rewritten after every case),
-decode-<form>-<preset>-<B>x<S>.hlo.txt.gz, and prints a line per row."""
+decode-<form>-<preset>-<B>x<S>.hlo.txt.gz, and prints a line per row. After the timed
+rounds, one more call of each form runs under `jax.profiler`: the device's op times, summed
+by op name (`jax.profiler.ProfileData`), go into the row as `ops` (the 30 longest), so
+where a step's time goes is read from the chip, not guessed from the program."""
 import functools
 import gzip
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -53,6 +57,35 @@ def programs(config, serving, name, B, S):
   return out
 
 
+def device_ops(fn, top=30):
+  """{op name: (total µs, count)} of the device planes' events during one call of `fn`,
+  the `top` longest; {} where the profiler records no device plane (XLA:CPU)."""
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d)
+    try:
+      fn()
+    finally:
+      jax.profiler.stop_trace()
+    totals = {}
+    for root, _, files in os.walk(d):
+      for name in files:
+        if not name.endswith(".xplane.pb"):
+          continue
+        with open(os.path.join(root, name), "rb") as f:
+          data = jax.profiler.ProfileData.from_serialized_xspace(f.read())
+        for plane in data.planes:
+          if not plane.name.startswith("/device:"):
+            continue
+          for line in plane.lines:
+            if line.name not in ("XLA Ops", "Ops"):
+              totals.setdefault(f"(line {plane.name} {line.name})", (0.0, 0))
+              continue
+            for e in line.events:
+              t, n = totals.get(e.name, (0.0, 0))
+              totals[e.name] = (t + e.duration_ns / 1e3, n + 1)
+  return dict(sorted(totals.items(), key=lambda kv: -kv[1][0])[:top])
+
+
 def main(out_dir, wanted):
   os.makedirs(out_dir, exist_ok=True)
   config = tpu_model.qwen05_config()
@@ -87,6 +120,11 @@ def main(out_dir, wanted):
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(params, state, tokens))
         rows[form]["samples"].append((time.perf_counter() - t0) / STEPS)
+    for form, (compiled, params, tokens, make, _) in built.items():
+      if rows[form]["finite"]:
+        state = jax.block_until_ready(make())
+        rows[form]["ops"] = device_ops(
+            lambda: jax.block_until_ready(compiled(params, state, tokens)))
     for form, r in rows.items():
       if r["samples"]:
         r["step_ms"] = 1e3 * statistics.median(r["samples"])
@@ -94,6 +132,8 @@ def main(out_dir, wanted):
       print(f"{item:28s} {form:8s} {r.get('step_ms', float('nan')):8.3f} ms/step  "
             f"x{r.get('over_floor', float('nan')):.2f} floor  args {r['args_gb']} GB  "
             f"temp {r['temp_gb']} GB  finite {r['finite']}", flush=True)
+      for op, (us, n) in list(r.get("ops", {}).items())[:8]:
+        print(f"    {op:40s} {us / STEPS:10.1f} us/step  x{n}", flush=True)
     result["cases"][item] = rows
     runs.write_json(out_dir, "decode_write.json", result, provenance=True)
 
