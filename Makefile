@@ -31,7 +31,8 @@ gin_files = $(foreach f,$(or $(GIN),$(1)),--gin_file=$(f))
 TPU_SITE ?= /tmp/attnprec-site
 TPU_TESTS ?= tests/test_tpu.py tests/test_tpu_fixtures.py tests/test_kernels.py \
   tests/test_pallas.py tests/test_flash.py tests/test_attention.py tests/test_stage_dtypes.py \
-  tests/test_platforms.py tests/test_audit.py tests/test_inspect.py tests/test_splash.py
+  tests/test_platforms.py tests/test_audit.py tests/test_inspect.py tests/test_splash.py \
+  tests/test_scan_layers.py
 # The wheels a TPU machine without a registry needs, pinned (docs/tpu.md).
 TPU_WHEELS ?= chex==0.1.92 dm-haiku==0.0.17 jmp==0.0.4 tabulate==0.10.0 gin-config==0.5.0 gguf==0.19.0
 on_tpu = python3 -c 'import jax, sys; sys.exit(jax.default_backend() != "tpu")' 2>/dev/null

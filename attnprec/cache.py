@@ -40,7 +40,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from attnprec import kvquant
+from attnprec import kvquant, platforms
 from attnprec.config import ModelConfig
 from attnprec.contract import (COMPUTE_CACHE, KEY_OFFSETS, SCALED_KV_DTYPES, CacheStorage,
                                KVScales, bits_dtype, reinterpret)
@@ -123,7 +123,7 @@ class LayerCache:
 
     def put(cache_BxKxS_, x_BxTxK_):
       x_BxTxK_ = reinterpret(x_BxTxK_, cache_BxKxS_.dtype)
-      if positions_BxT.shape[1] == 1 and ROW_WRITES:
+      if positions_BxT.shape[1] == 1 and decode_write_form() == "slices":
         return _put_rows(cache_BxKxS_, x_BxTxK_, positions_BxT[:, 0], at)
       # Indices (b, pos) on axes 0 and 2 with the K slice between them: the update rows
       # are [B, T, K(, H)], the new keys (or their scales) as they come.
@@ -171,24 +171,34 @@ class LayerCache:
     _refuse_mixed(self, name)
 
 
-# True: a decode step (one new row per sequence) writes its rows as B update slices
-# (`_put_rows`, the same bits); False (the default): as one scatter, as every write does.
-# Not adopted on any platform: on XLA:CPU the slices made XLA fuse the last update into
-# the kernel's read and copy each layer's cache per step (tests/test_cache.py would fail);
-# on a TPU it is not measured yet (results/tpu-model/decode_write.py times both forms in
-# one run).
-ROW_WRITES = False
+# How a decode step (one new row per sequence) writes its rows: 'scatter' (one scatter of B
+# rows, as every other write) or 'slices' (B update slices, `_put_rows`): the same bits.
+# None (the default): the form of the platform traced for (`platforms.Platform.decode_write`:
+# the scatter on XLA:CPU, the slices on a TPU, each measured there); a name forces it (the
+# side-by-side run in results/tpu-model/decode_write.py, the tests).
+DECODE_WRITES = None
+WRITE_FORMS = ("scatter", "slices")
+
+
+def decode_write_form() -> str:
+  """'scatter' or 'slices': how a decode step writes its rows in the program traced now."""
+  if DECODE_WRITES is not None:
+    if DECODE_WRITES not in WRITE_FORMS:
+      raise UserError(f"cache.DECODE_WRITES = {DECODE_WRITES!r} is not a write form; valid: "
+                      f"None (the platform's), {', '.join(map(repr, WRITE_FORMS))}.")
+    return DECODE_WRITES
+  name = platforms.local_platform(platforms.TRACED_FOR.get() or jax.default_backend())
+  return platforms.TABLE[name or "cpu"].decode_write
 
 
 def _put_rows(cache_BxKxS_, x_Bx1xK_, positions_B, at: tuple):
   """A decode step's write (one new row per sequence) as B slice updates, sequence b's
   [K(, H)] row at its position, with the scatter's semantics (`mode='drop'`: a position
   outside the cache writes nothing; a negative one counts from the end, as indexing
-  does). The same values as the scatter, as update slices, the form the decode
-  attention bench's loop writes in (results/tpu-decode: the dense kernel at the HBM
-  bandwidth). On a TPU the whole model's decode step with the scatter ran at its floor
-  with one sequence and at 2.4-4.7x it with 8 (results/tpu-model/README.md); this form
-  is not measured there yet (`ROW_WRITES`)."""
+  does). The same values as the scatter, as update slices: a TPU's form
+  (`platforms.Platform.decode_write`), where the scatter of 8 rows made the compiled
+  step relayout the stacked cache and copy each layer out (4.7x the floor at 8 x 32k,
+  0.85x with these; results/tpu-model/decode_write/)."""
   S = cache_BxKxS_.shape[len(at) + 2]
   pos_B = jnp.where(positions_B < 0, positions_B + S, positions_B)
   valid_B = (pos_B >= 0) & (pos_B < S)

@@ -101,6 +101,11 @@ class Platform:
   # honours ('blockwise' otherwise: it honours every one), and the measurement.
   auto_long: str = "blockwise"
   auto_long_source: str = ""
+  # How a decode step (one new row per sequence) writes its rows into the KV cache there
+  # (`cache.DECODE_WRITES`): 'scatter' (one scatter of B rows, as every other write) or
+  # 'slices' (B update slices); the same bits either way, and the measurement.
+  decode_write: str = "scatter"
+  decode_write_source: str = ""
 
   def arithmetic(self, precision: str) -> str:
     """'tf32', 'bf16', ... for a lax Precision name on f32 operands."""
@@ -133,7 +138,12 @@ TABLE: Dict[str, Platform] = {
         auto_long="blockwise",
         auto_long_source="SmolLM2-135M on XLA:CPU: blockwise prefill was faster than the "
                          "dense kernel at 1000 tokens (docs/performance.md); the Pallas "
-                         "kernels run interpreted there"),
+                         "kernels run interpreted there",
+        decode_write="scatter",
+        decode_write_source="XLA:CPU writes a scatter into a uint16 / uint8 buffer in "
+                            "place; as update slices it fused the last one into the "
+                            "kernel's read and copied each layer's cache per step "
+                            "(tests/test_cache.py checks the compiled step for copies)"),
     "tpu": Platform(
         name="tpu", backend="tpu", hardware="TPU, MXU",
         f32_products={"DEFAULT": "bf16", "HIGH": "bf16_3x", "HIGHEST": "bf16_6x"},
@@ -161,6 +171,14 @@ TABLE: Dict[str, Platform] = {
                     "bandwidth (results/tpu-decode/stacked_loop.json); a whole decode "
                     "step of Qwen2.5-0.5B's shape at batch 1 (cache ~4k) took ~6x its "
                     "time under blockwise",
+        decode_write="slices",
+        decode_write_source="a TPU v5e, the whole decode loop of Qwen2.5-0.5B's shape "
+                            "(scanned, both flags) timed both ways in one run: batch 8, "
+                            "caches 32k / 8k, 7.03 / 3.78 ms a step as update slices "
+                            "(0.85x / 1.07x the HBM floor), 39.1 / 8.37 ms as one "
+                            "scatter, which made XLA relayout the stack and copy each "
+                            "layer's cache out every step; batch 1, 8k: 1.94 / 2.05 ms "
+                            "(results/tpu-model/decode_write/decode_write.log)",
         compiled_source="the TPU compiler's optimized HLO on a TPU v5e, jax 0.10.2 "
                         "(tests/fixtures/tpu): every dot a `convolution`, its result "
                         "type the stored type; in the float32 model at DEFAULT the wv "

@@ -282,11 +282,14 @@ def test_the_decode_line_gives_the_cache_setting_and_bytes():
 
 @pytest.mark.parametrize("stacked", [False, True])
 def test_a_decode_write_as_row_slices_is_the_scatter_s(stacked):
-  """A decode step's rows written as B update slices (`cache.ROW_WRITES`, off by default,
-  for the TPU comparison in results/tpu-model/decode_write.py) give the bits the scatter
-  gives, keys and values, per-token scales and bf16 bits alike, with the
-  scatter's edge cases: a position past the cache writes nothing, a negative one counts
-  from the end; a layer of a stack is written and no other."""
+  """A decode step's rows written as B update slices (`cache.DECODE_WRITES`: a TPU's
+  form, `platforms.Platform.decode_write`) give the bits the scatter (XLA:CPU's) gives,
+  keys and values, per-token scales and bf16 bits alike, with the scatter's edge cases:
+  a position past the cache writes nothing, a negative one counts from the end; a layer
+  of a stack is written and no other. The form follows the platform traced for: the
+  scatter for 'cpu', the slices for 'tpu' (`precision.target_backend`), each measured
+  there."""
+  from attnprec.precision import target_backend
   from attnprec import cache as cache_lib
   from attnprec.contract import CacheStorage
   int8 = CacheStorage("int8", "int8", "token", "token")
@@ -306,15 +309,25 @@ def test_a_decode_write_as_row_slices_is_the_scatter_s(stacked):
     view = fresh.stack.replace(layer=jnp.int32(1)) if stacked else fresh.layers[1]
     written = {}
     for rows in (True, False):
-      cache_lib.ROW_WRITES = rows
+      cache_lib.DECODE_WRITES = "slices" if rows else "scatter"
       try:
         write = jax.jit(lambda c: c.write(k, v, positions, storage))
         jaxpr = str(jax.make_jaxpr(lambda c: c.write(k, v, positions, storage))(view))
         written[rows] = write(view)
       finally:
-        cache_lib.ROW_WRITES = False
+        cache_lib.DECODE_WRITES = None
       # each form is the one asked for: slices only, or scatters only
       assert ("scatter" in jaxpr) != rows and ("dynamic_update_slice" in jaxpr) == rows
+    for backend, rows in (("cpu", False), ("tpu", True)):       # the platform's own form
+      with target_backend(backend):
+        jaxpr = str(jax.make_jaxpr(lambda c: c.write(k, v, positions, storage))(view))
+      assert ("scatter" in jaxpr) != rows and ("dynamic_update_slice" in jaxpr) == rows
+    # a prefill (T > 1 rows per sequence) scatters on every platform
+    with target_backend("tpu"):
+      jaxpr = str(jax.make_jaxpr(lambda c: c.write(
+          jnp.concatenate([k, k], 1), jnp.concatenate([v, v], 1),
+          jnp.concatenate([positions, positions], 1), storage))(view))
+    assert "scatter" in jaxpr
     for a, b in zip(jax.tree_util.tree_leaves(written[True]),
                     jax.tree_util.tree_leaves(written[False])):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 
+from attnprec import cache as cache_lib
 from attnprec import contract, kernels
 from attnprec.contract import AttentionFlags, CausalMask
 from attnprec.errors import UserError
@@ -518,6 +519,9 @@ class AutoTest(parameterized.TestCase):
       self.assertIn(p.auto_long, kernels.NAMES)
       if p.auto_long != "blockwise":
         self.assertTrue(p.auto_long_source, p.name)
+      self.assertIn(p.decode_write, cache_lib.WRITE_FORMS)
+      if p.decode_write != "scatter":
+        self.assertTrue(p.decode_write_source, p.name)
     with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'pallas', 'flash', 'splash', 'auto'"):
       kernels.resolve("autox", 1)
     with self.assertRaisesRegex(UserError, "'autox'.*'auto'"):

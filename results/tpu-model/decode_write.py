@@ -1,5 +1,5 @@
-"""A decode step's cache write, as one scatter (the default) or as B update slices
-(`cache.ROW_WRITES`), side by side in one run: the whole model of `bench --suite=tpu_model`
+"""A decode step's cache write, as one scatter or as B update slices
+(`cache.DECODE_WRITES`; a TPU's default is the slices since this run), side by side in one run: the whole model of `bench --suite=tpu_model`
 (Qwen2.5-0.5B's shape, scanned, 'auto', weights as served), its decode loop timed in
 interleaved rounds per form, and the compiled program of each kept (gzipped) to read
 what the step does with its stacked cache (copies, transposes, layouts).
@@ -30,7 +30,7 @@ from attnprec import decoding, runs
 from attnprec.bench import model as model_bench
 from attnprec.bench import tpu_decode, tpu_model
 
-FORMS = {"slices": True, "scatter": False}
+FORMS = ("slices", "scatter")
 STEPS, ROUNDS = 16, 5
 
 
@@ -45,14 +45,14 @@ def programs(config, serving, name, B, S):
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (B,)),
                        jnp.int32)
   out = {}
-  for form, rows in FORMS.items():
-    cache_lib.ROW_WRITES = rows            # read while tracing: each form its own program
+  for form in FORMS:
+    cache_lib.DECODE_WRITES = form         # read while tracing: each form its own program
     try:
       loop = jax.jit(functools.partial(model_bench._decode_loop, config=config,
                                        precision=prec, steps=STEPS), donate_argnums=(1,))
       compiled = loop.lower(params, jax.eval_shape(fresh), tokens).compile()
     finally:
-      cache_lib.ROW_WRITES = False
+      cache_lib.DECODE_WRITES = None
     out[form] = (compiled, params, tokens, jax.jit(fresh), prec)
   return out
 
