@@ -256,14 +256,17 @@ def _row(phase: str, site: str, layer, dot: DotSite, problems: List[str], checke
 
 def _module(dot: DotSite) -> str:
   """The model's dense module a dot applies ('attn/q', ..., 'unembed'), from the parameter
-  it reads (its argument's pytree path, e.g. "params['decoder/layer_0/attn/q']['w']")
-  and the parameter layout table; '' if it reads none. The tied unembedding reads the
-  embedding table."""
+  it reads (its argument's pytree path, e.g. "params['decoder/layer_0/attn/q']['w']", or
+  a scanned model's stacked one, "params['decoder/layers/layer/attn/q']['w']") and the
+  parameter layout table; '' if it reads none. The tied unembedding reads the embedding
+  table."""
   for arg in dot.reads:
     path = _param_path(arg)
     if path is None:
       continue
     module, name = path
+    if module.startswith(layout.STACKED + "/"):       # a scanned model's stacked params
+      module = "decoder/layer_0/" + module[len(layout.STACKED) + 1:]
     parts = module.split("/")[1:]                     # below 'decoder'
     if parts and parts[0].startswith("layer_"):
       parts = parts[1:]

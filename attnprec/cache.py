@@ -121,9 +121,9 @@ class LayerCache:
     b_Bx1 = jnp.arange(B)[:, None]
     at = () if self.layer is None else (self.layer,)   # a stack's layer, in place
 
-    def put(cache_BxKxS_, x_BxTxK_):
+    def put(cache_BxKxS_, x_BxTxK_, codes: bool = False):
       x_BxTxK_ = reinterpret(x_BxTxK_, cache_BxKxS_.dtype)
-      if positions_BxT.shape[1] == 1 and decode_write_form() == "slices":
+      if positions_BxT.shape[1] == 1 and decode_write_form(codes) == "slices":
         return _put_rows(cache_BxKxS_, x_BxTxK_, positions_BxT[:, 0], at)
       # Indices (b, pos) on axes 0 and 2 with the K slice between them: the update rows
       # are [B, T, K(, H)], the new keys (or their scales) as they come.
@@ -133,20 +133,20 @@ class LayerCache:
     k, k_scale = self.k, self.k_scale
     if storage.k_scale == "token":
       codes, scale_BxTxK = kvquant.quantize_token(k_BxTxKxH, storage.k_dtype)
-      k, k_scale = put(k, codes), put(k_scale, scale_BxTxK)
+      k, k_scale = put(k, codes, True), put(k_scale, scale_BxTxK, True)
     elif storage.k_scale == "channel":
       held_BxKxH = self._at(k_scale)
       kept_BxKxH = jnp.isnan(held_BxKxH) | (held_BxKxH > 0)
       fresh_BxKxH = kvquant.channel_scale(k_BxTxKxH, storage.k_dtype)
       codes, scale_BxKxH = kvquant.quantize_channel(
           k_BxTxKxH, jnp.where(kept_BxKxH, held_BxKxH, fresh_BxKxH), storage.k_dtype)
-      k, k_scale = put(k, codes), self._set(k_scale, scale_BxKxH)
+      k, k_scale = put(k, codes, True), self._set(k_scale, scale_BxKxH)
     else:
       k = put(k, _stored_values(k_BxTxKxH, storage.k_dtype))
     v, v_scale = self.v, self.v_scale
     if storage.v_scale == "token":
       codes, scale_BxTxK = kvquant.quantize_token(v_BxTxKxH, storage.v_dtype)
-      v, v_scale = put(v, codes), put(v_scale, scale_BxTxK)
+      v, v_scale = put(v, codes, True), put(v_scale, scale_BxTxK, True)
     else:
       v = put(v, _stored_values(v_BxTxKxH, storage.v_dtype))
     return LayerCache(k=k, v=v, k_scale=k_scale, v_scale=v_scale,
@@ -173,22 +173,25 @@ class LayerCache:
 
 # How a decode step (one new row per sequence) writes its rows: 'scatter' (one scatter of B
 # rows, as every other write) or 'slices' (B update slices, `_put_rows`): the same bits.
-# None (the default): the form of the platform traced for (`platforms.Platform.decode_write`:
-# the scatter on XLA:CPU, the slices on a TPU, each measured there); a name forces it (the
-# side-by-side run in results/tpu-model/decode_write.py, the tests).
+# None (the default): the form of the platform traced for (`platforms.Platform.decode_write`
+# for values, `decode_write_codes` for int8 / float8 codes and their scales: the scatter
+# on XLA:CPU; on a TPU the slices for values, the scatter for codes, each measured there);
+# a name forces it for every side (results/tpu-model/decode_write.py, the tests).
 DECODE_WRITES = None
 WRITE_FORMS = ("scatter", "slices")
 
 
-def decode_write_form() -> str:
-  """'scatter' or 'slices': how a decode step writes its rows in the program traced now."""
+def decode_write_form(codes: bool = False) -> str:
+  """'scatter' or 'slices': how a decode step writes its rows (of `codes` and their scales,
+  or of values) in the program traced now."""
   if DECODE_WRITES is not None:
     if DECODE_WRITES not in WRITE_FORMS:
       raise UserError(f"cache.DECODE_WRITES = {DECODE_WRITES!r} is not a write form; valid: "
                       f"None (the platform's), {', '.join(map(repr, WRITE_FORMS))}.")
     return DECODE_WRITES
   name = platforms.local_platform(platforms.TRACED_FOR.get() or jax.default_backend())
-  return platforms.TABLE[name or "cpu"].decode_write
+  row = platforms.TABLE[name or "cpu"]
+  return row.decode_write_codes if codes else row.decode_write
 
 
 def _put_rows(cache_BxKxS_, x_Bx1xK_, positions_B, at: tuple):

@@ -102,9 +102,12 @@ class Platform:
   auto_long: str = "blockwise"
   auto_long_source: str = ""
   # How a decode step (one new row per sequence) writes its rows into the KV cache there
-  # (`cache.DECODE_WRITES`): 'scatter' (one scatter of B rows, as every other write) or
-  # 'slices' (B update slices); the same bits either way, and the measurement.
+  # (`cache.decode_write_form`): 'scatter' (one scatter of B rows, as every other write) or
+  # 'slices' (B update slices); the same bits either way. `decode_write` for a side
+  # stored as values (the compute dtype, float32, bfloat16), `decode_write_codes` for a
+  # side stored as int8 / float8 codes (the codes and their scales); the measurement.
   decode_write: str = "scatter"
+  decode_write_codes: str = "scatter"
   decode_write_source: str = ""
 
   def arithmetic(self, precision: str) -> str:
@@ -171,14 +174,18 @@ TABLE: Dict[str, Platform] = {
                     "bandwidth (results/tpu-decode/stacked_loop.json); a whole decode "
                     "step of Qwen2.5-0.5B's shape at batch 1 (cache ~4k) took ~6x its "
                     "time under blockwise",
-        decode_write="slices",
+        decode_write="slices", decode_write_codes="scatter",
         decode_write_source="a TPU v5e, the whole decode loop of Qwen2.5-0.5B's shape "
                             "(scanned, both flags) timed both ways in one run: batch 8, "
-                            "caches 32k / 8k, 7.03 / 3.78 ms a step as update slices "
-                            "(0.85x / 1.07x the HBM floor), 39.1 / 8.37 ms as one "
+                            "bf16 caches of 32k / 8k, 7.03 / 3.78 ms a step as update "
+                            "slices (0.85x / 1.07x the HBM floor), 39.1 / 8.37 ms as one "
                             "scatter, which made XLA relayout the stack and copy each "
                             "layer's cache out every step; batch 1, 8k: 1.94 / 2.05 ms "
-                            "(results/tpu-model/decode_write/decode_write.log)",
+                            "(results/tpu-model/decode_write/decode_write.log). An int8 "
+                            "cache as slices: 12.1 ms at 8 x 8k (as one scatter, 0.88x "
+                            "the bf16 step, results/tpu-model/tpu_model-0da162b.json) "
+                            "and out of memory at 8 x 32k (results/tpu-model/"
+                            "tpu_model-a5efcf9.json)",
         compiled_source="the TPU compiler's optimized HLO on a TPU v5e, jax 0.10.2 "
                         "(tests/fixtures/tpu): every dot a `convolution`, its result "
                         "type the stored type; in the float32 model at DEFAULT the wv "

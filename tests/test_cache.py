@@ -286,9 +286,9 @@ def test_a_decode_write_as_row_slices_is_the_scatter_s(stacked):
   form, `platforms.Platform.decode_write`) give the bits the scatter (XLA:CPU's) gives,
   keys and values, per-token scales and bf16 bits alike, with the scatter's edge cases:
   a position past the cache writes nothing, a negative one counts from the end; a layer
-  of a stack is written and no other. The form follows the platform traced for: the
-  scatter for 'cpu', the slices for 'tpu' (`precision.target_backend`), each measured
-  there."""
+  of a stack is written and no other. The form follows the platform traced for
+  (`precision.target_backend`): the scatter for 'cpu'; for 'tpu' the slices for values,
+  the scatter for int8 codes, each measured there."""
   from attnprec.precision import target_backend
   from attnprec import cache as cache_lib
   from attnprec.contract import CacheStorage
@@ -318,7 +318,9 @@ def test_a_decode_write_as_row_slices_is_the_scatter_s(stacked):
         cache_lib.DECODE_WRITES = None
       # each form is the one asked for: slices only, or scatters only
       assert ("scatter" in jaxpr) != rows and ("dynamic_update_slice" in jaxpr) == rows
-    for backend, rows in (("cpu", False), ("tpu", True)):       # the platform's own form
+    # the platform's own form: the scatter on XLA:CPU; on a TPU the slices for values,
+    # the scatter for int8 codes (and their scales)
+    for backend, rows in (("cpu", False), ("tpu", not storage.quantized)):
       with target_backend(backend):
         jaxpr = str(jax.make_jaxpr(lambda c: c.write(k, v, positions, storage))(view))
       assert ("scatter" in jaxpr) != rows and ("dynamic_update_slice" in jaxpr) == rows

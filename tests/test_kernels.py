@@ -520,7 +520,8 @@ class AutoTest(parameterized.TestCase):
       if p.auto_long != "blockwise":
         self.assertTrue(p.auto_long_source, p.name)
       self.assertIn(p.decode_write, cache_lib.WRITE_FORMS)
-      if p.decode_write != "scatter":
+      self.assertIn(p.decode_write_codes, cache_lib.WRITE_FORMS)
+      if "slices" in (p.decode_write, p.decode_write_codes):
         self.assertTrue(p.decode_write_source, p.name)
     with self.assertRaisesRegex(UserError, "'autox'.*valid.*'jax_nn', 'pallas', 'flash', 'splash', 'auto'"):
       kernels.resolve("autox", 1)

@@ -183,14 +183,24 @@ def test_the_loader_gives_a_checkpoint_the_bound_layout():
   _equal(layout.unstack(scanned.params), plain.params)
 
 
-def test_the_audit_finds_one_scanned_attention_per_program():
+@pytest.mark.parametrize("bf16_dots", [True, False])
+def test_the_audit_finds_one_scanned_attention_per_program(bf16_dots, monkeypatch):
   """The lowered programs of a scanned model: one attention in the scan's body, attributed
-  to every layer, its dots checked against the contract (bf16 compute, both flags)."""
-  from attnprec import audit
+  to every layer, its dots checked against the contract (bf16 compute, both flags), and
+  each dense dot named by the module whose stacked params it reads. On a CPU without bf16
+  dots (a TPU machine's host: `make test-tpu` found it) the gate and up projections' f32
+  results are the contract's ('float32' MLP activation): the audit can tell them only by
+  their module."""
+  from attnprec import audit, cpu_features
+  if not bf16_dots:
+    monkeypatch.setattr(cpu_features, "bf16_features", lambda *a, **k: ())
   bf16 = Precision(dtype="bfloat16")
   result = audit.run_audit(SCANNED, bf16, bf16, batch=1, prompt_len=4, new_tokens=2,
-                           compile=False)
+                           compile=False, platform="cpu")
   assert result["ok"], result["problems"]
+  modules = [r["module"] for r in result["phases"]["decode"]["dense"]]
+  assert modules == ["attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate", "mlp/up",
+                     "mlp/down", "unembed"], modules
   for phase, sites in (("train", ["qk", "wv", "dp", "dv", "dk", "dq"]),
                        ("prefill", ["qk", "wv"]), ("decode", ["qk", "wv"])):
     rows = result["phases"][phase]["attention"]
