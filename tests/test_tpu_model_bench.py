@@ -94,7 +94,7 @@ def test_the_docs_table_is_the_tpu_run_s():
   root = os.path.join(os.path.dirname(__file__), "..")
   with open(os.path.join(root, "results", "tpu-model", "tpu_model.json")) as f:
     result = json.load(f)
-  assert result["backend"] == "tpu" and result["provenance"]["source"] == "2ba24c8d5a3fa6e0"
+  assert result["backend"] == "tpu" and result["provenance"]["source"] == "8fb504f789bbdbc2"
   table = tpu_model.to_markdown(result).split("\n", 2)[2]
   assert table.count("\n") >= 2 + 2 * 3 + 8 * 4 + 2     # prefill, decode, train rows
   with open(os.path.join(root, "docs", "performance.md")) as f:
