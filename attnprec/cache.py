@@ -175,8 +175,10 @@ class LayerCache:
 # rows, as every other write) or 'slices' (B update slices, `_put_rows`): the same bits.
 # None (the default): the form of the platform traced for (`platforms.Platform.decode_write`
 # for values, `decode_write_codes` for int8 / float8 codes and their scales: the scatter
-# on XLA:CPU; on a TPU the slices for values, the scatter for codes, each measured there);
-# a name forces it for every side (results/tpu-model/decode_write.py, the tests).
+# on XLA:CPU; on a TPU the slices for values, the scatter for codes, as measured there for
+# bf16 values and int8 codes); a name forces it for every side (results/tpu-model/
+# decode_write.py, the tests). Read while tracing: a step function already traced and
+# cached (`decoding.step_fn`) keeps the form it was traced with.
 DECODE_WRITES = None
 WRITE_FORMS = ("scatter", "slices")
 

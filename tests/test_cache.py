@@ -289,6 +289,7 @@ def test_a_decode_write_as_row_slices_is_the_scatter_s(stacked):
   of a stack is written and no other. The form follows the platform traced for
   (`precision.target_backend`): the scatter for 'cpu'; for 'tpu' the slices for values,
   the scatter for int8 codes, each measured there."""
+  from attnprec.errors import UserError
   from attnprec.precision import target_backend
   from attnprec import cache as cache_lib
   from attnprec.contract import CacheStorage
@@ -324,6 +325,22 @@ def test_a_decode_write_as_row_slices_is_the_scatter_s(stacked):
       with target_backend(backend):
         jaxpr = str(jax.make_jaxpr(lambda c: c.write(k, v, positions, storage))(view))
       assert ("scatter" in jaxpr) != rows and ("dynamic_update_slice" in jaxpr) == rows
+    # mixed sides on a TPU: int8 keys (codes and per-channel scales) as the scatter,
+    # compute-dtype values as slices
+    mixed = CacheStorage("int8", "compute", "channel", None)
+    mixed_view = (init_cache(config, B_, S_, jnp.bfloat16, mixed).stack.replace(
+        layer=jnp.int32(1)) if stacked else init_cache(config, B_, S_, jnp.bfloat16,
+                                                       mixed).layers[1])
+    with target_backend("tpu"):
+      jaxpr = str(jax.make_jaxpr(lambda c: c.write(k, v, positions, mixed))(mixed_view))
+    assert "scatter" in jaxpr and "dynamic_update_slice" in jaxpr
+    # a form that does not exist is refused by name
+    cache_lib.DECODE_WRITES = "rows"
+    try:
+      with pytest.raises(UserError, match="'rows'.*'scatter', 'slices'"):
+        jax.make_jaxpr(lambda c: c.write(k, v, positions, storage))(view)
+    finally:
+      cache_lib.DECODE_WRITES = None
     # a prefill (T > 1 rows per sequence) scatters on every platform
     with target_backend("tpu"):
       jaxpr = str(jax.make_jaxpr(lambda c: c.write(

@@ -9,6 +9,7 @@ gradient dots differently: 'highest' is six bf16 passes summed in float32, in an
 order), and are compared within the bound of a reordered float32 sum (`_reordered`).
 """
 import dataclasses
+import os
 import re
 
 import jax
@@ -141,7 +142,7 @@ def test_a_train_step_equals_the_unrolled_model(params):
   if jax.default_backend() == "cpu":
     np.testing.assert_array_equal(out[True][0], out[False][0])
     _equal(layout.unstack(out[True][1]), out[False][1])
-  else:     # the longest sum any gradient element takes: the vocabulary, d_model or B x T
+  else:     # the longest sum any gradient element takes: the vocabulary, mlp_hidden or B x T
     n = max(UNROLLED.vocab_size, UNROLLED.mlp_hidden, tokens_BxT.size)
     _reordered(out[True][0], out[False][0], n)
     _reordered(layout.unstack(out[True][1]), out[False][1], n)
@@ -262,7 +263,8 @@ def test_the_scanned_decode_step_writes_the_stacked_cache_in_place(params):
   assert not _not_in_place(text, dims, write), _not_in_place(text, dims, write)
 
 
-TPU_PROGRAMS = "results/tpu-model/decode_write"
+TPU_PROGRAMS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "results", "tpu-model", "decode_write")
 
 
 def test_the_tpu_s_compiled_decode_steps_write_in_place_as_slices_and_not_as_a_scatter():
@@ -271,9 +273,10 @@ def test_the_tpu_s_compiled_decode_steps_write_in_place_as_slices_and_not_as_a_s
   slices, the stack staged in VMEM and back (the same layout), nothing else the stack's
   size. The whole model's decode loop of Qwen2.5-0.5B's shape at 8 x 32k: as update
   slices nothing but the writes (7.03 ms a step); as one scatter the stack relayouted and
-  each layer copied out (39.1 ms), which this check finds."""
+  each layer copied out (39.1 ms), which this check finds. (Only the slices' 1 x 8k
+  program of that run came back from the machine: the 8 x 32k slices figure is the
+  run's log's, results/tpu-model/decode_write/decode_write.log.)"""
   import gzip
-  import os
   with gzip.open(os.path.join(TPU_PROGRAMS, "scanned-decode-step-2x64-f334349.hlo.txt.gz"),
                  "rt") as f:
     text = f.read()
@@ -281,7 +284,7 @@ def test_the_tpu_s_compiled_decode_steps_write_in_place_as_slices_and_not_as_a_s
   ops = _stack_sized(text, dims)
   assert {op for _, op, _ in ops} >= {"dynamic-update-slice", "copy-done"}
   assert not _not_in_place(text, dims, "slices")
-  assert _not_in_place(text, dims, "scatter")            # the slices are not a scatter
+  assert not any("scatter" in op or "scatter" in n for n, op, _ in ops)   # no scatter left
   with gzip.open(os.path.join(TPU_PROGRAMS, "decode-scatter-bf16_flags-8x32768.hlo.txt.gz"),
                  "rt") as f:
     scatter = f.read()

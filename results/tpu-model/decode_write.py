@@ -1,6 +1,8 @@
 """A decode step's cache write, as one scatter or as B update slices
-(`cache.DECODE_WRITES`; a TPU's default is the slices since this run), side by side in one run: the whole model of `bench --suite=tpu_model`
-(Qwen2.5-0.5B's shape, scanned, 'auto', weights as served), its decode loop timed in
+(`cache.DECODE_WRITES` forces one; since this run a TPU writes values as slices and int8
+codes as the scatter, `platforms.Platform.decode_write`), side by side in one run: the
+whole model of `bench --suite=tpu_model` (Qwen2.5-0.5B's shape, scanned, 'auto', weights
+as served), its decode loop timed in
 interleaved rounds per form, and the compiled program of each kept (gzipped) to read
 what the step does with its stacked cache (copies, transposes, layouts).
 
