@@ -330,9 +330,19 @@ def _compile_time():
 
 # --- precision.md: the KV cache ----------------------------------------------------------------
 
+def _excess_precision_off(record: dict, path: str) -> dict:
+  """The record, made with XLA's excess precision off (`attnprec.xla_env`: every runner
+  sets it; with XLA's default some bf16 roundings are dropped and a bf16 figure is not
+  what the precision line says)."""
+  flags = record["provenance"]["xla_flags"]
+  assert "--xla_allow_excess_precision=false" in flags, f"{path}: made with {flags!r}"
+  return record
+
+
 def _kv_cache():
   out = []
-  for r in _json("results/kv-cache/kv_cache.json")["rows"]:
+  path = "results/kv-cache/kv_cache.json"
+  for r in _excess_precision_off(_json(path), path)["rows"]:
     kl = ([r["kl_mean"]], [r["kl_max"]], [100 * r["argmax_agree"]]) if "kl_mean" in r \
         else ("–", "–", "–")
     out.append([r["cache"], r["compute"], r["nll"], *kl, r["bytes"] / 1e6])
@@ -341,7 +351,8 @@ def _kv_cache():
 
 def _kv_long():
   """The quantized caches' decode steps and prefills at 4000 tokens (a model bench run)."""
-  rows = {(r["name"], r["batch"]): r for r in _json("results/kv-long/model.json")["rows"]}
+  path = "results/kv-long/model.json"
+  rows = {(r["name"], r["batch"]): r for r in _excess_precision_off(_json(path), path)["rows"]}
   label = {"bf16_flags": "bf16", "bf16_flags_kv_int8": "int8, token scales",
            "bf16_flags_kv_fp8": "e4m3, token scales"}
   out = []
@@ -375,6 +386,8 @@ def _kv_study(path, prompts=4):
   """A KV-cache study's report as docs/precision.md prints it: the report's own figures
   (attention error prefill / decode, logits KL, decode logits KL, NLL, greedy agreement
   and its first divergence's minimum, passkey accuracy as a count of `prompts`)."""
+  record = path.replace("report.md", "results.json")
+  _excess_precision_off(_json(record), record)
   rows = _report_rows(path, "| config | attn rel L2 prefill |")
   fig = lambda cell: [v for v, _ in _numbers(cell)]  # noqa: E731
   out = []
@@ -881,7 +894,9 @@ CASES = [
      ["results/attention-floor/attention_forms.json"],
      lambda: _attention_forms("results/attention-floor/attention_forms.json", floor=True)),
     ("kv-study-smollm2", P, "`make study GIN=gin/experiments/study_kv_smollm2.gin",
-     "| config | flags | KV cache | attn", [KV_STUDY_SMOLLM2], lambda: _kv_study(KV_STUDY_SMOLLM2)),
+     "| config | flags | KV cache | attn",
+     [KV_STUDY_SMOLLM2, KV_STUDY_SMOLLM2.replace("report.md", "results.json")],
+     lambda: _kv_study(KV_STUDY_SMOLLM2)),
     ("kv-cache", P, "SmolLM2-135M, 256 tokens of `json/decoder.py`", "| cache |",
      ["results/kv-cache/kv_cache.json"], _kv_cache),
     ("kv-long", F, "## A quantized KV cache: bytes and the decode step",

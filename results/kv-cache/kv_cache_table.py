@@ -17,14 +17,18 @@ import json
 import os
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+from attnprec.xla_env import disable_excess_precision
 
-from attnprec import cache as cache_lib
-from attnprec import checkpoints, runs
-from attnprec import model as model_lib
-from attnprec.precision import Precision
+disable_excess_precision()   # before jax is imported, as every runner (attnprec/xla_env.py)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from attnprec import cache as cache_lib  # noqa: E402
+from attnprec import checkpoints, runs, xla_env  # noqa: E402
+from attnprec import model as model_lib  # noqa: E402
+from attnprec.precision import Precision  # noqa: E402
 
 TOKENS = 256
 BF16 = dict(dtype="bfloat16", float32_qk_product=True, float32_logits=True)
@@ -80,6 +84,7 @@ def log_softmax(x):
 
 
 def main(out_dir: str) -> None:
+  print(xla_env.describe(), flush=True)
   ckpt = checkpoints.load("smollm2-135m")
   ids = ckpt.tokenizer.encode(text())[:TOKENS]
   assert len(ids) == TOKENS, len(ids)

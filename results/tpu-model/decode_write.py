@@ -23,14 +23,18 @@ import sys
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+from attnprec.xla_env import disable_excess_precision
 
-from attnprec import cache as cache_lib
-from attnprec import decoding, runs
-from attnprec.bench import model as model_bench
-from attnprec.bench import tpu_decode, tpu_model
+disable_excess_precision()   # before jax is imported, as every runner (attnprec/xla_env.py)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from attnprec import cache as cache_lib  # noqa: E402
+from attnprec import decoding, runs  # noqa: E402
+from attnprec.bench import model as model_bench  # noqa: E402
+from attnprec.bench import tpu_decode, tpu_model  # noqa: E402
 
 FORMS = ("slices", "scatter")
 STEPS, ROUNDS = 16, 5
