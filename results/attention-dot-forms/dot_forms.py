@@ -22,10 +22,15 @@ Each form's output is checked finite (a form whose output is not stops the run) 
 compared with the current form's (float32 summation order only).
 Interleaved rounds, medians; from the repository root:
   .venv/bin/python results/attention-dot-forms/dot_forms.py   (dot_forms.txt)
+The script sets XLA's excess precision off before jax starts, as every runner does
+(attnprec/xla_env.py); the committed dot_forms.txt was made before it did, with XLA's
+default.
 """
 import os, statistics, time
-import jax, jax.numpy as jnp, numpy as np
-from attnprec.checkpoints.finite import require_finite
+from attnprec.xla_env import disable_excess_precision
+disable_excess_precision()   # before jax is imported
+import jax, jax.numpy as jnp, numpy as np  # noqa: E402
+from attnprec.checkpoints.finite import require_finite  # noqa: E402
 
 B, K, G, T, S, H = 1, 3, 3, 512, 256, 64
 R, CALLS = int(os.environ.get("R", 9)), 20

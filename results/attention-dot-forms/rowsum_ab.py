@@ -8,8 +8,8 @@ are checked finite before anything is timed (one that is not stops the run). Fro
 repository root:  .venv/bin/python results/attention-dot-forms/rowsum_ab.py  (rowsum_ab.txt)
 """
 import functools, inspect, statistics, time, types
-import jax, jax.numpy as jnp, numpy as np
-from attnprec import xla_env; xla_env.disable_excess_precision()
+from attnprec import xla_env; xla_env.disable_excess_precision()  # before jax is imported
+import jax, jax.numpy as jnp, numpy as np  # noqa: E402
 from attnprec import contract
 from attnprec.checkpoints.finite import require_finite
 from attnprec.kernels import blockwise

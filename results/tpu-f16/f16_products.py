@@ -10,9 +10,15 @@ Compared, as float64, against the exact product of the operand values and agains
 product of the operands rounded to bf16 (one bf16 pass). Then [N, 256] x [256, N] dots:
 the median error against float64 next to that of one bf16 pass of the same operands.
   python3 results/tpu-f16/f16_products.py
+The script sets XLA's excess precision off before jax starts, as every runner does
+(attnprec/xla_env.py); the committed outputs were made before it did, with XLA's default
+(each program is one dot of its operands as passed: no rounding between two ops for XLA to
+drop).
 """
-import jax, jax.numpy as jnp, numpy as np
-import ml_dtypes
+from attnprec.xla_env import disable_excess_precision
+disable_excess_precision()   # before jax is imported
+import jax, jax.numpy as jnp, numpy as np  # noqa: E402
+import ml_dtypes  # noqa: E402
 
 print("backend:", jax.default_backend(), jax.devices()[0].device_kind, "| jax", jax.__version__)
 rng = np.random.default_rng(0)
