@@ -24,6 +24,7 @@ disable_excess_precision()   # before jax is imported, as every runner (attnprec
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from scipy.special import log_softmax  # noqa: E402
 
 from attnprec import cache as cache_lib  # noqa: E402
 from attnprec import checkpoints, runs, xla_env  # noqa: E402
@@ -78,11 +79,6 @@ def prefill_logits(config, params, tokens_1xT, prec: Precision) -> np.ndarray:
   return out
 
 
-def log_softmax(x):
-  x = x - x.max(-1, keepdims=True)
-  return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
 def main(out_dir: str) -> None:
   print(xla_env.describe(), flush=True)
   ckpt = checkpoints.load("smollm2-135m")
@@ -92,7 +88,7 @@ def main(out_dir: str) -> None:
   rows, reference = [], {}
   for label, compute, fields in ROWS:
     prec = Precision(**(BF16 if compute == "bf16" else F32), **fields)
-    lp = log_softmax(prefill_logits(ckpt.config, ckpt.params, tokens, prec))
+    lp = log_softmax(prefill_logits(ckpt.config, ckpt.params, tokens, prec), axis=-1)
     nll = float(-lp[np.arange(TOKENS - 1), ids[1:]].mean())
     row = {"cache": label, "compute": compute, "precision": prec.describe(), "nll": nll,
            "bytes": cache_lib.cache_bytes(ckpt.config, 1, TOKENS, prec.compute_dtype,
@@ -112,8 +108,7 @@ def main(out_dir: str) -> None:
   result = {"model": "smollm2-135m", "text": "json/decoder.py (the first 256 tokens)",
             "tokens": TOKENS, "rows": rows}
   runs.write_json(out_dir, "kv_cache.json", result, provenance=True)
-  with open(os.path.join(out_dir, "kv_cache.md"), "w", encoding="utf-8") as f:
-    f.write(to_markdown(result) + "\n")
+  runs.atomic_write(os.path.join(out_dir, "kv_cache.md"), to_markdown(result) + "\n")
 
 
 def to_markdown(result: dict) -> str:
@@ -131,4 +126,8 @@ def to_markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
+  if len(sys.argv) > 2:
+    print(f"kv_cache_table.py takes one argument, the output folder; got {sys.argv[1:]!r}. "
+          f"Usage: python3 results/kv-cache/kv_cache_table.py [OUT_DIR]", file=sys.stderr)
+    sys.exit(2)
   main(sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__)))

@@ -63,6 +63,20 @@ def programs(config, serving, name, B, S):
   return out
 
 
+def parse_case(item: str):
+  """(preset, B, S) from 'PRESET:BxS'; a malformed item or an unknown preset exits 2,
+  naming it and the valid ones, before anything is compiled."""
+  name, _, case = item.partition(":")
+  sizes = case.split("x")
+  if name not in model_bench.PRESETS or len(sizes) != 2 or \
+      not all(x.isdigit() and int(x) > 0 for x in sizes):
+    print(f"decode_write.py: {item!r} is not PRESET:BxS with B and S positive integers and "
+          f"PRESET one of {', '.join(sorted(model_bench.PRESETS))} (e.g. "
+          f"bf16_flags:8x32768).", file=sys.stderr)
+    sys.exit(2)
+  return name, int(sizes[0]), int(sizes[1])
+
+
 def device_ops(fn, top=30):
   """{op name: (total µs, count)} of the device planes' events during one call of `fn`,
   the `top` longest; {} where the profiler records no device plane (XLA:CPU)."""
@@ -93,6 +107,8 @@ def device_ops(fn, top=30):
 
 
 def main(out_dir, wanted):
+  for item in wanted:                 # every case checked before anything is compiled
+    parse_case(item)
   os.makedirs(out_dir, exist_ok=True)
   config = tpu_model.qwen05_config()
   serving = tpu_model._Serving(tpu_model.init_params(config))
@@ -100,8 +116,7 @@ def main(out_dir, wanted):
   result = {"steps": STEPS, "rounds": ROUNDS, "read_gbps": bw / 1e9,
             "device": str(jax.devices()[0].device_kind), "cases": {}}
   for item in wanted:
-    name, case = item.split(":")
-    B, S = map(int, case.split("x"))
+    name, B, S = parse_case(item)
     rows = {}
     built = programs(config, serving, name, B, S)
     for form, (compiled, params, tokens, make, prec) in built.items():
