@@ -98,7 +98,7 @@ READS = {"model": _MODEL_OPTIONS, "attention": _ATTENTION_OPTIONS,
          "attention_forms": ("model", "seq_lens", "blocks", "rounds", "no_torch"),
          "compile": ("quick", "depths", "rounds"),
          "tpu_attention": ("model", "seq_lens", "train_seq_lens", "kernels", "flag_rows",
-                           "blocks", "rounds"),
+                           "blocks", "splash_blocks", "rounds"),
          "tpu_decode": ("model", "decode_seq_lens", "decode_batches", "decode_blocks",
                         "rounds"),
          "tpu_model": ("cases", "decode_cases", "train_cases", "model_presets", "steps",
@@ -259,8 +259,8 @@ def run_tpu_attention(args):
       args.out, shapes=shapes, seq_lens=args.seq_lens or tpu_bench.DEFAULT_SEQ_LENS,
       train_seq_lens=args.train_seq_lens or tpu_bench.DEFAULT_TRAIN_SEQ_LENS,
       kernel_names=args.kernels or tpu_bench.KERNELS, flag_rows=args.flag_rows,
-      blocks=args.blocks or tpu_bench.DEFAULT_BLOCKS, rounds=args.rounds or 5,
-      progress=lambda m: print(m, flush=True))
+      blocks=args.blocks or tpu_bench.DEFAULT_BLOCKS, splash_blocks=args.splash_blocks,
+      rounds=args.rounds or 5, progress=lambda m: print(m, flush=True))
   print(tpu_bench.to_markdown(result))
   print(f"wrote {args.out}/tpu_attention.json, tpu_attention.md")
 
@@ -360,6 +360,9 @@ def _parse(argv):
       f"{','.join(map(str, tpu_decode_bench.DEFAULT_DECODE_BLOCKS))})")
   add("--kernels", default=None, help=f"attention suite: kernels (default "
       f"{','.join(bench.KERNELS)}); tpu_attention: default {','.join(tpu_bench.KERNELS)}")
+  add("--splash_blocks", type=_blocks, default=None,
+      help="tpu_attention suite: jax's splash attention's Q/KV blocks (default: the Q/KV "
+      "pairs of --blocks), e.g. 512/512,1024/1024")
   add("--train_seq_lens", type=_ints, default=None,
       help=f"tpu_attention suite: lengths of the forward + backward cases (default "
       f"{','.join(map(str, tpu_bench.DEFAULT_TRAIN_SEQ_LENS))})")
@@ -443,7 +446,12 @@ def _parse(argv):
   if args.suite == "tpu_attention":
     _check_tpu_suite(args, "benches attention on a TPU against jax's splash attention (a "
                      "Mosaic kernel)", "--suite=attention or --suite=attention_forms")
-    bad = [b for b in (args.blocks or ()) if b[0] % 16 or any(x % 128 for x in b[1:])]
+    if any(len(b) != 2 for b in args.splash_blocks or ()):
+      raise UserError(f"--splash_blocks: splash takes Q/KV pairs (it has no chunk), e.g. "
+                      f"512/512,1024/1024; got "
+                      f"{','.join('/'.join(map(str, b)) for b in args.splash_blocks)}.")
+    bad = [b for b in (args.blocks or ()) + (args.splash_blocks or ())
+           if b[0] % 16 or any(x % 128 for x in b[1:])]
     if bad:
       raise UserError(f"--blocks={'/'.join(map(str, bad[0]))}: the tpu_attention suite's "
                       f"blocks are Q rows / KV keys (/ chunk keys) tiling a TPU: Q a multiple "

@@ -10,7 +10,8 @@ the 'flash' kernel also at each block pair of `--blocks`; jax's splash attention
 (`jax.experimental.pallas.ops.tpu.splash_attention`, GQA native: its K/V heads not
 repeated; q scaled by H^-0.5 in bf16 before it, as it applies no scale; float32 logits and
 statistics, float32 probabilities into a DEFAULT PV dot: flags-on semantics) at each block
-size of `--blocks` (its q / kv blocks; its backward blocks the same), the anchor every row
+size of `--splash_blocks` (default: the q / kv pairs of `--blocks`; its backward blocks
+the same), the anchor every row
 is divided by ('/ splash' = time / the fastest splash row of the case).
 
 Method: every row jitted and compiled first (and its output checked finite, and against
@@ -106,7 +107,8 @@ def _train(f, H):
 
 
 def rows_for(shape: str, S: int, train: bool, kernel_names: Sequence[str],
-             flag_rows: Sequence[str], blocks: Sequence[Tuple[int, int]]
+             flag_rows: Sequence[str], blocks: Sequence[Tuple[int, int]],
+             splash_blocks: Optional[Sequence[Tuple[int, int]]] = None
              ) -> Dict[str, Callable]:
   N, K, H = SHAPES[shape]
   rows = {}
@@ -119,7 +121,7 @@ def rows_for(shape: str, S: int, train: bool, kernel_names: Sequence[str],
           rows[f"flash {fr} {'x'.join(map(str, bl))}"] = _attnprec(kernel, fr, S, bl)
       else:
         rows[f"{kernel} {fr}"] = _attnprec(kernel, fr, S)
-  for bl in dict.fromkeys(tuple(b[:2]) for b in blocks):
+  for bl in dict.fromkeys(tuple(b[:2]) for b in (splash_blocks or blocks)):
     rows[f"{SPLASH} {bl[0]}x{bl[1]}"] = _splash(N, K, H, S, bl)
   return {name: jax.jit(_train(f, H) if train else f) for name, f in rows.items()}
 
@@ -141,10 +143,10 @@ def _reps(S: int) -> int:
 
 
 def run_case(shape: str, S: int, train: bool, *, kernel_names, flag_rows, blocks,
-             rounds: int, progress=print) -> dict:
+             rounds: int, splash_blocks=None, progress=print) -> dict:
   N, K, H = SHAPES[shape]
   qkv = _inputs(shape, S)
-  fns = rows_for(shape, S, train, kernel_names, flag_rows, blocks)
+  fns = rows_for(shape, S, train, kernel_names, flag_rows, blocks, splash_blocks)
   want = _reference(qkv, S) if (S <= ERROR_MAX_S and not train) else None
   rows: Dict[str, dict] = {}
   live = {}
@@ -194,11 +196,14 @@ def run(out_dir: str, *, shapes: Sequence[str] = tuple(SHAPES),
         seq_lens: Sequence[int] = DEFAULT_SEQ_LENS,
         train_seq_lens: Sequence[int] = DEFAULT_TRAIN_SEQ_LENS,
         kernel_names: Sequence[str] = KERNELS, flag_rows: Sequence[str] = tuple(FLAG_ROWS),
-        blocks: Sequence[Tuple[int, int]] = DEFAULT_BLOCKS, rounds: int = 5,
+        blocks: Sequence[Tuple[int, int]] = DEFAULT_BLOCKS,
+        splash_blocks: Optional[Sequence[Tuple[int, int]]] = None, rounds: int = 5,
         progress=print) -> dict:
   from attnprec.bench.model import matmul_peak
   settings = {"kernels": list(kernel_names), "flag_rows": list(flag_rows),
               "blocks": [list(b) for b in blocks], "rounds": rounds}
+  if splash_blocks:
+    settings["splash_blocks"] = [list(b) for b in splash_blocks]
   result = previous(os.path.join(out_dir, "tpu_attention.json"), settings)
   result["backend"] = jax.default_backend()
   result["device"] = str(jax.devices()[0].device_kind)
@@ -208,7 +213,8 @@ def run(out_dir: str, *, shapes: Sequence[str] = tuple(SHAPES),
           for sh in shapes for S in lens]
   for key, (sh, S, train) in pending(todo, result, progress):
     case = run_case(sh, S, train, kernel_names=kernel_names, flag_rows=flag_rows,
-                    blocks=blocks, rounds=rounds, progress=progress)
+                    blocks=blocks, rounds=rounds, splash_blocks=splash_blocks,
+                    progress=progress)
     case["peak_bf16_tflops"] = result["peak_bf16_tflops"]   # the peak of its own run
     for r in case["rows"].values():
       if "tflops" in r:

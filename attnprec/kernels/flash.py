@@ -92,6 +92,7 @@ ROW_MULTIPLE, KEY_MULTIPLE = 16, 128
 VMEM_CAP = 96 * 2 ** 20       # of a v5e TensorCore's 128 MiB VMEM
 BIG = 0.7 * float(jnp.finfo(jnp.float32).max)   # logsumexp of a row that sees no key
 PAD_POSITION = -2 ** 30   # a padded query row's position under a causal mask
+HIDDEN_POSITION = 2 ** 31 - 1   # a key past S in a masked block: after every query
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,14 +395,37 @@ def _logits(spec: Spec, q, k, qpos_Tqx1, kpos_1xSk, key0, mask_TqxSk, masked: bo
     s = cap * tanh
   allowed = None
   if masked:
-    allowed = key0 + jax.lax.broadcasted_iota(jnp.int32, (Tq, Sk), 1) < spec.geo.S
-    if spec.causal or spec.window is not None:
-      allowed &= contract.visible(qpos_Tqx1, kpos_1xSk, causal=spec.causal,
-                                  sliding_window=spec.window)
+    allowed = _allowed(spec, qpos_Tqx1, kpos_1xSk, key0, Sk)
     if mask_TqxSk is not None:
-      allowed &= mask_TqxSk != 0
-    s = jnp.where(allowed, s, jnp.asarray(contract.mask_value(sm), sm))
+      allowed = mask_TqxSk != 0 if allowed is None else allowed & (mask_TqxSk != 0)
+    if allowed is not None:
+      s = jnp.where(allowed, s, jnp.asarray(contract.mask_value(sm), sm))
   return s, tanh, allowed
+
+
+def _allowed(spec: Spec, qpos_Tqx1, kpos_1xSk, key0, Sk: int):
+  """Which pairs of a masked block (or chunk) are visible, as one [Tq, Sk] compare per
+  condition against [1, Sk] key data: a key past S (only where the padded keys run past
+  it: `Geometry.Sp` > S) is hidden by giving it a position after every query under a
+  causal mask, else by a [1, Sk] flag. None: every pair visible (no condition)."""
+  geo = spec.geo
+  real_1xSk = None
+  if geo.Sp != geo.S:
+    real_1xSk = key0 + jax.lax.broadcasted_iota(jnp.int32, (1, Sk), 1) < geo.S
+  kp = kpos_1xSk
+  if real_1xSk is not None and spec.causal:
+    kp = jnp.where(real_1xSk, kp, HIDDEN_POSITION)
+    real_1xSk = None
+  allowed = None
+  if spec.causal:
+    allowed = kp <= qpos_Tqx1
+  if spec.window is not None:
+    inside = kp > qpos_Tqx1 - spec.window
+    allowed = inside if allowed is None else allowed & inside
+  if real_1xSk is not None:
+    allowed = (jnp.broadcast_to(real_1xSk, (qpos_Tqx1.shape[0], Sk)) if allowed is None
+               else allowed & real_1xSk)
+  return allowed
 
 
 def _block_state(spec: Spec, qmin, qmax, kmin, kmax, j):
@@ -418,8 +442,10 @@ def _block_state(spec: Spec, qmin, qmax, kmin, kmax, j):
 def _blocks_run(spec: Spec, refs, b, i, j, update):
   """Runs update(keys, masked) over the block pair (q block i, kv block j): nothing where
   no pair is visible; the whole block unmasked where every pair is; else chunk by chunk
-  (`Geometry.chunk` keys), masked, skipping the chunks no row sees (the diagonal of a
-  causal prefill: about half of its block)."""
+  (`Geometry.chunk` keys): the leading chunks every pair of which is visible as one
+  unmasked update (one step of the online softmax over all of them), then the rest
+  masked, skipping the chunks no row sees (the diagonal of a causal prefill: the band of
+  keys between the q block's first and last position)."""
   geo = spec.geo
   qmin_r, qmax_r, kmin_r, kmax_r, _, _, cmin_r, cmax_r = refs
   bi, bj = b * geo.nq + i, b * geo.nk + j
@@ -428,13 +454,26 @@ def _blocks_run(spec: Spec, refs, b, i, j, update):
   pl.when(jnp.logical_and(need, full))(lambda: update(pl.ds(0, geo.Sk), False))
 
   @pl.when(jnp.logical_and(need, jnp.logical_not(full)))
-  def _masked():
-    per = geo.Sk // geo.chunk
+  def _edge():
+    per, C = geo.Sk // geo.chunk, geo.chunk
+    needs, lead, run = [], jnp.int32(0), jnp.bool_(True)
     for c in range(per):
-      bc = b * (geo.Sp // geo.chunk) + j * per + c
-      need_c = _need(qmin, qmax, cmin_r[bc], cmax_r[bc], spec.causal, spec.window)
-      need_c = jnp.logical_and(need_c, j * geo.Sk + c * geo.chunk < geo.S)
-      pl.when(need_c)(functools.partial(update, pl.ds(c * geo.chunk, geo.chunk), True))
+      bc = b * (geo.Sp // C) + j * per + c
+      cmin, cmax = cmin_r[bc], cmax_r[bc]
+      needs.append(jnp.logical_and(
+          _need(qmin, qmax, cmin, cmax, spec.causal, spec.window),
+          j * geo.Sk + c * C < geo.S))
+      if not spec.dense_mask:
+        run = jnp.logical_and(run, jnp.logical_and(
+            _full(qmin, qmax, cmin, cmax, spec.causal, spec.window),
+            j * geo.Sk + (c + 1) * C <= geo.S))
+        lead = lead + run.astype(jnp.int32)
+    if not spec.dense_mask:
+      for m in range(1, per):
+        pl.when(lead == m)(functools.partial(update, pl.ds(0, m * C), False))
+    for c in range(per):
+      pl.when(jnp.logical_and(needs[c], lead <= c))(
+          functools.partial(update, pl.ds(c * C, C), True))
 
 
 def _fwd_body(spec: Spec, with_lse: bool):
@@ -518,7 +557,10 @@ def _recompute_p(spec, q, k, qpos, kpos, key0, mask, lse_Tqx1, masked):
   soft-cap's tanh (or None)."""
   s, tanh, allowed = _logits(spec, q, k, qpos, kpos, key0, mask, masked)
   p = jnp.exp(s.astype(F32) - lse_Tqx1)
-  if allowed is not None:
+  # A hidden pair's logit is the mask value; for a float32 or bfloat16 softmax (-2.4e38)
+  # exp(mask value - logsumexp) is 0 exactly, so no select is needed; a float16 mask
+  # value (-45852) is within reach of a row's logsumexp, so its pairs are zeroed.
+  if allowed is not None and jnp.finfo(spec.table["softmax"]).max < 1e38:
     p = jnp.where(allowed, p, 0.0)
   return p, tanh
 

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 from attnprec.xla_env import disable_excess_precision
@@ -35,6 +34,7 @@ from attnprec import cache as cache_lib  # noqa: E402
 from attnprec import decoding, runs  # noqa: E402
 from attnprec.bench import model as model_bench  # noqa: E402
 from attnprec.bench import tpu_decode, tpu_model  # noqa: E402
+from attnprec.bench.device_profile import device_ops  # noqa: E402
 
 FORMS = ("slices", "scatter")
 STEPS, ROUNDS = 16, 5
@@ -75,35 +75,6 @@ def parse_case(item: str):
           f"bf16_flags:8x32768).", file=sys.stderr)
     sys.exit(2)
   return name, int(sizes[0]), int(sizes[1])
-
-
-def device_ops(fn, top=30):
-  """{op name: (total µs, count)} of the device planes' events during one call of `fn`,
-  the `top` longest; {} where the profiler records no device plane (XLA:CPU)."""
-  with tempfile.TemporaryDirectory() as d:
-    jax.profiler.start_trace(d)
-    try:
-      fn()
-    finally:
-      jax.profiler.stop_trace()
-    totals = {}
-    for root, _, files in os.walk(d):
-      for name in files:
-        if not name.endswith(".xplane.pb"):
-          continue
-        with open(os.path.join(root, name), "rb") as f:
-          data = jax.profiler.ProfileData.from_serialized_xspace(f.read())
-        for plane in data.planes:
-          if not plane.name.startswith("/device:"):
-            continue
-          for line in plane.lines:
-            if line.name not in ("XLA Ops", "Ops"):
-              totals.setdefault(f"(line {plane.name} {line.name})", (0.0, 0))
-              continue
-            for e in line.events:
-              t, n = totals.get(e.name, (0.0, 0))
-              totals[e.name] = (t + e.duration_ns / 1e3, n + 1)
-  return dict(sorted(totals.items(), key=lambda kv: -kv[1][0])[:top])
 
 
 def main(out_dir, wanted):
