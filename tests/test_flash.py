@@ -87,6 +87,42 @@ def test_forward_and_gradients_match_float64_and_dot_product(case, T, S, K, wind
   assert_gradients_match(f, d, (q, k, v), jnp.cos(jnp.arange(H, dtype=jnp.float32)))
 
 
+def test_a_128_wide_head_is_read_where_the_caller_holds_it():
+  """H = 128, lengths the blocks divide: the direct geometry (q, k, v, o, dq, dk, dv in
+  the caller's layout, a q block's G heads gathered into rows in VMEM): the output ==
+  float64 and the gradients == jax.grad through dot_product (blockwise's bound), under
+  a causal mask and a window; lowered for TPU, the forward and its gradient move no
+  q, k, v or output around the Mosaic calls (no transpose: the gradient's one is the
+  [B, T, N] float32 row sums put in the rows' order)."""
+  H128, K, T = 128, 2, 256
+  blocks = flash.Blocks(q=64, k=128, q_bwd=64, k_bwd=128, chunk=128)
+  fgeo, bgeo = flash.direct_geometries(B, K, T, N // K, T, H128, blocks)
+  assert (fgeo.direct, fgeo.Tt, fgeo.Tq, fgeo.Rp) == (True, 32, 64, 512)
+  assert flash.direct_geometries(B, K, T, N // K, T, 64, blocks) is None    # half a lane row
+  assert flash.direct_geometries(B, K, 200, N // K, 200, H128, blocks) is None  # 200 % 32
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.normal(size=(B, T, N, H128)) * 3, jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(B, T, K, H128)), jnp.float32) for _ in range(2))
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  w = jnp.cos(jnp.arange(H128, dtype=jnp.float32))
+  for window in (None, 70):
+    want = contract.causal_mask(pos, pos, sliding_window=window)
+    f = lambda q, k, v: flash.flash_attention(  # noqa: E731
+        q, k, v, causal=True, q_positions_BxT=pos, k_positions_BxS=pos,
+        sliding_window=window, blocks=blocks)
+    ref = contract.reference_attention_np(q, k, v, mask=want)
+    bound = tol(2e-5, scale=np.abs(ref).max())
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(q, k, v), np.float64), ref,
+                               atol=bound, rtol=bound)
+    assert_gradients_match(f, lambda q, k, v: dot_product.dot_product_attention(
+        q, k, v, mask=want), (q, k, v), w)
+  g = jax.grad(lambda *x: (f(*x) * w).sum(), argnums=(0, 1, 2))
+  for fn, calls, transposes in ((f, 1, 0), (g, 3, 1)):
+    text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("tpu",)).as_text()
+    assert len(re.findall(r"custom_call @tpu_custom_call\(", text)) == calls
+    assert len(re.findall(r"stablehlo.transpose", text)) == transposes
+
+
 def test_bf16_flags_change_the_numbers_as_dot_products_do():
   """bf16, sharp causal attention: flags off, flash is within a few bf16 ulps of
   dot_product under the same flags (bf16 logits: declared, so run) and its float64 error

@@ -164,6 +164,13 @@ class Geometry:
   # whether k / v (and their scales) are a stack of layers' caches with a leading L axis,
   # the layer read given as one more scalar-prefetch value (`flash_attention(layer=)`)
   stacked: bool = False
+  # whether q / o (and dq, dO) enter as the caller's [B, T, N * H] and k / v (dk, dv) as
+  # [B, S, K * H], unmoved (`direct_geometries`): a q block is Tt positions of the G query
+  # heads of a kv head, gathered in VMEM into Tq = G * Tt rows, head-major (row g * Tt + t
+  # is position i * Tt + t of the group's head g); else q is [B, K, Rp, Hp] in rows
+  # t * G + g and k / v [B, K, S(p), Hp], moved there by XLA around the call
+  direct: bool = False
+  Tt: int = 0   # positions per q block (direct)
 
   @property
   def n_prefetch(self) -> int:
@@ -210,6 +217,37 @@ def geometries(B, K, T, G, S, H, blocks: Blocks) -> Tuple[Geometry, Geometry]:
       B=B, K=K, T=T, G=G, S=S, H=H, Tq=Tq, Sk=Sk, Rp=Rp, Sp=Sp, Hp=padded_head(H),
       chunk=blocks.chunk if Sk % blocks.chunk == 0 else KEY_MULTIPLE)
   return make(Tf, Sf), make(Tb, Sb)
+
+
+def direct_geometries(B, K, T, G, S, H, blocks: Blocks
+                      ) -> Optional[Tuple[Geometry, Geometry]]:
+  """The forward's and the backward's geometry reading q, k, v and writing o, dq, dk, dv
+  where the caller holds them (`Geometry.direct`), or None where that cannot tile: a head
+  dim that is not a whole number of lanes (128), or lengths the blocks do not divide
+  (T by Tt, S by both passes' key blocks). Tt, the positions per q block, is the largest
+  power of two with G * Tt within both passes' row blocks (`Blocks.q`, `Blocks.q_bwd`),
+  at most T; both passes share it (the logsumexp residual is in its row order).
+  Measured on a TPU v5e (results/tpu-flash/profile_ops-2k.json): around the kernel, the
+  copies that pack a kv head's query heads into rows and unpack the output took 0.25 ms
+  of a 2k prefill whose kernel took 0.375 ms."""
+  if H % KEY_MULTIPLE:
+    return None
+  Tt = 1
+  while 2 * Tt * G <= min(blocks.q, blocks.q_bwd):
+    Tt *= 2
+  Tt = min(Tt, T)
+  if Tt % ROW_MULTIPLE or T % Tt:
+    return None
+  if S <= min(blocks.k, blocks.k_bwd):
+    Sf = Sb = S
+  else:
+    Sf, Sb = blocks.k, blocks.k_bwd
+  if S % KEY_MULTIPLE or S % math.lcm(Sf, Sb):
+    return None
+  make = lambda Sk: Geometry(  # noqa: E731
+      B=B, K=K, T=T, G=G, S=S, H=H, Tq=G * Tt, Sk=Sk, Rp=G * T, Sp=S, Hp=H,
+      chunk=blocks.chunk if Sk % blocks.chunk == 0 else KEY_MULTIPLE, direct=True, Tt=Tt)
+  return make(Sf), make(Sb)
 
 
 def decodes(rows: int, blocks: Blocks, dense_mask: bool) -> bool:
@@ -442,10 +480,10 @@ def _block_state(spec: Spec, qmin, qmax, kmin, kmax, j):
 def _blocks_run(spec: Spec, refs, b, i, j, update):
   """Runs update(keys, masked) over the block pair (q block i, kv block j): nothing where
   no pair is visible; the whole block unmasked where every pair is; else chunk by chunk
-  (`Geometry.chunk` keys): the leading chunks every pair of which is visible as one
-  unmasked update (one step of the online softmax over all of them), then the rest
-  masked, skipping the chunks no row sees (the diagonal of a causal prefill: the band of
-  keys between the q block's first and last position)."""
+  (`Geometry.chunk` keys), masked, skipping the chunks no row sees (the diagonal of a
+  causal prefill: about half of its block). (Running an edge block's leading visible
+  chunks as one unmasked update measured no faster on a TPU v5e, and slower with many
+  chunks a block: results/tpu-flash/sweep3.md.)"""
   geo = spec.geo
   qmin_r, qmax_r, kmin_r, kmax_r, _, _, cmin_r, cmax_r = refs
   bi, bj = b * geo.nq + i, b * geo.nk + j
@@ -454,26 +492,29 @@ def _blocks_run(spec: Spec, refs, b, i, j, update):
   pl.when(jnp.logical_and(need, full))(lambda: update(pl.ds(0, geo.Sk), False))
 
   @pl.when(jnp.logical_and(need, jnp.logical_not(full)))
-  def _edge():
-    per, C = geo.Sk // geo.chunk, geo.chunk
-    needs, lead, run = [], jnp.int32(0), jnp.bool_(True)
+  def _masked():
+    per = geo.Sk // geo.chunk
     for c in range(per):
-      bc = b * (geo.Sp // C) + j * per + c
-      cmin, cmax = cmin_r[bc], cmax_r[bc]
-      needs.append(jnp.logical_and(
-          _need(qmin, qmax, cmin, cmax, spec.causal, spec.window),
-          j * geo.Sk + c * C < geo.S))
-      if not spec.dense_mask:
-        run = jnp.logical_and(run, jnp.logical_and(
-            _full(qmin, qmax, cmin, cmax, spec.causal, spec.window),
-            j * geo.Sk + (c + 1) * C <= geo.S))
-        lead = lead + run.astype(jnp.int32)
-    if not spec.dense_mask:
-      for m in range(1, per):
-        pl.when(lead == m)(functools.partial(update, pl.ds(0, m * C), False))
-    for c in range(per):
-      pl.when(jnp.logical_and(needs[c], lead <= c))(
-          functools.partial(update, pl.ds(c * C, C), True))
+      bc = b * (geo.Sp // geo.chunk) + j * per + c
+      need_c = _need(qmin, qmax, cmin_r[bc], cmax_r[bc], spec.causal, spec.window)
+      need_c = jnp.logical_and(need_c, j * geo.Sk + c * geo.chunk < geo.S)
+      pl.when(need_c)(functools.partial(update, pl.ds(c * geo.chunk, geo.chunk), True))
+
+
+def _gather_rows(geo: Geometry, src_ref, dst_ref):
+  """A direct q (or dO) block [Tt, G * H] into rows [G * Tt, H], head-major."""
+  for g in range(geo.G):
+    dst_ref[pl.ds(g * geo.Tt, geo.Tt), :] = src_ref[:, pl.ds(g * geo.H, geo.H)]
+
+
+def _put_rows(geo: Geometry, value_TqxH, dst_ref):
+  """Rows [Tq, H] into their block: a direct one [Tt, G * H] (`_gather_rows` undone),
+  else as they are."""
+  if not geo.direct:
+    dst_ref[...] = value_TqxH
+    return
+  for g in range(geo.G):
+    dst_ref[:, pl.ds(g * geo.H, geo.H)] = value_TqxH[g * geo.Tt:(g + 1) * geo.Tt]
 
 
 def _fwd_body(spec: Spec, with_lse: bool):
@@ -490,7 +531,8 @@ def _fwd_body(spec: Spec, with_lse: bool):
     vtok_ref = refs.pop(0) if spec.scaled("v") else None
     o_ref = refs.pop(0)
     lse_ref = refs.pop(0) if with_lse else None
-    m_sc, l_sc, acc_sc = refs
+    m_sc, l_sc, acc_sc = refs[:3]
+    q_rows = refs[3] if geo.direct else q_ref    # the q block as rows [Tq, Hp]
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     rows = spec.cache_rows
 
@@ -499,6 +541,8 @@ def _fwd_body(spec: Spec, with_lse: bool):
       m_sc[...] = jnp.full(m_sc.shape, mv, F32)
       l_sc[...] = jnp.zeros(l_sc.shape, F32)
       acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
+      if geo.direct:
+        _gather_rows(geo, q_ref, q_rows)
 
     def update(keys, masked):
       minor = geo.keys_minor
@@ -514,7 +558,7 @@ def _fwd_body(spec: Spec, with_lse: bool):
         v = jnp.where(real, v, jnp.zeros((), v.dtype))
         if vtok is not None:
           vtok = jnp.where(real_1xC, vtok, 0.0)
-      s, _, _ = _logits(spec, q_ref[...], k_ref[:, keys] if minor else k_ref[keys, :],
+      s, _, _ = _logits(spec, q_rows[...], k_ref[:, keys] if minor else k_ref[keys, :],
                         qpos_ref[...],
                         kpos_ref[:, keys], j * geo.Sk + keys.start,
                         mask_ref[:, keys] if spec.dense_mask else None, masked,
@@ -545,7 +589,7 @@ def _fwd_body(spec: Spec, with_lse: bool):
       l = l_sc[...]
       seen = l > 0                                 # a row that saw no key -> 0
       l_safe = jnp.where(seen, l, 1.0)
-      o_ref[...] = (acc_sc[...] / l_safe).astype(c)
+      _put_rows(geo, (acc_sc[...] / l_safe).astype(c), o_ref)
       if with_lse:
         lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(l_safe), BIG)
 
@@ -598,16 +642,20 @@ def _dq_body(spec: Spec):
   def body(*refs):
     prefetch, ins, refs = _bwd_refs(spec, refs)
     q_ref, k_ref, v_ref, qpos_ref, kpos_ref, mask_ref = ins
-    lse_ref, delta_ref, do_ref, dq_ref, dq_sc = refs
+    lse_ref, delta_ref, do_ref, dq_ref, dq_sc = refs[:5]
+    q_rows, do_rows = refs[5:] if geo.direct else (q_ref, do_ref)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
     def _init():
       dq_sc[...] = jnp.zeros(dq_sc.shape, F32)
+      if geo.direct:
+        _gather_rows(geo, q_ref, q_rows)
+        _gather_rows(geo, do_ref, do_rows)
 
     def update(keys, masked):
-      k, v, do = k_ref[keys, :], v_ref[keys, :], do_ref[...]
-      p, tanh = _recompute_p(spec, q_ref[...], k, qpos_ref[...], kpos_ref[:, keys],
+      k, v, do = k_ref[keys, :], v_ref[keys, :], do_rows[...]
+      p, tanh = _recompute_p(spec, q_rows[...], k, qpos_ref[...], kpos_ref[:, keys],
                              j * geo.Sk + keys.start,
                              mask_ref[:, keys] if spec.dense_mask else None,
                              lse_ref[...], masked)
@@ -619,7 +667,7 @@ def _dq_body(spec: Spec):
 
     @pl.when(j == geo.nk - 1)
     def _finish():
-      dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+      _put_rows(geo, dq_sc[...].astype(dq_ref.dtype), dq_ref)
 
   return body
 
@@ -631,7 +679,8 @@ def _dkv_body(spec: Spec):
   def body(*refs):
     prefetch, ins, refs = _bwd_refs(spec, refs)
     q_ref, k_ref, v_ref, qpos_ref, kpos_ref, mask_ref = ins
-    lse_ref, delta_ref, do_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs
+    lse_ref, delta_ref, do_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs[:7]
+    q_rows, do_rows = refs[7:] if geo.direct else (q_ref, do_ref)
     b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(i == 0)
@@ -639,8 +688,12 @@ def _dkv_body(spec: Spec):
       dk_sc[...] = jnp.zeros(dk_sc.shape, F32)
       dv_sc[...] = jnp.zeros(dv_sc.shape, F32)
 
+    if geo.direct:     # the streamed q block changes every step
+      _gather_rows(geo, q_ref, q_rows)
+      _gather_rows(geo, do_ref, do_rows)
+
     def update(keys, masked):
-      q, do = q_ref[...], do_ref[...]
+      q, do = q_rows[...], do_rows[...]
       p, tanh = _recompute_p(spec, q, k_ref[keys, :], qpos_ref[...], kpos_ref[:, keys],
                              j * geo.Sk + keys.start,
                              mask_ref[:, keys] if spec.dense_mask else None,
@@ -687,6 +740,18 @@ def _specs(geo: Geometry, dense_mask: bool, kv_major: bool, scales: int = 0):
   def kmap(b, h, x, y, *pf):
     return b, h, ij(b, x, y, *pf)[1], 0
 
+  if geo.direct:    # q / o [B, T, N * H], k / v [B, S, K * H]: kv head h's lanes
+    qblock = pl.BlockSpec((_sq, geo.Tt, geo.G * geo.H), lambda b, h, x, y, *pf: (
+        b, ij(b, x, y, *pf)[0], h))
+    kblock = pl.BlockSpec((_sq, Sk, geo.H), lambda b, h, x, y, *pf: (
+        b, ij(b, x, y, *pf)[1], h))
+    rows = pl.BlockSpec((_sq, _sq, Tq, 1), lambda b, h, x, y, *pf: (
+        b, h, ij(b, x, y, *pf)[0], 0))
+    specs = [qblock, kblock, kblock,
+             pl.BlockSpec((_sq, Tq, 1), lambda b, h, x, y, *pf: (b, ij(b, x, y, *pf)[0], 0)),
+             pl.BlockSpec((_sq, 1, Sk), lambda b, h, x, y, *pf: (b, 0, ij(b, x, y, *pf)[1]))]
+    return specs, rows, qblock, kblock
+
   # a stack's leading layer axis: its index the last scalar-prefetch value
   lead = (_sq,) if geo.stacked else ()
   layer = (lambda pf: (pf[N_PREFETCH][0],)) if geo.stacked else (lambda pf: ())
@@ -707,6 +772,11 @@ def _specs(geo: Geometry, dense_mask: bool, kv_major: bool, scales: int = 0):
   qblock = pl.BlockSpec((_sq, _sq, Tq, Hp), qmap)
   kblock = pl.BlockSpec((_sq, _sq, Sk, Hp), kmap)
   return specs, rows, qblock, kblock
+
+
+def _row_scratch(geo: Geometry, dtype, n: int):
+  """A direct call's q (and dO) blocks gathered into rows (`_gather_rows`)."""
+  return [pltpu.VMEM((geo.Tq, geo.Hp), dtype) for _ in range(n)] if geo.direct else []
 
 
 def _params(interpret, geo, itemsize, dense_mask, backward):
@@ -730,7 +800,7 @@ def _forward_call(spec: Spec, interpret: bool, with_lse: bool, prefetch, operand
       num_scalar_prefetch=geo.n_prefetch, grid=(geo.B, geo.K, geo.nq, geo.nk),
       in_specs=specs, out_specs=out_specs,
       scratch_shapes=[pltpu.VMEM((geo.Tq, 1), F32), pltpu.VMEM((geo.Tq, 1), F32),
-                      pltpu.VMEM((geo.Tq, geo.Hp), F32)])
+                      pltpu.VMEM((geo.Tq, geo.Hp), F32)] + _row_scratch(geo, q.dtype, 1))
   outs = pl.pallas_call(
       _fwd_body(spec, with_lse), grid_spec=grid_spec, out_shape=out_shape,
       interpret=interpret, name="attn_flash_fwd",
@@ -747,7 +817,7 @@ def _dq_call(spec: Spec, interpret: bool, prefetch, operands, lse, delta, do):
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=N_PREFETCH, grid=(geo.B, geo.K, geo.nq, geo.nk),
       in_specs=specs + [rows, rows, qblock], out_specs=qblock,
-      scratch_shapes=[pltpu.VMEM((geo.Tq, geo.Hp), F32)])
+      scratch_shapes=[pltpu.VMEM((geo.Tq, geo.Hp), F32)] + _row_scratch(geo, q.dtype, 2))
   return pl.pallas_call(
       _dq_body(spec), grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       interpret=interpret, name="attn_flash_dq",
@@ -762,7 +832,8 @@ def _dkv_call(spec: Spec, interpret: bool, prefetch, operands, lse, delta, do):
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=N_PREFETCH, grid=(geo.B, geo.K, geo.nk, geo.nq),
       in_specs=specs + [rows, rows, qblock], out_specs=[kblock, kblock],
-      scratch_shapes=[pltpu.VMEM((geo.Sk, geo.Hp), F32), pltpu.VMEM((geo.Sk, geo.Hp), F32)])
+      scratch_shapes=[pltpu.VMEM((geo.Sk, geo.Hp), F32), pltpu.VMEM((geo.Sk, geo.Hp), F32)]
+      + _row_scratch(geo, operands[0].dtype, 2))
   return pl.pallas_call(
       _dkv_body(spec), grid_spec=grid_spec,
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
@@ -833,7 +904,11 @@ def _flash_bwd(fwd: Spec, bwd: Spec, inf: Spec, res, do):
   q, k, v, qpos, kpos, mask, o, lse = res
   geo, S = bwd.geo, bwd.geo.S
   # The forward's padded rows are the backward's (Rp is a multiple of both q blocks).
-  delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1, keepdims=True)
+  if geo.direct:    # [B, T, N * H]: per (position, head), then in the row order
+    delta = _direct_rows(geo, jnp.sum((do.astype(F32) * o.astype(F32)).reshape(
+        geo.B, geo.T, geo.K * geo.G, geo.H), axis=-1))
+  else:
+    delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1, keepdims=True)
   bounds = _bounds(qpos[..., 0], kpos[:, 0], geo, bwd.causal, bwd.window)
   operands = [q, k, v, qpos, kpos] + ([mask] if mask is not None else [])
   dq = _on_platform(lambda interp, *xs: _dq_call(
@@ -842,10 +917,20 @@ def _flash_bwd(fwd: Spec, bwd: Spec, inf: Spec, res, do):
   dk, dv = _on_platform(lambda interp, *xs: tuple(_dkv_call(
       bwd, interp, _prefetch(bounds, kv_major=True), list(xs[:-3]), *xs[-3:])))(
           *operands, lse, delta, do)
+  if geo.direct:     # [B, S, K * H], never padded
+    return dq, dk, dv, None, None, None
   return dq, dk[:, :, :S], dv[:, :, :S], None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _direct_rows(geo: Geometry, x_BxTxN):
+  """A per-(position, query head) value [B, T, N] in a direct call's row order,
+  [B, K, Rp, 1]: q block i's rows g * Tt + t (`Geometry.direct`)."""
+  B, K, G, Tt = geo.B, geo.K, geo.G, geo.Tt
+  x = x_BxTxN.reshape(B, geo.T // Tt, Tt, K, G)
+  return jnp.transpose(x, (0, 3, 1, 4, 2)).reshape(B, K, geo.Rp, 1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -932,6 +1017,8 @@ def flash_attention(q, k, v, *, mask=None,
           f"no dense mask. Pass the layer's own cache for this call.")
     dgeo = dataclasses.replace(dgeo, stacked=True)
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+  if dgeo is None and layer is None and not rows and mask is None:
+    fgeo, bgeo = direct_geometries(B, K, T, G, S, H, blocks) or (fgeo, bgeo)
   fwd = Spec(geo=fgeo, **common)
   q_BxTxKxGxH = prep.queries(q)     # a per-channel key scale applied (`query_operand`)
   tokens = ()
@@ -965,6 +1052,18 @@ def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, tokens
   geo = fwd.geo
   B, K, T, G, S, H = geo.B, geo.K, geo.T, geo.G, geo.S, geo.H
   N, R, Rp, Sp, Hp = K * G, geo.R, geo.Rp, geo.Sp, geo.Hp
+  if geo.direct:     # q, k, v where the caller holds them; rows ordered per q block
+    q_positions_BxT, k_positions_BxS = contract.default_positions(
+        q_positions_BxT, k_positions_BxS, B, T, S)
+    Tt = geo.Tt
+    qpos = jnp.broadcast_to(q_positions_BxT.astype(jnp.int32).reshape(B, T // Tt, 1, Tt),
+                            (B, T // Tt, G, Tt)).reshape(B, Rp, 1)
+    out = _flash(fwd, bwd, inf, q_BxTxKxGxH.reshape(B, T, N * H), k.reshape(B, S, K * H),
+                 v.reshape(B, S, K * H), qpos,
+                 k_positions_BxS.astype(jnp.int32)[:, None, :], None)
+    out_BxTxNxH = out.reshape(B, T, N, H)
+    chex.assert_type(out_BxTxNxH, fwd.table["output"])
+    return out_BxTxNxH
   q_BxKxRxH = jnp.transpose(q_BxTxKxGxH, (0, 2, 1, 3, 4)).reshape(B, K, R, H)
   q_BxKxRpxHp = _pad(q_BxKxRxH, ((0, Rp - R), (0, Hp - H)))
   # [(L,) B, S, K, H] -> [(L,) B, K, S, Hp] (a cache's own layout: the transposes cancel)
