@@ -95,7 +95,7 @@ def test_a_128_wide_head_is_read_where_the_caller_holds_it():
   q, k, v or output around the Mosaic calls (no transpose: the gradient's one is the
   [B, T, N] float32 row sums put in the rows' order)."""
   H128, K, T = 128, 2, 256
-  blocks = flash.Blocks(q=64, k=128, q_bwd=64, k_bwd=128, chunk=128)
+  blocks = flash.Blocks(q=64, k=128, q_bwd=64, k_bwd=128, chunk=128, direct_q=64)
   fgeo, bgeo = flash.direct_geometries(B, K, T, N // K, T, H128, blocks)
   assert (fgeo.direct, fgeo.Tt, fgeo.Tq, fgeo.Rp) == (True, 32, 64, 512)
   assert flash.direct_geometries(B, K, T, N // K, T, 64, blocks) is None    # half a lane row
@@ -143,6 +143,43 @@ def test_bf16_flags_change_the_numbers_as_dot_products_do():
                              atol=0.1, rtol=0.1)
   assert err(f_off) > 2 * err(f_on), (err(f_off), err(f_on))
   assert err(f_on) <= 1.05 * err(d_on) + 2 ** -9, (err(f_on), err(d_on))
+
+
+def test_both_flags_run_the_softmax_in_base_2(monkeypatch):
+  """Both flags on bf16 inputs, no soft-cap (`Spec.base2`): the logits are multiplied
+  by scale * log2(e) and every body's exps are exp2, forward and backward; flags off, or
+  a soft-cap, keep exp. The same softmax: output and gradients equal the kernel's with
+  base 2 turned off to one bf16 ulp of their largest value (the float32 difference of
+  the two forms, ~2^-22 relative, can move a bf16 rounding by one ulp, no more)."""
+  T = S = 160
+  q, k, v = _qkv(T, S, 2, BF16, seed=3, logit_scale=4.0)
+  pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  w = jnp.cos(jnp.arange(H, dtype=jnp.float32))
+
+  def run(flags, cap=None):
+    f = _flash_fn(pos, pos, None, None, cap, flags)
+    g = jax.grad(lambda *x: (f(*x).astype(jnp.float32) * w).sum(), argnums=(0, 1, 2))
+    text = str(jax.make_jaxpr(g)(q, k, v))
+    return (jax.jit(f)(q, k, v),) + jax.jit(g)(q, k, v), text
+
+  on = AttentionFlags()
+  got, text = run(on)
+  assert len(re.findall(r"= exp2 ", text)) >= 3 and not re.findall(r"= exp ", text)
+  for flags, cap in ((AttentionFlags(float32_qk_product=False, float32_logits=False), None),
+                     (on, 5.0)):
+    _, other = run(flags, cap)
+    assert re.findall(r"= exp ", other) and not re.findall(r"= exp2 ", other)
+  flash._attention.clear_cache()     # its traces are cached on the (equal) Specs
+  try:
+    monkeypatch.setattr(flash.Spec, "base2", property(lambda self: False))
+    want, text = run(on)
+  finally:
+    monkeypatch.undo()
+    flash._attention.clear_cache()
+  assert not re.findall(r"= exp2 ", text)
+  for a, b in zip(got, want):
+    a, b = (np.asarray(x.astype(jnp.float32), np.float64) for x in (a, b))
+    assert np.abs(a - b).max() <= 2 ** -8 * np.abs(b).max()
 
 
 def test_hidden_blocks_are_neither_read_nor_computed():

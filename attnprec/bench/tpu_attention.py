@@ -24,7 +24,8 @@ same run (`model.matmul_peak` at 8192^3). Results: <out>/tpu_attention.json (rew
 after every case: an interrupted run keeps what it measured; a rerun into the same --out
 measures only the cases it lacks, after `previous` has checked the file is this code's,
 with these settings and finite figures), tpu_attention.md. A flash row's forward and
-backward blocks are both the row's Q x KV.
+backward blocks are both the row's Q x KV (Q also the rows of a call read where the
+caller holds it: `flash.Blocks.direct_q`).
 """
 import math
 import os
@@ -85,7 +86,8 @@ def _attnprec(kernel: str, flags_row: str, S: int, blocks=None):
     b = flash.DEFAULT_BLOCKS
     if blocks:
       b = flash.Blocks(q=blocks[0], k=blocks[1], q_bwd=blocks[0], k_bwd=blocks[1],
-                       chunk=blocks[2] if len(blocks) > 2 else math.gcd(b.chunk, blocks[1]))
+                       chunk=blocks[2] if len(blocks) > 2 else math.gcd(b.chunk, blocks[1]),
+                       direct_q=blocks[0])
     return lambda q, k, v: flash.flash_attention(
         q, k, v, causal=True, q_positions_BxT=pos, k_positions_BxS=pos,
         flags=prec.attention, blocks=b)

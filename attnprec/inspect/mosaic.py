@@ -13,7 +13,8 @@ what decides its precision:
            type an f32 operand was extended from (`arith.extf`), the f32 type a 16-bit
            operand was truncated from (`arith.truncf`: rounded probabilities), and a
            truncation right after it;
-  softmax  the element types of every `math.exp`, of the running max (`maximumf`
+  softmax  the element types of every `math.exp` (or `math.exp2`: a base-2 softmax, as
+           the flash kernel's with both flags), of the running max (`maximumf`
            reductions) and of the running sum (`add` reductions of exp values).
 
 Roles come from the structure, as the lowered-program finder's do: a matmul whose result
@@ -42,6 +43,8 @@ _KERNEL_NAME = re.compile(r'(?:"|\\22)name(?:"|\\22):\s*(?:"|\\22)([\w.\-]+)')
 _ELEMENT = re.compile(r"x([a-z]+\d*(?:E\dM\d\w*)?)>$")
 _PRECISION = re.compile(r"contract_precision<(\w+)>")
 _SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+EXPS = ("math.exp", "math.exp2")   # the softmax's exps (exp2: base 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +153,7 @@ def _reaches_exp_forward(value, limit: int = 400) -> bool:
     for use in v.uses:
       op = use.owner
       n = _name(op)
-      if n == "math.exp":
+      if n in EXPS:
         return True
       if n == "tpu.matmul":
         continue
@@ -167,7 +170,7 @@ def _from_exp(value, limit: int = 200) -> bool:
     if op is None:
       continue
     n = _name(op)
-    if n == "math.exp":
+    if n in EXPS:
       return True
     if n in ("tpu.matmul", "vector.load", "tpu.load"):
       continue
@@ -221,7 +224,7 @@ def read_body(b64: str, kernel: str = "") -> MosaicBody:
                 _converted(lhs, "arith.extf"), _converted(rhs, "arith.extf"),
                 _converted(lhs, "arith.truncf"), _converted(rhs, "arith.truncf"),
                 rounded, role, probs))
-          elif n == "math.exp":
+          elif n in EXPS:
             exps.append(_element(op.operands[0].type))
           elif n == "vector.multi_reduction":
             kind = str(op.attributes["kind"])

@@ -10,7 +10,8 @@ loops and calls inside it:
   dots     every dot_general: operand dtypes, preferred_element_type (the accumulation /
            result type), precision (a jax.lax.Precision pair or an algorithm preset), and
            the contract scope it sits in (`contract.QK_SCOPE` / `WV_SCOPE`)
-  softmax  the float dtypes of its exp (the [Tq, Sk] block exp, exp(logits - m), and the
+  softmax  the float dtypes of its exp or exp2 (a base-2 softmax: the flash kernel's with
+           both flags; the [Tq, Sk] block exp, exp(logits - m), and the
            [Tq, 1] rescaling exp of the statistics), its max (of the logits) and its sum
            (the running sum l)
 
@@ -131,7 +132,7 @@ def read_body(eqn) -> KernelBody:
         if jnp.dtype(out.dtype).itemsize < jnp.dtype(body.dots[i].result).itemsize:
           body.dots[i] = dataclasses.replace(body.dots[i], rounded_to=dtype)
         origin[e.outvars[0]] = i
-      elif name == "exp" and dtype in _FLOAT:
+      elif name in ("exp", "exp2") and dtype in _FLOAT:   # exp2: a base-2 softmax
         (body.stat_exps if out.shape and out.shape[-1] == 1 else body.block_exps).append(dtype)
       elif name == "reduce_max" and dtype in _FLOAT:
         body.maxes.append(dtype)

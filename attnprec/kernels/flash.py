@@ -35,7 +35,8 @@ in the body at trace time): the qk dot takes q and k in c with a float32 result,
 once to c right after the dot where the logits are c (Mosaic's matmul accumulates in 32
 bits only: this is what a c-result dot computes on a TPU); the query scale on q in c or
 on the float32 logits as the table says; soft-cap, mask, max and exp in the softmax
-dtype; m, l, the corrections and the accumulator in float32; the probabilities into the
+dtype (with both flags and no soft-cap in base 2: the logits times scale * log2(e),
+exp2 for exp: `Spec.base2`); m, l, the corrections and the accumulator in float32; the probabilities into the
 wv dot in the probs dtype with a float32 result; normalisation by l once, in float32. On a
 TPU an f32 operand at DEFAULT is multiplied in one bf16 pass (the platform table).
 The backward pass (`contract.BACKWARD`): the logits recomputed as the forward's (the
@@ -93,6 +94,7 @@ VMEM_CAP = 96 * 2 ** 20       # of a v5e TensorCore's 128 MiB VMEM
 BIG = 0.7 * float(jnp.finfo(jnp.float32).max)   # logsumexp of a row that sees no key
 PAD_POSITION = -2 ** 30   # a padded query row's position under a causal mask
 HIDDEN_POSITION = 2 ** 31 - 1   # a key past S in a masked block: after every query
+LOG2E = 1.4426950408889634      # log2(e): exp(x) = exp2(x * LOG2E)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +109,14 @@ class Blocks:
   chunk: int = 512   # keys per step in a block on the mask's edge (`Geometry.chunk`)
   # keys per block of a call with few rows and no gradient (a decode step: `DECODE_ROWS`)
   decode_k: int = 4096
+  # rows per q block, both passes, of a call read where the caller holds it
+  # (`direct_geometries`): 2048 was the fastest of 1024 and 2048 at Qwen2-7B's shape,
+  # every case of results/tpu-flash/sweep4.md
+  direct_q: int = 2048
 
   def describe(self) -> str:
     return (f"fwd {self.q}x{self.k} bwd {self.q_bwd}x{self.k_bwd} chunk {self.chunk} "
-            f"decode k {self.decode_k}")
+            f"decode k {self.decode_k} direct q {self.direct_q}")
 
 
 DEFAULT_BLOCKS = Blocks()
@@ -225,15 +231,15 @@ def direct_geometries(B, K, T, G, S, H, blocks: Blocks
   where the caller holds them (`Geometry.direct`), or None where that cannot tile: a head
   dim that is not a whole number of lanes (128), or lengths the blocks do not divide
   (T by Tt, S by both passes' key blocks). Tt, the positions per q block, is the largest
-  power of two with G * Tt within both passes' row blocks (`Blocks.q`, `Blocks.q_bwd`),
-  at most T; both passes share it (the logsumexp residual is in its row order).
+  power of two with G * Tt within `Blocks.direct_q` rows, at most T; both passes share
+  it (the logsumexp residual is in its row order).
   Measured on a TPU v5e (results/tpu-flash/profile_ops-2k.json): around the kernel, the
   copies that pack a kv head's query heads into rows and unpack the output took 0.25 ms
   of a 2k prefill whose kernel took 0.375 ms."""
   if H % KEY_MULTIPLE:
     return None
   Tt = 1
-  while 2 * Tt * G <= min(blocks.q, blocks.q_bwd):
+  while 2 * Tt * G <= blocks.direct_q:
     Tt *= 2
   Tt = min(Tt, T)
   if Tt % ROW_MULTIPLE or T % Tt:
@@ -287,7 +293,7 @@ def vmem_bytes(Tq: int, Sk: int, Hp: int, itemsize: int, dense_mask: bool,
 def check_blocks(blocks: Blocks, H: int, itemsize: int = 2, dense_mask: bool = False,
                  platform: str = "tpu") -> None:
   """A `UserError` naming a block size that Mosaic cannot tile or that does not fit."""
-  for name in ("q", "k", "q_bwd", "k_bwd", "chunk", "decode_k"):
+  for name in ("q", "k", "q_bwd", "k_bwd", "chunk", "decode_k", "direct_q"):
     value = getattr(blocks, name)
     multiple = ROW_MULTIPLE if name.startswith("q") else KEY_MULTIPLE
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0 \
@@ -308,9 +314,11 @@ def check_blocks(blocks: Blocks, H: int, itemsize: int = 2, dense_mask: bool = F
   Hp = padded_head(H)
   for what, (q, k) in (("forward", (blocks.q, blocks.k)),
                        ("backward", (blocks.q_bwd, blocks.k_bwd)),
+                       ("forward, read in place", (blocks.direct_q, blocks.k)),
+                       ("backward, read in place", (blocks.direct_q, blocks.k_bwd)),
                        ("decode (up to DECODE_ROWS rows, decode_k keys)",
                         (DECODE_ROWS, blocks.decode_k))):
-    fwd = what != "backward"
+    fwd = not what.startswith("backward")
     need = vmem_bytes(q, k, Hp, itemsize, dense_mask, backward=not fwd)
     if need > VMEM_CAP:
       raise UserError(
@@ -394,6 +402,23 @@ class Spec:
   def cache_rows(self) -> Optional[dict]:
     return dict(self.rows) if self.rows else None
 
+  @property
+  def base2(self) -> bool:
+    """Whether the softmax runs in base 2 (`_logits`): a float32 softmax of float32
+    logits that the query scale multiplies (the table's row for both flags) and no
+    soft-cap. The logits are multiplied once by scale * log2(e) where they would be by
+    the scale, and the exps are exp2: on a TPU the exp costs a multiply by log2(e) before
+    the exp2 it runs, so this saves one vector multiply per logit. Mathematically the same
+    softmax; the argument of each exp carries one more float32 rounding (2^-24 of it)."""
+    st = self.table
+    return (self.cap is None and st["scale"] != st["qkv"]
+            and jnp.dtype(st["softmax"]) == jnp.dtype(F32)
+            and jnp.dtype(st["logits"]) == jnp.dtype(F32))
+
+  def exp(self, x):
+    """The softmax's exp: exp2 of base-2 logits (`base2`), else exp."""
+    return jnp.exp2(x) if self.base2 else jnp.exp(x)
+
   def scaled(self, side: str) -> bool:
     """Whether the cache's keys ('k') / values ('v') come with per-token scales."""
     rows = self.cache_rows
@@ -425,7 +450,10 @@ def _logits(spec: Spec, q, k, qpos_Tqx1, kpos_1xSk, key0, mask_TqxSk, masked: bo
   if k_scale_1xSk is not None:
     s = s * k_scale_1xSk.astype(rows["k_scale_in"])
     chex.assert_type(s, rows["k_scale_in"])
-  s = contract.scale_logits(s, spec.scale, st).astype(sm)
+  if spec.base2:   # the query scale on the float32 logits, log2(e) folded in
+    s = s * jnp.asarray(spec.scale * LOG2E, F32)
+  else:
+    s = contract.scale_logits(s, spec.scale, st).astype(sm)
   tanh = None
   if spec.cap is not None:
     cap = jnp.asarray(spec.cap, sm)
@@ -567,9 +595,9 @@ def _fwd_body(spec: Spec, with_lse: bool):
       m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True).astype(F32))
       # A row that has seen no key yet (m = mask value) shifts by 0: its entries give 0.
       shift = jnp.where(m_next > 0.5 * mv, m_next, 0.0) if masked else m_next
-      probs = jnp.exp(s - shift.astype(sm))
+      probs = spec.exp(s - shift.astype(sm))
       chex.assert_type(probs, st["probs"])
-      correction = jnp.exp(m_prev - m_next)
+      correction = spec.exp(m_prev - m_next)
       l_sc[...] = l_sc[...] * correction + jnp.sum(probs.astype(F32), axis=1,
                                                    keepdims=True)
       m_sc[...] = m_next
@@ -591,7 +619,9 @@ def _fwd_body(spec: Spec, with_lse: bool):
       l_safe = jnp.where(seen, l, 1.0)
       _put_rows(geo, (acc_sc[...] / l_safe).astype(c), o_ref)
       if with_lse:
-        lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(l_safe), BIG)
+        # in the logits' units: base 2 where they are (`Spec.base2`; the backward only)
+        log_l = jnp.log2(l_safe) if spec.base2 else jnp.log(l_safe)
+        lse_ref[...] = jnp.where(seen, m_sc[...] + log_l, BIG)
 
   return body
 
@@ -600,7 +630,7 @@ def _recompute_p(spec, q, k, qpos, kpos, key0, mask, lse_Tqx1, masked):
   """The backward's P = exp(logits - logsumexp) in float32 (0 where hidden), and the
   soft-cap's tanh (or None)."""
   s, tanh, allowed = _logits(spec, q, k, qpos, kpos, key0, mask, masked)
-  p = jnp.exp(s.astype(F32) - lse_Tqx1)
+  p = spec.exp(s.astype(F32) - lse_Tqx1)
   # A hidden pair's logit is the mask value; for a float32 or bfloat16 softmax (-2.4e38)
   # exp(mask value - logsumexp) is 0 exactly, so no select is needed; a float16 mask
   # value (-45852) is within reach of a row's logsumexp, so its pairs are zeroed.
