@@ -295,7 +295,7 @@ def check_blocks(blocks: Blocks, H: int, itemsize: int = 2, dense_mask: bool = F
   """A `UserError` naming a block size that Mosaic cannot tile or that does not fit."""
   for name in ("q", "k", "q_bwd", "k_bwd", "chunk", "decode_k", "direct_q"):
     value = getattr(blocks, name)
-    multiple = ROW_MULTIPLE if name.startswith("q") else KEY_MULTIPLE
+    multiple = ROW_MULTIPLE if name.startswith("q") or name == "direct_q" else KEY_MULTIPLE
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0 \
         or value % multiple:
       raise UserError(
