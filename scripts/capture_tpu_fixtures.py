@@ -4,8 +4,9 @@ Run on a TPU machine (`make tpu-fixtures`, after scripts/tpu_install.sh): for th
 recall architecture under each preset below it compiles the audit's three programs
 (`audit.trace_programs`: train step, prefill, decode step) and writes what the TPU
 compiler made of them (`compiled.as_text()`, gzipped), plus jax's own splash attention
-and TPU flash_attention compiled on small shapes, and a manifest (jax version, device,
-commit). A few hundred kB in all; the readers' tests (tests/test_tpu_fixtures.py) hold
+and TPU flash_attention compiled on small shapes, attnprec's own flash kernel with both
+flags (a prefill and its gradient: `--only=flash` captures just these), and a manifest
+(jax version, device, commit). A few hundred kB in all; the readers' tests (tests/test_tpu_fixtures.py) hold
 the audit to them on any machine.
 
   python scripts/capture_tpu_fixtures.py [--out=tests/fixtures/tpu]
@@ -74,15 +75,47 @@ def jax_kernels(out: str) -> None:
         jax.jit(examples.ragged_paged_attention).lower(*args).compile().as_text())
 
 
+FLASH_SHAPE = dict(B=1, T=512, N=4, K=2, H=128)
+
+
+def flash_kernel(out: str) -> dict:
+  """attnprec's 'flash' kernel, both flags, a 128-wide head (read where the caller holds
+  it: `flash.direct_geometries`): a causal prefill and its gradient."""
+  from attnprec.contract import AttentionFlags
+  from attnprec.kernels import flash
+  sh = FLASH_SHAPE
+  q = jnp.ones((sh["B"], sh["T"], sh["N"], sh["H"]), jnp.bfloat16)
+  kv = jnp.ones((sh["B"], sh["T"], sh["K"], sh["H"]), jnp.bfloat16)
+  f = lambda q, k, v: flash.flash_attention(q, k, v, causal=True, flags=AttentionFlags())  # noqa: E731
+  g = jax.grad(lambda *x: f(*x).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  for phase, fn in (("prefill", f), ("train", g)):
+    write(out, f"flash_direct-{phase}.hlo.txt", jax.jit(fn).lower(q, kv, kv).compile().as_text())
+    print(f"flash_direct {phase}", flush=True)
+  return dict(sh, flags="fp32_attention (both)", blocks=flash.DEFAULT_BLOCKS.describe(),
+              source=runs.code_identity()["source"])
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=os.path.join("tests", "fixtures", "tpu"))
+  parser.add_argument("--only", choices=["flash"], default=None,
+                      help="capture only attnprec's flash kernel (flash_direct-*), "
+                      "recorded under 'flash_direct' in the existing manifest")
   args = parser.parse_args(argv)
   if jax.default_backend() != "tpu":
     print(f"capture_tpu_fixtures: needs a TPU (this backend: {jax.default_backend()}); "
           f"nothing written.", file=sys.stderr)
     return 2
   os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, "manifest.json")
+  if args.only == "flash":
+    with open(path, encoding="utf-8") as f:
+      manifest = json.load(f)
+    manifest["flash_direct"] = dict(flash_kernel(args.out), jax=jax.__version__,
+                                    device=jax.devices()[0].device_kind)
+    runs.atomic_write(path, json.dumps(manifest, indent=1, default=str) + "\n")
+    print(f"wrote {args.out}")
+    return 0
   for name, (decode, phases) in PRESETS.items():
     train = SAFE if decode.kernel == "pallas" else decode
     traced = audit.trace_programs(CONFIG, train, decode, batch=2, prompt_len=8,
@@ -91,12 +124,15 @@ def main(argv=None) -> int:
       write(args.out, f"{name}-{phase}.hlo.txt", traced[phase][1].lower().compile().as_text())
       print(f"{name} {phase}", flush=True)
   jax_kernels(args.out)
+  flash_direct = dict(flash_kernel(args.out), jax=jax.__version__,
+                      device=jax.devices()[0].device_kind)
   manifest = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
               "platform_version": getattr(jax.devices()[0].client, "platform_version", ""),
               "config": runs.config_dict(CONFIG), "batch": 2, "prompt_len": 8,
               "new_tokens": 8, "presets": {n: list(p) for n, (_, p) in PRESETS.items()},
-              "commit": os.environ.get("ATTNPREC_COMMIT") or runs.code_version()}
-  runs.atomic_write(os.path.join(args.out, "manifest.json"),
+              "commit": os.environ.get("ATTNPREC_COMMIT") or runs.code_version(),
+              "flash_direct": flash_direct}
+  runs.atomic_write(path,
                     json.dumps(manifest, indent=1, default=str) + "\n")
   print(f"wrote {args.out}")
   return 0
