@@ -93,7 +93,7 @@ def test_a_128_wide_head_is_read_where_the_caller_holds_it():
   float64 and the gradients == jax.grad through dot_product (blockwise's bound), under
   a causal mask and a window; lowered for TPU, the forward and its gradient move no
   q, k, v or output around the Mosaic calls (no transpose: the gradient's one is the
-  [B, T, N] float32 row sums put in the rows' order)."""
+  [B, T, N] float32 row sums put in the rows' order), except under 'highest'."""
   H128, K, T = 128, 2, 256
   blocks = flash.Blocks(q=64, k=128, q_bwd=64, k_bwd=128, chunk=128, direct_q=64)
   fgeo, bgeo = flash.direct_geometries(B, K, T, N // K, T, H128, blocks)
@@ -121,6 +121,11 @@ def test_a_128_wide_head_is_read_where_the_caller_holds_it():
     text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("tpu",)).as_text()
     assert len(re.findall(r"custom_call @tpu_custom_call\(", text)) == calls
     assert len(re.findall(r"stablehlo.transpose", text)) == transposes
+  # 'highest' keeps the row-packed geometry (measured faster there): q and o are moved
+  highest = lambda q, k, v: flash.flash_attention(  # noqa: E731
+      q, k, v, causal=True, blocks=blocks, flags=AttentionFlags(einsum_precision="highest"))
+  text = jax.jit(highest).trace(q, k, v).lower(lowering_platforms=("tpu",)).as_text()
+  assert len(re.findall(r"stablehlo.transpose", text)) >= 2
 
 
 def test_bf16_flags_change_the_numbers_as_dot_products_do():

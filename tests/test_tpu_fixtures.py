@@ -135,6 +135,35 @@ def test_jax_splash_and_flash_attention_bodies_read():
   assert f["probabilities"] == ["bf16 (rounded from f32)"] and f["max"] == ["f32"]
 
 
+def test_attnprec_flash_bodies_hold_both_flags_as_the_tpu_compiled_them():
+  """attnprec's flash kernel, both flags, a 128-wide head read where the caller holds it
+  (`flash_direct-*`: scripts/capture_tpu_fixtures.py --only=flash): the prefill holds one
+  body, the gradient three (forward with the logsumexp, dq, dk/dv); each reads as an
+  attention whose QK product is exact bf16 x bf16 into float32 and whose softmax (exp2:
+  the base-2 softmax) runs in float32. The forward bodies pass the fp32_attention row and,
+  held to the bf16 preset (bf16 logits declared), fail naming the QK result; the
+  backward bodies round P to bf16 before their gradient dots, as `contract.BACKWARD`
+  says (the audit reads those from the jaxpr: `audit.run_audit`)."""
+  import json
+  with open(os.path.join(HERE, "manifest.json"), encoding="utf-8") as f:
+    assert json.load(f)["flash_direct"]["H"] == 128
+  for phase, kernels in (("prefill", ["attn_flash_fwd"]),
+                         ("train", ["attn_flash_dkv", "attn_flash_dq", "attn_flash_fwd"])):
+    calls = mosaic.read_calls(fixture(f"flash_direct-{phase}"))
+    assert sorted(body.kernel for _, body in calls) == kernels
+    for _, body in calls:
+      s = mosaic.summary(body)
+      assert s["attention"] and set(s["qk"]) == {"bf16 x bf16 -> f32"}, s
+      assert s["exp"] == ["f32"], s
+      if body.kernel != "attn_flash_fwd":
+        assert set(s["probabilities"]) == {"bf16 (rounded from f32)"}, s
+        continue
+      assert s["pv"] == ["f32 x f32<-bf16 -> f32"] * len(s["pv"]), s
+      assert mosaic.check_body(body, SAFE) == [], mosaic.check_body(body, SAFE)
+      bad = mosaic.check_body(body, PRESETS["bf16"])
+      assert any("QK" in p for p in bad), bad
+
+
 def test_an_unreadable_mosaic_body_is_unread_and_fails():
   text = fixture("pallas-prefill")
   call = mosaic.custom_calls(text)[0]

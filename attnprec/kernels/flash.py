@@ -1047,7 +1047,11 @@ def flash_attention(q, k, v, *, mask=None,
           f"no dense mask. Pass the layer's own cache for this call.")
     dgeo = dataclasses.replace(dgeo, stacked=True)
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-  if dgeo is None and layer is None and not rows and mask is None:
+  # 'highest' keeps the row-packed geometry: read in place with 2048-row blocks it ran
+  # 1.8-2.2x slower on a TPU v5e (3.11 against 1.73 ms, a 2k prefill at Qwen2-7B's shape:
+  # results/tpu-flash/flags.md against flags-2efc43d.md)
+  if (dgeo is None and layer is None and not rows and mask is None
+          and prep.einsum != jax.lax.Precision.HIGHEST):
     fgeo, bgeo = direct_geometries(B, K, T, G, S, H, blocks) or (fgeo, bgeo)
   fwd = Spec(geo=fgeo, **common)
   q_BxTxKxGxH = prep.queries(q)     # a per-channel key scale applied (`query_operand`)
