@@ -156,23 +156,23 @@ def test_both_flags_run_the_softmax_in_base_2(monkeypatch):
   a soft-cap, keep exp. The same softmax: output and gradients equal the kernel's with
   base 2 turned off to one bf16 ulp of their largest value (the float32 difference of
   the two forms, ~2^-22 relative, can move a bf16 rounding by one ulp, no more)."""
-  T = S = 160
+  T = S = 48
   q, k, v = _qkv(T, S, 2, BF16, seed=3, logit_scale=4.0)
   pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
   w = jnp.cos(jnp.arange(H, dtype=jnp.float32))
 
-  def run(flags, cap=None):
+  def run(flags, cap=None, execute=True):
     f = _flash_fn(pos, pos, None, None, cap, flags)
     g = jax.grad(lambda *x: (f(*x).astype(jnp.float32) * w).sum(), argnums=(0, 1, 2))
     text = str(jax.make_jaxpr(g)(q, k, v))
-    return (jax.jit(f)(q, k, v),) + jax.jit(g)(q, k, v), text
+    return ((jax.jit(f)(q, k, v),) + jax.jit(g)(q, k, v) if execute else None), text
 
   on = AttentionFlags()
   got, text = run(on)
   assert len(re.findall(r"= exp2 ", text)) >= 3 and not re.findall(r"= exp ", text)
   for flags, cap in ((AttentionFlags(float32_qk_product=False, float32_logits=False), None),
                      (on, 5.0)):
-    _, other = run(flags, cap)
+    _, other = run(flags, cap, execute=False)
     assert re.findall(r"= exp ", other) and not re.findall(r"= exp2 ", other)
   flash._attention.clear_cache()     # its traces are cached on the (equal) Specs
   try:
