@@ -654,3 +654,23 @@ def test_the_heldout_table_is_the_study_records():
     want = [_fmt(figures[size][name][key]) for size in ("0.5b", "1.5b")
             for key in ("logits_kl", "decode_logits_kl")]
     assert [c.strip("*") for c in cells] == want, (label, cells, want)
+
+
+def test_the_parity_table_states_the_tests_tolerances():
+  """docs/checkpoints.md's parity table: each row's tolerance is the constant its named
+  test asserts (`TOL` / `LOGITS_TOL`), and each named test exists; a row naming a test
+  without such a constant, or another tolerance, fails."""
+  import os
+  import re
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "docs", "checkpoints.md"), encoding="utf-8") as f:
+    text = f.read()
+  start = text.index("| model | test | tolerance |")
+  rows = [line for line in text[start:].split("\n\n")[0].split("\n")[2:] if line.strip()]
+  assert len(rows) == 11, rows
+  for row in rows:
+    _, model, test, tolerance, _ = [c.strip() for c in row.split("|")]
+    with open(os.path.join(root, test), encoding="utf-8") as f:
+      source = f.read()
+    constants = {float(v) for v in re.findall(r"(?m)^(?:LOGITS_)?TOL = ([0-9.e-]+)", source)}
+    assert constants == {float(tolerance)}, (model, test, constants)
