@@ -444,8 +444,6 @@ def _parse(argv):
                      "TPU against its matmul peak and HBM floor (the flash kernel would run "
                      "interpreted)", "--suite=model")
   if args.suite == "tpu_attention":
-    _check_tpu_suite(args, "benches attention on a TPU against jax's splash attention (a "
-                     "Mosaic kernel)", "--suite=attention or --suite=attention_forms")
     if any(len(b) != 2 for b in args.splash_blocks or ()):
       raise UserError(f"--splash_blocks: splash takes Q/KV pairs (it has no chunk), e.g. "
                       f"512/512,1024/1024; got "
@@ -456,6 +454,8 @@ def _parse(argv):
       raise UserError(f"--blocks={'/'.join(map(str, bad[0]))}: the tpu_attention suite's "
                       f"blocks are Q rows / KV keys (/ chunk keys) tiling a TPU: Q a multiple "
                       f"of 16, KV and chunk of 128; valid e.g. 512/512,1024/1024/256.")
+    _check_tpu_suite(args, "benches attention on a TPU against jax's splash attention (a "
+                     "Mosaic kernel)", "--suite=attention or --suite=attention_forms")
   if args.depths and max(args.depths) > compile_bench.MAX_DEPTH:
     raise UserError(f"--depths={','.join(map(str, args.depths))}: the compile suite builds a "
                     f"model of each depth (its parameters, and a program of that many "

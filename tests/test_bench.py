@@ -323,10 +323,23 @@ def test_attention_forms_bad_input_exits_2_and_writes_nothing(tmp_path):
                             # off a TPU, and options it does not read / cannot use
                             ["--suite=tpu_decode"],
                             ["--suite=tpu_decode", "--seq_lens=1024"],
-                            ["--suite=tpu_decode", "--decode_batches=0"])):
+                            ["--suite=tpu_decode", "--decode_batches=0"],
+                            ["--suite=tpu_decode", "--splash_blocks=512/512"],
+                            ["--suite=tpu_attention", "--splash_blocks=512/512/128"],
+                            ["--suite=tpu_attention", "--splash_blocks=100/512"])):
     out = tmp_path / f"out{i}"
     assert runner.main(argv + [f"--out={out}"]) == 2, argv
     assert not out.exists() or not list(out.iterdir()), argv
+
+
+def test_splash_blocks_are_refused_by_their_shape_before_the_platform(capsys):
+  """A splash block with a chunk, or rows Mosaic cannot tile, is named as such (not as
+  'not a TPU'): the arguments are checked before the machine."""
+  runner = _bench_runner()
+  for blocks, named in (("512/512/128", "splash takes Q/KV pairs"),
+                        ("100/512", "Q a multiple of 16")):
+    assert runner.main(["--suite=tpu_attention", f"--splash_blocks={blocks}"]) == 2
+    assert named in capsys.readouterr().err, blocks
 
 
 def test_attention_forms_marks_a_non_finite_form_and_checks_its_sizes(monkeypatch):

@@ -300,7 +300,11 @@ def _key_offset_table():
 # --- study.md ------------------------------------------------------------------------------------
 
 def _study_15b():
-  res = _json("results/study-qwen2.5-coder-1.5b/results.json")
+  return _study_qwen("results/study-qwen2.5-coder-1.5b/results.json")
+
+
+def _study_qwen(path):
+  res = _json(path)
   rows = []
   for c in res["configs"]:
     r = c["per_length"][-1]
