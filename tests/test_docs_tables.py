@@ -1092,7 +1092,6 @@ PRINTED = {     # a command's output pasted as printed (the command is named abo
 UNCHECKED = {
     ("docs/performance.md", "| rows |"): 1, ("docs/performance.md", "| batch, prompt |"): 4,
     ("docs/performance.md", "| phase | bf16 s |"): 1, ("docs/performance.md", "| S |"): 1,
-
     ("docs/study.md", "| layer |"): 1, ("docs/study.md", "| first token |"): 1,
     ("docs/study.md", "| preset | exact match |"): 1,
 }
