@@ -32,6 +32,34 @@ def test_tiny_run_reports_every_configuration(tmp_path):
   assert (tmp_path / "a.png").stat().st_size > 0
 
 
+def test_the_attention_suite_runs_splash_prefill_and_says_it_has_no_decode_step():
+  """'splash' (not a default: a Pallas kernel, interpreted on CPU) asked for by name: its
+  prefill runs (the keys are the queries' own tokens, `CausalMask(own_positions=True)`),
+  its decode rows are refused with its reason, never a crash of the whole run; the
+  defaults leave every Pallas kernel out."""
+  assert not {"pallas", "flash", "splash"} & set(bench.KERNELS)
+  result = bench.run_attention_bench(
+      seq_lens=(128,), heads=2, head_dim=16, kernels=("splash",),
+      presets=("fp32_attention",), reps={128: 1}, include_torch=False,
+      memory_seq_lens=(), memory_presets=("fp32_attention",), matmul_size=128,
+      decode_seq_lens=(96,), decode_presets=("fp32_attention",), decode_reps=1,
+      progress=False)
+  assert [r["status"] for r in result["rows"]] == ["ok"]
+  (d,) = result["decode"]
+  # a shape it refuses at trace (head dim 8: a query scale that is no power of two) is a
+  # row that says so
+  small = bench.run_attention_bench(
+      seq_lens=(64,), heads=2, head_dim=8, kernels=("splash",), presets=("fp32_attention",),
+      reps={64: 1}, include_torch=False, memory_seq_lens=(64,),
+      memory_presets=("fp32_attention",), matmul_size=128, decode_seq_lens=(),
+      progress=False)
+  assert small["rows"][0]["status"] == "unsupported"
+  assert small["memory"][0]["status"] == "unsupported"
+  assert "query scale" in small["rows"][0]["reason"]
+  assert d["status"] == "refused" and "positions other than" in d["reason"]
+  assert "| refused: The 'splash' attention kernel" in bench.to_markdown(result)
+
+
 def test_tiny_model_bench_reports_every_case(tmp_path):
   """The whole-model bench (attnprec/bench/model.py) on a tiny random model, without
   transformers: every case and preset timed, ratios to fp32, the roofline, the flag

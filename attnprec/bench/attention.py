@@ -48,7 +48,7 @@ PRESETS: Dict[str, dict] = {
     for name in ("bf16", "fp32_qk", "fp32_logits", "fp32_attention", "fp32")}
 # Every registered kernel but the Pallas ones by default: on CPU Pallas runs in its
 # interpreter (a correctness path, not a speed one); `--kernels=pallas` still benches it.
-KERNELS = tuple(k for k in kernel_lib.NAMES if k not in ("pallas", "flash"))
+KERNELS = tuple(k for k in kernel_lib.NAMES if k not in ("pallas", "flash", "splash"))
 TORCH_PRESETS = ("bf16", "fp32")
 DEFAULT_SEQ_LENS = (1024, 4096, 16384)
 DEFAULT_MEMORY_SEQ_LENS = (4096, 16384, 32768)
@@ -98,7 +98,8 @@ def _attention_fn(kernel: str, preset: str):
   def fn(q, k, v):
     B, S = q.shape[0], q.shape[1]
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    return kernel_lib.attend(prec, q, k, v, mask=CausalMask(pos, pos))
+    # the keys are the queries' own tokens from position 0 (what 'splash' needs to know)
+    return kernel_lib.attend(prec, q, k, v, mask=CausalMask(pos, pos, own_positions=True))
 
   return jax.jit(fn)
 
@@ -232,7 +233,12 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
         row.update(status="unsupported", reason=why.split(";")[0])
         result["rows"].append(row)
         continue
-      compiled = _compile(kernel, preset, B, S, N, K, H)
+      try:
+        compiled = _compile(kernel, preset, B, S, N, K, H)
+      except UserError as e:   # refused at trace for this shape (say, splash's query scale)
+        row.update(status="unsupported", reason=str(e).split(":")[0])
+        result["rows"].append(row)
+        continue
       fp = footprint_bytes(compiled)
       row["footprint_bytes"] = fp["total"]
       if fp["total"] > memory_fraction * avail:
@@ -278,7 +284,12 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
         if why:
           entry.update(status="unsupported")
         else:
-          fp = footprint_bytes(_compile(kernel, preset, B, S, N, K, H))
+          try:
+            fp = footprint_bytes(_compile(kernel, preset, B, S, N, K, H))
+          except UserError:     # refused at trace for this shape
+            entry.update(status="unsupported")
+            result["memory"].append(entry)
+            continue
           entry.update(status="ok", **{f"{k}_bytes": v for k, v in fp.items()},
                        fits=fp["total"] <= memory_fraction * avail)
         result["memory"].append(entry)
@@ -293,7 +304,7 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
 def _decode_rows(seq_lens, presets, kernels, B, N, K, H, reps, progress) -> List[dict]:
   """Decode-step medians at positions S - 1 (full cache) and S / 4, round-robin."""
   from tqdm.auto import tqdm
-  configs = []
+  configs, refused = [], []
   for S in seq_lens:
     for kernel in kernels:
       for preset in presets:
@@ -306,15 +317,19 @@ def _decode_rows(seq_lens, presets, kernels, B, N, K, H, reps, progress) -> List
         for pos in (S - 1, S // 4):
           q_pos = jnp.full((B, 1), pos, jnp.int32)
           call = (lambda f=fn, a=(q, k, v, q_pos): f(*a).block_until_ready())
-          call()  # compile + warm-up
-          configs.append(dict(row=dict(kernel=kernel, preset=preset, S=S, position=pos),
-                              call=call, times=[]))
+          row = dict(kernel=kernel, preset=preset, S=S, position=pos)
+          try:
+            call()  # compile + warm-up
+          except UserError as e:   # a kernel without a decode step (splash): said, not run
+            refused.append(dict(row, status="refused", reason=str(e).split(":")[0]))
+            break
+          configs.append(dict(row=row, call=call, times=[]))
   for _ in tqdm(range(reps), desc="decode rounds", disable=not progress, leave=False):
     for cfg in configs:
       t0 = time.perf_counter()
       cfg["call"]()
       cfg["times"].append(time.perf_counter() - t0)
-  rows = []
+  rows = list(refused)
   for cfg in configs:
     rows.append(dict(cfg["row"], median_s=statistics.median(cfg["times"]), reps=reps))
   return rows
@@ -361,7 +376,8 @@ def to_markdown(result: dict) -> str:
               "| S | position | kernel | preset | median ms |", "|---|---|---|---|---|"]
     for d in result["decode"]:
       lines.append(f"| {d['S']} | {d['position']} | {d['kernel']} | {d['preset']} "
-                   f"| {d['median_s'] * 1e3:.2f} |")
+                   + (f"| {d['median_s'] * 1e3:.2f} |" if "median_s" in d else
+                      f"| refused: {d['reason']} |"))
   lines += ["", "Prefill footprint (compiled memory_analysis: temp + arguments + output)", "",
             "| S | kernel | preset | temp GiB | total GiB | fits |", "|---|---|---|---|---|---|"]
   for m in result["memory"]:
