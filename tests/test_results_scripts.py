@@ -35,3 +35,22 @@ def test_every_results_script_turns_excess_precision_off_before_jax():
   assert checked >= 20, checked      # a check that finds nothing to check fails
   assert not missing, ("results scripts that import jax without turning XLA's excess "
                        f"precision off first: {missing}")
+
+
+def test_profile_ops_refuses_a_malformed_case_or_block_by_name(tmp_path):
+  """results/tpu-flash/profile_ops.py: a case that is not prefill:S / train:S, a block
+  that Mosaic cannot tile, or a machine without a TPU: one line naming it, exit 2,
+  nothing written."""
+  import subprocess
+  import sys
+  script = os.path.join(ROOT, "results", "tpu-flash", "profile_ops.py")
+  out = tmp_path / "out"
+  for args, env, named in (
+      (["prefill:100"], {}, "case 'prefill:100'"),
+      ([], {"FLASH_BLOCKS": "1024/1000"}, "FLASH_BLOCKS='1024/1000'"),
+      ([], {"SPLASH_BLOCKS": "512/512/128"}, "SPLASH_BLOCKS='512/512/128'"),
+      (["prefill:256"], {"JAX_PLATFORMS": "cpu"}, "this backend is 'cpu'")):
+    r = subprocess.run([sys.executable, script, str(out)] + args, capture_output=True,
+                       text=True, env=dict(os.environ, **env), cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and named in r.stderr, (args, env, r.stderr[-500:])
+    assert not out.exists()
