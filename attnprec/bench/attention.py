@@ -127,6 +127,15 @@ def _compile(kernel, preset, B, S, N, K, H):
   return _COMPILED[key]
 
 
+def _compiled_or_reason(kernel, preset, B, S, N, K, H):
+  """(compiled prefill, None), or (None, the first clause of the kernel's refusal) where
+  it refuses this shape at trace (say, splash's query scale)."""
+  try:
+    return _compile(kernel, preset, B, S, N, K, H), None
+  except UserError as e:
+    return None, str(e).split(":")[0]
+
+
 def _compile_uncached(kernel, preset, B, S, N, K, H):
   dtype = jnp.dtype(PRESETS[preset]["dtype"])
   shapes = [jax.ShapeDtypeStruct((B, S, n, H), dtype) for n in (N, K, K)]
@@ -233,10 +242,9 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
         row.update(status="unsupported", reason=why.split(";")[0])
         result["rows"].append(row)
         continue
-      try:
-        compiled = _compile(kernel, preset, B, S, N, K, H)
-      except UserError as e:   # refused at trace for this shape (say, splash's query scale)
-        row.update(status="unsupported", reason=str(e).split(":")[0])
+      compiled, refused = _compiled_or_reason(kernel, preset, B, S, N, K, H)
+      if refused:
+        row.update(status="unsupported", reason=refused)
         result["rows"].append(row)
         continue
       fp = footprint_bytes(compiled)
@@ -280,16 +288,12 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
     for kernel in kernels:
       for preset in memory_presets:
         entry = dict(kernel=kernel, preset=preset, S=S)
-        why = supported(kernel, preset)
-        if why:
+        compiled, refused = ((None, "unsupported") if supported(kernel, preset) else
+                             _compiled_or_reason(kernel, preset, B, S, N, K, H))
+        if refused:
           entry.update(status="unsupported")
         else:
-          try:
-            fp = footprint_bytes(_compile(kernel, preset, B, S, N, K, H))
-          except UserError:     # refused at trace for this shape
-            entry.update(status="unsupported")
-            result["memory"].append(entry)
-            continue
+          fp = footprint_bytes(compiled)
           entry.update(status="ok", **{f"{k}_bytes": v for k, v in fp.items()},
                        fits=fp["total"] <= memory_fraction * avail)
         result["memory"].append(entry)
