@@ -339,7 +339,7 @@ def _bounds(qpos_BxRp, kpos_BxSp, geo: Geometry, causal: bool, window: Optional[
   first and last kv block it sees (lo, hi), and per kv block the first and last q block
   that sees it: int32 scalar-prefetch arrays, flattened [B * n]."""
   B, nq, nk = geo.B, geo.nq, geo.nk
-  qb = qpos_BxRp.reshape(B, nq, geo.Tq)
+  qb = qpos_BxRp.reshape(B, nq, -1)   # a direct call's: [B, T], Tt positions a block
   kb = kpos_BxSp.reshape(B, nk, geo.Sk)
   qmin, qmax = qb.min(-1), qb.max(-1)
   kmin, kmax = kb.min(-1), kb.max(-1)
@@ -535,6 +535,13 @@ def _gather_rows(geo: Geometry, src_ref, dst_ref):
     dst_ref[pl.ds(g * geo.Tt, geo.Tt), :] = src_ref[:, pl.ds(g * geo.H, geo.H)]
 
 
+def _gather_positions(geo: Geometry, src_ref, dst_ref):
+  """A direct q block's positions [Tt, 1] as its rows' [G * Tt, 1] (`_gather_rows`'s
+  order: each head's rows hold the block's Tt positions)."""
+  for g in range(geo.G):
+    dst_ref[pl.ds(g * geo.Tt, geo.Tt), :] = src_ref[...]
+
+
 def _put_rows(geo: Geometry, value_TqxH, dst_ref):
   """Rows [Tq, H] into their block: a direct one [Tt, G * H] (`_gather_rows` undone),
   else as they are."""
@@ -560,7 +567,8 @@ def _fwd_body(spec: Spec, with_lse: bool):
     o_ref = refs.pop(0)
     lse_ref = refs.pop(0) if with_lse else None
     m_sc, l_sc, acc_sc = refs[:3]
-    q_rows = refs[3] if geo.direct else q_ref    # the q block as rows [Tq, Hp]
+    # the q block as rows [Tq, Hp] and their positions [Tq, 1]
+    q_rows, qpos_rows = refs[3:5] if geo.direct else (q_ref, qpos_ref)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     rows = spec.cache_rows
 
@@ -571,6 +579,7 @@ def _fwd_body(spec: Spec, with_lse: bool):
       acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
       if geo.direct:
         _gather_rows(geo, q_ref, q_rows)
+        _gather_positions(geo, qpos_ref, qpos_rows)
 
     def update(keys, masked):
       minor = geo.keys_minor
@@ -587,7 +596,7 @@ def _fwd_body(spec: Spec, with_lse: bool):
         if vtok is not None:
           vtok = jnp.where(real_1xC, vtok, 0.0)
       s, _, _ = _logits(spec, q_rows[...], k_ref[:, keys] if minor else k_ref[keys, :],
-                        qpos_ref[...],
+                        qpos_rows[...],
                         kpos_ref[:, keys], j * geo.Sk + keys.start,
                         mask_ref[:, keys] if spec.dense_mask else None, masked,
                         None if ktok_ref is None else ktok_ref[:, keys])
@@ -673,7 +682,7 @@ def _dq_body(spec: Spec):
     prefetch, ins, refs = _bwd_refs(spec, refs)
     q_ref, k_ref, v_ref, qpos_ref, kpos_ref, mask_ref = ins
     lse_ref, delta_ref, do_ref, dq_ref, dq_sc = refs[:5]
-    q_rows, do_rows = refs[5:] if geo.direct else (q_ref, do_ref)
+    q_rows, do_rows, qpos_rows = refs[5:] if geo.direct else (q_ref, do_ref, qpos_ref)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
@@ -682,10 +691,11 @@ def _dq_body(spec: Spec):
       if geo.direct:
         _gather_rows(geo, q_ref, q_rows)
         _gather_rows(geo, do_ref, do_rows)
+        _gather_positions(geo, qpos_ref, qpos_rows)
 
     def update(keys, masked):
       k, v, do = k_ref[keys, :], v_ref[keys, :], do_rows[...]
-      p, tanh = _recompute_p(spec, q_rows[...], k, qpos_ref[...], kpos_ref[:, keys],
+      p, tanh = _recompute_p(spec, q_rows[...], k, qpos_rows[...], kpos_ref[:, keys],
                              j * geo.Sk + keys.start,
                              mask_ref[:, keys] if spec.dense_mask else None,
                              lse_ref[...], masked)
@@ -710,7 +720,7 @@ def _dkv_body(spec: Spec):
     prefetch, ins, refs = _bwd_refs(spec, refs)
     q_ref, k_ref, v_ref, qpos_ref, kpos_ref, mask_ref = ins
     lse_ref, delta_ref, do_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs[:7]
-    q_rows, do_rows = refs[7:] if geo.direct else (q_ref, do_ref)
+    q_rows, do_rows, qpos_rows = refs[7:] if geo.direct else (q_ref, do_ref, qpos_ref)
     b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(i == 0)
@@ -721,10 +731,11 @@ def _dkv_body(spec: Spec):
     if geo.direct:     # the streamed q block changes every step
       _gather_rows(geo, q_ref, q_rows)
       _gather_rows(geo, do_ref, do_rows)
+      _gather_positions(geo, qpos_ref, qpos_rows)
 
     def update(keys, masked):
       q, do = q_rows[...], do_rows[...]
-      p, tanh = _recompute_p(spec, q, k_ref[keys, :], qpos_ref[...], kpos_ref[:, keys],
+      p, tanh = _recompute_p(spec, q, k_ref[keys, :], qpos_rows[...], kpos_ref[:, keys],
                              j * geo.Sk + keys.start,
                              mask_ref[:, keys] if spec.dense_mask else None,
                              lse_ref[...], masked)
@@ -777,8 +788,9 @@ def _specs(geo: Geometry, dense_mask: bool, kv_major: bool, scales: int = 0):
         b, ij(b, x, y, *pf)[1], h))
     rows = pl.BlockSpec((_sq, _sq, Tq, 1), lambda b, h, x, y, *pf: (
         b, h, ij(b, x, y, *pf)[0], 0))
-    specs = [qblock, kblock, kblock,
-             pl.BlockSpec((_sq, Tq, 1), lambda b, h, x, y, *pf: (b, ij(b, x, y, *pf)[0], 0)),
+    specs = [qblock, kblock, kblock,      # positions [B, T, 1]: Tt a block (`_gather_positions`)
+             pl.BlockSpec((_sq, geo.Tt, 1), lambda b, h, x, y, *pf: (
+                 b, ij(b, x, y, *pf)[0], 0)),
              pl.BlockSpec((_sq, 1, Sk), lambda b, h, x, y, *pf: (b, 0, ij(b, x, y, *pf)[1]))]
     return specs, rows, qblock, kblock
 
@@ -805,8 +817,12 @@ def _specs(geo: Geometry, dense_mask: bool, kv_major: bool, scales: int = 0):
 
 
 def _row_scratch(geo: Geometry, dtype, n: int):
-  """A direct call's q (and dO) blocks gathered into rows (`_gather_rows`)."""
-  return [pltpu.VMEM((geo.Tq, geo.Hp), dtype) for _ in range(n)] if geo.direct else []
+  """A direct call's q (and dO) blocks gathered into rows (`_gather_rows`), then their
+  positions (`_gather_positions`)."""
+  if not geo.direct:
+    return []
+  return ([pltpu.VMEM((geo.Tq, geo.Hp), dtype) for _ in range(n)]
+          + [pltpu.VMEM((geo.Tq, 1), jnp.int32)])
 
 
 def _params(interpret, geo, itemsize, dense_mask, backward):
@@ -1089,9 +1105,7 @@ def _attention(q_BxTxKxGxH, k, v, q_positions_BxT, k_positions_BxS, mask, tokens
   if geo.direct:     # q, k, v where the caller holds them; rows ordered per q block
     q_positions_BxT, k_positions_BxS = contract.default_positions(
         q_positions_BxT, k_positions_BxS, B, T, S)
-    Tt = geo.Tt
-    qpos = jnp.broadcast_to(q_positions_BxT.astype(jnp.int32).reshape(B, T // Tt, 1, Tt),
-                            (B, T // Tt, G, Tt)).reshape(B, Rp, 1)
+    qpos = q_positions_BxT.astype(jnp.int32)[:, :, None]   # [B, T, 1], not per row
     out = _flash(fwd, bwd, inf, q_BxTxKxGxH.reshape(B, T, N * H), k.reshape(B, S, K * H),
                  v.reshape(B, S, K * H), qpos,
                  k_positions_BxS.astype(jnp.int32)[:, None, :], None)
