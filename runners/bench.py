@@ -98,7 +98,7 @@ READS = {"model": _MODEL_OPTIONS, "attention": _ATTENTION_OPTIONS,
          "attention_forms": ("model", "seq_lens", "blocks", "rounds", "no_torch"),
          "compile": ("quick", "depths", "rounds"),
          "tpu_attention": ("model", "seq_lens", "train_seq_lens", "kernels", "flag_rows",
-                           "blocks", "splash_blocks", "rounds"),
+                           "blocks", "splash_blocks", "rounds", "inputs"),
          "tpu_decode": ("model", "decode_seq_lens", "decode_batches", "decode_blocks",
                         "rounds"),
          "tpu_model": ("cases", "decode_cases", "train_cases", "model_presets", "steps",
@@ -260,7 +260,8 @@ def run_tpu_attention(args):
       train_seq_lens=args.train_seq_lens or tpu_bench.DEFAULT_TRAIN_SEQ_LENS,
       kernel_names=args.kernels or tpu_bench.KERNELS, flag_rows=args.flag_rows,
       blocks=args.blocks or tpu_bench.DEFAULT_BLOCKS, splash_blocks=args.splash_blocks,
-      rounds=args.rounds or 5, progress=lambda m: print(m, flush=True))
+      rounds=args.rounds or 5, inputs=args.inputs or "projection",
+      progress=lambda m: print(m, flush=True))
   print(tpu_bench.to_markdown(result))
   print(f"wrote {args.out}/tpu_attention.json, tpu_attention.md")
 
@@ -363,6 +364,9 @@ def _parse(argv):
   add("--splash_blocks", type=_blocks, default=None,
       help="tpu_attention suite: jax's splash attention's Q/KV blocks (default: the Q/KV "
       "pairs of --blocks), e.g. 512/512,1024/1024")
+  add("--inputs", choices=tpu_bench.INPUT_FORMS, default=None,
+      help="tpu_attention suite: q, k, v as a model's projections give them, [1, S, "
+      "heads * H] ('projection', the default), or [1, S, heads, H] ('heads')")
   add("--train_seq_lens", type=_ints, default=None,
       help=f"tpu_attention suite: lengths of the forward + backward cases (default "
       f"{','.join(map(str, tpu_bench.DEFAULT_TRAIN_SEQ_LENS))})")

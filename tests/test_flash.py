@@ -429,6 +429,43 @@ def test_a_tpu_bench_rerun_resumes_only_this_codes_finite_same_settings_file(tmp
     tpu_attention.previous(str(path), settings)
 
 
+def test_the_tpu_bench_gives_every_row_the_same_numbers_in_either_input_form(monkeypatch):
+  """`tpu_attention.run_case` on the CPU at a small length (the Qwen2-7B shape, 256
+  tokens, dot_product under both flags): q, k, v as a model's projections give them
+  ([1, S, N * H]) and as [1, S, N, H] are the same numbers, so the row's error against
+  the float64 reference is the same in both forms; a 'native' splash row's inputs are
+  splash's [heads, S, H] with q scaled (`prepare`), and its [N, S, H] output is read back
+  in the bench's order (`_as_output`); splash, a Mosaic kernel, is recorded as refused on
+  the CPU, never dropped. An unknown form is refused by name."""
+  from attnprec.bench import tpu_attention as tb
+  monkeypatch.setattr(tb, "_reps", lambda S: 1)
+  cases = {form: tb.run_case("qwen2-7b", 256, False, kernel_names=["dot_product"],
+                             flag_rows=["both"], blocks=[(256, 256)], rounds=1,
+                             inputs=form, progress=lambda m: None)
+           for form in tb.INPUT_FORMS}
+  rows = {form: c["rows"] for form, c in cases.items()}
+  assert set(rows["projection"]) == {"dot_product both", "splash 256x256",
+                                     "splash 256x256 native"}
+  got = {form: r["dot_product both"]["rel_l2"] for form, r in rows.items()}
+  assert got["projection"] == got["heads"] and 1e-4 < got["projection"] < 1e-2, got
+  assert all("error" in rows["projection"][n] for n in ("splash 256x256",
+                                                        "splash 256x256 native"))
+  N, K, H = tb.SHAPES["qwen2-7b"]
+  qkv = tb._inputs("qwen2-7b", 256)
+  assert [x.shape for x in qkv] == [(1, 256, N * H), (1, 256, K * H), (1, 256, K * H)]
+  qs, ks, vs = tb.prepare("splash 256x256 native", H, qkv)
+  assert (qs.shape, ks.shape) == ((N, 256, H), (K, 256, H))
+  np.testing.assert_array_equal(
+      np.asarray(qs[3, 5], np.float32),
+      np.asarray(qkv[0][0, 5, 3 * H:4 * H] * jnp.asarray(H ** -0.5, jnp.bfloat16),
+                 np.float32))     # head 3 of position 5, scaled in bf16 as splash's rows
+  assert tb.prepare("splash 256x256", H, qkv) is qkv
+  back = tb._as_output("splash 256x256 native", qs, 256)
+  assert back.shape == (1, 256, N, H) and bool(jnp.all(back[0, :, 3] == qs[3]))
+  with pytest.raises(UserError, match="inputs='rows' is not one of"):
+    tb._inputs("qwen2-7b", 256, form="rows")
+
+
 def test_a_decode_step_reads_a_64_wide_cache_keys_minor():
   """A decode step (one query, no gradient) at head dim 64 runs the decode geometry with
   keys and values as [H, S] blocks (`flash.KEYS_MINOR_BELOW`), over a cache of 1000 keys

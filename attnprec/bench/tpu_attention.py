@@ -14,6 +14,17 @@ size of `--splash_blocks` (default: the q / kv pairs of `--blocks`; its backward
 the same), the anchor every row
 is divided by ('/ splash' = time / the fastest splash row of the case).
 
+Inputs (`inputs=`): 'projection' (the default) gives every row q as [1, S, N * H] and
+k, v as [1, S, K * H], the arrays a model's projections produce; 'heads' gives
+[1, S, N|K, H] arrays (the form of the sweeps before it; their layout on the chip puts
+the heads outside the sequence, and a kernel that reads [S, N * H] pays XLA copies for
+it). Each row views them as [1, S, N|K, H]; splash's rows move them to its [heads, S, H]
+and scale q inside the timed call, what a model calling it pays. Each splash block pair
+also runs 'native' ('splash 512x512 native'): its inputs moved and q scaled once before
+timing, so the row times the kernel alone. '/ splash' divides by the fastest splash row
+of either kind (the stricter anchor); '/ splash, same inputs' by the fastest fed the
+bench's inputs.
+
 Method: every row jitted and compiled first (and its output checked finite, and against
 the float64 reference at S <= `ERROR_MAX_S`); then `rounds` rounds, each row once per
 round in order, each sample the time of `reps` calls (one block at the end); medians.
@@ -54,6 +65,8 @@ ERROR_MAX_S = 2048
 # The dense kernel's [N, S, S] logits: lengths past this are not run with it (32k: 57 GB)
 DENSE_MAX_S = 8192
 SPLASH = "splash"
+NATIVE = "native"
+INPUT_FORMS = ("projection", "heads")
 PEAK_SHAPE = (8192, 8192, 8192)
 
 
@@ -61,7 +74,7 @@ def causal_flops(S: int, N: int, H: int, train: bool) -> float:
   return (7 if train else 2) * 2.0 * S * S / 2 * H * N
 
 
-def _splash(N: int, K: int, H: int, S: int, blocks: Tuple[int, int]):
+def _splash(N: int, K: int, H: int, S: int, blocks: Tuple[int, int], native: bool = False):
   from jax.experimental.pallas.ops.tpu.splash_attention import (
       splash_attention_kernel as splash, splash_attention_mask as masks)
   bq, bk = (min(b, S) for b in blocks)
@@ -71,14 +84,28 @@ def _splash(N: int, K: int, H: int, S: int, blocks: Tuple[int, int]):
   kernel = splash.make_splash_mha(masks.MultiHeadMask([masks.CausalMask((S, S))] * N),
                                   head_shards=1, q_seq_shards=1, block_sizes=sizes)
 
-  def call(q, k, v):    # [1, S, N|K, H] -> splash's [heads, S, H]
-    qs = jnp.transpose(q[0], (1, 0, 2)) * jnp.asarray(H ** -0.5, q.dtype)
-    ks, vs = (jnp.transpose(x[0], (1, 0, 2)) for x in (k, v))
+  if native:            # inputs already splash's (`_to_splash`), q already scaled
+    return kernel
+
+  def call(q, k, v):    # the bench's inputs -> splash's [heads, S, H]
+    qs, ks, vs = _to_splash(H, (q, k, v))
     return jnp.transpose(kernel(qs, ks, vs), (1, 0, 2))[None]
   return call
 
 
-def _attnprec(kernel: str, flags_row: str, S: int, blocks=None):
+def _to_splash(H: int, qkv):
+  """The bench's q, k, v as splash's [heads, S, H], q scaled by H^-0.5 (bf16)."""
+  q, k, v = (_heads(x, H)[0] for x in qkv)
+  qs = jnp.transpose(q, (1, 0, 2)) * jnp.asarray(H ** -0.5, q.dtype)
+  return (qs,) + tuple(jnp.transpose(x, (1, 0, 2)) for x in (k, v))
+
+
+def _heads(x, H: int):
+  """[1, S, n * H] (projection inputs) or [1, S, n, H] as [1, S, n, H]."""
+  return x if x.ndim == 4 else x.reshape(x.shape[0], x.shape[1], -1, H)
+
+
+def _attnprec(kernel: str, flags_row: str, S: int, H: int, blocks=None):
   preset, extra = FLAG_ROWS[flags_row]
   prec = variant(preset, kernel=kernel, **extra)
   pos = jnp.arange(S, dtype=jnp.int32)[None]
@@ -89,11 +116,12 @@ def _attnprec(kernel: str, flags_row: str, S: int, blocks=None):
                        chunk=blocks[2] if len(blocks) > 2 else math.gcd(b.chunk, blocks[1]),
                        direct_q=blocks[0])
     return lambda q, k, v: flash.flash_attention(
-        q, k, v, causal=True, q_positions_BxT=pos, k_positions_BxS=pos,
-        flags=prec.attention, blocks=b)
+        _heads(q, H), _heads(k, H), _heads(v, H), causal=True, q_positions_BxT=pos,
+        k_positions_BxS=pos, flags=prec.attention, blocks=b)
   # the keys are the queries' own tokens from position 0 (what 'splash' needs to know)
   mask = contract.CausalMask(pos, pos, own_positions=True)
-  return lambda q, k, v: kernels.attend(prec, q, k, v, mask=mask)
+  return lambda q, k, v: kernels.attend(prec, _heads(q, H), _heads(k, H), _heads(v, H),
+                                        mask=mask)
 
 
 def _raw_splash(name: str) -> bool:
@@ -112,6 +140,8 @@ def rows_for(shape: str, S: int, train: bool, kernel_names: Sequence[str],
              flag_rows: Sequence[str], blocks: Sequence[Tuple[int, int]],
              splash_blocks: Optional[Sequence[Tuple[int, int]]] = None
              ) -> Dict[str, Callable]:
+  """Each row's jitted call of the bench's inputs (`_inputs`); a 'native' splash row's
+  call takes `prepare(name, H, inputs)` instead."""
   N, K, H = SHAPES[shape]
   rows = {}
   for kernel in kernel_names:
@@ -120,23 +150,46 @@ def rows_for(shape: str, S: int, train: bool, kernel_names: Sequence[str],
     for fr in flag_rows:
       if kernel == "flash":
         for bl in blocks:
-          rows[f"flash {fr} {'x'.join(map(str, bl))}"] = _attnprec(kernel, fr, S, bl)
+          rows[f"flash {fr} {'x'.join(map(str, bl))}"] = _attnprec(kernel, fr, S, H, bl)
       else:
-        rows[f"{kernel} {fr}"] = _attnprec(kernel, fr, S)
+        rows[f"{kernel} {fr}"] = _attnprec(kernel, fr, S, H)
   for bl in dict.fromkeys(tuple(b[:2]) for b in (splash_blocks or blocks)):
     rows[f"{SPLASH} {bl[0]}x{bl[1]}"] = _splash(N, K, H, S, bl)
+    rows[f"{SPLASH} {bl[0]}x{bl[1]} {NATIVE}"] = _splash(N, K, H, S, bl, native=True)
   return {name: jax.jit(_train(f, H) if train else f) for name, f in rows.items()}
 
 
-def _inputs(shape: str, S: int, seed: int = 0):
+def _native(name: str) -> bool:
+  return _raw_splash(name) and name.endswith(" " + NATIVE)
+
+
+def prepare(name: str, H: int, qkv):
+  """A row's inputs: a native splash row's moved to splash's form (outside its timed
+  call), any other row's as they are."""
+  return jax.block_until_ready(_to_splash(H, qkv)) if _native(name) else qkv
+
+
+def _as_output(name: str, out, S: int):
+  """A row's forward output as [1, S, N, H] (a native splash row's is [N, S, H])."""
+  if _native(name):
+    return jnp.transpose(out, (1, 0, 2))[None]
+  return out.reshape(1, S, -1, out.shape[-1]) if out.ndim == 4 else out
+
+
+def _inputs(shape: str, S: int, seed: int = 0, form: str = "projection"):
+  """q, k, v bf16: [1, S, n * H] ('projection') or [1, S, n, H] ('heads'); the same
+  numbers either way."""
+  if form not in INPUT_FORMS:
+    raise UserError(f"tpu_attention inputs={form!r} is not one of {INPUT_FORMS}.")
   N, K, H = SHAPES[shape]
   rng = np.random.default_rng(seed)
-  return tuple(jnp.asarray(rng.standard_normal((1, S, n, H)), jnp.bfloat16)
-               for n in (N, K, K))
+  arrays = [rng.standard_normal((1, S, n, H)) for n in (N, K, K)]
+  return tuple(jnp.asarray(a if form == "heads" else a.reshape(1, S, -1), jnp.bfloat16)
+               for a in arrays)
 
 
-def _reference(qkv, S):
-  exact = [np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in qkv]
+def _reference(qkv, S, H):
+  exact = [np.asarray(jnp.asarray(_heads(x, H), jnp.float32), np.float64) for x in qkv]
   return contract.reference_attention_np(*exact, mask=np.tril(np.ones((S, S), bool)))
 
 
@@ -145,17 +198,19 @@ def _reps(S: int) -> int:
 
 
 def run_case(shape: str, S: int, train: bool, *, kernel_names, flag_rows, blocks,
-             rounds: int, splash_blocks=None, progress=print) -> dict:
+             rounds: int, splash_blocks=None, inputs: str = "projection",
+             progress=print) -> dict:
   N, K, H = SHAPES[shape]
-  qkv = _inputs(shape, S)
+  qkv = _inputs(shape, S, form=inputs)
   fns = rows_for(shape, S, train, kernel_names, flag_rows, blocks, splash_blocks)
-  want = _reference(qkv, S) if (S <= ERROR_MAX_S and not train) else None
+  want = _reference(qkv, S, H) if (S <= ERROR_MAX_S and not train) else None
   rows: Dict[str, dict] = {}
-  live = {}
+  live, args = {}, {}
   for name, fn in fns.items():
     try:
+      args[name] = prepare(name, H, qkv)
       t0 = time.perf_counter()
-      out = jax.block_until_ready(fn(*qkv))
+      out = jax.block_until_ready(fn(*args[name]))
       compile_s = time.perf_counter() - t0
       leaves = [np.asarray(jnp.asarray(x, jnp.float32), np.float64)
                 for x in jax.tree_util.tree_leaves(out)]
@@ -163,7 +218,7 @@ def run_case(shape: str, S: int, train: bool, *, kernel_names, flag_rows, blocks
         raise FloatingPointError("a non-finite output")
       row = {"compile_s": compile_s}
       if want is not None:
-        got = leaves[0]
+        got = np.asarray(jnp.asarray(_as_output(name, out, S), jnp.float32), np.float64)
         row.update(rel_l2=float(np.linalg.norm(got - want) / np.linalg.norm(want)),
                    max_abs_error=float(np.abs(got - want).max()))
       rows[name] = row
@@ -175,9 +230,10 @@ def run_case(shape: str, S: int, train: bool, *, kernel_names, flag_rows, blocks
   samples: Dict[str, List[float]] = {n: [] for n in live}
   for _ in range(rounds):
     for name, fn in live.items():
+      xs = args[name]
       t0 = time.perf_counter()
       for _ in range(reps):
-        out = fn(*qkv)
+        out = fn(*xs)
       jax.block_until_ready(out)
       samples[name].append((time.perf_counter() - t0) / reps)
   flops = causal_flops(S, N, H, train)
@@ -186,12 +242,18 @@ def run_case(shape: str, S: int, train: bool, *, kernel_names, flag_rows, blocks
     rows[name].update(median_ms=1e3 * med, tflops=flops / med / 1e12)
   splash_ms = [r["median_ms"] for n, r in rows.items() if _raw_splash(n)
                and "median_ms" in r]
+  same_ms = [r["median_ms"] for n, r in rows.items() if _raw_splash(n)
+             and not _native(n) and "median_ms" in r]
   base = min(splash_ms) if splash_ms else None
+  same = min(same_ms) if same_ms else None
   for r in rows.values():
     if base and "median_ms" in r:
       r["vs_splash"] = r["median_ms"] / base
+    if same and "median_ms" in r:
+      r["vs_splash_same_inputs"] = r["median_ms"] / same
   return {"shape": shape, "S": S, "mode": "train" if train else "prefill",
-          "N": N, "K": K, "H": H, "rounds": rounds, "reps": reps, "rows": rows}
+          "N": N, "K": K, "H": H, "inputs": inputs, "rounds": rounds, "reps": reps,
+          "rows": rows}
 
 
 def run(out_dir: str, *, shapes: Sequence[str] = tuple(SHAPES),
@@ -200,10 +262,14 @@ def run(out_dir: str, *, shapes: Sequence[str] = tuple(SHAPES),
         kernel_names: Sequence[str] = KERNELS, flag_rows: Sequence[str] = tuple(FLAG_ROWS),
         blocks: Sequence[Tuple[int, int]] = DEFAULT_BLOCKS,
         splash_blocks: Optional[Sequence[Tuple[int, int]]] = None, rounds: int = 5,
-        progress=print) -> dict:
+        inputs: str = "projection", progress=print) -> dict:
   from attnprec.bench.model import matmul_peak
+  if inputs not in INPUT_FORMS:
+    raise UserError(f"tpu_attention inputs={inputs!r} is not one of {INPUT_FORMS}: "
+                    f"'projection' gives q, k, v as [1, S, heads * H], 'heads' as "
+                    f"[1, S, heads, H].")
   settings = {"kernels": list(kernel_names), "flag_rows": list(flag_rows),
-              "blocks": [list(b) for b in blocks], "rounds": rounds}
+              "blocks": [list(b) for b in blocks], "rounds": rounds, "inputs": inputs}
   if splash_blocks:
     settings["splash_blocks"] = [list(b) for b in splash_blocks]
   result = previous(os.path.join(out_dir, "tpu_attention.json"), settings)
@@ -216,7 +282,7 @@ def run(out_dir: str, *, shapes: Sequence[str] = tuple(SHAPES),
   for key, (sh, S, train) in pending(todo, result, progress):
     case = run_case(sh, S, train, kernel_names=kernel_names, flag_rows=flag_rows,
                     blocks=blocks, rounds=rounds, splash_blocks=splash_blocks,
-                    progress=progress)
+                    inputs=inputs, progress=progress)
     case["peak_bf16_tflops"] = result["peak_bf16_tflops"]   # the peak of its own run
     for r in case["rows"].values():
       if "tflops" in r:
@@ -225,6 +291,8 @@ def run(out_dir: str, *, shapes: Sequence[str] = tuple(SHAPES),
     for name, r in case["rows"].items():
       progress(f"    {name:32s} " + (f"{r['median_ms']:9.3f} ms  {r['tflops']:6.1f} TF/s"
                                     f"  /splash {r.get('vs_splash', float('nan')):5.2f}"
+                                    f" (same inputs "
+                                    f"{r.get('vs_splash_same_inputs', float('nan')):5.2f})"
                                     f"  relL2 {r.get('rel_l2', float('nan')):.1e}"
                                     if "median_ms" in r else r.get("error", "")))
     runs.write_json(out_dir, "tpu_attention.json", result, provenance=True)
@@ -298,16 +366,18 @@ def to_markdown(result: dict) -> str:
   lines = [f"TPU attention ({result.get('device')}; bf16 matmul peak measured "
            f"{result.get('peak_bf16_tflops', float('nan')):.0f} TFLOP/s)", ""]
   for key, case in result["cases"].items():
-    lines += [f"### {key} (N={case['N']}, K={case['K']}, H={case['H']})", "",
-              "| row | median (ms) | TFLOP/s | of peak | / splash | rel L2 vs float64 |",
-              "|---|---|---|---|---|---|"]
+    lines += [f"### {key} (N={case['N']}, K={case['K']}, H={case['H']}; inputs "
+              f"{case.get('inputs', 'heads')})", "",
+              "| row | median (ms) | TFLOP/s | of peak | / splash | / splash, same inputs "
+              "| rel L2 vs float64 |", "|---|---|---|---|---|---|---|"]
     for name, r in case["rows"].items():
       if "median_ms" not in r:
-        lines.append(f"| {name} | {r.get('error', '')} | | | | |")
+        lines.append(f"| {name} | {r.get('error', '')} | | | | | |")
         continue
       err = f"{r['rel_l2']:.1e}" if "rel_l2" in r else ""
+      same = (f"{r['vs_splash_same_inputs']:.2f}" if "vs_splash_same_inputs" in r else "")
       lines.append(f"| {name} | {r['median_ms']:.3f} | {r['tflops']:.1f} | "
-                   f"{r.get('of_peak', float('nan')):.2f} | {r.get('vs_splash', float('nan')):.2f} | {err} |")
+                   f"{r.get('of_peak', float('nan')):.2f} | {r.get('vs_splash', float('nan')):.2f} | {same} | {err} |")
     lines.append("")
   return "\n".join(lines) + "\n"
 

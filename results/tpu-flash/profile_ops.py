@@ -9,7 +9,8 @@ bounds ops around them.
 
 CASE: prefill:S or train:S (default prefill:2048 prefill:8192 train:2048); the blocks of
 the flash rows and splash's from the environment: FLASH_BLOCKS (default 1024/1024/512),
-SPLASH_BLOCKS (default 512/512,1024/1024). Qwen2-7B's attention shape. Writes
+SPLASH_BLOCKS (default 512/512,1024/1024); the inputs' form from INPUTS ('projection',
+the default, or 'heads': `tpu_attention._inputs`). Qwen2-7B's attention shape. Writes
 OUT_DIR/profile_ops.json (with provenance; rewritten after every case, atomically). A
 malformed case or block, a machine without a TPU, or a row with a non-finite output is
 refused in one line (exit 2)."""
@@ -64,28 +65,32 @@ def _cases(items):
   return cases
 
 
-def main(out_dir, cases, flash_blocks, splash_blocks):
+def main(out_dir, cases, flash_blocks, splash_blocks, inputs="projection"):
   if jax.default_backend() != "tpu":
     _refuse(f"reads the op times of a TPU's device plane; this backend is "
             f"{jax.default_backend()!r} (its Pallas kernels would run interpreted and "
             f"record no device ops). Run it on a TPU (docs/tpu.md).")
+  if inputs not in tpu_attention.INPUT_FORMS:
+    _refuse(f"INPUTS={inputs!r} is not one of {tpu_attention.INPUT_FORMS}.")
   result = {"shape": SHAPE, "flash_blocks": flash_blocks, "splash_blocks": splash_blocks,
+            "inputs": inputs,
             "device": str(jax.devices()[0].device_kind), "cases": {}}
   for mode, S in cases:
     case = f"{mode}:{S}"
     fns = tpu_attention.rows_for(SHAPE, S, mode == "train", ["flash"], ["both"],
                                  flash_blocks, splash_blocks)
-    qkv = tpu_attention._inputs(SHAPE, S)
+    qkv = tpu_attention._inputs(SHAPE, S, form=inputs)
     rows = {}
     for name, fn in fns.items():
-      out = jax.block_until_ready(fn(*qkv))
+      xs = tpu_attention.prepare(name, tpu_attention.SHAPES[SHAPE][2], qkv)
+      out = jax.block_until_ready(fn(*xs))
       if not all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(out)):
         _refuse(f"{case} {name}: a non-finite output; its op times would describe a "
                 f"broken run, so nothing more is written.")
       t0 = time.perf_counter()
-      jax.block_until_ready(fn(*qkv))
+      jax.block_until_ready(fn(*xs))
       wall_ms = 1e3 * (time.perf_counter() - t0)
-      ops = device_ops(lambda: jax.block_until_ready(fn(*qkv)))
+      ops = device_ops(lambda: jax.block_until_ready(fn(*xs)))
       rows[name] = {"wall_ms": wall_ms,
                     "device_us": sum(t for t, _ in ops.values()),
                     "ops": {k: {"us": t, "count": n} for k, (t, n) in ops.items()}}
@@ -102,4 +107,5 @@ if __name__ == "__main__":
     sys.exit(__doc__)
   main(sys.argv[1], _cases(sys.argv[2:] or ["prefill:2048", "prefill:8192", "train:2048"]),
        _blocks("FLASH_BLOCKS", "1024/1024/512", (2, 3)),
-       _blocks("SPLASH_BLOCKS", "512/512,1024/1024", (2,)))
+       _blocks("SPLASH_BLOCKS", "512/512,1024/1024", (2,)),
+       os.environ.get("INPUTS", "projection"))
