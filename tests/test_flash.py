@@ -92,8 +92,8 @@ def test_a_128_wide_head_is_read_where_the_caller_holds_it():
   the caller's layout, a q block's G heads gathered into rows in VMEM): the output ==
   float64 and the gradients == jax.grad through dot_product (blockwise's bound), under
   a causal mask and a window; lowered for TPU, the forward and its gradient move no
-  q, k, v or output around the Mosaic calls (no transpose: the gradient's one is the
-  [B, T, N] float32 row sums put in the rows' order), except under 'highest'."""
+  q, k, v or output around the Mosaic calls (no transpose: the backward's row sums
+  rowsum(dO * O) are made in VMEM, `flash._gather_delta`), except under 'highest'."""
   H128, K, T = 128, 2, 256
   blocks = flash.Blocks(q=64, k=128, q_bwd=64, k_bwd=128, chunk=128, direct_q=64)
   fgeo, bgeo = flash.direct_geometries(B, K, T, N // K, T, H128, blocks)
@@ -117,7 +117,7 @@ def test_a_128_wide_head_is_read_where_the_caller_holds_it():
     assert_gradients_match(f, lambda q, k, v: dot_product.dot_product_attention(
         q, k, v, mask=want), (q, k, v), w)
   g = jax.grad(lambda *x: (f(*x) * w).sum(), argnums=(0, 1, 2))
-  for fn, calls, transposes in ((f, 1, 0), (g, 3, 1)):
+  for fn, calls, transposes in ((f, 1, 0), (g, 3, 0)):
     text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("tpu",)).as_text()
     assert len(re.findall(r"custom_call @tpu_custom_call\(", text)) == calls
     assert len(re.findall(r"stablehlo.transpose", text)) == transposes
@@ -436,7 +436,7 @@ def test_the_tpu_bench_gives_every_row_the_same_numbers_in_either_input_form(mon
   the float64 reference is the same in both forms; a 'native' splash row's inputs are
   splash's [heads, S, H] with q scaled (`prepare`), and its [N, S, H] output is read back
   in the bench's order (`_as_output`); splash, a Mosaic kernel, is recorded as refused on
-  the CPU, never dropped. An unknown form is refused by name."""
+  the CPU, never dropped (on a TPU its two rows give the same error). An unknown form is refused by name."""
   from attnprec.bench import tpu_attention as tb
   monkeypatch.setattr(tb, "_reps", lambda S: 1)
   cases = {form: tb.run_case("qwen2-7b", 256, False, kernel_names=["dot_product"],
@@ -448,8 +448,11 @@ def test_the_tpu_bench_gives_every_row_the_same_numbers_in_either_input_form(mon
                                      "splash 256x256 native"}
   got = {form: r["dot_product both"]["rel_l2"] for form, r in rows.items()}
   assert got["projection"] == got["heads"] and 1e-4 < got["projection"] < 1e-2, got
-  assert all("error" in rows["projection"][n] for n in ("splash 256x256",
-                                                        "splash 256x256 native"))
+  splash = [rows["projection"][n] for n in ("splash 256x256", "splash 256x256 native")]
+  if jax.default_backend() == "tpu":   # the same kernel on the same numbers, either way
+    assert splash[0]["rel_l2"] == splash[1]["rel_l2"] < 1e-2, splash
+  else:
+    assert all("Mosaic" in r["error"] or "interpret" in r["error"] for r in splash), splash
   N, K, H = tb.SHAPES["qwen2-7b"]
   qkv = tb._inputs("qwen2-7b", 256)
   assert [x.shape for x in qkv] == [(1, 256, N * H), (1, 256, K * H), (1, 256, K * H)]
@@ -460,7 +463,7 @@ def test_the_tpu_bench_gives_every_row_the_same_numbers_in_either_input_form(mon
       np.asarray(qkv[0][0, 5, 3 * H:4 * H] * jnp.asarray(H ** -0.5, jnp.bfloat16),
                  np.float32))     # head 3 of position 5, scaled in bf16 as splash's rows
   assert tb.prepare("splash 256x256", H, qkv) is qkv
-  back = tb._as_output("splash 256x256 native", qs, 256)
+  back = tb._as_output("splash 256x256 native", qs, 256, H)
   assert back.shape == (1, 256, N, H) and bool(jnp.all(back[0, :, 3] == qs[3]))
   with pytest.raises(UserError, match="inputs='rows' is not one of"):
     tb._inputs("qwen2-7b", 256, form="rows")

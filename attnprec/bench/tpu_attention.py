@@ -18,7 +18,8 @@ Inputs (`inputs=`): 'projection' (the default) gives every row q as [1, S, N * H
 k, v as [1, S, K * H], the arrays a model's projections produce; 'heads' gives
 [1, S, N|K, H] arrays (the form of the sweeps before it; their layout on the chip puts
 the heads outside the sequence, and a kernel that reads [S, N * H] pays XLA copies for
-it). Each row views them as [1, S, N|K, H]; splash's rows move them to its [heads, S, H]
+it). Each row views them as [1, S, N|K, H] and gives its output in their form ([1, S, N * H],
+what an output projection reads, for projection inputs); splash's rows move them to its [heads, S, H]
 and scale q inside the timed call, what a model calling it pays. Each splash block pair
 also runs 'native' ('splash 512x512 native'): its inputs moved and q scaled once before
 timing, so the row times the kernel alone. '/ splash' divides by the fastest splash row
@@ -89,7 +90,7 @@ def _splash(N: int, K: int, H: int, S: int, blocks: Tuple[int, int], native: boo
 
   def call(q, k, v):    # the bench's inputs -> splash's [heads, S, H]
     qs, ks, vs = _to_splash(H, (q, k, v))
-    return jnp.transpose(kernel(qs, ks, vs), (1, 0, 2))[None]
+    return _like(q, jnp.transpose(kernel(qs, ks, vs), (1, 0, 2))[None])
   return call
 
 
@@ -98,6 +99,12 @@ def _to_splash(H: int, qkv):
   q, k, v = (_heads(x, H)[0] for x in qkv)
   qs = jnp.transpose(q, (1, 0, 2)) * jnp.asarray(H ** -0.5, q.dtype)
   return (qs,) + tuple(jnp.transpose(x, (1, 0, 2)) for x in (k, v))
+
+
+def _like(q, out_1xSxNxH):
+  """A row's output in its inputs' form: [1, S, N * H] (what a model's output projection
+  reads) for projection inputs, else [1, S, N, H]."""
+  return out_1xSxNxH.reshape(q.shape) if q.ndim == 3 else out_1xSxNxH
 
 
 def _heads(x, H: int):
@@ -115,13 +122,13 @@ def _attnprec(kernel: str, flags_row: str, S: int, H: int, blocks=None):
       b = flash.Blocks(q=blocks[0], k=blocks[1], q_bwd=blocks[0], k_bwd=blocks[1],
                        chunk=blocks[2] if len(blocks) > 2 else math.gcd(b.chunk, blocks[1]),
                        direct_q=blocks[0])
-    return lambda q, k, v: flash.flash_attention(
+    return lambda q, k, v: _like(q, flash.flash_attention(
         _heads(q, H), _heads(k, H), _heads(v, H), causal=True, q_positions_BxT=pos,
-        k_positions_BxS=pos, flags=prec.attention, blocks=b)
+        k_positions_BxS=pos, flags=prec.attention, blocks=b))
   # the keys are the queries' own tokens from position 0 (what 'splash' needs to know)
   mask = contract.CausalMask(pos, pos, own_positions=True)
-  return lambda q, k, v: kernels.attend(prec, _heads(q, H), _heads(k, H), _heads(v, H),
-                                        mask=mask)
+  return lambda q, k, v: _like(q, kernels.attend(prec, _heads(q, H), _heads(k, H),
+                                                 _heads(v, H), mask=mask))
 
 
 def _raw_splash(name: str) -> bool:
@@ -131,9 +138,13 @@ def _raw_splash(name: str) -> bool:
 
 
 def _train(f, H):
-  w = jnp.cos(jnp.arange(H, dtype=jnp.float32))
-  return jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * w),
-                  argnums=(0, 1, 2))
+  """The gradient of sum(out * cos(h)) (h: the head-dim index) w.r.t. q, k, v: the same
+  loss for an output [.., N, H], [.., N * H] (projection inputs) or splash's [N, S, H]."""
+  def loss(q, k, v):
+    out = f(q, k, v).astype(jnp.float32)
+    w = jnp.cos(jnp.arange(out.shape[-1], dtype=jnp.float32) % H)
+    return jnp.sum(out * w)
+  return jax.grad(loss, argnums=(0, 1, 2))
 
 
 def rows_for(shape: str, S: int, train: bool, kernel_names: Sequence[str],
@@ -169,11 +180,12 @@ def prepare(name: str, H: int, qkv):
   return jax.block_until_ready(_to_splash(H, qkv)) if _native(name) else qkv
 
 
-def _as_output(name: str, out, S: int):
-  """A row's forward output as [1, S, N, H] (a native splash row's is [N, S, H])."""
+def _as_output(name: str, out, S: int, H: int):
+  """A row's forward output as [1, S, N, H] (a native splash row's is [N, S, H], a
+  projection-input row's [1, S, N * H])."""
   if _native(name):
     return jnp.transpose(out, (1, 0, 2))[None]
-  return out.reshape(1, S, -1, out.shape[-1]) if out.ndim == 4 else out
+  return out.reshape(1, S, -1, H)
 
 
 def _inputs(shape: str, S: int, seed: int = 0, form: str = "projection"):
@@ -218,7 +230,7 @@ def run_case(shape: str, S: int, train: bool, *, kernel_names, flag_rows, blocks
         raise FloatingPointError("a non-finite output")
       row = {"compile_s": compile_s}
       if want is not None:
-        got = np.asarray(jnp.asarray(_as_output(name, out, S), jnp.float32), np.float64)
+        got = np.asarray(jnp.asarray(_as_output(name, out, S, H), jnp.float32), np.float64)
         row.update(rel_l2=float(np.linalg.norm(got - want) / np.linalg.norm(want)),
                    max_abs_error=float(np.abs(got - want).max()))
       rows[name] = row

@@ -542,6 +542,17 @@ def _gather_positions(geo: Geometry, src_ref, dst_ref):
     dst_ref[pl.ds(g * geo.Tt, geo.Tt), :] = src_ref[...]
 
 
+def _gather_delta(geo: Geometry, o_ref, do_ref, dst_ref):
+  """A direct call's delta = rowsum(dO * O) in float32, per row of the block
+  (`_gather_rows`' order), from its o and dO blocks [Tt, G * H]: what XLA computed
+  before the call, [B, T, N] moved to [B, K, Rp, 1], now read from the blocks the
+  backward holds (o is read instead of that column)."""
+  for g in range(geo.G):
+    heads = pl.ds(g * geo.H, geo.H)
+    dst_ref[pl.ds(g * geo.Tt, geo.Tt), :] = jnp.sum(
+        do_ref[:, heads].astype(F32) * o_ref[:, heads].astype(F32), axis=1, keepdims=True)
+
+
 def _put_rows(geo: Geometry, value_TqxH, dst_ref):
   """Rows [Tq, H] into their block: a direct one [Tt, G * H] (`_gather_rows` undone),
   else as they are."""
@@ -681,8 +692,10 @@ def _dq_body(spec: Spec):
   def body(*refs):
     prefetch, ins, refs = _bwd_refs(spec, refs)
     q_ref, k_ref, v_ref, qpos_ref, kpos_ref, mask_ref = ins
+    # a direct call's o block in delta's place (`_gather_delta`)
     lse_ref, delta_ref, do_ref, dq_ref, dq_sc = refs[:5]
-    q_rows, do_rows, qpos_rows = refs[5:] if geo.direct else (q_ref, do_ref, qpos_ref)
+    q_rows, do_rows, qpos_rows, delta_rows = (refs[5:] if geo.direct else
+                                              (q_ref, do_ref, qpos_ref, delta_ref))
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
@@ -692,6 +705,7 @@ def _dq_body(spec: Spec):
         _gather_rows(geo, q_ref, q_rows)
         _gather_rows(geo, do_ref, do_rows)
         _gather_positions(geo, qpos_ref, qpos_rows)
+        _gather_delta(geo, delta_ref, do_ref, delta_rows)
 
     def update(keys, masked):
       k, v, do = k_ref[keys, :], v_ref[keys, :], do_rows[...]
@@ -700,7 +714,7 @@ def _dq_body(spec: Spec):
                              mask_ref[:, keys] if spec.dense_mask else None,
                              lse_ref[...], masked)
       dp = _grad_dot(spec, "TH,SH->TS", do, v)
-      ds = _dlogits(spec, p, dp, delta_ref[...], tanh)
+      ds = _dlogits(spec, p, dp, delta_rows[...], tanh)
       dq_sc[...] += _grad_dot(spec, "TS,SH->TH", ds.astype(c), k)
 
     _blocks_run(spec, prefetch, b, i, j, update)
@@ -720,7 +734,8 @@ def _dkv_body(spec: Spec):
     prefetch, ins, refs = _bwd_refs(spec, refs)
     q_ref, k_ref, v_ref, qpos_ref, kpos_ref, mask_ref = ins
     lse_ref, delta_ref, do_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs[:7]
-    q_rows, do_rows, qpos_rows = refs[7:] if geo.direct else (q_ref, do_ref, qpos_ref)
+    q_rows, do_rows, qpos_rows, delta_rows = (refs[7:] if geo.direct else
+                                              (q_ref, do_ref, qpos_ref, delta_ref))
     b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(i == 0)
@@ -732,6 +747,7 @@ def _dkv_body(spec: Spec):
       _gather_rows(geo, q_ref, q_rows)
       _gather_rows(geo, do_ref, do_rows)
       _gather_positions(geo, qpos_ref, qpos_rows)
+      _gather_delta(geo, delta_ref, do_ref, delta_rows)
 
     def update(keys, masked):
       q, do = q_rows[...], do_rows[...]
@@ -741,7 +757,7 @@ def _dkv_body(spec: Spec):
                              lse_ref[...], masked)
       dv_sc[keys, :] += _grad_dot(spec, "TS,TH->SH", p.astype(c), do)
       dp = _grad_dot(spec, "TH,SH->TS", do, v_ref[keys, :])
-      ds = _dlogits(spec, p, dp, delta_ref[...], tanh)
+      ds = _dlogits(spec, p, dp, delta_rows[...], tanh)
       dk_sc[keys, :] += _grad_dot(spec, "TS,TH->SH", ds.astype(c), q)
 
     _blocks_run(spec, prefetch, b, i, j, update)
@@ -818,11 +834,13 @@ def _specs(geo: Geometry, dense_mask: bool, kv_major: bool, scales: int = 0):
 
 def _row_scratch(geo: Geometry, dtype, n: int):
   """A direct call's q (and dO) blocks gathered into rows (`_gather_rows`), then their
-  positions (`_gather_positions`)."""
+  positions (`_gather_positions`), then in the backward (n = 2) delta
+  (`_gather_delta`)."""
   if not geo.direct:
     return []
   return ([pltpu.VMEM((geo.Tq, geo.Hp), dtype) for _ in range(n)]
-          + [pltpu.VMEM((geo.Tq, 1), jnp.int32)])
+          + [pltpu.VMEM((geo.Tq, 1), jnp.int32)]
+          + ([pltpu.VMEM((geo.Tq, 1), F32)] if n == 2 else []))
 
 
 def _params(interpret, geo, itemsize, dense_mask, backward):
@@ -862,7 +880,7 @@ def _dq_call(spec: Spec, interpret: bool, prefetch, operands, lse, delta, do):
   q = operands[0]
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=N_PREFETCH, grid=(geo.B, geo.K, geo.nq, geo.nk),
-      in_specs=specs + [rows, rows, qblock], out_specs=qblock,
+      in_specs=specs + [rows, qblock if geo.direct else rows, qblock], out_specs=qblock,
       scratch_shapes=[pltpu.VMEM((geo.Tq, geo.Hp), F32)] + _row_scratch(geo, q.dtype, 2))
   return pl.pallas_call(
       _dq_body(spec), grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -877,7 +895,8 @@ def _dkv_call(spec: Spec, interpret: bool, prefetch, operands, lse, delta, do):
   k = operands[1]
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=N_PREFETCH, grid=(geo.B, geo.K, geo.nk, geo.nq),
-      in_specs=specs + [rows, rows, qblock], out_specs=[kblock, kblock],
+      in_specs=specs + [rows, qblock if geo.direct else rows, qblock],
+      out_specs=[kblock, kblock],
       scratch_shapes=[pltpu.VMEM((geo.Sk, geo.Hp), F32), pltpu.VMEM((geo.Sk, geo.Hp), F32)]
       + _row_scratch(geo, operands[0].dtype, 2))
   return pl.pallas_call(
@@ -950,9 +969,8 @@ def _flash_bwd(fwd: Spec, bwd: Spec, inf: Spec, res, do):
   q, k, v, qpos, kpos, mask, o, lse = res
   geo, S = bwd.geo, bwd.geo.S
   # The forward's padded rows are the backward's (Rp is a multiple of both q blocks).
-  if geo.direct:    # [B, T, N * H]: per (position, head), then in the row order
-    delta = _direct_rows(geo, jnp.sum((do.astype(F32) * o.astype(F32)).reshape(
-        geo.B, geo.T, geo.K * geo.G, geo.H), axis=-1))
+  if geo.direct:    # o in delta's place: each block's rows computed in VMEM
+    delta = o
   else:
     delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1, keepdims=True)
   bounds = _bounds(qpos[..., 0], kpos[:, 0], geo, bwd.causal, bwd.window)
@@ -969,14 +987,6 @@ def _flash_bwd(fwd: Spec, bwd: Spec, inf: Spec, res, do):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def _direct_rows(geo: Geometry, x_BxTxN):
-  """A per-(position, query head) value [B, T, N] in a direct call's row order,
-  [B, K, Rp, 1]: q block i's rows g * Tt + t (`Geometry.direct`)."""
-  B, K, G, Tt = geo.B, geo.K, geo.G, geo.Tt
-  x = x_BxTxN.reshape(B, geo.T // Tt, Tt, K, G)
-  return jnp.transpose(x, (0, 3, 1, 4, 2)).reshape(B, K, geo.Rp, 1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
