@@ -332,21 +332,26 @@ def test_audit_checks_every_phase_s_bodies():
              for p in bad["problems"]), bad["problems"]
 
 
-def test_the_docs_table_is_the_tpu_run_s():
-  """docs/performance.md quotes the TPU run's flags table to the character, rendered
-  from results/tpu-flash/flags.json (`tpu_attention.flags_table`), and that file's rows
-  ran the code of this kernel (a provenance digest)."""
+def test_the_docs_tables_are_the_tpu_runs():
+  """docs/performance.md quotes each TPU run's flags table to the character, rendered
+  from its file (`tpu_attention.flags_table`): results/tpu-flash/sweep7.json (the flash
+  kernel beside splash fed the same inputs and splash alone: five cases of six rows) and
+  flags.json (the dense kernel's flags, three cases of eight rows); each file's rows ran
+  the code its provenance digest names."""
   import json
   import os
   from attnprec.bench import tpu_attention
   root = os.path.join(os.path.dirname(__file__), "..")
-  with open(os.path.join(root, "results", "tpu-flash", "flags.json")) as f:
-    result = json.load(f)
-  assert result["backend"] == "tpu" and result["provenance"]["source"]
-  table = tpu_attention.flags_table(result)
-  assert table.count("\n") >= 2 + 3 * 7       # three cases of seven rows
   with open(os.path.join(root, "docs", "performance.md")) as f:
-    assert table in f.read()
+    doc = f.read()
+  for name, cases, rows, same in (("sweep7.json", 5, 6, True), ("flags.json", 3, 8, False)):
+    with open(os.path.join(root, "results", "tpu-flash", name)) as f:
+      result = json.load(f)
+    assert result["backend"] == "tpu" and result["provenance"]["source"], name
+    table = tpu_attention.flags_table(result)
+    assert table.count("\n") == 2 + cases * rows, name
+    assert ("/ splash, same inputs" in table) == same, name
+    assert table in doc, name
 
 
 def test_model_prefill_decode_and_loss_gradient_match_dot_product():

@@ -395,11 +395,16 @@ def to_markdown(result: dict) -> str:
 
 
 def flags_table(result: dict) -> str:
-  """Markdown: per case, every row's median, its ratio to splash, the flags' cost within
+  """Markdown: per case, every row's median, its ratio to splash (and to splash fed the
+  same inputs, where the run has 'native' rows), the flags' cost within
   its kernel (the row's time over the same kernel's bf16 row) and its error: the table
   docs/performance.md quotes (a test holds it to results/tpu-flash/flags.json)."""
-  lines = ["| case | row | median (ms) | / splash | / same kernel, flags off | TFLOP/s "
-           "| rel. L2 vs float64 |", "|---|---|---:|---:|---:|---:|---:|"]
+  same_col = any("vs_splash_same_inputs" in r for case in result["cases"].values()
+                 for r in case["rows"].values())
+  lines = ["| case | row | median (ms) | / splash | "
+           + ("/ splash, same inputs | " if same_col else "")
+           + "/ same kernel, flags off | TFLOP/s | rel. L2 vs float64 |",
+           "|---|---|---:|---:|" + ("---:|" if same_col else "") + "---:|---:|---:|"]
   for key, case in result["cases"].items():
     rows = case["rows"]
     for name, r in rows.items():
@@ -412,6 +417,8 @@ def flags_table(result: dict) -> str:
               if kernel != SPLASH and "median_ms" in off else "")
       err = f"{r['rel_l2']:.1e}" if "rel_l2" in r else ""
       vs = f"{r['vs_splash']:.2f}x" if "vs_splash" in r else "no splash row"
-      lines.append(f"| {key} | {name} | {r['median_ms']:.2f} | {vs} | "
+      same = (f"{r['vs_splash_same_inputs']:.2f}x | " if "vs_splash_same_inputs" in r
+              else " | ") if same_col else ""
+      lines.append(f"| {key} | {name} | {r['median_ms']:.2f} | {vs} | {same}"
                    f"{cost} | {r['tflops']:.0f} | {err} |")
   return "\n".join(lines) + "\n"
