@@ -485,31 +485,44 @@ EXAMPLES = [
 ]
 
 
+def _suites(args):
+  if args.suite in ("model", "all"):
+    run_model(args)
+  if args.suite in ("attention", "all"):
+    run_attention(args)
+  if args.suite == "projections":
+    run_projections(args)
+  if args.suite == "profile":
+    run_profile(args)
+  if args.suite == "compile":
+    run_compile(args)
+  if args.suite == "attention_forms":
+    run_attention_forms(args)
+  if args.suite == "tpu_attention":
+    run_tpu_attention(args)
+  if args.suite == "tpu_decode":
+    run_tpu_decode(args)
+  if args.suite == "tpu_model":
+    run_tpu_model(args)
+
+
 def main(argv) -> int:
   def body():
     args = _parse(argv)
     print(xla_env.describe(), flush=True)   # what is in force (a user's XLA_FLAGS wins)
     compilation.enable()
     runs.check_owner(args.out, ("bench",), "the bench", flag="--out")
-    runs.ensure_dir(args.out)
-    if args.suite in ("model", "all"):
-      run_model(args)
-    if args.suite in ("attention", "all"):
-      run_attention(args)
-    if args.suite == "projections":
-      run_projections(args)
-    if args.suite == "profile":
-      run_profile(args)
-    if args.suite == "compile":
-      run_compile(args)
-    if args.suite == "attention_forms":
-      run_attention_forms(args)
-    if args.suite == "tpu_attention":
-      run_tpu_attention(args)
-    if args.suite == "tpu_decode":
-      run_tpu_decode(args)
-    if args.suite == "tpu_model":
-      run_tpu_model(args)
+    # the bench's --out is its own: recorded as the bench's, so that no other runner
+    # writes its results beside the bench's (a directory the bench's earlier runs made
+    # without a record is adopted)
+    finish = runs.claim(args.out, "bench")
+    ok = False
+    try:
+      _suites(args)
+      ok = True
+    finally:
+      if finish:
+        finish(ok)
 
   # keep_partial: model.json is rewritten after every case, so an interrupted run keeps
   # the cases it measured

@@ -234,6 +234,28 @@ def test_plot_and_bench_refuse_another_runner_s_directory(tmp_path):
   assert not (d / "results.json").exists()
 
 
+def test_the_bench_s_out_is_its_own(tmp_path, capsys):
+  """The bench records its --out as its own before anything runs, so another runner
+  refuses that directory instead of writing its results beside the bench's; a first run
+  that fails leaves no directory."""
+  import importlib.util
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location("runner_bench_out",
+                                                os.path.join(root, "runners", "bench.py"))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  d = tmp_path / "bench_out"
+  with mock.patch.object(bench, "_suites", side_effect=UserError("stopped on purpose")):
+    assert bench.main(["--suite=attention", f"--out={d}"]) == cli.EXIT_USER_ERROR
+  assert not d.exists()
+  with mock.patch.object(bench, "_suites"):
+    assert bench.main(["--suite=attention", f"--out={d}"]) == 0
+  assert runs.owner(str(d)) == "bench"
+  assert _runner("sinks", tmp_path)([f"--run_dir={d}"]) == cli.EXIT_USER_ERROR
+  assert "was made by the 'bench' runner" in capsys.readouterr().err
+  assert not (d / "results.json").exists()
+
+
 def test_a_metrics_file_that_is_not_a_regular_file_is_refused_not_waited_on(tmp_path):
   """A FIFO as metrics.jsonl would block the first append (or plot's read) forever."""
   from attnprec import plotting
