@@ -338,6 +338,7 @@ def check(out_dir: str, wanted=PARTS) -> int:
           f"{jax.default_backend()!r}); nothing to check, nothing written.")
     return cli.EXIT_OK
   runs.check_output_dir(out_dir, flag="--out")
+  runs.check_owner(out_dir, ("device_check",), "the device check", flag="--out")
   result = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
             "jax": jax.__version__, "platform": platform, "provenance": runs.provenance(),
             "parts_run": list(wanted), "complete": False, "parts": {}}
@@ -349,7 +350,8 @@ def check(out_dir: str, wanted=PARTS) -> int:
            ("decode", "decode step against its HBM floor (Qwen2.5-0.5B's shape)",
             tpu_decode_part))
   parts = [(name, part) for key, name, part in parts if key in wanted]
-  runs.ensure_dir(out_dir)
+  # recorded as the device check's, so that no other runner writes beside its results
+  runs.claim(out_dir, "device_check")
   for name, part in parts:
     print(f"device-check: {name} ...", flush=True)
     t0 = time.perf_counter()

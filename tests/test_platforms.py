@@ -310,6 +310,30 @@ def test_device_check_without_a_gpu_says_so_in_one_line(tmp_path, capsys):
   assert not out.exists()
 
 
+def test_device_check_refuses_another_runner_s_directory_and_claims_its_own(tmp_path,
+                                                                            monkeypatch):
+  """Where it runs (here: told it is on a TPU, no part asked for), the device check
+  refuses an --out another runner made, before anything is written, and records its own
+  --out as the device check's, so that other runners refuse it."""
+  import importlib.util
+  from attnprec import runs
+  from attnprec.errors import UserError
+  spec = importlib.util.spec_from_file_location(
+      "device_check", os.path.join(ROOT, "runners", "device_check.py"))
+  runner = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(runner)
+  monkeypatch.setattr(runner, "here", lambda: "tpu")
+  study = tmp_path / "study_run"
+  runs.claim(str(study), "study")
+  with pytest.raises(UserError, match="made by the 'study' runner"):
+    runner.check(str(study), wanted=())
+  assert sorted(os.listdir(study)) == [runs.OWNER_FILE]
+  out = tmp_path / "dc"
+  assert runner.check(str(out), wanted=()) == 0
+  assert runs.owner(str(out)) == "device_check"
+  assert (out / "device_check.json").exists()
+
+
 def test_device_check_tables_are_its_files_or_a_paragraph(tmp_path, capsys):
   """`--tables=DIR` (any machine): the docs' tables from DIR's files; an option it would
   not read, a NaN figure, a file that is not a results file, or no file: exit 2, one
