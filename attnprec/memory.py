@@ -37,13 +37,14 @@ def batch_bytes(config: ModelConfig, batch: int, queries: int, keys: int) -> int
   return int(cache + attention + hidden + logits)
 
 
-def check_fits(what: str, needed: int, *, total: Optional[int] = None) -> None:
-  """A UserError naming the setting, its estimate and the machine's memory when one
-  batch would need more than SHARE of it."""
+def check_fits(what: str, needed: int, *, total: Optional[int] = None,
+               holding: str = "the KV cache, one layer's attention logits and "
+                              "activations, in float32") -> None:
+  """A UserError naming the setting, its estimate (of `holding`) and the machine's
+  memory when one batch would need more than SHARE of it."""
   total = physical_bytes() if total is None else total
   if total is None or needed <= SHARE * total:
     return
-  raise UserError(f"{what} needs at least {needed / 2**30:.1f} GiB for one batch (the KV "
-                  f"cache, one layer's attention logits and activations, in float32), "
-                  f"more than {SHARE:.0%} of this machine's {total / 2**30:.1f} GiB of "
+  raise UserError(f"{what} needs at least {needed / 2**30:.1f} GiB for one batch "
+                  f"({holding}), more than {SHARE:.0%} of this machine's {total / 2**30:.1f} GiB of "
                   f"memory: it would run until the system kills it. Lower it.")

@@ -477,3 +477,16 @@ def test_a_train_step_with_a_nonfinite_metric_is_not_timed():
   for key, bad in (("loss", np.nan), ("grad_norm", np.inf)):
     with pytest.raises(NonFiniteError, match=f"(?i){key} of a step is not finite"):
       check_train_step("a step", dict(ok, **{key: np.float32(bad)}))
+
+
+def test_an_attention_length_past_the_machine_is_refused_with_its_estimate():
+  """A length whose float32 q, k and v alone exceed the machine (here 2**40 tokens:
+  XLA aborted the process compiling it) is refused before anything compiles, naming the
+  option, the length and the estimate; any of the three length options."""
+  from attnprec.bench import attention as bench
+  from attnprec.errors import UserError
+  for option in ("seq_lens", "memory_seq_lens", "decode_seq_lens"):
+    with pytest.raises(UserError, match=rf"--{option}={2**40} .* needs at least "
+                                        rf"[0-9.]+ GiB.*its q, k and v in float32"):
+      bench.run_attention_bench(**{option: (2 ** 40,)}, include_torch=False,
+                                progress=False)

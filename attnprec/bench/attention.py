@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnprec import kernels as kernel_lib
+from attnprec import memory
 from attnprec import plotting, presets
 from attnprec.contract import CausalMask
 from attnprec.errors import UserError
@@ -179,6 +180,18 @@ def _torch_fn(preset, B, S, N, K, H):
   return fn
 
 
+def _check_lengths_fit(B, N, K, H, **lengths) -> None:
+  """Before anything is compiled: every length's float32 q, k and v (the least any row
+  of it holds; the kernels' own footprints are measured per row and reported as
+  `does_not_fit`) must fit the machine (`memory.check_fits`), else a UserError naming
+  the option and its estimate (a length past what XLA can shape aborted the process)."""
+  for option, values in lengths.items():
+    for S in values:
+      memory.check_fits(f"--{option}={S} (B={B}, {N} query / {K} kv heads of {H})",
+                        4 * B * S * (N + 2 * K) * H, holding="its q, k and v in float32, "
+                        "before any kernel's own memory")
+
+
 def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: int = 1,
                         heads: int = 8, kv_heads: Optional[int] = None, head_dim: int = 64,
                         kernels: Iterable[str] = KERNELS,
@@ -209,6 +222,8 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
     kernel_lib.get(name)                  # an unknown kernel is a UserError naming the valid
   B, N, H = batch, heads, head_dim
   K = kv_heads or heads
+  _check_lengths_fit(B, N, K, H, seq_lens=seq_lens, memory_seq_lens=memory_seq_lens,
+                     decode_seq_lens=decode_seq_lens)
   t_start = time.perf_counter()
   result = dict(config=dict(batch=B, heads=N, kv_heads=K, head_dim=H, causal=True,
                             seq_lens=list(seq_lens), presets={p: PRESETS[p] for p in presets},
