@@ -114,6 +114,11 @@ def _ints(text):
         f"{text!r} is not a comma-separated list of positive integers, e.g. 1024,4096")
   if any(v < 1 for v in values):
     raise argparse.ArgumentTypeError(f"{text!r}: every value must be an integer >= 1")
+  twice = sorted({v for v in values if values.count(v) > 1})
+  if twice:
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: {', '.join(map(str, twice))} given more than once; each is measured "
+        f"once, so give each once")
   return values
 
 
@@ -156,6 +161,10 @@ def _names(flag: str, text: str, valid) -> list:
     raise UserError(f"Invalid {flag}={text!r}" + (f" (unknown: {', '.join(bad)})" if bad
                                                  else " (empty)")
                     + f"; valid: a comma-separated list of {', '.join(valid)}.")
+  twice = sorted({n for n in names if names.count(n) > 1})
+  if twice:
+    raise UserError(f"Invalid {flag}={text!r}: {', '.join(twice)} named more than once; "
+                    f"each runs once, so name each once.")
   return names
 
 

@@ -231,6 +231,18 @@ def test_bench_refuses_bad_lengths(tmp_path, flag, value):
   assert_refused("bench", rc, err, out, flag)
 
 
+@SETTINGS
+@given(flag=st.sampled_from(["--presets", "--seq_lens", "--decode_seq_lens"]),
+       index=st.integers(0, 1))
+def test_bench_refuses_a_name_or_length_given_twice(tmp_path, flag, index):
+  """A list option naming one value twice (which would run once or twice: neither is
+  what was asked) is refused before anything runs, naming the value."""
+  value = (["bf16", "fp32"] if flag == "--presets" else ["64", "128"])[index]
+  out = str(tmp_path / "bench")
+  rc, err = call("bench", [f"{flag}={value},{value}", f"--out={out}"])
+  assert_refused("bench", rc, err, out, flag, f"{value} ", "more than once")
+
+
 # ----------------------------------------------------------------------------- explicit
 @pytest.mark.parametrize("runner", sorted(GIN_FILES) + ["bench"])
 def test_good_input_reaches_the_work(tmp_path, runner):
