@@ -232,12 +232,13 @@ def test_bench_refuses_bad_lengths(tmp_path, flag, value):
 
 
 @SETTINGS
-@given(flag=st.sampled_from(["--presets", "--seq_lens", "--decode_seq_lens"]),
+@given(flag=st.sampled_from(["--presets", "--seq_lens", "--decode_seq_lens", "--cases"]),
        index=st.integers(0, 1))
 def test_bench_refuses_a_name_or_length_given_twice(tmp_path, flag, index):
   """A list option naming one value twice (which would run once or twice: neither is
   what was asked) is refused before anything runs, naming the value."""
-  value = (["bf16", "fp32"] if flag == "--presets" else ["64", "128"])[index]
+  value = {"--presets": ["bf16", "fp32"], "--cases": ["1x32", "8x1000"]}.get(
+      flag, ["64", "128"])[index]
   out = str(tmp_path / "bench")
   rc, err = call("bench", [f"{flag}={value},{value}", f"--out={out}"])
   assert_refused("bench", rc, err, out, flag, f"{value} ", "more than once")
