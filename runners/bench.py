@@ -495,24 +495,15 @@ EXAMPLES = [
 
 
 def _suites(args):
-  if args.suite in ("model", "all"):
-    run_model(args)
-  if args.suite in ("attention", "all"):
-    run_attention(args)
-  if args.suite == "projections":
-    run_projections(args)
-  if args.suite == "profile":
-    run_profile(args)
-  if args.suite == "compile":
-    run_compile(args)
-  if args.suite == "attention_forms":
-    run_attention_forms(args)
-  if args.suite == "tpu_attention":
-    run_tpu_attention(args)
-  if args.suite == "tpu_decode":
-    run_tpu_decode(args)
-  if args.suite == "tpu_model":
-    run_tpu_model(args)
+  """Runs the suite(s) --suite names ('all': the model and attention suites)."""
+  runs_of = {"model": (run_model,), "attention": (run_attention,),
+             "all": (run_model, run_attention), "projections": (run_projections,),
+             "profile": (run_profile,), "compile": (run_compile,),
+             "attention_forms": (run_attention_forms,),
+             "tpu_attention": (run_tpu_attention,), "tpu_decode": (run_tpu_decode,),
+             "tpu_model": (run_tpu_model,)}
+  for run in runs_of[args.suite]:
+    run(args)
 
 
 def main(argv) -> int:
