@@ -114,7 +114,7 @@ def _ints(text):
         f"{text!r} is not a comma-separated list of positive integers, e.g. 1024,4096")
   if any(v < 1 for v in values):
     raise argparse.ArgumentTypeError(f"{text!r}: every value must be an integer >= 1")
-  twice = sorted({v for v in values if values.count(v) > 1})
+  twice = bench_cases.repeated(values)
   if twice:
     raise argparse.ArgumentTypeError(
         f"{text!r}: {', '.join(map(str, twice))} given more than once; each is measured "
@@ -161,7 +161,7 @@ def _names(flag: str, text: str, valid) -> list:
     raise UserError(f"Invalid {flag}={text!r}" + (f" (unknown: {', '.join(bad)})" if bad
                                                  else " (empty)")
                     + f"; valid: a comma-separated list of {', '.join(valid)}.")
-  twice = sorted({n for n in names if names.count(n) > 1})
+  twice = bench_cases.repeated(names)
   if twice:
     raise UserError(f"Invalid {flag}={text!r}: {', '.join(twice)} named more than once; "
                     f"each runs once, so name each once.")
