@@ -348,6 +348,9 @@ def test_the_docs_tables_are_the_tpu_runs():
     with open(os.path.join(root, "results", "tpu-flash", name)) as f:
       result = json.load(f)
     assert result["backend"] == "tpu" and result["provenance"]["source"], name
+    # a NaN or infinite figure would print as 'nan' / 'inf' and still match a doc that
+    # quotes it: every figure of the record is a finite number
+    assert tpu_attention._non_finite(result["cases"], "cases") is None, name
     table = tpu_attention.flags_table(result)
     assert table.count("\n") == 2 + cases * rows, name
     assert ("/ splash, same inputs" in table) == same, name
