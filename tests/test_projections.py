@@ -79,8 +79,13 @@ def test_few_rows_are_the_float32_carried_dot_bit_for_bit():
       np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
 
 
+# init_params as one program (op by op, its ~150 small programs were compiled again after
+# each jax.clear_caches of the `bf16_cpu` fixture)
+_init = jax.jit(init_params, static_argnums=0)
+
+
 def _logits(form, params, precision, tokens_BxT):
-  jax.clear_caches()
+  # a new function each call: traced afresh under `form`
   apply = model_lib.transformed(CONFIG).apply
   with forms.projection_form(form):
     return np.asarray(jax.jit(lambda p, t: apply(p, t, precision=precision).logits)(
@@ -97,7 +102,7 @@ def test_tiny_model_logits_before_and_after(seed):
   magnitude <= 3.6; 0 / 1.6% / 0 / 0.8% of positions differ by more than 1e-5; argmax
   identical everywhere. Asserted: max abs <= 0.03, <= 5% of positions beyond 1e-5 (float32
   order elsewhere), every argmax equal. float32 compute is bit-for-bit unchanged."""
-  params = init_params(CONFIG, jax.random.PRNGKey(seed))
+  params = _init(CONFIG, jax.random.PRNGKey(seed))
   params, carried = decoding.for_serving(params, BF16_FLAGS, backend="cpu")
   assert carried.carrier_weights
   tokens = jax.random.randint(jax.random.PRNGKey(seed + 10), (2, 64), 0, CONFIG.vocab_size)
@@ -190,7 +195,7 @@ def test_a_prefill_on_stored_weights_is_the_carried_prefill_bit_for_bit(bf16_cpu
   cache entry are equal bit for bit (2 x 64 = 128 rows, bf16 + both flags, with the key
   offset and the float32 MLP activation too, whose projections keep float32 results)."""
   config = dataclasses.replace(CONFIG, qkv_bias=True) if kwargs.get("key_offset") else CONFIG
-  raw = init_params(config, jax.random.PRNGKey(3))
+  raw = _init(config, jax.random.PRNGKey(3))
   carried, prec = decoding.for_serving(raw, dataclasses.replace(BF16_FLAGS, **kwargs),
                                        backend="cpu")
   tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 64), 0, config.vocab_size)

@@ -60,12 +60,15 @@ def test_template_decode_equals_step_by_step_full_forward():
       params, prompt, jnp.array([4]), template, config=config, precision=Precision(),
       cache_length=9)
   seq = [1, 4, 5, 6]
-  apply = transformed(config).apply
+  # One program for every prefix: padded after its end, which a causal model's logits at
+  # the positions before cannot see.
+  full_T = 9
+  forward = jax.jit(lambda p, t: transformed(config).apply(p, t, precision=Precision()).logits)
   for given in [-1, 7, -1, 3, -1]:
     if given >= 0:
       seq.append(given)
     else:
-      seq.append(int(jnp.argmax(apply(params, jnp.array([seq]), precision=Precision())
-                                .logits[0, -1])))
+      padded = jnp.array([seq + [0] * (full_T - len(seq))])
+      seq.append(int(jnp.argmax(forward(params, padded)[0, len(seq) - 1])))
   assert list(np.asarray(tokens[0])) == seq[4:]
   assert list(np.asarray(answered[0])) == [True, False, True, False, True]
