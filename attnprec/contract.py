@@ -557,10 +557,7 @@ def prepare(q, k, v, flags: AttentionFlags, *, scale=None,
   G = check_heads(q, k, v)
   # A precision the platform traced for does not honour is refused here, in every
   # kernel, not run as something else (a TPU runs no F32_F32_F32 dot).
-  traced = platforms.local_platform(platforms.TRACED_FOR.get() or jax.default_backend())
-  why = traced and platforms.refusal(traced, flags.einsum_precision)
-  if why:
-    raise UserError(why)
+  platforms.check_traced(flags.einsum_precision, "einsum_precision")
   stages = stage_dtypes(q.dtype, flags)
   rows = check_cache_operands(q, k, v, kv_cache, kv_scales, flags)
   return Prepared(B=B, T=T, S=S, N=N, K=K, G=G, H=H, flags=flags, stages=stages,

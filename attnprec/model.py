@@ -30,7 +30,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from attnprec import layout
+from attnprec import layout, platforms
 from attnprec.cache import KVCache, LayerCache, StackedKVCache
 from attnprec.config import ModelConfig
 from attnprec.contract import CausalMask
@@ -139,6 +139,8 @@ class Decoder(hk.Module):
     and the unembedding of all T tokens is the costliest single product of a long
     prefill (T x D x V). None: logits of every token."""
     cfg, prec = self.config, self.precision
+    # the dense dots' precision, refused like the attention einsums' (contract.prepare)
+    platforms.check_traced(prec.matmul_precision, "matmul_precision")
     c = prec.compute_dtype
     B, T = tokens_BxT.shape
     own_positions = positions_BxT is None and cache is None   # 0 .. T-1, keys = queries

@@ -272,6 +272,18 @@ def refusal(platform: str, precision_name: str, *, knob: str = "einsum_precision
           f"presets {', '.join(repr(p) for p in accepted)}.")
 
 
+def check_traced(precision_name: str, knob: str) -> None:
+  """Raises the `refusal` UserError if the platform being traced for (`TRACED_FOR`, else
+  this process's backend) cannot honour the precision name: called while tracing, by
+  every attention kernel (einsum_precision) and the model (matmul_precision), so a
+  setting the platform would not run is refused, not run as something else."""
+  import jax
+  traced = local_platform(TRACED_FOR.get() or jax.default_backend())
+  why = traced and refusal(traced, precision_name, knob=knob)
+  if why:
+    raise UserError(why)
+
+
 def check_precision(platform: str, precision) -> None:
   """Raises a UserError if `platform` cannot honour a Precision's einsum_precision or
   matmul_precision (before anything is lowered)."""

@@ -295,6 +295,31 @@ def test_a_preset_the_platform_refuses_is_refused_before_lowering(monkeypatch):
     platforms.check_precision("cuda", Precision(matmul_precision="ANY_F8_ANY_F8_F32"))
 
 
+def test_the_model_refuses_a_matmul_precision_the_platform_does_not_honour():
+  """The dense dots' matmul_precision is refused while the model is traced, as the
+  attention kernels refuse an einsum_precision (`platforms.check_traced`): traced for a
+  TPU, F32_F32_F32 (a TPU has no such dot); here, a preset this platform's dots reject,
+  through the public API (a UserError naming it, not XLA's ValueError)."""
+  from attnprec import checkpoints
+  from attnprec.model import init_params, transformed
+  from attnprec.precision import target_backend
+  params = jax.eval_shape(lambda: init_params(CONFIG, jax.random.PRNGKey(0)))
+  tokens = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+  f32 = Precision(matmul_precision="F32_F32_F32")
+  with target_backend("tpu"):
+    with pytest.raises(UserError, match="Platform 'tpu' cannot honour matmul_precision="
+                                        "'F32_F32_F32'"):
+      jax.eval_shape(lambda p, t: transformed(CONFIG).apply(p, t, precision=f32),
+                     params, tokens)
+  local = platforms.local_platform(jax.default_backend())
+  refused = next(p for p in sorted(ALGORITHM_PRESETS) if platforms.refusal(
+      local, p, knob="matmul_precision"))
+  with pytest.raises(UserError, match=f"Platform '{local}' cannot honour matmul_precision="
+                                      f"'{refused}'"):
+    checkpoints.logits((CONFIG, init_params(CONFIG, jax.random.PRNGKey(0))), [[1, 2, 3]],
+                       precision=Precision(matmul_precision=refused))
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu",
                     reason="an accelerator is here: make device-check runs its checks")
 def test_device_check_without_a_gpu_says_so_in_one_line(tmp_path, capsys):
