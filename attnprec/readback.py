@@ -14,11 +14,24 @@ from typing import Any, Optional, Tuple
 from attnprec.errors import UserError
 
 
+def unique_keys(pairs) -> dict:
+  """json's `object_pairs_hook` for every file a run reads back: a key given twice in one
+  object is a ValueError naming it (json keeps the last one silently, so an edited
+  `"rope_base": 10000.0, "rope_base": 500.0` would run with 500)."""
+  out = {}
+  for key, value in pairs:
+    if key in out:
+      raise ValueError(f"the key {key!r} is given twice in one object")
+    out[key] = value
+  return out
+
+
 def loads(text: str) -> Tuple[Any, Optional[str]]:
-  """(the JSON value, None), or (None, why it is not JSON we read): malformed JSON, an
-  integer past Python's conversion limit, nesting deeper than the parser's recursion."""
+  """(the JSON value, None), or (None, why it is not JSON we read): malformed JSON, a key
+  given twice in one object (`unique_keys`), an integer past Python's conversion limit,
+  nesting deeper than the parser's recursion."""
   try:
-    return json.loads(text), None
+    return json.loads(text, object_pairs_hook=unique_keys), None
   except json.JSONDecodeError as e:
     return None, f"not JSON ({e.msg})"
   except ValueError as e:           # e.g. an integer of more than 4300 digits

@@ -151,7 +151,7 @@ def owner(run_dir: str) -> Optional[str]:
     return None
   try:
     with open(path, encoding="utf-8") as f:
-      data = json.load(f)
+      data = json.load(f, object_pairs_hook=readback.unique_keys)
   except (OSError, UnicodeDecodeError, ValueError) as e:
     raise UserError(f"{path} is not the JSON record of the runner that made {run_dir!r} "
                     f"({type(e).__name__}: {e}). Remove the directory, or choose another "
@@ -546,7 +546,7 @@ def load_checkpoint(run_dir: str):
                       f"training run interrupted before it finished?")
   try:
     with open(model_path) as f:
-      raw = json.load(f)
+      raw = json.load(f, object_pairs_hook=readback.unique_keys)
   except (OSError, ValueError) as e:
     raise UserError(f"Cannot read {model_path!r}: {e}. The file is corrupt or truncated.") \
         from None

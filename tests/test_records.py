@@ -43,6 +43,7 @@ def test_good_records_resume_and_a_line_cut_short_is_dropped(tmp_path):
     ('{"a": ' * 50000 + "1" + "}" * 50000, "JSON nested too deep"),
     (dict(GOOD, item="HumanEval/\ud800"), "field 'item' holds '\\ud800'"),
     (dict(GOOD, finite=False), "'correct' is true while 'finite' is false"),
+    (json.dumps(GOOD)[:-1] + ', "correct": false}', "the key 'correct' is given twice"),
 ])
 def test_an_edited_record_is_an_error_naming_the_line_and_field(tmp_path, edit, says):
   path = tmp_path / "items.jsonl"
@@ -116,6 +117,7 @@ def test_integers_past_int32_and_text_that_is_not_utf8_are_refused_by_rule():
     ('{"step": 1, "loss": "abc"}\n', "line 1: its 'loss' is 'abc', not a number"),
     ('{"step": 1, "loss": NaN, "skipped_steps": 0}\n', "while the run skipped no step"),
     ('{"step": 1, "loss": ' + "9" * 5000 + '}\n', "line 1: not JSON we read"),
+    ('{"step": 1, "loss": "x", "loss": 2.0}\n', "the key 'loss' is given twice"),
 ])
 def test_a_metrics_file_that_is_not_a_trainings_is_an_error(tmp_path, content, says):
   from attnprec import plotting, runs
@@ -161,3 +163,22 @@ def test_a_header_value_of_another_type_is_refused(tmp_path):
   with pytest.raises(UserError, match=r"seed = 0.0 \(float\), but this run has seed = 0 "
                                       r"\(int\)"):
     records.ItemLog(str(path), {"seed": 0, "task": "retrieval"})
+
+
+def test_a_key_given_twice_in_a_file_a_run_reads_back_is_refused(tmp_path):
+  """json keeps the last of two equal keys: an edited model.json would run another model,
+  a run record naming two runners would be read as the second. Every reader refuses it
+  (`readback.unique_keys`), naming the file and the key."""
+  from attnprec import runs
+  from attnprec.checkpoints import trained
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / runs.OWNER_FILE).write_text('{"runner": "study", "runner": "decode"}')
+  with pytest.raises(UserError, match=r"run\.json.*the key 'runner' is given twice"):
+    runs.owner(str(run))
+  ckpt = tmp_path / "ckpt"
+  ckpt.mkdir()
+  (ckpt / "model.json").write_text('{"rope_base": 10000.0, "rope_base": 500.0}')
+  (ckpt / "params.npz").write_bytes(b"PK")       # read after model.json
+  with pytest.raises(UserError, match=r"model\.json.*the key 'rope_base' is given twice"):
+    trained.load_run(str(ckpt))

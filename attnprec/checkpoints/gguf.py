@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from attnprec import layout
+from attnprec import layout, readback
 from attnprec.diskcache import cache_dir, locked_temporary_dir
 from attnprec.checkpoints.gguf_reader import GGUFFile
 from attnprec.checkpoints.hf_config import period
@@ -218,7 +218,8 @@ def _write_params(entry: pathlib.Path, params: dict) -> None:
 def _read_params(entry: pathlib.Path, config: ModelConfig, param_dtype, origin: str
                  ) -> dict:
   """The cached params (memory-mapped), checked against the config like a fresh load."""
-  index = json.loads((entry / "params.json").read_text(encoding="utf-8"))
+  index = json.loads((entry / "params.json").read_text(encoding="utf-8"),
+                     object_pairs_hook=readback.unique_keys)
   builder = ParamBuilder(config, param_dtype, origin=origin)
   for module, names in index.items():
     for name in names:

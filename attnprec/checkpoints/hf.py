@@ -16,7 +16,7 @@ import json
 import pathlib
 from typing import Dict, Optional, Tuple
 
-from attnprec import layout
+from attnprec import layout, readback
 from attnprec.checkpoints.hf_config import config_from_hf
 from attnprec.checkpoints.params import ParamBuilder
 from attnprec.checkpoints.safetensors_file import SafetensorsFile
@@ -40,8 +40,9 @@ def read_config(directory: pathlib.Path) -> dict:
                     f"(expected config.json and model.safetensors or "
                     f"model.safetensors.index.json).")
   try:
-    return json.loads(path.read_text(encoding="utf-8"))
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    return json.loads(path.read_text(encoding="utf-8"),
+                      object_pairs_hook=readback.unique_keys)
+  except (OSError, ValueError) as e:          # UnicodeDecodeError and JSON's errors too
     raise UserError(f"Cannot read {path}: {e}.") from None
 
 

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from attnprec import runs
+from attnprec import readback, runs
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.tasks import recall
@@ -57,7 +57,7 @@ def load_task(directory: str) -> Optional[recall.RecallTask]:
   fields = sorted(f.name for f in dataclasses.fields(recall.RecallTask))
   try:
     with open(path) as f:
-      raw = json.load(f)
+      raw = json.load(f, object_pairs_hook=readback.unique_keys)
   except (OSError, ValueError) as e:
     raise UserError(f"Cannot read the recall task of {directory!r} from {path}: {e}. It "
                     f"should be a JSON object with the fields {fields}.") from None
