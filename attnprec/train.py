@@ -284,6 +284,7 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
     else:
       state, meta = TrainState(**restored[0]), restored[1]
       _check_resume_precision(meta, precision_line, run_dir)
+      _check_resume_model(meta, config, run_dir)
       _report_resume(meta, seed=seed, batch_size=batch_size, steps=steps, task=task_desc,
                      optimizer=optimizer_settings)
     # Only now (the checkpoint matched) touch the run directory's files.
@@ -391,14 +392,46 @@ def optimizer_args() -> dict:
 
 def _check_resume_precision(meta: dict, line: str, run_dir: str) -> None:
   """A run's steps share one precision: resuming under another train precision than the
-  checkpoint's (its precision line) is refused, never carried on silently."""
+  checkpoint's (its precision line) is refused, never carried on silently; so is a
+  checkpoint that does not record its precision (edited, or written before checkpoints
+  recorded it): its steps' precision cannot be known."""
   saved = meta.get("precision")
-  if saved is not None and saved != line:
+  if saved is None:
+    raise UserError(f"The checkpoint of {run_dir} at step {meta['step']} does not record "
+                    f"the train precision its steps ran in (its meta has no 'precision'), "
+                    f"so resuming could mix two precisions while the results name one. "
+                    f"Train into a new --run_dir.")
+  if saved != line:
     raise UserError(f"{run_dir} was trained to step {meta['step']} with precision "
                     f"'{saved}', and this run's train precision is '{line}': its steps "
                     f"would mix two precisions while its results name one. Resume with the "
                     f"checkpoint's train/precision.* settings, or train into a new "
                     f"--run_dir.")
+
+
+def _check_resume_model(meta: dict, config: ModelConfig, run_dir: str) -> None:
+  """The checkpoint's weights were trained as its model (`meta['model']`): resuming as
+  another one (a changed activation or RoPE base keeps every parameter's shape) is
+  refused, and model.json is never rewritten to describe a model that was not trained.
+  A field the record lacks (added to ModelConfig since) must hold its default."""
+  saved = meta.get("model")
+  if not isinstance(saved, dict):
+    raise UserError(f"The checkpoint of {run_dir} at step {meta['step']} does not record "
+                    f"the model its weights were trained as (its meta has model = "
+                    f"{str(saved)[:80]!r}, not an object of model.* settings). Train into a "
+                    f"new --run_dir.")
+  now = json.loads(json.dumps(runs.config_dict(config)))
+  defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(ModelConfig)
+                                    if f.default is not dataclasses.MISSING}))
+  changed = [f"model.{k} ({saved.get(k, defaults.get(k))!r} -> {v!r})" for k, v in now.items()
+             if saved.get(k, defaults.get(k)) != v]
+  unknown = sorted(set(saved) - set(now))
+  if changed or unknown:
+    what = ", ".join(changed + [f"model.{k} (no such setting now)" for k in unknown])
+    raise UserError(f"{run_dir} was trained to step {meta['step']} as another model than "
+                    f"this run's: {what}. Its weights would run as a model they were not "
+                    f"trained as. Resume with the checkpoint's model.* settings (its "
+                    f"model.json), or train into a new --run_dir.")
 
 
 def _report_resume(meta: dict, **now) -> None:

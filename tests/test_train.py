@@ -1,6 +1,7 @@
 """The train loop: NaN/Inf guard (stop or skip), optimizer bindings, metrics, eval, plots."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -172,6 +173,22 @@ def test_resuming_under_another_train_precision_is_refused_and_optimizer_changes
   with pytest.raises(UserError, match=r"trained to step 2 with precision 'dtype=float32.*"
                                       r"this run's train precision is 'dtype=bfloat16"):
     train_in_process(run, ["train.steps = 3", "train/precision.dtype = 'bfloat16'"])
+  # another model whose parameters have the same shapes: refused, model.json untouched
+  model_json = (run / "model.json").read_text()
+  with pytest.raises(UserError, match=r"trained to step 2 as another model than this "
+                                      r"run's: model.activation \('silu' -> 'gelu'\)"):
+    train_in_process(run, ["train.steps = 3", "model.activation = 'gelu'"])
+  assert (run / "model.json").read_text() == model_json
+  # a checkpoint whose meta does not record its precision (edited): refused
+  edited = tmp_path / "edited"
+  shutil.copytree(run, edited)
+  meta_path = edited / "checkpoints" / "2" / "meta" / "metadata"
+  meta = json.loads(meta_path.read_text())
+  del meta["precision"]
+  meta_path.write_text(json.dumps(meta))
+  with pytest.raises(UserError, match=r"does not record the train precision its steps ran "
+                                      r"in"):
+    train_in_process(edited, ["train.steps = 3", "train/precision.dtype = 'bfloat16'"])
   capsys.readouterr()
   train_in_process(run, ["train.steps = 3", "optimizer.learning_rate = 0.5"])
   out = capsys.readouterr().out
