@@ -355,3 +355,17 @@ def test_the_job_writes_records_and_report_and_resumes(tok, params, tmp_path):
   rc, err = call([*argv[:-1], "--gin.retrieval.seed=1", argv[-1]], tok,
                  load=lambda *a, **k: ckpt)
   assert rc == 2 and "seed" in err, err
+  # ... nor do records computed under other XLA numerics (the header pins them)
+  assert meta["xla"].startswith("XLA: excess precision disabled")
+  with mock.patch.dict(os.environ, {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") +
+                                    " --xla_cpu_enable_fast_math=true"}):
+    rc, err = call(argv, tok, load=lambda *a, **k: ckpt)
+  assert rc == 2 and "xla = " in err and "fast_math" in err, err
+  # ... nor a record whose precision line is another's (edited): never counted
+  lines = before.splitlines()
+  last = json.loads(lines[-1])
+  assert last["precision"] != recs[0]["precision"]
+  last["precision"] = recs[0]["precision"]                 # highest's line on a bf16 record
+  (run_dir / "items.jsonl").write_text("\n".join(lines[:-1] + [json.dumps(last)]) + "\n")
+  rc, err = call(argv, tok, load=lambda *a, **k: ckpt)
+  assert rc == 2 and "preset 'bf16' computed under more than one precision" in err, err

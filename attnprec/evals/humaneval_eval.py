@@ -64,7 +64,7 @@ def humaneval_eval(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
   log = records.ItemLog(os.path.join(run_dir, ITEMS_FILE), meta={
       "task": "humaneval", "model": model, "source": ckpt.source,
       "max_new_tokens": max_new_tokens, "batch": batch, "prompt": "evalplus-instruct",
-      "timeout_s": timeout_s})
+      "timeout_s": timeout_s, "xla": xla_env.describe()})
   print(f"sandbox protections on this machine: {', '.join(sandbox.available_protections())}")
   print(xla_env.describe())     # what XLA runs with (a user's own XLA_FLAGS wins)
   summary = None

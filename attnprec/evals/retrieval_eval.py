@@ -78,7 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from attnprec import checkpoints, checks, compilation, decoding, runs
+from attnprec import checkpoints, checks, compilation, decoding, runs, xla_env
 from attnprec import model as model_lib
 from attnprec.cache import init_cache
 from attnprec.errors import UserError
@@ -313,7 +313,9 @@ def retrieval_eval(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
   meta = {"task": "retrieval", "format": retrieval.FORMAT, "model": model, "seed": seed,
           "first_token": first_token, "contexts": contexts, "questions": questions,
           "batch": batch, "score": "value tokens argmax, teacher-forced, prefix reused",
-          "kernel": kernel or "each preset's own"}
+          "kernel": kernel or "each preset's own",
+          # the XLA settings that change numbers: a resume under others is refused
+          "xla": xla_env.describe()}
   path = os.path.join(run_dir, ITEMS_FILE)
   # Records of other settings are refused before the model is loaded; a new results
   # file is created only once the model has loaded (a failed load leaves nothing).
@@ -354,6 +356,24 @@ def _load(model: str):
   return ckpt
 
 
+def _check_one_precision(log, name: str, line: Optional[str] = None) -> None:
+  """A preset's records were all computed under one precision line, this run's (`line`,
+  where known): a record from another precision (edited, or another code's resolution of
+  the preset) is never counted under this preset's name."""
+  lines = {}
+  for item, r in log.of_preset(name).items():
+    lines.setdefault(r.get("precision"), item)
+  if line is not None:
+    lines.setdefault(line, None)
+  if len(lines) > 1:
+    shown = "; ".join(f"{v!r} (item {item})" if item else f"{v!r} (this run)"
+                      for v, item in lines.items())
+    raise UserError(f"{log.path} holds records of preset {name!r} computed under more than "
+                    f"one precision: {shown}. Results of different precisions are never "
+                    f"counted together. Use another --run_dir, or delete the file to start "
+                    f"over.")
+
+
 def _score_length(log, name, precision, ckpt, contexts, batch, tok) -> None:
   todo = [(c, [i for i in c.items if not log.has(name, i.id)]) for c in contexts]
   todo = [(c, items) for c, items in todo if items]
@@ -361,6 +381,7 @@ def _score_length(log, name, precision, ckpt, contexts, batch, tok) -> None:
   left = sum(len(items) for _, items in todo)
   n = contexts[0].length
   print(f"[{name}] length {n}: {total - left} of {total} items already done")
+  _check_one_precision(log, name)
   if not todo:
     return
   scorer = Scorer(ckpt.config, ckpt.params, precision, batch=batch,
@@ -368,6 +389,7 @@ def _score_length(log, name, precision, ckpt, contexts, batch, tok) -> None:
                   suffix_len=max(len(i.question_ids) + len(i.value_ids)
                                  for c in contexts for i in c.items))
   code, line = runs.code_version(), scorer.precision.describe()   # each record names them
+  _check_one_precision(log, name, line)
   bar = tqdm(total=left, desc=f"{name} L{n}", unit="item", dynamic_ncols=True)
   with bar:
     for c, items in todo:
