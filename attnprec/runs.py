@@ -195,10 +195,13 @@ def _refuse_inside_another_run(run_dir: str, runner: str) -> None:
     here = parent
 
 
-def claim(run_dir: str, runner: str, *, replace: bool = False):
+def claim(run_dir: str, runner: str, *, replace: bool = False, flag: str = "--run_dir",
+          replaceable: bool = True):
   """Makes `run_dir` this runner's before anything is written: records `runner` in a new
-  directory (or in one that holds no record: a run directory made before records were
-  kept is adopted); refuses one another runner made, unless `replace`, which moves that
+  directory (or in an empty one that holds no record, which is adopted, and in train's
+  own training made before records were kept, which it resumes); refuses one another
+  runner made, and a non-empty one no runner recorded (its files would be written over),
+  unless `replace`, which moves that
   directory aside whole (one rename) and returns `finish(ok)`: called when the run ends,
   it deletes the old directory after a run that succeeded and puts it back, whole, after
   one that did not. An adopted directory's `finish` takes the record back off after a
@@ -206,8 +209,9 @@ def claim(run_dir: str, runner: str, *, replace: bool = False):
   existed = os.path.isdir(run_dir)
   made_by = owner(run_dir) if existed else None
   _refuse_inside_another_run(run_dir, runner)
-  if existed and made_by is None and runner != "train" and any(
-      os.path.exists(os.path.join(run_dir, f)) for f in ("checkpoints", PARAMS_FILE)):
+  training = existed and any(os.path.exists(os.path.join(run_dir, f))
+                             for f in ("checkpoints", PARAMS_FILE))
+  if existed and made_by is None and runner != "train" and training:
     # A train run made before run directories recorded their runner: adopting it would
     # put this runner's results beside the training and lock the training out of it.
     raise UserError(f"Run directory {run_dir!r} holds a training (checkpoints/ or "
@@ -215,7 +219,21 @@ def claim(run_dir: str, runner: str, *, replace: bool = False):
                     f"{runner!r} would write its results beside it and take it over. "
                     f"Choose another --run_dir (a train run is read through its own "
                     f"settings, e.g. recall_eval.checkpoint).")
-  if replace and made_by in (None, runner):
+  # Files no run recorded (a user's, or a run made before records were kept): this run
+  # would write its files over theirs and leave the rest beside them. Only an empty
+  # directory is taken as it is (and train's own older training, which it resumes).
+  foreign = existed and made_by is None and bool(set(os.listdir(run_dir)) - {LOCK_FILE}) \
+      and not (runner == "train" and training)
+  if foreign and not replace:
+    raise UserError(f"Run directory {run_dir!r} is not empty and records no runner (no "
+                    f"{OWNER_FILE}): {runner!r} would write its results over the files "
+                    f"there and leave the rest beside them. Choose another {flag}, "
+                    + ("pass --replace_run_dir to replace the directory whole (the old one "
+                       "is kept until this run succeeds), " if replaceable else "")
+                    + f"or, if it is a {runner!r} run made before "
+                    f"run directories recorded their runner, record it: echo "
+                    f"'{{\"runner\": \"{runner}\"}}' > {os.path.join(run_dir, OWNER_FILE)}")
+  if replace and (made_by == runner or (made_by is None and not foreign)):
     raise UserError(f"--replace_run_dir replaces a run directory another runner made, but "
                     f"{run_dir!r} " + ("does not exist yet" if not os.path.isdir(run_dir)
                                        else f"holds no other runner's run "
@@ -223,7 +241,7 @@ def claim(run_dir: str, runner: str, *, replace: bool = False):
                     + f": there is nothing to replace, so the flag would not be used. Drop "
                       f"it.")
   moved = None
-  if made_by is not None and made_by != runner:
+  if foreign or (made_by is not None and made_by != runner):
     if not replace:
       check_owner(run_dir, (runner,), repr(runner), replaceable=True)
     moved = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(run_dir)) or ".",

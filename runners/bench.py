@@ -513,9 +513,9 @@ def main(argv) -> int:
     compilation.enable()
     runs.check_owner(args.out, ("bench",), "the bench", flag="--out")
     # the bench's --out is its own: recorded as the bench's, so that no other runner
-    # writes its results beside the bench's (a directory the bench's earlier runs made
-    # without a record is adopted)
-    finish = runs.claim(args.out, "bench")
+    # writes its results beside the bench's (a directory with files but no record is
+    # refused: the bench would write over them)
+    finish = runs.claim(args.out, "bench", flag="--out", replaceable=False)
     ok = False
     try:
       _suites(args)

@@ -351,7 +351,7 @@ def check(out_dir: str, wanted=PARTS) -> int:
             tpu_decode_part))
   parts = [(name, part) for key, name, part in parts if key in wanted]
   # recorded as the device check's, so that no other runner writes beside its results
-  runs.claim(out_dir, "device_check")
+  runs.claim(out_dir, "device_check", flag="--out", replaceable=False)
   for name, part in parts:
     print(f"device-check: {name} ...", flush=True)
     t0 = time.perf_counter()

@@ -60,25 +60,41 @@ def test_replacing_is_whole_and_kept_until_the_new_run_succeeds(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
-def test_a_directory_without_a_record_is_adopted_and_a_broken_record_refused(tmp_path):
+def test_a_directory_with_files_but_no_record_is_refused_and_a_broken_record_refused(
+    tmp_path):
+  """A non-empty directory no runner recorded (a user's files, or a run made before
+  records were kept): the runner would write over its files, so it is refused, nothing
+  changed; --replace_run_dir replaces it whole; a record written by hand adopts it."""
   d = tmp_path / "old"
   d.mkdir()
   (d / "results.json").write_text(json.dumps({"by": "someone"}))
+  (d / "notes.txt").write_text("mine")
+  assert _runner("eval", tmp_path)([f"--run_dir={d}"]) == cli.EXIT_USER_ERROR
+  assert runs.owner(str(d)) is None and json.loads((d / "results.json").read_text()) == {
+      "by": "someone"}
+  (d / runs.OWNER_FILE).write_text('{"runner": "eval"}')
   assert _runner("eval", tmp_path)([f"--run_dir={d}"]) == 0
-  assert runs.owner(str(d)) == "eval"
+  assert runs.owner(str(d)) == "eval" and (d / "notes.txt").exists()
   (d / runs.OWNER_FILE).write_text("[1, 2]")
   with pytest.raises(UserError, match="must be a JSON object with a string 'runner'"):
     runs.owner(str(d))
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "notes.txt").write_text("mine")
+  with pytest.raises(UserError, match=r"is not empty and records no runner .*'decode' "
+                                      r"would write its results over the files there"):
+    runs.claim(str(other), "decode")
+  assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+  assert _runner("decode", tmp_path)([f"--run_dir={other}", "--replace_run_dir"]) == 0
+  assert runs.owner(str(other)) == "decode" and not (other / "notes.txt").exists()
 
 
-def test_a_run_that_fails_in_a_directory_it_adopted_leaves_it_unowned(tmp_path):
-  """A decode run pointed at an older eval's directory (no record) that fails must not
-  leave its record there: the eval that made it could no longer resume it."""
-  d = tmp_path / "old"
+def test_a_run_that_fails_in_an_empty_directory_it_adopted_leaves_it_unowned(tmp_path):
+  """An empty directory is adopted; a run that fails there leaves it as it was found."""
+  d = tmp_path / "empty"
   d.mkdir()
-  (d / "results.json").write_text(json.dumps({"by": "someone"}))
   assert _runner("decode", tmp_path, fail="early")([f"--run_dir={d}"]) == cli.EXIT_USER_ERROR
-  assert runs.owner(str(d)) is None and (d / "results.json").exists()
+  assert runs.owner(str(d)) is None and d.is_dir()
   assert _runner("eval", tmp_path)([f"--run_dir={d}"]) == 0
   assert runs.owner(str(d)) == "eval"
 

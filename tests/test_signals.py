@@ -140,12 +140,13 @@ def test_study_signal_keeps_older_files_removes_its_own(tmp_path, monkeypatch):
   import attnprec.study.sweep
   run_dir = tmp_path / "study"
   run_dir.mkdir()
+  (run_dir / runs.OWNER_FILE).write_text('{"runner": "study"}')      # an earlier study's
   (run_dir / "older.json").write_text("{}")
   monkeypatch.setenv("SIGNAL_TEST_RUN_DIR", str(run_dir))
   monkeypatch.setattr(attnprec.study.sweep.models, "load_model", _signal_in(signal.SIGTERM))
   rc, err = _call("study", ["--gin_file=experiments/study_recall.gin", f"--run_dir={run_dir}"])
   assert rc == 143, err
-  assert sorted(os.listdir(run_dir)) == ["older.json"]
+  assert sorted(os.listdir(run_dir)) == sorted([runs.OWNER_FILE, "older.json"])
 
 
 def test_write_failure_in_decode_exit_2_and_nothing_left(tmp_path, monkeypatch):
