@@ -255,6 +255,15 @@ def test_dequantized_params_cache(hf_llama, tmp_path, monkeypatch):
   np.testing.assert_array_equal(np.asarray(again.params["decoder/embed"]["embeddings"]),
                                 np.asarray(fresh.params["decoder/embed"]["embeddings"]))
   assert len(entries()) == 1
+  # a tensor replaced by a lower-precision copy (valid .npy, same shape): rebuilt, never
+  # loaded as the model's float32 weights
+  entry = tmp_path / "cache/gguf" / entries()[0]
+  npy = entry / "decoder.embed.embeddings.npy"
+  np.save(npy, np.load(npy).astype(np.float16))
+  again = checkpoints.load(path)
+  np.testing.assert_array_equal(np.asarray(again.params["decoder/embed"]["embeddings"]),
+                                np.asarray(fresh.params["decoder/embed"]["embeddings"]))
+  assert np.load(entry / "decoder.embed.embeddings.npy").dtype == np.float32
 
 
 # ----------------------------------------------------------------------------- errors

@@ -224,6 +224,8 @@ def _read_params(entry: pathlib.Path, config: ModelConfig, param_dtype, origin: 
   for module, names in index.items():
     for name in names:
       w = np.load(entry / _npy_name(module, name), mmap_mode="r", allow_pickle=False)
+      if w.dtype != np.float32:     # the cache writes float32 only: an entry edited since
+        raise ValueError(f"cached {module}/{name} is {w.dtype}, not float32")
       builder.put(module, name, w, source=f"cached {module}/{name}", file=str(entry))
   return builder.finish()
 
