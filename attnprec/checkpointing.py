@@ -324,8 +324,9 @@ def meta_problem(meta, step: int) -> Optional[str]:
   for key in ("seed", "batch_size", "steps"):
     if key in meta and not readback.is_int(meta[key]):
       return f"has {key} = {meta[key]!r}, not an integer"
-  if "precision" in meta and not isinstance(meta["precision"], str):
-    return f"has precision = {meta['precision']!r}, not a precision line"
+  for key in ("precision", "xla"):
+    if key in meta and not isinstance(meta[key], str):
+      return f"has {key} = {meta[key]!r}, not a line of settings"
   if "optimizer" in meta and not isinstance(meta["optimizer"], dict):
     return f"has optimizer = {meta['optimizer']!r}, not an object of settings"
   acc = meta.get("eval_accuracy")

@@ -30,7 +30,7 @@ import optax
 from tqdm import tqdm
 
 from attnprec import (checkpointing, checks, kernels, keyoffset, memory, plotting, runs,
-                      sharding)
+                      sharding, xla_env)
 from attnprec import signals
 from attnprec import model as model_lib
 from attnprec.config import ModelConfig
@@ -267,6 +267,9 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   optimizer = make_optimizer(total_steps=steps)
   optimizer_settings = optimizer_args()
   precision_line = precision.describe()
+  xla_line = xla_env.describe()      # the XLA settings that change numbers: printed, recorded
+  if jax.process_index() == 0:
+    print(xla_line)
   init = functools.partial(init_state, config, optimizer, seed)
   abstract = jax.eval_shape(init)
   state_sh = sharding.tree_shardings(abstract, abstract.params, config, mesh)
@@ -284,6 +287,7 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
     else:
       state, meta = TrainState(**restored[0]), restored[1]
       _check_resume_precision(meta, precision_line, run_dir)
+      _check_resume_xla(meta, xla_line, run_dir)
       _check_resume_model(meta, config, run_dir)
       _report_resume(meta, seed=seed, batch_size=batch_size, steps=steps, task=task_desc,
                      optimizer=optimizer_settings)
@@ -312,7 +316,8 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
 
     def checkpoint_meta(n: int, last: dict, reached: bool) -> dict:
       return {"step": n, "data_position": n, "seed": seed, "batch_size": batch_size,
-              "steps": steps, "precision": precision_line, "optimizer": optimizer_settings,
+              "steps": steps, "precision": precision_line, "xla": xla_line,
+              "optimizer": optimizer_settings,
               "model": runs.config_dict(config), "task": task_desc,
               "mesh": [mesh.shape["data"], mesh.shape["model"]],
               "eval_accuracy": last.get("eval_accuracy"), "target_reached": reached}
@@ -406,6 +411,20 @@ def _check_resume_precision(meta: dict, line: str, run_dir: str) -> None:
                     f"'{saved}', and this run's train precision is '{line}': its steps "
                     f"would mix two precisions while its results name one. Resume with the "
                     f"checkpoint's train/precision.* settings, or train into a new "
+                    f"--run_dir.")
+
+
+def _check_resume_xla(meta: dict, line: str, run_dir: str) -> None:
+  """The XLA settings that change numbers (excess precision, fast math, ...: the line
+  `xla_env.describe` prints) are part of a run's precision: a resume under others, or from
+  a checkpoint that does not record them, is refused like another train precision."""
+  saved = meta.get("xla")
+  if saved != line:
+    was = (f"with '{saved}'" if isinstance(saved, str) else
+           "without a record of its XLA settings (its meta has no 'xla')")
+    raise UserError(f"{run_dir} was trained to step {meta['step']} {was}, and this run has "
+                    f"'{line}': its steps would mix two numerics while its results name "
+                    f"one. Resume with the checkpoint's XLA_FLAGS, or train into a new "
                     f"--run_dir.")
 
 

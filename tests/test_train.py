@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import gin
 import jax
@@ -189,6 +190,12 @@ def test_resuming_under_another_train_precision_is_refused_and_optimizer_changes
   with pytest.raises(UserError, match=r"does not record the train precision its steps ran "
                                       r"in"):
     train_in_process(edited, ["train.steps = 3", "train/precision.dtype = 'bfloat16'"])
+  # XLA settings that change numbers are part of the run's precision
+  with mock.patch.dict(os.environ, {"XLA_FLAGS": os.environ["XLA_FLAGS"] +
+                                    " --xla_cpu_enable_fast_math=true"}):
+    with pytest.raises(UserError, match=r"trained to step 2 with 'XLA: excess precision "
+                                        r"disabled.*this run has .*fast_math"):
+      train_in_process(run, ["train.steps = 3"])
   capsys.readouterr()
   train_in_process(run, ["train.steps = 3", "optimizer.learning_rate = 0.5"])
   out = capsys.readouterr().out
