@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional
 import gin
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attnprec import checks, layers, layout
 from attnprec import model as model_lib
@@ -44,7 +45,9 @@ class Greedy:
 # sampler's softmax while the run would report finite logits). For the most likely
 # token, use Greedy().
 MIN_TEMPERATURE = 1e-6
-_POSITIVE = checks.number(ge=MIN_TEMPERATURE)
+# ... and above this it is not a float32 at all (1e308 becomes inf: every logit 0 or NaN).
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)
+_POSITIVE = checks.number(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE)
 
 
 @gin.configurable
@@ -84,8 +87,11 @@ class TopP:
     logits_BxV = logits_BxV / self.temperature
     sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
     cum_BxV = jnp.cumsum(jax.nn.softmax(sorted_BxV, axis=-1), axis=-1)
-    # Keep tokens whose preceding cumulative mass is < p (the top token is always kept).
+    # Keep tokens whose preceding cumulative mass is < p, and the top token always (a p
+    # that float32 rounds to 0, or a top token whose mass rounds to above 0 before it,
+    # would otherwise keep none: every logit -inf, and token 0 drawn).
     keep_BxV = (cum_BxV - jax.nn.softmax(sorted_BxV, axis=-1)) < self.p
+    keep_BxV = keep_BxV.at[:, 0].set(True)
     cutoff_Bx1 = jnp.min(jnp.where(keep_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
     logits_BxV = jnp.where(logits_BxV < cutoff_Bx1, -jnp.inf, logits_BxV)
     return jax.random.categorical(rng, logits_BxV).astype(jnp.int32)

@@ -91,6 +91,18 @@ def test_samplers_pick_allowed_tokens(sampler):
     assert len(set(np.unique(picks))) > 1   # it does sample
 
 
+def test_a_nucleus_float32_rounds_to_nothing_still_keeps_the_top_token():
+  """TopP with a p that float32 rounds to 0 (1e-45) is greedy: the top token is always
+  kept (else no token was, every logit -inf, and token 0 was drawn); a temperature float32
+  cannot hold is refused by its rule, naming the largest it takes."""
+  logits = jnp.log(jnp.array([[0.05, 0.3, 0.5, 0.15]]).repeat(8, 0))
+  picks = decoding.TopP(p=1e-45)(logits, jax.random.PRNGKey(0))
+  assert set(np.asarray(picks).tolist()) == {2}
+  for sampler in (decoding.TopK, decoding.TopP, decoding.Temperature):
+    with pytest.raises(UserError, match=r"temperature.*1e\+308"):
+      sampler(temperature=1e308)
+
+
 def test_prompt_longer_than_cache_is_a_clear_error():
   tokens, lengths = decoding.pad_prompts([[1] * 10])
   with pytest.raises(UserError, match="Prompt of 10 tokens is longer than the KV cache"):
