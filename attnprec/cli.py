@@ -100,6 +100,14 @@ def run(prog: str, body: Callable[[], object], *, output_dir: Optional[str] = No
       rc, partial = EXIT_USER_ERROR, isinstance(e, runs.WriteError)
     except KeyboardInterrupt as e:
       rc, partial = _print_interrupted(prog, e), True
+    except RuntimeError as e:
+      why = _backend_start_error(e)
+      if why is None:
+        if not existed:
+          runs.remove_if_empty(output_dir)
+        raise
+      _print_error(prog, why)
+      rc = EXIT_USER_ERROR
     except SystemExit as e:   # argparse --help
       return e.code if isinstance(e.code, int) else EXIT_OK
     except BaseException:
@@ -111,6 +119,23 @@ def run(prog: str, body: Callable[[], object], *, output_dir: Optional[str] = No
   if not existed:
     runs.remove_if_empty(output_dir)
   return rc
+
+
+def _backend_start_error(e: RuntimeError) -> Optional[UserError]:
+  """The UserError for JAX failing to start the backend JAX_PLATFORMS names (a platform
+  this machine does not have: `JAX_PLATFORMS=tpu` on a CPU machine), else None. JAX
+  starts its backends lazily, at the first array, so this is caught where it surfaces,
+  not checked first: checking would start the backend before `jax.distributed` may
+  initialize (a multi-host training)."""
+  text = str(e)
+  if "Unable to initialize backend" not in text:
+    return None
+  names = os.environ.get("JAX_PLATFORMS", "")
+  first = " ".join(text.strip().splitlines()[0].split())[:300]
+  what = f"the backend JAX_PLATFORMS={names!r} names" if names else "its backend"
+  return UserError(f"JAX could not start {what} ({first}). Unset JAX_PLATFORMS to use "
+                   f"what this machine has, or name a platform that is here ('cpu' always "
+                   f"is).")
 
 
 def exit(rc: int) -> None:  # noqa: A001 -- the runners' sys.exit

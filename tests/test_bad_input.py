@@ -382,6 +382,27 @@ def test_task_json_must_be_an_object(tmp_path):
   assert_refused("decode", rc, err, run_dir, "not an object")
 
 
+def test_a_backend_jax_platforms_names_that_cannot_start_is_exit_2(tmp_path, monkeypatch,
+                                                                   capsys):
+  """JAX starts its backend at the first array (inside a job, after loading): JAX's
+  RuntimeError for a platform this machine does not have is the one-paragraph error,
+  exit 2, the new output directory removed; any other RuntimeError stays a crash."""
+  from attnprec import cli
+  monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+  out = tmp_path / "run"
+
+  def body():
+    out.mkdir()
+    raise RuntimeError("Unable to initialize backend 'tpu': INTERNAL: Failed to open "
+                       "libtpu.so\nmore")
+  assert cli.run("decode", body, output_dir=str(out)) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("decode: error: JAX could not start the backend JAX_PLATFORMS='tpu' "
+                        "names (Unable to initialize backend 'tpu'") and not out.exists()
+  with pytest.raises(RuntimeError, match="something else"):
+    cli.run("decode", lambda: (_ for _ in ()).throw(RuntimeError("something else")))
+
+
 def test_second_training_into_a_run_directory_is_refused(tmp_path):
   run_dir = str(tmp_path / "run")
   with runs.locked(run_dir):      # as a first training holds it
