@@ -245,9 +245,14 @@ def test_humaneval_runs_on_different_problems_are_also_compared_on_the_shared_on
   # fp32_qk is in A's records, not in B's: B says so; A's column is over the same 24.
   assert rows[(measure, "fp32_qk")][1] == "not run"
   assert rows[(measure, "fp32_qk")][0] != "not run"
-  # Runs over the same problems get no second set of rows.
+  # Runs over the same problems get no second set of rows (a copy: one run for two
+  # sizes is refused).
+  with pytest.raises(UserError, match="the same run directory"):
+    sizes.sizes_job(run_dir=str(tmp_path / "run2"), labels=("A", "B"),
+                    studies=(STUDY05, STUDY), humaneval=(HUMANEVAL, HUMANEVAL))
   same = sizes.sizes_job(run_dir=str(tmp_path / "run2"), labels=("A", "B"),
-                         studies=(STUDY05, STUDY), humaneval=(HUMANEVAL, HUMANEVAL))
+                         studies=(STUDY05, STUDY),
+                         humaneval=(HUMANEVAL, _copy(HUMANEVAL, tmp_path / "full")))
   assert same["humaneval_matched_problems"] is None
   assert not any("every size ran" in m for m, _ in _table_rows(same))
 
@@ -294,6 +299,26 @@ def test_runs_whose_records_differ_in_a_setting_results_json_lacks_are_refused(
       model="another", source="another file", batch=3))
   sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
                   studies=(STUDY05, STUDY), **{kind: (src, same)})
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda res: res["presets"][1].update(accuracy=3.0), "with accuracy = 3.0"),
+    (lambda res: res["presets"][1].update(wilson95=[5, -2]), "with wilson95 = [5, -2]"),
+    (lambda res: res["comparisons"][0].update(mcnemar_p=7.5),
+     "mcnemar_p is 7.5, not a probability"),
+    (lambda res: res["comparisons"][0].update(only_a=-3), "only_a is -3, not a count"),
+    (lambda res: res["comparisons"][0].update(only_b="x"), "only_b is 'x', not a count"),
+])
+def test_a_report_s_figures_its_records_do_not_give_are_refused(tmp_path, edit, says):
+  """Not only the counts: every figure of a row the table quotes (accuracy, its
+  interval) is recomputed from the records, and a paired comparison must be one a report
+  writes (counts adding up, a p-value in [0, 1]); an edited one is refused, naming it."""
+  other = _copy(HUMANEVAL, tmp_path / "other", edit)
+  with pytest.raises(UserError, match="an edited report") as e:
+    sizes.sizes_job(run_dir=str(tmp_path / "run"), labels=("A", "B"),
+                    studies=(STUDY05, STUDY), humaneval=(HUMANEVAL, other))
+  assert says in str(e.value)
+  assert not (tmp_path / "run").exists()
 
 
 def test_records_that_do_not_match_the_report_are_refused(tmp_path):
@@ -390,7 +415,7 @@ def test_one_study_for_two_sizes_is_refused_and_inputs_of_different_code_are_sai
   with pytest.raises(UserError, match="the same run directory"):
     sizes.sizes_job(run_dir=str(tmp_path / "r1"), labels=("A", "B"), studies=(STUDY, STUDY))
   copy = _copy(STUDY, tmp_path / "copy")
-  with pytest.raises(UserError, match="studies of the same model"):
+  with pytest.raises(UserError, match="studies runs of the same model"):
     sizes.sizes_job(run_dir=str(tmp_path / "r2"), labels=("A", "B"), studies=(STUDY, copy))
   assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
   prov = {"source": "0123456789abcdef", "commit": "abc1234", "clean": True}

@@ -148,20 +148,25 @@ def _same(kind: str, labels: Sequence[str], values: Sequence, key: str) -> None:
                     f"not measure the same thing. Rerun them with the same settings.")
 
 
-def _distinct(labels: Sequence[str], dirs: Sequence[str], results: Sequence[dict]) -> None:
-  """Two sizes may not be one run, nor two runs of one model: the columns would compare
-  a model with itself."""
+def _distinct(labels: Sequence[str], dirs: Sequence[str], results: Sequence[dict],
+              kind: str = "studies") -> None:
+  """Two sizes may not be one run, nor (studies) two runs of one model: the columns would
+  compare a model with itself. `kind`: the sizes setting (studies, humaneval,
+  retrieval); an eval's model is the column's study's, whose model is checked here."""
   seen = {}
   for label, d, res in zip(labels, dirs, results):
-    for key in (("directory", os.path.realpath(d)), ("model", res.get("model"))):
+    if res is None:                   # a size without this eval
+      continue
+    for key in (("directory", os.path.realpath(d)),
+                ("model", res.get("model") if kind == "studies" else None)):
       if key[1] is None:
         continue
       if key in seen:
         other, other_dir = seen[key]
         what = (f"the same run directory ({d!r})" if key[0] == "directory" else
-                f"studies of the same model ({key[1]!r}: {other_dir!r} and {d!r})")
-        raise UserError(f"sizes: {other!r} and {label!r} are {what}; sizes.studies needs "
-                        f"one study per size, each of its own model.")
+                f"{kind} runs of the same model ({key[1]!r}: {other_dir!r} and {d!r})")
+        raise UserError(f"sizes: {other!r} and {label!r} are {what}; sizes.{kind} needs "
+                        f"one run per size, each of its own model.")
       seen[key] = (label, d)
 
 
@@ -296,7 +301,56 @@ def _item_records(run_dir: str, result: dict) -> Tuple[dict, Dict[str, Dict[str,
                     f"in progress, records of another run or an edited report. Let the "
                     f"eval finish (or rerun it to rewrite its report), then run sizes "
                     f"again.")
+  # The figures the table quotes (accuracy, its interval, the paired tests), not only
+  # the counts, are the records': an edited accuracy of 3.0 would be quoted as 300%.
+  sections = ([(int(n), sec) for n, sec in result["lengths"].items()] if per_length else
+              [(None, result)])
+  for n, sec in sections:
+    at = f" at {n}" if n else ""
+    for row in sec["presets"]:
+      want = report.preset_row(row["preset"], held.get((row["preset"], n), {}))
+      bad = [k for k in want if not _same_value(row.get(k), want[k])]
+      if bad:
+        raise UserError(f"sizes: {run_dir}/results.json reports {row['preset']}{at} with "
+                        f"{bad[0]} = {_short(row.get(bad[0]))}, but its records "
+                        f"({path}) give {_short(want[bad[0]])}: an edited report. Rerun "
+                        f"the eval to rewrite it, then run sizes again.")
+    for c in sec["comparisons"]:
+      why = _comparison_problem(c)
+      if why:
+        raise UserError(f"sizes: {run_dir}/results.json reports a comparison{at} whose "
+                        f"{why}: an edited report. Rerun the eval to rewrite it, then run "
+                        f"sizes again.")
   return header, out
+
+
+def _comparison_problem(c) -> Optional[str]:
+  """None if a paired comparison is one a report writes: its four cells non-negative
+  counts adding up to its items, its difference theirs, its p-value a probability."""
+  if not isinstance(c, dict):
+    return f"entry is {_short(c)}, not an object"
+  cells = ("both", "only_a", "only_b", "neither")
+  for k in ("items",) + cells:
+    if not (readback.is_int(c.get(k)) and c[k] >= 0):
+      return f"{k} is {_short(c.get(k))}, not a count"
+  if sum(c[k] for k in cells) != c["items"]:
+    return f"cells ({', '.join(f'{k} {c[k]}' for k in cells)}) do not add up to its items ({c['items']})"
+  if c["items"] and c.get("difference") != (c["only_a"] - c["only_b"]) / c["items"]:
+    return f"difference is {_short(c.get('difference'))}, not (only_a - only_b) / items"
+  p = c.get("mcnemar_p")
+  if not (readback.is_finite_number(p) and 0 <= p <= 1):
+    return f"mcnemar_p is {_short(p)}, not a probability"
+  return None
+
+
+def _same_value(a, b) -> bool:
+  """Equal as the JSON a report writes: numbers to float64's last bit (nan == nan), lists
+  element by element, anything else by ==."""
+  if isinstance(a, list) and isinstance(b, (list, tuple)):
+    return len(a) == len(b) and all(map(_same_value, a, b))
+  if readback.is_number(a) and readback.is_number(b):
+    return a == b or (a != a and b != b)
+  return type(a) is type(b) and a == b
 
 
 def matched_summaries(dirs: Sequence[str], results: Sequence[Optional[dict]],
@@ -373,6 +427,10 @@ def sizes_job(*, run_dir: str, labels: Sequence[str] = (), studies: Sequence[str
   rt = [(_read(d, "retrieval run") if d else None) for d in retrieval] or [None] * len(labels)
   # Each eval's records (items.jsonl): its header holds settings results.json does not
   # (the prompt, the sandbox timeout, the items' seed).
+  if humaneval:
+    _distinct(labels, humaneval, he, "humaneval")
+  if retrieval:
+    _distinct(labels, retrieval, rt, "retrieval")
   he_read = [_item_records(d, r) if r is not None else None
              for d, r in zip(humaneval or [""] * len(labels), he)]
   rt_read = [_item_records(d, r) if r is not None else None
