@@ -85,7 +85,7 @@ def test_a_retrieval_verdict_its_own_tokens_contradict_is_refused(tmp_path):
   """A verdict edited by hand: 'correct' must be what the record's argmax and gold token
   ids say (`retrieval.judge`)."""
   meta = {"task": "retrieval"}
-  rec = {"preset": "a", "item": "L1-c0-q0", "correct": False, "finite": True,
+  rec = {"preset": "a", "item": "L1024/c0/q0", "correct": False, "finite": True,
          "length": 1024, "tokens": 1000, "close_ok": True, "argmax": [5, 7], "gold": [5, 8]}
   path = tmp_path / "items.jsonl"
   path.write_text(json.dumps({"meta": meta}) + "\n" + json.dumps(rec) + "\n")
@@ -95,6 +95,34 @@ def test_a_retrieval_verdict_its_own_tokens_contradict_is_refused(tmp_path):
   with pytest.raises(UserError, match="line 2: 'correct' is True while its argmax tokens "
                                       "differ from the gold tokens"):
     records.ItemLog(str(path), meta)
+
+
+@pytest.mark.parametrize("edit,says", [
+    (dict(length=4096), "field 'length' is 4096 while its item id 'L512/c0/q1' says 512"),
+    (dict(tokens=-5), "field 'tokens' is -5, not a prompt of 1 to 512 tokens"),
+    (dict(tokens=600), "field 'tokens' is 600, not a prompt of 1 to 512 tokens"),
+    (dict(pairs=-1), "field 'pairs' is -1, not a count"),
+    (dict(relative=float("nan")), "field 'relative' is nan, not a position in [0, 1]"),
+    (dict(seconds=float("inf")), "field 'seconds' is inf, not a time in seconds"),
+    (dict(margin=float("inf")), "field 'margin' is inf while 'finite' is true"),
+    (dict(item="L512-c0-q1"), "not an item id L<length>/c<i>/q<j>"),
+])
+def test_a_retrieval_record_whose_fields_are_impossible_is_refused(tmp_path, edit, says):
+  """A record's fields agree with its item id and are possible: an edited length, a
+  negative count, a NaN position or time is refused naming the line and the field, never
+  counted (a doubled time would be quoted)."""
+  meta = {"task": "retrieval"}
+  rec = {"preset": "a", "item": "L512/c0/q1", "correct": True, "finite": True,
+         "length": 512, "context": 0, "question": 1, "tokens": 480, "pairs": 6,
+         "relative": 0.5, "seconds": 2.0, "margin": 1.5, "close_ok": True,
+         "argmax": [5], "gold": [5]}
+  path = tmp_path / "items.jsonl"
+  path.write_text(json.dumps({"meta": meta}) + "\n" + json.dumps(rec) + "\n")
+  assert len(records.ItemLog(str(path), meta).records()) == 1
+  path.write_text(json.dumps({"meta": meta}) + "\n" + json.dumps(dict(rec, **edit)) + "\n")
+  with pytest.raises(UserError, match="line 2") as e:
+    records.ItemLog(str(path), meta)
+  assert says in str(e.value)
 
 
 def test_integers_past_int32_and_text_that_is_not_utf8_are_refused_by_rule():

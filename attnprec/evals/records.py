@@ -140,6 +140,42 @@ def _verdict_problem(record: dict, task: Optional[str]) -> Optional[str]:
       return (f"'correct' is {record['correct']} while its argmax tokens "
               f"{'equal' if argmax == gold else 'differ from'} the gold tokens "
               f"(the verdict was edited)")
+  if task == "retrieval":
+    return _retrieval_fields_problem(record)
+  return None
+
+
+def _retrieval_fields_problem(record: dict) -> Optional[str]:
+  """A retrieval record's own fields agree with its item id (`L<length>/c<context>/
+  q<question>`) and are possible: a prompt of 1 to `length` tokens, counts >= 0, a
+  relative position in [0, 1], times finite and >= 0, and (finite logits) a finite
+  margin. An edited length, a negative count or a NaN time would be counted and quoted."""
+  parts = str(record["item"]).split("/")
+  if not (len(parts) == 3 and [p[:1] for p in parts] == ["L", "c", "q"]
+          and all(p[1:].isdigit() for p in parts)):
+    return f"field 'item' is {_short(record['item'])}, not an item id L<length>/c<i>/q<j>"
+  ids = dict(zip(("length", "context", "question"), (int(p[1:]) for p in parts)))
+  for field, value in ids.items():
+    if field in record and record[field] != value:
+      return (f"field {field!r} is {_short(record[field])} while its item id "
+              f"{record['item']!r} says {value}")
+  if not 1 <= record["tokens"] <= ids["length"]:
+    return (f"field 'tokens' is {record['tokens']}, not a prompt of 1 to {ids['length']} "
+            f"tokens (its length)")
+  for field in ("pairs", "index", "batch_rows"):
+    if field in record and not (readback.is_int(record[field]) and record[field] >= 0):
+      return f"field {field!r} is {_short(record[field])}, not a count"
+  if "relative" in record and not (readback.is_finite_number(record["relative"])
+                                   and 0 <= record["relative"] <= 1):
+    return f"field 'relative' is {_short(record['relative'])}, not a position in [0, 1]"
+  for field in ("seconds", "batch_seconds", "prefill_seconds", "compile_seconds"):
+    if field in record and not (readback.is_finite_number(record[field])
+                                and record[field] >= 0):
+      return f"field {field!r} is {_short(record[field])}, not a time in seconds"
+  if record["finite"] and "margin" in record and not readback.is_finite_number(
+      record["margin"]):
+    return (f"field 'margin' is {_short(record['margin'])} while 'finite' is true (finite "
+            f"logits give a finite margin)")
   return None
 
 
