@@ -64,8 +64,12 @@ import argparse
 import os
 import sys
 
-from attnprec import xla_env
-from attnprec.xla_env import disable_excess_precision
+from attnprec import startup
+
+startup.begin("bench", __name__)  # Ctrl-C from here on: one line, exit 130
+
+from attnprec import xla_env  # noqa: E402
+from attnprec.xla_env import disable_excess_precision  # noqa: E402
 
 disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 

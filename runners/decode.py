@@ -6,7 +6,11 @@ Exit codes: 0 done, 2 bad input (one paragraph, no traceback), 1 a crash (attnpr
 """
 import sys
 
-from attnprec.xla_env import disable_excess_precision
+from attnprec import startup
+
+startup.begin("decode", __name__)  # Ctrl-C from here on: one line, exit 130
+
+from attnprec.xla_env import disable_excess_precision  # noqa: E402
 
 disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 

@@ -48,7 +48,11 @@ import statistics
 import sys
 import time
 
-from attnprec.xla_env import disable_excess_precision
+from attnprec import startup
+
+startup.begin("device_check", __name__)  # Ctrl-C from here on: one line, exit 130
+
+from attnprec.xla_env import disable_excess_precision  # noqa: E402
 
 disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 

@@ -13,7 +13,11 @@ finite), 1 a crash, 130/143 interrupted (the records written so far are kept).
 """
 import sys
 
-from attnprec.xla_env import disable_excess_precision
+from attnprec import startup
+
+startup.begin("eval", __name__)  # Ctrl-C from here on: one line, exit 130
+
+from attnprec.xla_env import disable_excess_precision  # noqa: E402
 
 disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 

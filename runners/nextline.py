@@ -7,7 +7,11 @@ results.json, report.md and nextline.png into --run_dir. Exit code 2 on bad inpu
 """
 import sys
 
-from attnprec.xla_env import disable_excess_precision
+from attnprec import startup
+
+startup.begin("nextline", __name__)  # Ctrl-C from here on: one line, exit 130
+
+from attnprec.xla_env import disable_excess_precision  # noqa: E402
 
 disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 

@@ -7,8 +7,12 @@ crash (attnprec.cli).
 """
 import sys
 
-from attnprec import cli, runs
-from attnprec.plotting import plot_run
+from attnprec import startup
+
+startup.begin("plot", __name__)  # Ctrl-C from here on: one line, exit 130
+
+from attnprec import cli, runs  # noqa: E402
+from attnprec.plotting import plot_run  # noqa: E402
 
 
 EXAMPLES = [

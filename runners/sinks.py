@@ -8,7 +8,11 @@ into --run_dir. Exit code 2 on bad input.
 """
 import sys
 
-from attnprec.xla_env import disable_excess_precision
+from attnprec import startup
+
+startup.begin("sinks", __name__)  # Ctrl-C from here on: one line, exit 130
+
+from attnprec.xla_env import disable_excess_precision  # noqa: E402
 
 disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 

@@ -10,8 +10,12 @@ refused (exit 2).
 """
 import sys
 
-from attnprec import cli, ginutils
-from attnprec.evals.sizes import sizes_job
+from attnprec import startup
+
+startup.begin("sizes", __name__)  # Ctrl-C from here on: one line, exit 130
+
+from attnprec import cli, ginutils  # noqa: E402
+from attnprec.evals.sizes import sizes_job  # noqa: E402
 
 EXAMPLES = [
     "python runners/sizes.py",

@@ -11,7 +11,11 @@ full disk), 1 a crash, 130 / 143 interrupted.
 """
 import sys
 
-from attnprec.xla_env import disable_excess_precision
+from attnprec import startup
+
+startup.begin("train", __name__)  # Ctrl-C from here on: one line, exit 130
+
+from attnprec.xla_env import disable_excess_precision  # noqa: E402
 
 disable_excess_precision()  # before jax is imported (see attnprec/xla_env.py)
 

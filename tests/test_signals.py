@@ -201,3 +201,24 @@ def test_sigterm_to_a_decode_subprocess_exits_143_and_leaves_nothing(tmp_path):
   assert proc.returncode == 143, err[-3000:]
   assert err.strip().splitlines()[-1] == "decode: interrupted by SIGTERM"
   assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("signum,rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_before_the_run_starts_ends_the_runner_with_its_line(signum, rc):
+  """A runner's first line (`startup.begin`): a signal while it imports jax ends it at
+  once with one line and 130 / 143 (Ctrl-C there was swallowed by a callback, and the
+  run went on to write its results and exit 0). Imported rather than run, a runner
+  leaves the process's handlers alone."""
+  code = ("import os, signal, time\n"
+          "from attnprec import startup\n"
+          "before = signal.getsignal(signal.SIGINT)\n"
+          "startup.begin('decode', 'runner_decode')\n"
+          "assert signal.getsignal(signal.SIGINT) is before\n"
+          "startup.begin('decode', '__main__')\n"
+          f"os.kill(os.getpid(), {int(signum)})\n"
+          "time.sleep(30)\n")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        cwd=REPO, timeout=60)
+  assert proc.returncode == rc, proc.stderr
+  assert proc.stderr == (f"decode: interrupted by {signal.Signals(signum).name} before the "
+                         f"run started; nothing was written\n")
