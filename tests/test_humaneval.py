@@ -165,6 +165,13 @@ def test_job_runs_resumes_and_checks_before_loading(tiny_model, tmp_path, capsys
   assert len(tiny_model) == n                            # refused before any load
   with pytest.raises(UserError, match="max_new_tokens"):
     humaneval_eval.humaneval_eval(**dict(kw, max_new_tokens=0))
+  # a batch past the machine's memory: refused with its estimate, nothing written
+  with pytest.raises(UserError, match=r"humaneval.batch = 2000000000 \(prompts of up to .* "
+                                      r"needs at least"):
+    humaneval_eval.humaneval_eval(**dict(kw, batch=2_000_000_000,
+                                         run_dir=str(tmp_path / "huge")))
+  huge = tmp_path / "huge"       # (the runner's cli.run removes the empty directory)
+  assert not huge.exists() or not [p for p in huge.iterdir() if p.name != ".attnprec-run.json"]
 
 
 def test_best_case_detectable_is_the_power_threshold():

@@ -369,3 +369,17 @@ def test_the_job_writes_records_and_report_and_resumes(tok, params, tmp_path):
   (run_dir / "items.jsonl").write_text("\n".join(lines[:-1] + [json.dumps(last)]) + "\n")
   rc, err = call(argv, tok, load=lambda *a, **k: ckpt)
   assert rc == 2 and "preset 'bf16' computed under more than one precision" in err, err
+
+
+def test_a_batch_past_the_machine_s_memory_is_refused_with_its_estimate(tok, params, tmp_path):
+  """retrieval.batch sizes every batch (a short one is padded to it): one whose memory
+  estimate exceeds the machine is refused naming it, before anything is scored or
+  written (it ran until the system killed it)."""
+  ckpt = checkpoints.Checkpoint(CONFIG, params, tok, "tiny random model")
+  run_dir = tmp_path / "run"
+  rc, err = call(["--gin.retrieval.presets=('bf16',)", "--gin.retrieval.lengths=(512,)",
+                  "--gin.retrieval.contexts=1", "--gin.retrieval.questions=2",
+                  "--gin.retrieval.batch=2000000000", f"--run_dir={run_dir}"], tok,
+                 load=lambda *a, **k: ckpt)
+  assert rc == 2 and "retrieval.batch = 2000000000 (rows of 512 tokens) needs at least" in err
+  assert not run_dir.exists()

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import gin
 from tqdm import tqdm
 
-from attnprec import checkpoints, checks, runs, xla_env
+from attnprec import checkpoints, checks, memory, runs, xla_env
 from attnprec.errors import UserError
 from attnprec.evals import common, humaneval, records, report, sandbox
 
@@ -60,6 +60,11 @@ def humaneval_eval(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
     raise UserError(f"The longest HumanEval prompt ({longest} tokens) + humaneval."
                     f"max_new_tokens ({max_new_tokens}) exceed the model's context "
                     f"({ckpt.config.max_seq_len}).")
+  # one batch's memory (`batch` rows: a short last batch is padded to it), refused with
+  # its estimate before anything runs rather than running until the system kills it
+  memory.check_fits(f"humaneval.batch = {batch} (prompts of up to {longest} tokens + "
+                    f"{max_new_tokens} new)",
+                    memory.batch_bytes(ckpt.config, batch, longest, longest + max_new_tokens))
   ends_ExL = humaneval.end_sequences(tok)     # the chat end token, or the closing fence
   log = records.ItemLog(os.path.join(run_dir, ITEMS_FILE), meta={
       "task": "humaneval", "model": model, "source": ckpt.source,

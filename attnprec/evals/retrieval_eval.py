@@ -78,7 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from attnprec import checkpoints, checks, compilation, decoding, runs, xla_env
+from attnprec import checkpoints, checks, compilation, decoding, memory, runs, xla_env
 from attnprec import model as model_lib
 from attnprec.cache import init_cache
 from attnprec.errors import UserError
@@ -322,6 +322,10 @@ def retrieval_eval(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
   log = records.ItemLog(path, meta) if os.path.isfile(path) else None
   if ckpt is None:
     ckpt = _load(model)
+  # one batch's memory at the longest length (`batch` rows: a short batch is padded to
+  # it), refused with its estimate rather than running until the system kills it
+  memory.check_fits(f"retrieval.batch = {batch} (rows of {lengths[-1]} tokens)",
+                    memory.batch_bytes(ckpt.config, batch, lengths[-1], lengths[-1]))
   vocab = max(max(c.prefix_ids) for cs in by_length.values() for c in cs)
   if vocab >= ckpt.config.vocab_size:
     raise UserError(f"The tokenizer of {model!r} gives token id {vocab}, beyond the "
