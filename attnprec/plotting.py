@@ -51,6 +51,10 @@ def read_metrics(run_dir: str) -> List[Dict]:
   records, _ = runs.read_metrics(path)      # every line checked
   if not records:
     raise UserError(f"{path} holds no metrics yet (fewer steps than train.log_every?).")
+  if not any("loss" in r or "eval_loss" in r for r in records):
+    raise UserError(f"{path} holds no 'loss' in any of its {len(records)} records: not a "
+                    f"training's metrics (a training logs its loss every train.log_every "
+                    f"steps), so the plot would be empty.")
   return records
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from attnprec.config import ModelConfig
 from attnprec import readback
+from attnprec.checks import INT_MAX
 from attnprec.errors import UserError
 from attnprec.model import check_params
 
@@ -532,6 +533,8 @@ def _metrics_problem(obj: dict, last_step: int) -> Optional[str]:
   if step <= last_step:
     return (f"its 'step' is {step}, not above the line before's {last_step} (each step is "
             f"logged once, in order, from 1)")
+  if step > INT_MAX:
+    return f"its 'step' is {step}, past the most steps a training runs ({INT_MAX})"
   skipped = obj.get("skipped_steps", 0)
   for key, value in obj.items():
     if not readback.is_number(value):
@@ -539,6 +542,10 @@ def _metrics_problem(obj: dict, last_step: int) -> Optional[str]:
     if not math.isfinite(value) and not (readback.is_number(skipped) and skipped > 0):
       return (f"its {key!r} is {value!r} while the run skipped no step (a training logs "
               f"a non-finite figure only for a step it skipped)")
+    if math.isfinite(value) and key in ("accuracy", "eval_accuracy") and not 0 <= value <= 1:
+      return f"its {key!r} is {value!r}, not a fraction in [0, 1]"
+    if math.isfinite(value) and key in ("loss", "eval_loss") and value < 0:
+      return f"its {key!r} is {value!r}, not a loss (a cross-entropy is >= 0)"
   return None
 
 
