@@ -142,6 +142,9 @@ def check_output_dir(path: str, *, flag: str = "--run_dir") -> str:
 
 # ----------------------------------------------------------------------------- ownership
 OWNER_FILE = ".attnprec-run.json"
+# The runners that record themselves (each runner's `prog`).
+RUNNERS = frozenset({"audit", "bench", "decode", "device_check", "eval", "inspect",
+                     "nextline", "plot", "sinks", "sizes", "study", "sweep", "train"})
 
 
 def owner(run_dir: str) -> Optional[str]:
@@ -161,6 +164,11 @@ def owner(run_dir: str) -> Optional[str]:
     raise UserError(f"{path} must be a JSON object with a string 'runner' (the runner "
                     f"that made {run_dir!r}); it holds {str(data)[:120]!r}. Remove the "
                     f"directory, or choose another --run_dir.")
+  if set(data) != {"runner"} or data["runner"] not in RUNNERS:
+    raise UserError(f"{path} must name the runner that made {run_dir!r} and nothing else, "
+                    f'{{"runner": NAME}} with NAME one of {", ".join(sorted(RUNNERS))}; it '
+                    f"holds {str(data)[:120]!r} (edited, or written by other code). Fix it, "
+                    f"remove the directory, or choose another --run_dir.")
   return data["runner"]
 
 
@@ -207,6 +215,8 @@ def claim(run_dir: str, runner: str, *, replace: bool = False, flag: str = "--ru
   it deletes the old directory after a run that succeeded and puts it back, whole, after
   one that did not. An adopted directory's `finish` takes the record back off after a
   run that failed. Returns None where nothing was moved or adopted."""
+  if runner not in RUNNERS:
+    raise ValueError(f"runs.claim: {runner!r} is not in runs.RUNNERS")
   existed = os.path.isdir(run_dir)
   made_by = owner(run_dir) if existed else None
   _refuse_inside_another_run(run_dir, runner)

@@ -208,6 +208,11 @@ def test_a_key_given_twice_in_a_file_a_run_reads_back_is_refused(tmp_path):
   (run / runs.OWNER_FILE).write_text('{"runner": "study", "runner": "decode"}')
   with pytest.raises(UserError, match=r"run\.json.*the key 'runner' is given twice"):
     runs.owner(str(run))
+  for record in ('{"runner": "nosuch"}', '{"runner": "DECODE"}',
+                 '{"runner": "decode", "extra": 1}'):
+    (run / runs.OWNER_FILE).write_text(record)
+    with pytest.raises(UserError, match=r"must name the runner .* NAME one of audit, bench"):
+      runs.owner(str(run))
   ckpt = tmp_path / "ckpt"
   ckpt.mkdir()
   (ckpt / "model.json").write_text('{"rope_base": 10000.0, "rope_base": 500.0}')
