@@ -85,6 +85,7 @@ from attnprec.bench import projections as projection_bench  # noqa: E402
 from attnprec.bench import tpu_attention as tpu_bench  # noqa: E402
 from attnprec.bench import tpu_decode as tpu_decode_bench  # noqa: E402
 from attnprec.bench import tpu_model as tpu_model_bench  # noqa: E402
+from attnprec.checks import INT_MAX  # noqa: E402
 from attnprec.errors import UserError  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m"   # the model and profile suites' model when --model is not given
@@ -112,12 +113,14 @@ READS = {"model": _MODEL_OPTIONS, "attention": _ATTENTION_OPTIONS,
 
 def _ints(text):
   try:
-    values = tuple(int(x) for x in text.split(",") if x.strip())
+    values = tuple(int(x) for x in text.split(","))     # an empty item is no integer
   except ValueError:
     raise argparse.ArgumentTypeError(
-        f"{text!r} is not a comma-separated list of positive integers, e.g. 1024,4096")
-  if any(v < 1 for v in values):
-    raise argparse.ArgumentTypeError(f"{text!r}: every value must be an integer >= 1")
+        f"{text!r} is not a comma-separated list of positive integers, e.g. 1024,4096 "
+        f"(every item an integer: an empty one, as in 1024,,4096, is not)")
+  if any(v < 1 or v > INT_MAX for v in values):
+    raise argparse.ArgumentTypeError(f"{text!r}: every value must be an integer from 1 to "
+                                     f"{INT_MAX}")
   twice = bench_cases.repeated(values)
   if twice:
     raise argparse.ArgumentTypeError(
@@ -153,13 +156,18 @@ def _count(text):
     value = int(text)
   except ValueError:
     value = -1
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0 (0: the default)")
+  if not 0 <= value <= INT_MAX:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer from 0 to {INT_MAX} "
+                                     f"(0: the default)")
   return value
 
 
 def _names(flag: str, text: str, valid) -> list:
-  names = [n.strip() for n in text.split(",") if n.strip()]
+  names = [n.strip() for n in text.split(",")]
+  if len(names) > 1 and not all(names):
+    raise UserError(f"Invalid {flag}={text!r}: an empty item; valid: a comma-separated "
+                    f"list of {', '.join(valid)}.")
+  names = [n for n in names if n]
   bad = [n for n in names if n not in valid]
   if bad or not names:
     raise UserError(f"Invalid {flag}={text!r}" + (f" (unknown: {', '.join(bad)})" if bad

@@ -382,6 +382,23 @@ def test_task_json_must_be_an_object(tmp_path):
   assert_refused("decode", rc, err, run_dir, "not an object")
 
 
+@pytest.mark.parametrize("arg,needle", [
+    ("--seq_lens=1024,,4096", "an empty one, as in 1024,,4096, is not"),
+    ("--seq_lens=99999999999", "every value must be an integer from 1 to 2147483647"),
+    ("--rounds=99999999999", "'99999999999' is not an integer from 0 to 2147483647"),
+    ("--presets=bf16,,fp32", "Invalid --presets='bf16,,fp32': an empty item"),
+])
+def test_bench_list_and_count_options_refuse_empty_items_and_values_past_int32(
+    tmp_path, arg, needle):
+  """An empty item in a list option was dropped silently; a count past int32 ran until
+  killed."""
+  out = tmp_path / "out"
+  rc, err = call("bench", ["--suite=attention", "--kernels=dot_product", "--no_torch",
+                           f"--out={out}", arg])
+  assert rc == 2 and needle in err and "Traceback" not in err, err
+  assert not out.exists()
+
+
 def test_a_backend_jax_platforms_names_that_cannot_start_is_exit_2(tmp_path, monkeypatch,
                                                                    capsys):
   """JAX starts its backend at the first array (inside a job, after loading): JAX's
