@@ -164,8 +164,10 @@ def optional(inner: Rule) -> Rule:
   return rule
 
 
-def sequence_of(inner: Rule, *, nonempty: bool = True) -> Rule:
-  """A tuple or list whose every item `inner` accepts."""
+def sequence_of(inner: Rule, *, nonempty: bool = True, distinct: bool = False) -> Rule:
+  """A tuple or list whose every item `inner` accepts; `distinct`: each item once (a list
+  of things each measured once: a value given twice would measure it twice and report
+  two rows of one setting; True and 1 count as one)."""
 
   def rule(v):
     if not isinstance(v, (tuple, list)) or (nonempty and not v):
@@ -174,6 +176,12 @@ def sequence_of(inner: Rule, *, nonempty: bool = True) -> Rule:
       problem = inner(item)
       if problem:
         return f"every item {problem} (got {shorten(item)})"
+    if distinct:
+      seen = []
+      for item in v:
+        if any(item == s and type(item) is type(s) for s in seen):
+          return f"must name each value once (got {shorten(item)} twice)"
+        seen.append(item)
   return rule
 
 

@@ -382,6 +382,18 @@ def test_task_json_must_be_an_object(tmp_path):
   assert_refused("decode", rc, err, run_dir, "not an object")
 
 
+@pytest.mark.parametrize("runner,binding", [
+    ("decode", "--gin.recall_eval.pair_counts=(8, 8)"),
+    ("study", "--gin.study.pair_counts=(8, 24, 8)"),
+])
+def test_a_list_of_measured_values_naming_one_twice_is_refused(tmp_path, runner, binding):
+  """Each value of such a list is measured once and reported as a row: named twice it
+  was measured twice, two identical rows (`checks.sequence_of(..., distinct=True)`)."""
+  run_dir = str(tmp_path / "run")
+  rc, err = call(runner, gin_argv(runner, run_dir, binding))
+  assert_refused(runner, rc, err, run_dir, "must name each value once (got 8 twice)")
+
+
 @pytest.mark.parametrize("arg,needle", [
     ("--seq_lens=1024,,4096", "an empty one, as in 1024,,4096, is not"),
     ("--seq_lens=99999999999", "every value must be an integer from 1 to 2147483647"),

@@ -26,7 +26,7 @@ ITEMS_FILE = "items.jsonl"
 
 
 @gin.configurable("humaneval", denylist=["run_dir"])
-@checks.validated("humaneval", model=checks.string, presets=checks.sequence_of(checks.string),
+@checks.validated("humaneval", model=checks.string, presets=checks.sequence_of(checks.string, distinct=True),
                   reference=checks.string, baseline=checks.optional(checks.string),
                   problems=checks.integer(min=1, max=humaneval.NUM_PROBLEMS),
                   batch=checks.at_least(1), max_new_tokens=checks.at_least(1),

@@ -268,9 +268,9 @@ def build_items(tokenizer, *, lengths, contexts, questions, seed, first_token
 # ----------------------------------------------------------------------------- the job
 @gin.configurable("retrieval", denylist=["run_dir"])
 @checks.validated("retrieval", model=checks.string,
-                  presets=checks.sequence_of(checks.string), reference=checks.string,
+                  presets=checks.sequence_of(checks.string, distinct=True), reference=checks.string,
                   baseline=checks.optional(checks.string),
-                  lengths=checks.sequence_of(checks.at_least(1)),
+                  lengths=checks.sequence_of(checks.at_least(1), distinct=True),
                   contexts=checks.at_least(1), questions=checks.at_least(1),
                   seed=checks.at_least(0),
                   first_token=checks.one_of(*retrieval.FIRST_TOKENS),

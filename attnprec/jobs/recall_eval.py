@@ -74,7 +74,7 @@ def evaluate(params, config, task, precision: Precision, pair_counts: Sequence[i
 
 @gin.configurable("recall_eval", denylist=["precision", "run_dir"])
 @checks.validated("recall_eval", checkpoint=checks.string,
-                  pair_counts=checks.sequence_of(checks.at_least(1)),
+                  pair_counts=checks.sequence_of(checks.at_least(1), distinct=True),
                   num_prompts=checks.at_least(1), num_queries=checks.at_least(1),
                   seed=checks.integer(min=0))
 def recall_eval(*, precision: Precision, run_dir: str, checkpoint: str = "recall-tiny",

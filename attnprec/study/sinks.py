@@ -473,9 +473,13 @@ def sinks_job(*, run_dir: str, model: str = "qwen2.5-coder-0.5b", length: int = 
   cfg = m.config
   layers = []
   for l in inject_layers:
-    if l != "all" and not (isinstance(l, int) and 0 <= l < cfg.num_layers):
+    if l != "all" and not (isinstance(l, int) and not isinstance(l, bool)
+                           and 0 <= l < cfg.num_layers):
       raise UserError(f"sinks.inject_layers: {l!r} is not 'all' nor a layer index in "
                       f"0..{cfg.num_layers - 1}.")
+    if l in layers:
+      raise UserError(f"sinks.inject_layers names {l!r} twice; each is measured once, so "
+                      f"name each once.")
     layers.append(l)
   runs.ensure_dir(run_dir)
   ids = m.tokenizer.encode(inputs.stdlib_text(), add_bos=False)
