@@ -256,7 +256,13 @@ def init_params(config: ModelConfig, rng) -> hk.Params:
 
 
 def param_shapes(config: ModelConfig) -> dict:
-  """{module: {name: ShapeDtypeStruct}} without allocating: what importers must produce."""
+  """{module: {name: ShapeDtypeStruct}} without allocating: what importers must produce
+  (traced once per config; each caller gets its own dicts)."""
+  return {m: dict(d) for m, d in _param_shapes(config).items()}
+
+
+@functools.lru_cache(maxsize=32)
+def _param_shapes(config: ModelConfig) -> dict:
   return jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
 
 

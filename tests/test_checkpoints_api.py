@@ -53,6 +53,11 @@ def test_logits_contract(tiny):
 def test_logits_input_errors(tiny):
   with pytest.raises(UserError, match=r"2-D integer array"):
     checkpoints.logits(tiny, np.arange(5))
+  # a (config, params) pair whose params are not the architecture's: named, not haiku's
+  # ValueError from inside the forward pass
+  with pytest.raises(UserError, match=r"pair given to checkpoints.logits do not match the "
+                                      r"architecture .*decoder/embed/embeddings missing"):
+    checkpoints.logits((tiny.config, {}), random_tokens())
   with pytest.raises(UserError, match=r"Token ids must lie in \[0, 96\)"):
     checkpoints.logits(tiny, np.array([[1, 96]]))
 

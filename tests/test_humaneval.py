@@ -159,6 +159,9 @@ def test_job_runs_resumes_and_checks_before_loading(tiny_model, tmp_path, capsys
   assert "3 of 3 problems already done" in capsys.readouterr().out
   n = len(tiny_model)
   for bad, match in ((dict(presets=("bf17",)), "Unknown precision preset 'bf17'"),
+                     (dict(timeout_s=1e-45), r"timeout_s = 1e-45: must be a finite number "
+                                             r">= 0.5"),
+                     (dict(presets=("bf16", "bf16")), "must name each value once"),
                      (dict(baseline="fp32_qk"), "baseline = 'fp32_qk' is not among")):
     with pytest.raises(UserError, match=match):
       humaneval_eval.humaneval_eval(**dict(kw, **bad))

@@ -13,7 +13,7 @@ from attnprec.checkpoints import finite
 from attnprec.checkpoints.tokenizer import Tokenizer
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError, shorten
-from attnprec.model import transformed
+from attnprec.model import check_params, transformed
 from attnprec.precision import Precision
 
 
@@ -40,7 +40,11 @@ def config_and_params(checkpoint_or_config_params, function: str):
   if (isinstance(checkpoint_or_config_params, tuple) and len(checkpoint_or_config_params) == 2
       and isinstance(checkpoint_or_config_params[0], ModelConfig)
       and isinstance(checkpoint_or_config_params[1], dict)):
-    return checkpoint_or_config_params
+    config, params = checkpoint_or_config_params
+    # every tensor the architecture reads, of its shape: else a UserError naming them
+    # (haiku's ValueError from deep inside the forward pass)
+    check_params(config, params, f"the (ModelConfig, params) pair given to {function}")
+    return config, params
   raise UserError(f"Invalid first argument {shorten(checkpoint_or_config_params)} of "
                   f"{function}: must be a checkpoints.Checkpoint (from checkpoints.load) or "
                   f"a (ModelConfig, params dict) pair.")

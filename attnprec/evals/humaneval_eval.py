@@ -25,12 +25,18 @@ from attnprec.evals import common, humaneval, records, report, sandbox
 ITEMS_FILE = "items.jsonl"
 
 
+# A problem's tests run in a fresh sandboxed Python: below this its start-up alone times
+# out, and every problem would count as failed (1e-45 s ran and reported 0%).
+MIN_TIMEOUT_S = 0.5
+
+
 @gin.configurable("humaneval", denylist=["run_dir"])
-@checks.validated("humaneval", model=checks.string, presets=checks.sequence_of(checks.string, distinct=True),
+@checks.validated("humaneval", model=checks.string,
+                  presets=checks.sequence_of(checks.string, distinct=True),
                   reference=checks.string, baseline=checks.optional(checks.string),
                   problems=checks.integer(min=1, max=humaneval.NUM_PROBLEMS),
                   batch=checks.at_least(1), max_new_tokens=checks.at_least(1),
-                  timeout_s=checks.number(gt=0))
+                  timeout_s=checks.number(ge=MIN_TIMEOUT_S, le=3600))
 def humaneval_eval(*, run_dir: str, model: str = "qwen2.5-coder-0.5b",
                    presets: Sequence[str] = ("bf16", "fp32_qk", "fp32_attention",
                                              "fp32_logits"),
