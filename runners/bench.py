@@ -445,6 +445,10 @@ def _parse(argv):
         f"--suite={args.suite} does not read {', '.join('--' + k for k in unread)}; "
         f"the options it reads: {', '.join('--' + k for k in READS[args.suite])} "
         f"(and --suite, --out). Drop them, or choose the suite that reads them.")
+  if args.no_torch and given.get("torch_dtypes", marker) is not marker:
+    raise UserError(f"--torch_dtypes={','.join(args.torch_dtypes)} names the dtypes of the "
+                    f"torch baselines, which --no_torch skips: it would not be read. Drop "
+                    f"one of the two.")
   if args.suite != "tpu_attention" and any(len(b) != 2 for b in args.blocks or ()):
     raise UserError(f"--blocks: a Q/KV/CHUNK triple is a tpu_attention block (the flash "
                     f"kernel's chunk); --suite={args.suite} takes Q/KV pairs, e.g. 512/512.")

@@ -411,6 +411,15 @@ def test_bench_list_and_count_options_refuse_empty_items_and_values_past_int32(
   assert not out.exists()
 
 
+def test_bench_refuses_torch_dtypes_with_no_torch(tmp_path):
+  """--torch_dtypes names the torch baselines' dtypes; with --no_torch none runs."""
+  out = tmp_path / "out"
+  rc, err = call("bench", ["--suite=model", "--no_torch", "--torch_dtypes=bfloat16",
+                           f"--out={out}"])
+  assert rc == 2 and "which --no_torch skips: it would not be read" in err, err
+  assert not out.exists()
+
+
 def test_a_backend_jax_platforms_names_that_cannot_start_is_exit_2(tmp_path, monkeypatch,
                                                                    capsys):
   """JAX starts its backend at the first array (inside a job, after loading): JAX's
