@@ -337,12 +337,13 @@ PARTS = ("audit", "kernels", "flags", "train", "decode")
 
 def check(out_dir: str, wanted=PARTS) -> int:
   platform = here()
+  # --out is checked on every machine: a bad one is bad input even where nothing runs
+  runs.check_output_dir(out_dir, flag="--out")
+  runs.check_owner(out_dir, ("device_check",), "the device check", flag="--out")
   if platform not in ("cuda", "tpu"):
     print(f"device-check: no GPU or TPU on this machine (jax backend "
           f"{jax.default_backend()!r}); nothing to check, nothing written.")
     return cli.EXIT_OK
-  runs.check_output_dir(out_dir, flag="--out")
-  runs.check_owner(out_dir, ("device_check",), "the device check", flag="--out")
   result = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
             "jax": jax.__version__, "platform": platform, "provenance": runs.provenance(),
             "parts_run": list(wanted), "complete": False, "parts": {}}

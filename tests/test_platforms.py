@@ -333,6 +333,11 @@ def test_device_check_without_a_gpu_says_so_in_one_line(tmp_path, capsys):
   lines = capsys.readouterr().out.strip().splitlines()
   assert len(lines) == 1 and "no GPU" in lines[0], lines
   assert not out.exists()
+  # a bad --out is bad input here too, though nothing would be written (it exited 0)
+  not_a_dir = tmp_path / "file"
+  not_a_dir.write_text("x")
+  assert runner.main([f"--out={not_a_dir}"]) == 2
+  assert "exists and is not a directory" in capsys.readouterr().err
 
 
 def test_device_check_refuses_another_runner_s_directory_and_claims_its_own(tmp_path,
