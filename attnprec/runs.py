@@ -575,6 +575,10 @@ def load_checkpoint(run_dir: str):
     raise UserError(f"Checkpoint directory {run_dir!r} does not exist. Train one with "
                     f"'make train' (writes runs/recall) or pass an existing run directory.")
   for p in (model_path, params_path):
+    if os.path.lexists(p) and not os.path.isfile(p):
+      raise UserError(f"{p!r} is not a regular file (a directory, a broken link, a FIFO): "
+                      f"a train run directory holds {MODEL_FILE} and {PARAMS_FILE} as "
+                      f"files a training wrote. Replace it, or train into a new directory.")
     if not os.path.isfile(p):
       raise UserError(f"Checkpoint directory {run_dir!r} has no {os.path.basename(p)}; a "
                       f"train run directory holds {MODEL_FILE} and {PARAMS_FILE}. Was the "

@@ -228,3 +228,13 @@ def test_metrics_without_any_loss_are_not_plotted(tmp_path):
   with pytest.raises(UserError, match="holds no 'loss' in any of its 2 records"):
     plotting.plot_run(str(tmp_path))
   assert not (tmp_path / "metrics.png").exists()
+
+
+def test_a_train_run_file_that_is_not_a_regular_file_is_named_as_such(tmp_path):
+  """params.npz replaced by a directory: said as it is (it was "has no params.npz ...
+  interrupted?")."""
+  from attnprec.checkpoints import trained
+  (tmp_path / "model.json").write_text("{}")
+  (tmp_path / "params.npz").mkdir()
+  with pytest.raises(UserError, match=r"params\.npz' is not a regular file"):
+    trained.load_run(str(tmp_path))
