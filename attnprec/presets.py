@@ -58,12 +58,12 @@ def _is_literal(value) -> bool:
 def bindings(path: str) -> dict:
   """{field: value} of a preset file, parsed by gin's parser: only unscoped
   `precision.<field> = <literal>` bindings (an include, import, scope, reference or macro
-  would make a preset mean something outside itself)."""
+  would make a preset mean something outside itself), each field once."""
   fields = _fields()
   readback.check_text_file(path, "Preset file")
   with open(path, encoding="utf-8") as f:
     lines = f.read().splitlines()
-  values = {}
+  values, lines_of = {}, {}
   with open(path, encoding="utf-8") as f:   # gin's parser reads it (naming it in errors)
     parser = config_parser.ConfigParser(f, gin.config.ParserDelegate(skip_unknown=True))
     try:
@@ -76,7 +76,12 @@ def bindings(path: str) -> dict:
           raise UserError(f"{path}:{number}: a precision preset may hold only "
                           f"'precision.<field> = <value>' lines with fields "
                           f"{fields}; got {line!r}.")
-        values[st.arg_name] = st.value
+        if st.arg_name in values:
+          first = lines_of[st.arg_name]
+          raise UserError(f"{path}:{number}: binds precision.{st.arg_name} a second time "
+                          f"(line {first} binds it too); gin would keep the last and "
+                          f"silently drop line {first}. Bind each field once.")
+        values[st.arg_name], lines_of[st.arg_name] = st.value, number
     except (SyntaxError, tokenize.TokenError) as e:
       number = getattr(e, "lineno", None) or e.args[1][0]
       line = lines[number - 1].strip() if 0 < number <= len(lines) else ""

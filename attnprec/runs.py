@@ -22,7 +22,7 @@ import gin
 import numpy as np
 
 from attnprec.config import ModelConfig
-from attnprec import readback
+from attnprec import paths, readback
 from attnprec.checks import INT_MAX
 from attnprec.errors import UserError
 from attnprec.model import check_params
@@ -572,7 +572,7 @@ def load_checkpoint(run_dir: str):
   model_path = os.path.join(run_dir, MODEL_FILE)
   params_path = os.path.join(run_dir, PARAMS_FILE)
   if not os.path.isdir(run_dir):
-    raise UserError(f"Checkpoint directory {run_dir!r} does not exist. Train one with "
+    raise UserError(f"Checkpoint directory {run_dir!r} {paths.unreachable(run_dir)}. Train one with "
                     f"'make train' (writes runs/recall) or pass an existing run directory.")
   for p in (model_path, params_path):
     if os.path.lexists(p) and not os.path.isfile(p):

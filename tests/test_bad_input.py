@@ -54,7 +54,7 @@ GIN_ARGS = {"train": ["--gin_file=experiments/recall.gin"],
             "decode": ["--gin_file=experiments/recall.gin"],
             "audit": ["--gin_file=precision/fp32_attention.gin"],
             "study": ["--gin_file=experiments/study_recall.gin"],
-            "sinks": ["--gin_file=runs/sinks.gin"],
+            "sinks": ["--gin_bindings=sinks.windows = 1"],
             "nextline": ["--gin_file=experiments/nextline_qwen2.gin"],
             "inspect": ["--gin.inspect.fn=attnprec.inspect.examples:maxtext_attention",
                         "--gin.inspect.inputs=attnprec.inspect.examples:maxtext_inputs"]}

@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from test_checkpoints_hf import random_tokens, save_tiny  # noqa: E402
 
@@ -152,6 +153,8 @@ def test_generate_errors(tiny):
     checkpoints.generate(tiny, "hello")
   with pytest.raises(UserError, match=r"pass rng=jax.random.PRNGKey"):
     checkpoints.generate(tiny, [[1, 2]], sampler=decoding.TopK(k=3))
+  with pytest.raises(UserError, match=r"Greedy\(\) draws no random numbers"):
+    checkpoints.generate(tiny, [[1, 2]], rng=jax.random.PRNGKey(0))
   with pytest.raises(UserError, match="max_new_tokens must be a positive integer"):
     checkpoints.generate(tiny, [[1, 2]], max_new_tokens=0)
   with pytest.raises(UserError, match=r"Token ids must lie in \[0, 96\)"):

@@ -97,6 +97,15 @@ def test_missing_gin_file_lists_available():
     ginutils.parse(["experiments/nope.gin"], [])
 
 
+def test_two_precision_presets_or_one_file_twice_are_refused():
+  with pytest.raises(UserError, match=r"Two precision presets are given \('precision/bf16.gin'"
+                                      r", 'gin/precision/fp32.gin'\)"):
+    ginutils.parse(["precision/bf16.gin", "gin/precision/fp32.gin"], [])
+  with pytest.raises(UserError, match=r"'runs/train.gin' is given twice"):
+    ginutils.parse(["runs/train.gin", "runs/train.gin"], [])
+  ginutils.parse(["runs/train.gin", "precision/bf16.gin"], [])    # one of each: fine
+
+
 def test_gin_cleared_between_tests():
   assert gin.config_str().strip() == ""
 

@@ -97,6 +97,11 @@ def test_preset_file_with_other_bindings_is_refused(tmp_path):
   path.write_text("precision.dtype = 'bfloat16'\nmodel.d_model = 3\n")
   with pytest.raises(UserError, match="mine.gin:2"):
     preset_lib.load_preset(str(path))
+  path.write_text("precision.dtype = 'bfloat16'\nprecision.float32_logits = True\n"
+                  "precision.dtype = 'float32'\n")
+  with pytest.raises(UserError, match=r"mine.gin:3: binds precision.dtype a second time "
+                                      r"\(line 1 binds it too\)"):
+    preset_lib.load_preset(str(path))
   path.write_text("# mine\nprecision.dtype = 'bfloat16'  # bf16\nprecision.float32_logits = False\n")
   name, prec = preset_lib.load_preset(str(path))
   assert name == "mine" and prec.dtype == "bfloat16" and not prec.float32_logits

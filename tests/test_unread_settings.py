@@ -1,5 +1,7 @@
 """Settings a job would not read, and values it could not honour, are refused before it
 runs (one paragraph naming the setting and what is read instead)."""
+import os
+
 import pytest
 
 from attnprec.errors import UserError
@@ -11,6 +13,21 @@ def test_the_study_refuses_lengths_the_model_would_not_read(tmp_path):
                                       r"real models.*reads study.pair_counts instead"):
     study(run_dir=str(tmp_path / "s"), model="recall-tiny", presets=("bf16",),
           context_lengths=(64,), progress=False)
+
+
+def test_the_study_refuses_settings_only_other_studies_read(tmp_path):
+  """greedy_steps is read for real models' passkey prompts only; float64_batch only when
+  some context is short enough for the float64 pass. Refused before anything runs."""
+  from attnprec.study.sweep import study
+  base = dict(model="recall-tiny", presets=("bf16",), pair_counts=(2,), progress=False)
+  with pytest.raises(UserError, match=r"study.greedy_steps = 4 .* the recall model "
+                                      r"'recall-tiny' decodes exactly"):
+    study(run_dir=str(tmp_path / "a"), greedy_steps=4, **base)
+  with pytest.raises(UserError, match=r"study.float64_batch = 1 .* at most "
+                                      r"study.float64_max_tokens = 0 tokens; none of this "
+                                      r"study's contexts \(\d+\.\.\d+ tokens\)"):
+    study(run_dir=str(tmp_path / "b"), float64_max_tokens=0, float64_batch=1, **base)
+  assert not os.listdir(tmp_path / "a") and not os.listdir(tmp_path / "b")
 
 
 def test_inspect_refuses_64_bit_shapes_that_jax_would_lower_as_32_bit():
@@ -179,3 +196,21 @@ def test_an_unknown_job_reference_names_the_valid_jobs():
   assert "Known configurables" not in text
   other = ginutils._clean_gin_error(ValueError("No configurable matching 'bogus'"))
   assert "Known configurables" in other
+
+
+def test_a_path_that_cannot_be_followed_says_why(tmp_path):
+  """A symbolic-link loop or a dangling link is named as such, not as missing."""
+  from attnprec import checkpoints, paths
+  (tmp_path / "a").symlink_to(tmp_path / "b")
+  (tmp_path / "b").symlink_to(tmp_path / "a")
+  (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+  assert paths.unreachable(tmp_path / "a" / "model.json") == \
+      "cannot be followed: its symbolic links loop"
+  assert paths.unreachable(tmp_path / "nope") == "does not exist"
+  with pytest.raises(UserError, match="cannot be followed: its symbolic links loop"):
+    checkpoints.load(str(tmp_path / "a"))
+  with pytest.raises(UserError, match=r"is a symbolic link to '.*nowhere', which does not"):
+    checkpoints.load(str(tmp_path / "dangling"))
+  from attnprec import ginutils
+  with pytest.raises(UserError, match="Gin file .* cannot be followed"):
+    ginutils.parse([str(tmp_path / "a")], [])

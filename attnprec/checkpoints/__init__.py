@@ -63,7 +63,7 @@ from typing import Union
 import jax
 import jax.numpy as jnp
 
-from attnprec import checks, layout, runs
+from attnprec import checks, layout, paths, runs
 from attnprec.checkpoints import finite, trained
 from attnprec.checkpoints.forward import _forward  # noqa: F401  (one program per config)
 from attnprec.checkpoints.forward import Checkpoint, logits
@@ -143,7 +143,7 @@ def load(path_or_name: Union[str, os.PathLike], *, param_dtype: str = "float32"
                       f"(config.json + *.safetensors), a .gguf file or a train run "
                       f"directory (model.json + params.npz).")
     else:
-      raise UserError(f"Checkpoint {shorten(key)} does not exist: it is neither a shipped "
+      raise UserError(f"Checkpoint {shorten(key)} {paths.unreachable(key)}: it is neither a shipped "
                       f"checkpoint ({_names()}) nor an existing path. Pass a train run "
                       f"directory ('make train' writes runs/recall), an HF checkpoint "
                       f"directory or a .gguf file.")

@@ -120,6 +120,11 @@ def _check_arguments(ckpt, prompts, precision, max_new_tokens, sampler, rng, cha
   if k is not None and k > ckpt.config.vocab_size:
     raise UserError(f"Invalid argument sampler={shorten(sampler)} of {fn}: TopK.k = {k} "
                     f"exceeds the model's vocabulary ({ckpt.config.vocab_size} tokens).")
+  if rng is not None and isinstance(sampler, decoding.Greedy):
+    raise UserError(f"Invalid argument rng={shorten(rng)} of {fn}: the sampler "
+                    f"decoding.Greedy() draws no random numbers, so the key would not be "
+                    f"read. Pass rng only with Temperature(...), TopK(...) or TopP(...), "
+                    f"or leave it out.")
   if rng is not None:
     import jax.numpy as jnp
     ok = isinstance(rng, (jax.Array, np.ndarray)) and (

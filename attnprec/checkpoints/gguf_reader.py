@@ -25,6 +25,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from attnprec import paths
 from attnprec.errors import UserError
 
 # Quantization types we dequantize (each checked by the tests, directly or on a real model).
@@ -57,7 +58,7 @@ class GGUFFile:
   def __init__(self, path):
     self.path = str(path)
     if not os.path.isfile(self.path):
-      raise UserError(f"GGUF file {self.path} does not exist.")
+      raise UserError(f"GGUF file {self.path} {paths.unreachable(self.path)}.")
     if os.path.getsize(self.path) == 0:
       raise self._corrupt("it is empty (0 bytes: an interrupted download or copy?)")
     self._map = np.memmap(self.path, mode="r", dtype=np.uint8)

@@ -16,7 +16,7 @@ import json
 import pathlib
 from typing import Dict, Optional, Tuple
 
-from attnprec import layout, readback
+from attnprec import layout, paths, readback
 from attnprec.checkpoints.hf_config import config_from_hf
 from attnprec.checkpoints.params import ParamBuilder
 from attnprec.checkpoints.safetensors_file import SafetensorsFile
@@ -89,7 +89,7 @@ def load_hf_dir(path, *, param_dtype="float32"
   """(config, params {module: {name: np.ndarray}}, tokenizer or None) of an HF directory."""
   directory = pathlib.Path(path)
   if not directory.is_dir():
-    raise UserError(f"Checkpoint directory {directory} does not exist.")
+    raise UserError(f"Checkpoint directory {directory} {paths.unreachable(directory)}.")
   config = config_from_hf(read_config(directory), origin=str(directory / "config.json"))
   files = weight_files(directory)
   prefix, head_name = _find_prefix(files, directory)

@@ -10,6 +10,7 @@ from typing import Tuple
 import numpy as np
 import safetensors
 
+from attnprec import paths
 from attnprec.errors import UserError
 
 _TRUNCATED = ("not fully covered", "too small", "invalid header length")
@@ -23,7 +24,7 @@ class SafetensorsFile:
     try:
       self._file = safetensors.safe_open(self.path, framework="numpy")
     except FileNotFoundError:
-      raise UserError(f"Weights file {self.path} does not exist.") from None
+      raise UserError(f"Weights file {self.path} {paths.unreachable(self.path)}.") from None
     except (safetensors.SafetensorError, OSError, ValueError) as e:
       raise self._corrupt(e) from None
     self._keys = tuple(self._file.keys())

@@ -14,6 +14,7 @@ This module parses (`parse`): flags' files and bindings -> gin -> checks, turnin
 errors into one-paragraph UserErrors, and calls configured jobs (`call`).
 """
 import inspect
+import os
 import re
 import tokenize
 from typing import List, Optional, Sequence
@@ -72,6 +73,7 @@ def parse(files: Sequence[str], bindings: Sequence[str],
   # `_gin.search_first` for why not gin.add_config_file_search_path).
   _gin.search_first(REPO_GIN_DIR)
   resolved = [resolve_file(f) for f in files]
+  _check_files(files, resolved)
   statements = scan(resolved, bindings)
   try:
     gin.parse_config_files_and_bindings(resolved, list(bindings), finalize_config=False)
@@ -86,6 +88,30 @@ def parse(files: Sequence[str], bindings: Sequence[str],
   check_kernel_settings(phases)
   if reads is not None:
     check_command_line(bindings, reads, prog)
+
+
+def _check_files(files: Sequence[str], resolved: Sequence[str]) -> None:
+  """One precision preset per run, each file once: a second gin/precision/ file would
+  silently override the fields both bind and merge the rest into a precision neither
+  names."""
+  seen = {}
+  for given, path in zip(files, resolved):
+    real = os.path.realpath(path)
+    if real in seen:
+      raise UserError(f"The gin file {given!r} is given twice (also as {seen[real]!r}, "
+                      f"which the runner may read by default): read again, it would "
+                      f"re-apply its bindings over the files in between. Give each gin "
+                      f"file once.")
+    seen[real] = given
+  preset_dir = os.path.realpath(os.path.join(REPO_GIN_DIR, "precision"))
+  presets = [g for g, p in zip(files, resolved)
+             if os.path.dirname(os.path.realpath(p)) == preset_dir]
+  if len(presets) > 1:
+    raise UserError(f"Two precision presets are given ({', '.join(map(repr, presets))}): "
+                    f"the later would silently override the fields both bind and the run "
+                    f"would get a mix of the two. Give one gin/precision/ file, and set "
+                    f"a phase's difference with --gin_bindings (e.g. "
+                    f"decode/precision.float32_logits=True).")
 
 
 def _clean_gin_error(e: BaseException) -> str:

@@ -9,7 +9,7 @@ import ast
 import os
 from typing import List, Sequence, Tuple
 
-from attnprec import readback
+from attnprec import paths, readback
 from attnprec.errors import UserError
 from attnprec.paths import REPO_GIN_DIR
 
@@ -70,4 +70,5 @@ def resolve_file(path: str) -> str:
       return os.path.abspath(candidate)
   available = sorted(os.path.relpath(os.path.join(d, f), os.path.dirname(REPO_GIN_DIR))
                      for d, _, fs in os.walk(REPO_GIN_DIR) for f in fs if f.endswith(".gin"))
-  raise UserError(f"Gin file {path!r} not found. Available gin files: {', '.join(available)}.")
+  why = "not found" if paths.unreachable(path) == "does not exist" else paths.unreachable(path)
+  raise UserError(f"Gin file {path!r} {why}. Available gin files: {', '.join(available)}.")

@@ -174,6 +174,10 @@ def _check_environment():
 # real models' context lengths in tokens.
 PAIR_COUNTS = (8, 16, 24, 32, 48)
 CONTEXT_LENGTHS = (256, 512)
+# Defaults of settings that only some studies read (a value other than these, set for a
+# study that would not read it, is refused).
+GREEDY_STEPS = 16
+FLOAT64_BATCH = 2
 
 
 @gin.configurable("study", denylist=["run_dir"])
@@ -193,8 +197,9 @@ CONTEXT_LENGTHS = (256, 512)
 def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequence[str]] = None,
           extra_presets: Sequence[str] = (), pair_counts: Sequence[int] = PAIR_COUNTS,
           context_lengths: Sequence[int] = CONTEXT_LENGTHS, batch: int = 32,
-          decode_steps: int = 8, greedy_steps: int = 16, num_queries: int = 16, logit_positions: int = 64,
-          float64_max_tokens: int = 1024, float64_batch: int = 2, timing_rounds: int = 3,
+          decode_steps: int = 8, greedy_steps: int = GREEDY_STEPS, num_queries: int = 16,
+          logit_positions: int = 64, float64_max_tokens: int = 1024,
+          float64_batch: int = FLOAT64_BATCH, timing_rounds: int = 3,
           query_scale_multiplier: float = 1.0, logit_offset: float = 0.0, seed: int = 0,
           text: Optional[str] = None, progress: bool = True) -> dict:
   """Runs the sweep and writes results.json, report.md and PNG plots into run_dir.
@@ -242,6 +247,11 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
                     f"{'recall model' if m.kind == 'recall' else 'real model'} {model!r} "
                     f"reads study.{used} instead, so the setting would not be used. Set "
                     f"study.{used}, or remove the binding.")
+  if m.kind == "recall" and greedy_steps != GREEDY_STEPS:
+    raise UserError(f"study.greedy_steps = {greedy_steps} sets how far a real model "
+                    f"continues its passkey prompts; the recall model {model!r} decodes "
+                    f"exactly its episodes' answer slots (study.num_queries), so the "
+                    f"setting would not be used. Remove the binding, or study a real model.")
   lengths = list(pair_counts if m.kind == "recall" else context_lengths)
   if not lengths:
     raise UserError(f"No context lengths: set study.{'pair_counts' if m.kind == 'recall' else 'context_lengths'}.")
@@ -260,6 +270,13 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
   else:
     cases, text_info = _real_cases(m.tokenizer, lengths, batch, decode_steps, seed,
                                    text or "stdlib")
+  sizes = sorted(case.tokens_BxL.shape[1] for case in cases)
+  if float64_batch != FLOAT64_BATCH and sizes[0] > float64_max_tokens:
+    raise UserError(f"study.float64_batch = {float64_batch} sizes the float64 reference "
+                    f"pass, which runs only on contexts of at most study.float64_max_tokens "
+                    f"= {float64_max_tokens} tokens; none of this study's contexts "
+                    f"({sizes[0]}..{sizes[-1]} tokens) is that short, so the setting would "
+                    f"not be used. Raise study.float64_max_tokens, or remove the binding.")
   offset_stats = None
   if logit_offset:
     params, offset_stats = offsets.add_key_offsets(config, m.params, cases[0].tokens_BxL,
