@@ -266,6 +266,13 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   runs.check_writable(run_dir)
   optimizer = make_optimizer(total_steps=steps)
   optimizer_settings = optimizer_args()
+  warmup = optimizer_settings["warmup_steps"]
+  if warmup >= steps and jax.process_index() == 0:
+    # A short run (a smoke test) may stop inside the warm-up; it is said, not silent.
+    print(f"note: optimizer.warmup_steps = {warmup} >= train.steps = {steps}: the learning "
+          f"rate stays in its warm-up and reaches at most {(steps - 1) / warmup:.3g} x "
+          f"optimizer.learning_rate = {optimizer_settings['learning_rate']:g}; the cosine "
+          f"decay never starts.")
   precision_line = precision.describe()
   xla_line = xla_env.describe()      # the XLA settings that change numbers: printed, recorded
   if jax.process_index() == 0:

@@ -171,6 +171,10 @@ def test_resuming_under_another_train_precision_is_refused_and_optimizer_changes
   a changed learning rate is said (the run then goes on with it)."""
   run = tmp_path / "run"
   train_in_process(run, ["train.steps = 2", "train.checkpoint_every = 2"])
+  # a run that ends inside its warm-up says so (TINY's warm-up is 2 steps)
+  assert ("note: optimizer.warmup_steps = 2 >= train.steps = 2: the learning rate stays in "
+          "its warm-up and reaches at most 0.5 x optimizer.learning_rate = 0.003"
+          in capsys.readouterr().out)
   with pytest.raises(UserError, match=r"trained to step 2 with precision 'dtype=float32.*"
                                       r"this run's train precision is 'dtype=bfloat16"):
     train_in_process(run, ["train.steps = 3", "train/precision.dtype = 'bfloat16'"])
@@ -200,3 +204,4 @@ def test_resuming_under_another_train_precision_is_refused_and_optimizer_changes
   train_in_process(run, ["train.steps = 3", "optimizer.learning_rate = 0.5"])
   out = capsys.readouterr().out
   assert "optimizer.learning_rate (0.003 -> 0.5) changed since the checkpoint" in out, out
+  assert "warm-up" not in out                    # 3 steps leave the 2-step warm-up
