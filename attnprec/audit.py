@@ -899,7 +899,8 @@ def model_config_for(model: Optional[str]) -> tuple:
     from attnprec.config import model_config
     return model_config(), "architecture from model.* (gin)"
   from attnprec.study import models
-  set_here = sorted(checks.bound_args("model"))
+  # model.* the user set (the runner's own default file includes a model's: not theirs)
+  set_here = sorted(checks.bound_args("model", by_user=True))
   if set_here:
     raise UserError(f"audit.model = {model!r} takes the architecture from that model, so "
                     f"the model.* bindings ({', '.join('model.' + a for a in set_here)}) "

@@ -346,11 +346,24 @@ def rules_of(obj, name: str = "") -> Rules:
                {k: r for k, r in ((k, type_rule(t)) for k, t in hints.items()) if r})
 
 
-def bound_args(name: str) -> Dict[str, Any]:
+# (configurable name, arg) bound only by the runner's own default gin files (and what they
+# include) in the last `ginutils.parse`: the runner's defaults, not the user's settings.
+_RUNNER_DEFAULTS: set = set()
+
+
+def note_runner_defaults(keys) -> None:
+  """Called by `ginutils.parse`: the (name, arg) pairs only the runner's default files
+  bound (each parse replaces the last's)."""
+  _RUNNER_DEFAULTS.clear()
+  _RUNNER_DEFAULTS.update(keys)
+
+
+def bound_args(name: str, by_user: bool = False) -> Dict[str, Any]:
   """{arg: value} of every gin binding of the configurable named `name` (any scope): what
   the gin files and the command line set for it, as opposed to its defaults. A job asks
   it to refuse a setting it would not read (one it sets itself, or one that only another
-  of its settings makes it read)."""
+  of its settings makes it read). by_user: leave out what only the runner's own default
+  gin files bound (`note_runner_defaults`): a user cannot drop those."""
   from gin import config as gin_config
   out: Dict[str, Any] = {}
   for (_, selector), values in gin_config._CONFIG.items():  # noqa: SLF001
@@ -359,4 +372,6 @@ def bound_args(name: str) -> Dict[str, Any]:
     configurable = gin_config._REGISTRY.get_match(selector)  # noqa: SLF001
     if configurable is not None and configurable.name == name:
       out.update(values)
+  if by_user:
+    out = {k: v for k, v in out.items() if (name, k) not in _RUNNER_DEFAULTS}
   return out

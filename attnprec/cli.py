@@ -222,7 +222,8 @@ def main(argv: Sequence[str], *, prog: str, doc: str, examples: Sequence[str],
                       f"--gin_bindings='NAME=VALUE', --gin.NAME=VALUE, --run_dir=DIR, "
                       f"--replace_run_dir, " + "".join(f"{o}=..., " for o in own)
                       + "--help.")
-    ginutils.parse(list(default_files) + files, bindings, reads=reads, prog=prog)
+    ginutils.parse(list(default_files) + files, bindings, reads=reads, prog=prog,
+                   defaults=len(default_files))
     runs.check_output_dir(args.run_dir, flag="--run_dir")
     # the directory is this runner's, or another's replaced whole (runs.claim)
     finish = runs.claim(args.run_dir, prog, replace=args.replace_run_dir)
@@ -248,11 +249,13 @@ def _gin_help(default_files, files, bindings, reads, prog) -> list:
   shown = ", ".join(f"gin/{f}" for f in default_files) or "none"
   sections = [GIN_OPTIONS.format(defaults=shown)]
   try:
-    ginutils.parse(list(default_files) + files, bindings, reads=reads, prog=prog)
+    ginutils.parse(list(default_files) + files, bindings, reads=reads, prog=prog,
+                   defaults=len(default_files))
     source = ", ".join([f"gin/{f}" for f in default_files] + files + bindings) or "code"
   except UserError:
     ginutils.clear()
-    ginutils.parse(list(default_files), [], reads=reads, prog=prog)
+    ginutils.parse(list(default_files), [], reads=reads, prog=prog,
+                   defaults=len(default_files))
     source = shown
   if reads:
     lines = [f"  {name} = {value}" for name, value in ginutils.configurable_values(reads)]

@@ -174,6 +174,23 @@ def test_bindings_a_job_sets_itself_or_would_not_read_are_refused(tmp_path):
   assert not (tmp_path / "n").exists()
 
 
+def test_audit_model_refuses_only_the_model_bindings_the_user_gave():
+  """The audit runner's default file includes a model's model.* bindings: audit.model
+  overrides those without a word; model.* given by the user beside it are refused."""
+  from attnprec import audit, ginutils
+  ginutils.parse(["runs/audit.gin"], ["audit.model = 'recall-tiny'"], defaults=1)
+  config, description = audit.model_config_for("recall-tiny")
+  assert config.num_layers >= 1 and "recall" in description
+  ginutils.parse(["runs/audit.gin"], ["audit.model = 'recall-tiny'",
+                                      "model.num_layers = 3"], defaults=1)
+  with pytest.raises(UserError, match=r"\(model.num_layers\) would be ignored"):
+    audit.model_config_for("recall-tiny")
+  ginutils.parse(["runs/audit.gin", "experiments/audit_smollm2.gin"], [], defaults=1)
+  from attnprec import checks
+  assert checks.bound_args("model", by_user=True) == {}
+  assert checks.bound_args("model")                  # bound, by the runner's default file
+
+
 def test_two_sweep_presets_of_one_name_are_refused(tmp_path):
   from attnprec import presets
   alt = tmp_path / "bf16.gin"

@@ -57,14 +57,19 @@ def _import_configurables() -> None:
 
 def parse(files: Sequence[str], bindings: Sequence[str],
           phases: Optional[Sequence[str]] = PHASES,
-          reads: Optional[Sequence[str]] = None, prog: str = "this runner") -> None:
+          reads: Optional[Sequence[str]] = None, prog: str = "this runner",
+          defaults: int = 0) -> None:
   """Parses gin files then bindings, turning gin's errors into one-paragraph UserErrors,
   then checks the whole configuration (`check_config`) before anything runs.
 
   reads: the configurables the runner calls itself, `phase/name` for one called in a
   phase scope (`train/precision`); then a binding given on the command line must be one
   the runner reads (`check_command_line`), and `phases` are taken from `reads`.
+  defaults: how many of `files` (the first) are the runner's own default files: what
+  only they bind is the runner's default, not the user's setting
+  (`checks.bound_args(name, by_user=True)`).
   """
+  checks.note_runner_defaults(())
   if reads is not None:
     phases = tuple(r.split("/")[0] for r in reads if "/" in r)
   _import_configurables()
@@ -84,10 +89,25 @@ def parse(files: Sequence[str], bindings: Sequence[str],
                     "(an include cycle?). Check the include lines of "
                     f"{', '.join(map(repr, files))}.") from None
   check_reference_cycles(statements)
+  _note_runner_defaults(statements, len(scan(resolved[:defaults], [])) if defaults else 0)
   check_config(phases)
   check_kernel_settings(phases)
   if reads is not None:
     check_command_line(bindings, reads, prog)
+
+
+def _note_runner_defaults(statements, count: int) -> None:
+  """The (configurable, arg) pairs bound by the first `count` statements (the runner's
+  default files and their includes) and by none after them (the user's files and
+  command line)."""
+  def keys(part):
+    out = set()
+    for b in part:
+      configurable = _gin.lookup(b.selector) if b.arg_name else None
+      if configurable is not None:
+        out.add((configurable.name, b.arg_name))
+    return out
+  checks.note_runner_defaults(keys(statements[:count]) - keys(statements[count:]))
 
 
 def _check_files(files: Sequence[str], resolved: Sequence[str]) -> None:
@@ -156,6 +176,7 @@ def _configurable_names():
 
 def clear() -> None:
   gin.clear_config()
+  checks.note_runner_defaults(())
 
 
 def call(fn, *args, **kwargs):
