@@ -89,10 +89,13 @@ def run(prog: str, body: Callable[[], object], *, output_dir: Optional[str] = No
   """
   runs.code_identity()   # the code this run starts from, named by every result it writes
   existed = output_dir is None or os.path.lexists(output_dir)
+  created = None if existed else runs.first_missing(output_dir)   # and removed on failure
   partial = False
   with runs.track_writes() as written, _handled_signals(_raise_interrupted):
     try:
-      xla_env.check_known_flags()   # XLA ends the process on a flag it does not know
+      # XLA ends the process on a flag it does not know; a flag file or jax's numerics
+      # settings from the environment would change numbers the precision line names not
+      xla_env.check_environment(prog=prog)
       body()
       return EXIT_OK
     except UserError as e:
@@ -100,11 +103,11 @@ def run(prog: str, body: Callable[[], object], *, output_dir: Optional[str] = No
       rc, partial = EXIT_USER_ERROR, isinstance(e, runs.WriteError)
     except KeyboardInterrupt as e:
       rc, partial = _print_interrupted(prog, e), True
-    except RuntimeError as e:
+    except (RuntimeError, AssertionError) as e:
       why = _backend_start_error(e)
       if why is None:
         if not existed:
-          runs.remove_if_empty(output_dir)
+          runs.remove_if_empty(output_dir, created)
         raise
       _print_error(prog, why)
       rc = EXIT_USER_ERROR
@@ -112,25 +115,36 @@ def run(prog: str, body: Callable[[], object], *, output_dir: Optional[str] = No
       return e.code if isinstance(e.code, int) else EXIT_OK
     except BaseException:
       if not existed:
-        runs.remove_if_empty(output_dir)
+        runs.remove_if_empty(output_dir, created)
       raise
   if partial and output_dir is not None and not keep_partial:
     runs.remove_written(written, output_dir)
   if not existed:
-    runs.remove_if_empty(output_dir)
+    runs.remove_if_empty(output_dir, created)
   return rc
 
 
-def _backend_start_error(e: RuntimeError) -> Optional[UserError]:
+def _backend_start_error(e: Exception) -> Optional[UserError]:
   """The UserError for JAX failing to start the backend JAX_PLATFORMS names (a platform
   this machine does not have: `JAX_PLATFORMS=tpu` on a CPU machine), else None. JAX
   starts its backends lazily, at the first array, so this is caught where it surfaces,
   not checked first: checking would start the backend before `jax.distributed` may
   initialize (a multi-host training)."""
   text = str(e)
-  if "Unable to initialize backend" not in text:
-    return None
   names = os.environ.get("JAX_PLATFORMS", "")
+  if isinstance(e, AssertionError):
+    # JAX_PLATFORMS=cuda without a CUDA plugin: jax's backend lookup asserts, with no
+    # message (and jax filters its frames from the traceback): ask the backend again
+    if not names:
+      return None
+    import jax
+    try:
+      jax.devices()
+      return None
+    except AssertionError:
+      text = "no backend of that name is installed here"
+  elif "Unable to initialize backend" not in text:
+    return None
   first = " ".join(text.strip().splitlines()[0].split())[:300]
   what = f"the backend JAX_PLATFORMS={names!r} names" if names else "its backend"
   return UserError(f"JAX could not start {what} ({first}). Unset JAX_PLATFORMS to use "

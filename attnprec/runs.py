@@ -293,15 +293,36 @@ def claim(run_dir: str, runner: str, *, replace: bool = False, flag: str = "--ru
   return finish
 
 
-def remove_if_empty(path: str) -> None:
+def remove_if_empty(path: str, up_to: Optional[str] = None) -> None:
   """Removes directory `path` if it holds no file but the run lock and the owner record
-  (only empty directories): what a run that failed before writing anything leaves."""
+  (only empty directories): what a run that failed before writing anything leaves. Then
+  its parents, up to and including `up_to`, while they are empty (the directories the run
+  created above its own: `first_missing`)."""
   if not os.path.isdir(path) or os.path.islink(path):
     return
   for _, _, files in os.walk(path):
     if any(f not in (LOCK_FILE, OWNER_FILE) for f in files):
       return
   shutil.rmtree(path, ignore_errors=True)
+  top = os.path.abspath(up_to) if up_to else None
+  here = os.path.abspath(path)
+  while top and here != top and here.startswith(top + os.sep):
+    here = os.path.dirname(here)
+    try:
+      os.rmdir(here)          # only an empty directory
+    except OSError:
+      return
+
+
+def first_missing(path: str) -> Optional[str]:
+  """The highest directory on `path`'s way that does not exist yet (what creating `path`
+  would create first), or None when `path` exists."""
+  path = os.path.abspath(path)
+  if os.path.lexists(path):
+    return None
+  while not os.path.lexists(os.path.dirname(path)) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  return path
 
 
 LOCK_FILE = ".lock"

@@ -78,7 +78,8 @@ def describe(flags=None) -> str:
   whether the user's XLA_FLAGS chose it), the dot library setting, and every flag of
   NUMERICS_FLAGS the user set (run as given, outside what the project measured)."""
   flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
-  values = [f.split("=", 1)[-1].lower() for f in flags.split()
+  # a bare boolean flag (no '=') means true, as XLA reads it
+  values = [f.split("=", 1)[1].lower() if "=" in f else "true" for f in flags.split()
             if f.startswith("--xla_allow_excess_precision")]
   if not values:
     excess = "excess precision allowed (XLA's default: some bf16 roundings may be dropped)"
@@ -123,6 +124,48 @@ def flag_problems(flags=None) -> list:
   said = [line.rstrip(". ") for line in said]
   return said or [f"JAX could not start with these flags (exit {probe.returncode}): "
                   + (probe.stderr.strip().splitlines() or ["no message"])[-1]]
+
+
+# jax settings read from the environment that change numbers: the default precision of
+# every dot left at 'default' (the precision line would not name it), and 64-bit types.
+NUMERICS_ENV = {
+    "JAX_DEFAULT_MATMUL_PRECISION": "sets the precision of every dot the precision "
+                                    "leaves at 'default', which the precision line would "
+                                    "not name; set precision.matmul_precision and "
+                                    "precision.einsum_precision (per phase) instead",
+    "JAX_ENABLE_X64": "turns on jax's 64-bit types, which the project's programs, tests "
+                      "and measurements never use",
+}
+
+
+# Runners that may run under JAX_ENABLE_X64: `inspect` lowers a user's function, whose
+# f64 / i64 inputs need it (its shapes are refused without it).
+X64_RUNNERS = ("inspect",)
+
+
+def check_environment(environ=None, prog: str = "") -> None:
+  """Refuses (errors.UserError), before a runner writes anything: XLA_FLAGS naming a flag
+  file (its flags would change numbers unnamed on the precision line), the jax settings
+  of NUMERICS_ENV (JAX_ENABLE_X64 but for X64_RUNNERS), and flags XLA would refuse
+  (`check_known_flags`)."""
+  from attnprec.errors import UserError
+  environ = os.environ if environ is None else environ
+  flags = environ.get("XLA_FLAGS", "")
+  first = flags.split()[0] if flags.split() else ""
+  if first and not first.startswith("-"):
+    raise UserError(f"XLA_FLAGS={flags!r} names a flag file ({first!r}); attnprec reads "
+                    f"the flags that change numbers from XLA_FLAGS itself to name them on "
+                    f"the precision line, so put the flags in XLA_FLAGS (e.g. "
+                    f"XLA_FLAGS='--xla_cpu_enable_fast_math=false').")
+  for name, why in NUMERICS_ENV.items():
+    value = environ.get(name, "")
+    if name == "JAX_ENABLE_X64" and (value.lower() in ("0", "false") or
+                                     prog in X64_RUNNERS):
+      continue
+    if value:
+      raise UserError(f"{name}={value!r} is set: it {why}. Unset it (nothing was run or "
+                      f"written).")
+  check_known_flags(flags)
 
 
 def check_known_flags(flags=None) -> None:

@@ -231,3 +231,37 @@ def test_a_path_that_cannot_be_followed_says_why(tmp_path):
   from attnprec import ginutils
   with pytest.raises(UserError, match="Gin file .* cannot be followed"):
     ginutils.parse([str(tmp_path / "a")], [])
+
+
+def test_environment_settings_that_change_numbers_unnamed_are_refused():
+  """A flag file as XLA_FLAGS, JAX_DEFAULT_MATMUL_PRECISION and JAX_ENABLE_X64 would change
+  numbers the precision line does not name: refused before anything runs (x64 allowed for
+  `inspect`, which lowers a user's f64 function). A bare boolean flag reads as true."""
+  from attnprec import xla_env
+  base = {"XLA_FLAGS": xla_env.FLAG}
+  with pytest.raises(UserError, match=r"names a flag file \('/tmp/flags'\)"):
+    xla_env.check_environment({"XLA_FLAGS": "/tmp/flags " + xla_env.FLAG})
+  with pytest.raises(UserError, match="JAX_DEFAULT_MATMUL_PRECISION='highest' is set"):
+    xla_env.check_environment({**base, "JAX_DEFAULT_MATMUL_PRECISION": "highest"})
+  with pytest.raises(UserError, match="JAX_ENABLE_X64='1' is set"):
+    xla_env.check_environment({**base, "JAX_ENABLE_X64": "1"}, prog="decode")
+  xla_env.check_environment({**base, "JAX_ENABLE_X64": "1"}, prog="inspect")
+  xla_env.check_environment({**base, "JAX_ENABLE_X64": "0"}, prog="decode")
+  assert "(--xla_allow_excess_precision=true)" in xla_env.describe(
+      "--xla_allow_excess_precision")
+
+
+def test_a_platform_without_a_backend_is_bad_input(tmp_path):
+  """JAX_PLATFORMS=cuda without a CUDA plugin: jax asserts with no message; exit 2."""
+  import subprocess
+  import sys
+  from test_train_utils import REPO, SUBPROCESS_ENV
+  done = subprocess.run(
+      [sys.executable, "runners/decode.py", "--gin_file=experiments/recall.gin",
+       "--gin.recall_eval.num_prompts=2", "--gin.recall_eval.pair_counts=(8,)",
+       f"--run_dir={tmp_path / 'new' / 'run'}"], cwd=REPO, capture_output=True, text=True,
+      env={**SUBPROCESS_ENV, "JAX_PLATFORMS": "cuda"}, timeout=120)
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert "JAX_PLATFORMS='cuda' names (no backend of that name" in done.stderr
+  assert "Traceback" not in done.stderr
+  assert not (tmp_path / "new").exists()          # nothing left, not even the parent
