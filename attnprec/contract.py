@@ -113,6 +113,19 @@ def parse_precision(name) -> PrecisionLike:
                      list(LAX_PRECISIONS) + list(ALGORITHM_PRESETS))
 
 
+def canonical_dtype(name) -> str:
+  """The one spelling of a dtype setting ('BFLOAT16', jnp.bfloat16 -> 'bfloat16'): what
+  the precision line and results record, whatever form it was given in."""
+  return jnp.dtype(parse_dtype(name)).name
+
+
+def canonical_precision(name) -> str:
+  """The one spelling of a dot precision setting: a lax.Precision's lower-case name
+  ('HiGhEsT', lax.Precision.HIGHEST -> 'highest'), a DotAlgorithmPreset's own name."""
+  p = parse_precision(name)
+  return p.name.lower() if isinstance(p, jax.lax.Precision) else p.name
+
+
 def precision_name(p: PrecisionLike) -> str:
   """The name the lowered StableHLO shows for a precision (DEFAULT, HIGHEST, ...)."""
   return p.name

@@ -24,7 +24,8 @@ from attnprec import checks, cpu_features, kernels, platforms
 from attnprec.contract import (ALGORITHM_PRESETS, DTYPES, KEY_OFFSETS,  # noqa: F401
                                KV_CACHE_DTYPES, LAX_PRECISIONS, SCALED_KV_DTYPES,
                                AttentionFlags, CacheStorage, PrecisionLike,
-                               cache_storage_error, float32_qk_form_problems,
+                               cache_storage_error, canonical_dtype,
+                               canonical_precision, float32_qk_form_problems,
                                parse_dtype, parse_precision, precision_name)
 from attnprec.errors import UserError, choice_error
 from attnprec.kernels.blockwise import BlockSizes, block_sizes
@@ -122,9 +123,12 @@ class Precision:
   mlp_activation: str = "auto"
 
   def __post_init__(self):
-    # Validate eagerly so a bad gin value fails at configuration time, not mid-trace.
-    parse_dtype(self.dtype)
-    parse_precision(self.matmul_precision)
+    # Validate eagerly so a bad gin value fails at configuration time, not mid-trace; one
+    # spelling per value (what the precision line and results record, and what compares
+    # equal): 'BFLOAT16' or jnp.bfloat16 is 'bfloat16', lax.Precision.HIGHEST 'highest'.
+    object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+    for name in ("matmul_precision", "einsum_precision"):
+      object.__setattr__(self, name, canonical_precision(getattr(self, name)))
     self.attention   # the attention knobs validate themselves (`AttentionFlags`)
     for name in ("carrier_weights", "stored_weights"):
       if not isinstance(getattr(self, name), bool):

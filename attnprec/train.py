@@ -248,12 +248,7 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
   faults = fault_injection()   # test-only; nothing bound in shipped gin files
   keyoffset.check(config, precision.key_offset, phase="train")
   check_kernel(precision)
-  if precision.cache_storage.without_offset() != COMPUTE_CACHE:
-    # Training runs no KV cache: a cache setting would be silently ignored.
-    raise UserError(
-        f"The train phase has no KV cache, so {precision.cache_storage.describe()} would "
-        f"be ignored: set precision.kv_cache_* for the decode phase only "
-        f"(decode/precision.kv_cache_k_dtype = ...), or leave them at 'compute' for train.")
+  check_no_cache(precision)
   mesh = sharding.make_mesh()
   sharding.check(mesh, config, [("train.batch_size", batch_size),
                                 ("train.eval_batch", eval_batch)])
@@ -388,6 +383,16 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
       if plot:
         plotting.plot_run(run_dir)
   return last
+
+
+def check_no_cache(precision: Precision) -> None:
+  """Training runs no KV cache: a train precision's cache setting would be silently
+  ignored (by `train` and by the audit of the train step)."""
+  if precision.cache_storage.without_offset() != COMPUTE_CACHE:
+    raise UserError(
+        f"The train phase has no KV cache, so {precision.cache_storage.describe()} would "
+        f"be ignored: set precision.kv_cache_* for the decode phase only "
+        f"(decode/precision.kv_cache_k_dtype = ...), or leave them at 'compute' for train.")
 
 
 def optimizer_args() -> dict:

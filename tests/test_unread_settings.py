@@ -265,3 +265,43 @@ def test_a_platform_without_a_backend_is_bad_input(tmp_path):
   assert "JAX_PLATFORMS='cuda' names (no backend of that name" in done.stderr
   assert "Traceback" not in done.stderr
   assert not (tmp_path / "new").exists()          # nothing left, not even the parent
+
+
+def test_a_setting_scoped_to_a_phase_that_never_reads_it_is_refused():
+  """The train step keeps no KV cache and runs no decode step: train/precision.kv_cache_*
+  and train/blockwise.decode_kv_block are refused for every runner (the audit passed
+  them, recorded in its report); unscoped, a kv preset's cache applies to decode."""
+  from attnprec import ginutils
+  with pytest.raises(UserError, match=r"train/precision.kv_cache_k_dtype is set, but the "
+                                      r"train phase never reads it"):
+    ginutils.parse(["runs/audit.gin"], ["train/precision.dtype = 'bfloat16'",
+                                        "train/precision.kv_cache_k_dtype = 'int8'"])
+  ginutils.clear()
+  with pytest.raises(UserError, match=r"train/blockwise.decode_kv_block is set"):
+    ginutils.parse(["runs/train.gin", "experiments/recall.gin"],
+                   ["train/precision.kernel = 'blockwise'",
+                    "train/blockwise.decode_kv_block = 64"])
+  ginutils.clear()
+  ginutils.parse(["runs/audit.gin", "precision/kv_int8.gin"], [])       # decode's cache
+
+
+def test_a_precision_is_recorded_in_one_spelling_and_the_api_refuses_what_it_would_not_use():
+  import jax
+  import jax.numpy as jnp
+  from attnprec import checkpoints
+  from attnprec.precision import Precision
+  assert Precision(dtype="BFLOAT16") == Precision(dtype=jnp.bfloat16) == \
+      Precision(dtype="bfloat16")
+  p = Precision(dtype="bfloat16", matmul_precision=jax.lax.Precision.HIGHEST,
+                einsum_precision="HiGhEsT")
+  assert (p.matmul_precision, p.einsum_precision) == ("highest", "highest")
+  assert "matmul_precision=highest" in p.describe()
+  assert Precision(dtype="bfloat16", matmul_precision=jax.lax.DotAlgorithmPreset
+                   .BF16_BF16_F32).matmul_precision == "BF16_BF16_F32"
+  ckpt = checkpoints.load("recall-tiny")
+  with pytest.raises(UserError, match="a full-sequence forward pass keeps no cache"):
+    checkpoints.logits(ckpt, [[1, 2, 3]], precision=Precision(
+        dtype="bfloat16", kv_cache_k_dtype="int8", kv_cache_v_dtype="int8"))
+  with pytest.raises(UserError, match="carrier_weights=True is set by attnprec itself"):
+    checkpoints.logits(ckpt, [[1, 2, 3]], precision=Precision(dtype="bfloat16",
+                                                              carrier_weights=True))

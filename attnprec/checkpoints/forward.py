@@ -12,6 +12,7 @@ from attnprec import checks
 from attnprec.checkpoints import finite
 from attnprec.checkpoints.tokenizer import Tokenizer
 from attnprec.config import ModelConfig
+from attnprec.contract import COMPUTE_CACHE
 from attnprec.errors import UserError, shorten
 from attnprec.model import check_params, transformed
 from attnprec.precision import Precision
@@ -83,6 +84,12 @@ def check_precision(precision, function: str) -> None:
     raise UserError(f"Invalid argument precision={shorten(precision)} of {function}: must "
                     f"be an attnprec.precision.Precision, e.g. Precision(dtype='bfloat16') "
                     f"or precision.REFERENCE.")
+  for name in ("carrier_weights", "stored_weights"):
+    if getattr(precision, name):
+      raise UserError(f"Invalid argument precision of {function}: {name}=True is set by "
+                      f"attnprec itself, with the weights it prepares for serving "
+                      f"(`decoding.serving_precision`); given by hand it describes weights "
+                      f"this call does not make. Leave it False.")
 
 
 def logits(checkpoint_or_config_params: Union[Checkpoint, Tuple[ModelConfig, dict]],
@@ -96,6 +103,12 @@ def logits(checkpoint_or_config_params: Union[Checkpoint, Tuple[ModelConfig, dic
   config, params = config_and_params(checkpoint_or_config_params, "checkpoints.logits")
   tokens = token_array(tokens_BxT, config, "checkpoints.logits")
   check_precision(precision, "checkpoints.logits")
+  if precision.cache_storage.without_offset() != COMPUTE_CACHE:
+    raise UserError(f"Invalid argument precision of checkpoints.logits: "
+                    f"{precision.cache_storage.describe()} sets how a KV cache is stored, "
+                    f"but a full-sequence forward pass keeps no cache, so the setting would "
+                    f"not be used. Leave the kv_cache_* fields at 'compute' here, or pass the "
+                    f"precision to checkpoints.generate, which decodes from a cache.")
   checks.check_argument("checkpoints.logits", "check_finite", check_finite, checks.boolean)
   out = _forward(config, precision)(params, jnp.asarray(tokens, jnp.int32))
   if check_finite:

@@ -17,7 +17,7 @@ from attnprec.ginutils import _gin
 from attnprec.ginutils.calls import reached
 from attnprec.ginutils.listing import parameters
 from attnprec.ginutils.scanner import Binding
-from attnprec.ginutils.scopes import PHASE_CONFIGURABLES, PHASES
+from attnprec.ginutils.scopes import PHASE_CONFIGURABLES, PHASE_UNREAD, PHASES
 
 
 def check_reference_cycles(statements: Sequence[Binding] = ()) -> None:
@@ -205,6 +205,13 @@ def check_config(phases: Optional[Sequence[str]] = PHASES) -> None:
             f"Scoped binding {first} would be ignored: only "
             f"{' and '.join(c + '.*' for c in PHASE_CONFIGURABLES)} are read per phase "
             f"({', '.join(PHASES)}). Write {name}.{next(iter(values), '')} without a scope.")
+      unread = sorted(set(values) & set(PHASE_UNREAD.get((scope, name), ())))
+      if unread:
+        raise UserError(
+            f"{', '.join(f'{scope}/{name}.{u}' for u in unread)} is set, but the {scope} "
+            f"phase never reads it (the train step keeps no KV cache and runs no "
+            f"single-token decode step), so it would be ignored. Set it for the decode "
+            f"phase (decode/{name}.{unread[0]}), or remove the binding.")
     if name in PHASE_CONFIGURABLES and phases is not None and not phases:
       raise UserError(
           f"{first} is set, but this runner does not read {name}.*: it runs the presets "

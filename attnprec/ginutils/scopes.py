@@ -9,6 +9,13 @@ PHASES = ("train", "decode")
 # The configurables the runners call inside a phase scope (`phase`): the only ones a
 # scoped binding (`decode/precision.dtype = ...`) can reach.
 PHASE_CONFIGURABLES = ("precision", "blockwise")
+# Fields a phase never reads, whatever its kernel: the train step keeps no KV cache and
+# runs no single-token decode step. A binding scoped to that phase is refused.
+PHASE_UNREAD = {
+    ("train", "precision"): ("kv_cache_k_dtype", "kv_cache_v_dtype", "kv_cache_k_scale",
+                             "kv_cache_v_scale"),
+    ("train", "blockwise"): ("decode_kv_block",),
+}
 
 
 @contextlib.contextmanager

@@ -20,8 +20,11 @@ from attnprec.tasks import recall
 def _kind_at_end(config, params, tokens_1xT, precision) -> str:
   """'NaN' or 'Inf': what the logits at the last position of a forward pass of
   `tokens_1xT` hold ('' when they are finite there)."""
+  # a full forward keeps no cache: the phase's settings but the cache's
+  full = dataclasses.replace(precision, kv_cache_k_dtype="compute", kv_cache_v_dtype="compute",
+                             kv_cache_k_scale=None, kv_cache_v_scale=None)
   row = np.asarray(checkpoints.logits((config, params), np.asarray(tokens_1xT),
-                                      precision=precision, check_finite=False)[0, -1])
+                                      precision=full, check_finite=False)[0, -1])
   return "NaN" if np.isnan(row).any() else "Inf" if np.isinf(row).any() else ""
 
 
