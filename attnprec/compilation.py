@@ -20,10 +20,13 @@ killed write can only leave such a truncated entry, which the next compile repla
 `enable()` also removes, at start, entries that are empty or not compressed data at all
 (also those of the small helper programs jax compiles outside `compile_lowerable`).
 
-An entry is also checked against the SHA-256 recorded when `compile_lowerable` wrote it
-(`DIGESTS`, beside the cache): another program's entry copied under its key is valid
-cache data that JAX would load, silently, as this program; it is removed and compiled
-afresh like a corrupt one.
+Every entry is also checked against the SHA-256 recorded when it was written (beside
+the cache, `<cache>-digests/<key>`), on every hit of every program, not only those of
+`compile_lowerable`: `enable()` wraps the cache's own read and write (`_guard`). Another
+program's entry copied under a key is valid cache data that JAX would load, silently, as
+this program; it is removed and the program compiled afresh, and the fresh entry written
+in its place. An entry that has no recorded digest (written before digests were kept) is
+given one when it is first read.
 """
 import contextlib
 import dataclasses
@@ -50,6 +53,7 @@ def enable() -> str:
   kept."""
   path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache_dir(SUBDIR))
   remove_unreadable_entries(path)
+  _guard()
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -223,53 +227,63 @@ class Compiled:
 
 
 # ----------------------------------------------------------------------------- digests
-DIGESTS = "jax-compilation-digests"
+_SWAPPED = [0]       # entries found not to be the bytes written for their key
 
 
-def _digest_path(key: str) -> Optional[str]:
-  return str(cache_dir(DIGESTS) / key) if jax.config.jax_compilation_cache_dir else None
+def _digest_path(cache_path, key: str) -> str:
+  return os.path.join(f"{os.fspath(cache_path).rstrip(os.sep)}-digests", key)
 
 
-def _entry_sha256(key: str) -> Optional[str]:
-  entry = os.path.join(jax.config.jax_compilation_cache_dir or "", key + _ENTRY_SUFFIX)
-  try:
-    with open(entry, "rb") as f:
-      return hashlib.sha256(f.read()).hexdigest()
-  except OSError:
-    return None
+def _record(cache_path, key: str, data: bytes) -> None:
+  path = _digest_path(cache_path, key)
+  with contextlib.suppress(OSError):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+      f.write(hashlib.sha256(data).hexdigest())
+    os.replace(tmp, path)
 
 
-def record_digests(keys) -> None:
-  """Writes the SHA-256 of each new entry beside the cache (`DIGESTS`): what a later
-  hit must still read."""
-  for key in keys:
-    path, digest = _digest_path(key), _entry_sha256(key)
-    if path and digest:
-      with contextlib.suppress(OSError):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-          f.write(digest)
-        os.replace(tmp, path)
+def _guard() -> None:
+  """Wraps JAX's file cache (`jax._src.lru_cache.LRUCache`) once per process: a write
+  records its entry's SHA-256 (of the file as it lies, after JAX wrote it), a read
+  compares the entry with it. A mismatch (another program's bytes under this key) is a
+  miss: the entry and its digest are removed, so JAX compiles the program and writes the
+  fresh entry in its place."""
+  from jax._src import lru_cache
+  cls = lru_cache.LRUCache
+  if getattr(cls, "_attnprec_guarded", False):
+    return
+  get, put = cls.get, cls.put
 
-
-def replaced_entries(keys) -> list:
-  """The keys among `keys` (cache hits) whose entry is no longer the one written for it:
-  another program's bytes put under its name. An entry without a recorded digest (written
-  before digests were kept, or by another program) gets one now."""
-  swapped = []
-  for key in keys:
-    path, digest = _digest_path(key), _entry_sha256(key)
-    if not path or digest is None:
-      continue
+  def checked_get(self, key):
+    value = get(self, key)
+    if value is None:
+      return None
     try:
-      with open(path) as f:
+      with open(_digest_path(self.path, key)) as f:
         recorded = f.read().strip()
     except OSError:
-      record_digests([key])
-      continue
-    if recorded != digest:
-      swapped.append(key)
-  return swapped
+      _record(self.path, key, value)        # an entry from before digests: trusted once
+      return value
+    if recorded == hashlib.sha256(value).hexdigest():
+      return value
+    _SWAPPED[0] += 1
+    for name in (f"{key}{_ENTRY_SUFFIX}", f"{key}-atime"):
+      with contextlib.suppress(OSError):
+        os.unlink(os.path.join(self.path, name))
+    with contextlib.suppress(OSError):
+      os.unlink(_digest_path(self.path, key))
+    return None
+
+  def recorded_put(self, key, value):
+    put(self, key, value)
+    if not os.path.exists(_digest_path(self.path, key)):
+      with contextlib.suppress(OSError):
+        with open(os.path.join(self.path, f"{key}{_ENTRY_SUFFIX}"), "rb") as f:
+          _record(self.path, key, f.read())
+
+  cls.get, cls.put, cls._attnprec_guarded = checked_get, recorded_put, True
 
 
 def compile_lowerable(jitted, *args, **kwargs) -> Compiled:
@@ -280,26 +294,20 @@ def compile_lowerable(jitted, *args, **kwargs) -> Compiled:
   otherwise be loaded, silently, as this program)."""
   before = entries()
   t0 = time.perf_counter()
+  _guard()
+  swapped_before = _SWAPPED[0]
   with _watched() as watch:
     program = jitted.lower(*args, **kwargs).compile()
-  replaced = 0
-  swapped = replaced_entries(watch.hit_keys)
-  if swapped:
-    for key in swapped:
-      with contextlib.suppress(OSError):
-        os.unlink(_digest_path(key))
-    watch.miss_keys = list(watch.miss_keys) + swapped
-    watch.read_errors += len(swapped)
+  replaced = _SWAPPED[0] - swapped_before     # written afresh by this compile (`_guard`)
   if watch.read_errors and watch.miss_keys:
-    replaced = _remove_entries(watch.miss_keys)
-    if replaced:
+    removed = _remove_entries(watch.miss_keys)
+    replaced += removed
+    if removed:
       # Compile once more, past JAX's in-memory cache, so that JAX writes the fresh
       # program into the freed slot (JAX never overwrites an entry). Rare: only after a
       # corrupt entry; later calls retrace once.
       jax.clear_caches()
       with _watched():
         program = jitted.lower(*args, **kwargs).compile()
-  record_digests(watch.miss_keys)
-  hits = watch.hits - len(swapped)
   return Compiled(program, time.perf_counter() - t0, entries() - before,
-                  watch.requests, hits, replaced)
+                  watch.requests, watch.hits, replaced)

@@ -22,7 +22,7 @@ import gin
 import numpy as np
 
 from attnprec.config import ModelConfig
-from attnprec import paths, readback
+from attnprec import checks, paths, readback
 from attnprec.checks import INT_MAX
 from attnprec.errors import UserError
 from attnprec.model import check_params
@@ -151,8 +151,13 @@ def owner(run_dir: str) -> Optional[str]:
   """The runner that made `run_dir` (its OWNER_FILE), None where none is recorded. A
   marker that is not a runner's record is a UserError naming the file."""
   path = os.path.join(run_dir, OWNER_FILE)
-  if not os.path.exists(path):
+  if not os.path.lexists(path):
     return None
+  problem = checks.regular_file(path)       # a FIFO would block the read forever
+  if problem:
+    raise UserError(f"{path} (the record of the runner that made {run_dir!r}) {problem}"
+                    f"{'' if os.path.exists(path) else ' (' + paths.unreachable(path) + ')'}"
+                    f". Remove it, or choose another --run_dir.")
   try:
     with open(path, encoding="utf-8") as f:
       data = json.load(f, object_pairs_hook=readback.unique_keys)
@@ -335,7 +340,11 @@ def locked(run_dir: str):
   metrics and checkpoints. Released when the process ends, however it ends."""
   ensure_dir(run_dir)
   path = os.path.join(run_dir, LOCK_FILE)
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)):
+    raise UserError(f"{path} (a training's lock) is not a regular file ("
+                    f"{'a symbolic link' if os.path.islink(path) else 'a directory' if os.path.isdir(path) else 'a FIFO, device or socket'}"
+                    f"); remove it, or choose another --run_dir.")
+  fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
   try:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

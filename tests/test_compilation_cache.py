@@ -145,3 +145,27 @@ def test_an_entry_replaced_by_another_programs_is_not_loaded(cache_dir):
   assert jnp.allclose(again.program(jnp.ones(3)), 3.0 * jnp.tanh(1.0) + 1.0)
   jax.clear_caches()
   assert compilation.compile_lowerable(_program(3.0), x).cached   # the fresh entry is good
+
+
+def test_every_program_s_entry_is_checked_not_only_compile_lowerable_s(cache_dir):
+  """A plain `jax.jit` call (how most of a run's programs compile) reads the cache through
+  the same guard: another program's entry copied under its key is compiled afresh, and
+  the result is this program's."""
+  compilation.enable()
+  f3 = jax.jit(lambda x: 3.0 * jnp.tanh(x) + 1.0)
+  f5 = jax.jit(lambda x: 5.0 * jnp.tanh(x) + 1.0)
+  x = jnp.ones(3)
+  jax.block_until_ready(x)
+  ours = lambda: {p.name for p in cache_dir.iterdir()                    # noqa: E731
+                  if p.name.startswith("jit__lambda") and p.name.endswith("-cache")}
+  f3(x)
+  mine = ours()
+  f5(x)
+  other = [cache_dir / name for name in ours() - mine]
+  assert len(mine) == 1 and len(other) == 1
+  digests = pathlib.Path(f"{cache_dir}-digests")
+  assert (digests / mine.copy().pop().removesuffix("-cache")).exists()
+  (cache_dir / mine.pop()).write_bytes(other[0].read_bytes())   # same signature, other math
+  jax.clear_caches()
+  again = jax.jit(lambda x: 3.0 * jnp.tanh(x) + 1.0)(x)
+  assert jnp.allclose(again, 3.0 * jnp.tanh(1.0) + 1.0)

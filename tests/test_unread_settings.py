@@ -305,3 +305,24 @@ def test_a_precision_is_recorded_in_one_spelling_and_the_api_refuses_what_it_wou
   with pytest.raises(UserError, match="carrier_weights=True is set by attnprec itself"):
     checkpoints.logits(ckpt, [[1, 2, 3]], precision=Precision(dtype="bfloat16",
                                                               carrier_weights=True))
+
+
+def test_a_run_record_or_lock_that_is_not_a_regular_file_is_named(tmp_path):
+  """A FIFO as the run record would block every runner forever; a directory, FIFO or
+  dangling link as a training's lock ended in a traceback."""
+  from attnprec import runs
+  fifo_dir = tmp_path / "fifo"
+  fifo_dir.mkdir()
+  os.mkfifo(fifo_dir / runs.OWNER_FILE)
+  with pytest.raises(UserError, match="must name a regular file, not a FIFO"):
+    runs.owner(str(fifo_dir))
+  for name, make in (("dir", lambda p: p.mkdir()), ("fifo", os.mkfifo),
+                     ("link", lambda p: p.symlink_to(tmp_path / "nowhere"))):
+    run = tmp_path / f"lock-{name}"
+    run.mkdir()
+    make(run / runs.LOCK_FILE)
+    with pytest.raises(UserError, match=r"\.lock \(a training's lock\) is not a regular"):
+      with runs.locked(str(run)):
+        pass
+  with runs.locked(str(tmp_path / "fine")):                  # created, held, released
+    assert (tmp_path / "fine" / runs.LOCK_FILE).is_file()
