@@ -9,6 +9,7 @@ Exit codes of every runner (`runners/*.py`):
   3   audit only: the compiled programs do not follow the precision contract (MISMATCH)
   130 interrupted by SIGINT (Ctrl-C)
   143 terminated by SIGTERM (a scheduler, `docker stop`, a preemption)
+  129 hung up by SIGHUP (the terminal it ran in was closed), handled as SIGTERM
 
 Signals: SIGINT and SIGTERM are handled alike. Outside training they stop the run at
 once; what the run had written into its output directory is removed again (every file
@@ -48,6 +49,7 @@ from attnprec.errors import UserError
 
 EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_MISMATCH = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143
+EXIT_HANGUP = 128 + signal.SIGHUP                                               # 129
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
@@ -158,7 +160,7 @@ def exit(rc: int) -> None:  # noqa: A001 -- the runners' sys.exit
   still be compiling or computing in its own threads, and tearing the interpreter down
   under them can crash (a segfault, exit 139, instead of 143). Outputs are already
   complete or removed by then (`run`)."""
-  if rc in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+  if rc in (EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_HANGUP):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)

@@ -1,7 +1,8 @@
-"""SIGINT and SIGTERM, handled alike: one exception, and a way to defer them.
+"""SIGINT, SIGTERM and SIGHUP, handled alike: one exception, and a way to defer them.
 
 `Interrupted` (a KeyboardInterrupt, so cleanup written for Ctrl-C runs) carries the
-signal; the runners (`attnprec.cli`) exit with 128 + its number (130, 143).
+signal; the runners (`attnprec.cli`) exit with 128 + its number (130, 143, 129: a
+closed terminal hangs up its jobs).
 `deferred_signals` lets a loop finish what it is doing (training: the step in flight and
 its checkpoint) before it raises. Library code (`attnprec.train`) uses it, so it sits
 below the runner layer.
@@ -11,7 +12,7 @@ import signal
 import threading
 from typing import Optional
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Interrupted(KeyboardInterrupt):

@@ -203,7 +203,8 @@ def test_sigterm_to_a_decode_subprocess_exits_143_and_leaves_nothing(tmp_path):
   assert not run_dir.exists()
 
 
-@pytest.mark.parametrize("signum,rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("signum,rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143),
+                                       (signal.SIGHUP, 129)])
 def test_a_signal_before_the_run_starts_ends_the_runner_with_its_line(signum, rc):
   """A runner's first line (`startup.begin`): a signal while it imports jax ends it at
   once with one line and 130 / 143 (Ctrl-C there was swallowed by a callback, and the
@@ -222,3 +223,31 @@ def test_a_signal_before_the_run_starts_ends_the_runner_with_its_line(signum, rc
   assert proc.returncode == rc, proc.stderr
   assert proc.stderr == (f"decode: interrupted by {signal.Signals(signum).name} before the "
                          f"run started; nothing was written\n")
+
+
+def test_a_closed_stdout_does_not_end_the_run(tmp_path):
+  """`decode ... | head -1`: the reader goes away after one line. The run says so once
+  on stderr and goes on to write its results (it ended in a BrokenPipeError traceback,
+  exit 1, with its run directory removed); SIGHUP (a closed terminal) is handled like
+  SIGTERM (`signals.SIGNALS`)."""
+  from attnprec import signals
+  assert signal.SIGHUP in signals.SIGNALS
+  run_dir = tmp_path / "decode"
+  proc = subprocess.Popen([sys.executable, os.path.join(REPO, "runners", "decode.py"),
+                           "--gin_file=experiments/recall.gin", f"--run_dir={run_dir}",
+                           "--gin.recall_eval.pair_counts=(4,)",
+                           "--gin.recall_eval.num_prompts=2"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=REPO, env=SUBPROCESS_ENV)
+  try:
+    proc.stdout.readline()
+    proc.stdout.close()                          # `| head -1`
+    err = proc.stderr.read()
+    proc.wait(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 0, err[-3000:]
+  assert "decode: note: standard output failed (Broken pipe)" in err and "Traceback" not in err
+  assert (run_dir / "results.json").exists()
