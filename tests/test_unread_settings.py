@@ -326,3 +326,36 @@ def test_a_run_record_or_lock_that_is_not_a_regular_file_is_named(tmp_path):
         pass
   with runs.locked(str(tmp_path / "fine")):                  # created, held, released
     assert (tmp_path / "fine" / runs.LOCK_FILE).is_file()
+
+
+def test_edited_model_or_task_files_of_a_train_run_are_refused(tmp_path):
+  """A train run is read as what its checkpoint records it trained: model.json or
+  task.json edited since (same shapes: an activation, a pair count) is refused, and a
+  task whose vocabulary is not the model's (the shipped checkpoint has no checkpoints/)."""
+  import json
+  import shutil
+  from attnprec import runs
+  from attnprec.checkpoints import trained
+  from attnprec.train import describe_task
+  run = tmp_path / "run"
+  shutil.copytree(trained.SHIPPED["recall-tiny"], run)
+  config, _, task = trained.load_run(str(run))
+  meta = run / "checkpoints" / "4" / "meta"
+  meta.mkdir(parents=True)
+  (meta / "metadata").write_text(json.dumps(
+      {"step": 4, "model": runs.config_dict(config), "task": describe_task(task)}))
+  trained.load_run(str(run))                                   # as recorded: fine
+  model = json.loads((run / "model.json").read_text())
+  (run / "model.json").write_text(json.dumps({**model, "activation": "gelu"}))
+  with pytest.raises(UserError, match=r"model.json does not describe what the run's "
+                                      r"checkpoint at step 4 records it trained: "
+                                      r"activation \('silu' -> 'gelu'\)"):
+    trained.load_run(str(run))
+  (run / "model.json").write_text(json.dumps(model))
+  task_json = json.loads((run / "task.json").read_text())
+  (run / "task.json").write_text(json.dumps({**task_json, "num_pairs": 24}))
+  with pytest.raises(UserError, match=r"task.json does not describe .* num_pairs"):
+    trained.load_run(str(run))
+  (run / "task.json").write_text(json.dumps({**task_json, "num_keys": 40}))
+  with pytest.raises(UserError, match=r"a recall task of 90 tokens .* has 98"):
+    trained.load_run(str(run))

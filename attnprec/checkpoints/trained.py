@@ -101,4 +101,49 @@ def load_run(name_or_path, *, dtype=np.float32
                         f"{np.asarray(a).dtype}, not the float32 a train run saves; the file "
                         f"was edited or replaced. Retrain, or restore the run directory.")
   params = {m: {n: np.asarray(a, dtype) for n, a in d.items()} for m, d in params.items()}
-  return config, params, load_task(directory)
+  task = load_task(directory)
+  if task is not None and task.vocab_size != config.vocab_size:
+    raise UserError(f"{os.path.join(directory, TASK_FILE)} describes a recall task of "
+                    f"{task.vocab_size} tokens (2 + num_keys + value_vocab), but the model "
+                    f"in {runs.MODEL_FILE} has {config.vocab_size}: a recall run trains its "
+                    f"model on its task's vocabulary, so one of the files was edited. "
+                    f"Restore the run directory, or train it again.")
+  _check_against_checkpoint(directory, config, task)
+  return config, params, task
+
+
+def _check_against_checkpoint(directory: str, config: ModelConfig, task) -> None:
+  """model.json and task.json must describe what the run's last checkpoint records it
+  trained (`meta['model']`, `meta['task']`): an edited file (an activation, a pair count)
+  would run or evaluate the weights as something they were not trained as."""
+  root = os.path.join(directory, "checkpoints")
+  try:
+    steps = sorted((int(n) for n in os.listdir(root) if n.isdigit()), reverse=True)
+  except OSError:
+    return
+  for step in steps:
+    path = os.path.join(root, str(step), "meta", "metadata")
+    try:
+      with open(path, encoding="utf-8") as f:
+        meta = json.load(f, object_pairs_hook=readback.unique_keys)
+    except (OSError, ValueError):
+      continue                      # an unreadable checkpoint: the next older one
+    if not isinstance(meta, dict):
+      continue
+    from attnprec.train import describe_task   # train imports the checkpoint machinery
+    pairs = [(runs.MODEL_FILE, meta.get("model"), runs.config_dict(config))]
+    if task is not None:
+      pairs.append((TASK_FILE, meta.get("task"), describe_task(task)))
+    for name, recorded, now in pairs:
+      # as JSON (tuples are lists there); fields added to the code since the run was
+      # trained are not in its record, and hold their defaults
+      now = json.loads(json.dumps(now))
+      changed = sorted(k for k in (recorded if isinstance(recorded, dict) else {})
+                       if recorded[k] != now.get(k))
+      if changed:
+        listed = ", ".join(f"{k} ({recorded.get(k)!r} -> {now.get(k)!r})" for k in changed)
+        raise UserError(f"{os.path.join(directory, name)} does not describe what the run's "
+                        f"checkpoint at step {step} records it trained: {listed}. The file "
+                        f"was edited; restore it (the checkpoint's record is "
+                        f"{os.path.join(root, str(step), 'meta', 'metadata')}).")
+    return
