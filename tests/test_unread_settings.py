@@ -19,7 +19,8 @@ def test_the_study_refuses_settings_only_other_studies_read(tmp_path):
   """greedy_steps is read for real models' passkey prompts only; float64_batch only when
   some context is short enough for the float64 pass. Refused before anything runs."""
   from attnprec.study.sweep import study
-  base = dict(model="recall-tiny", presets=("bf16",), pair_counts=(2,), progress=False)
+  base = dict(model="recall-tiny", presets=("bf16",), pair_counts=(2,), progress=False,
+              logit_positions=8)
   with pytest.raises(UserError, match=r"study.greedy_steps = 4 .* the recall model "
                                       r"'recall-tiny' decodes exactly"):
     study(run_dir=str(tmp_path / "a"), greedy_steps=4, **base)
@@ -27,7 +28,14 @@ def test_the_study_refuses_settings_only_other_studies_read(tmp_path):
                                       r"study.float64_max_tokens = 0 tokens; none of this "
                                       r"study's contexts \(\d+\.\.\d+ tokens\)"):
     study(run_dir=str(tmp_path / "b"), float64_max_tokens=0, float64_batch=1, **base)
-  assert not os.listdir(tmp_path / "a") and not os.listdir(tmp_path / "b")
+  # values past the shortest sequence would be cut there while the report named them
+  with pytest.raises(UserError, match=r"study.logit_positions = 100000 exceeds what the "
+                                      r"shortest sequence of this study holds \((\d+) "
+                                      r"tokens: at most \1\)"):
+    study(run_dir=str(tmp_path / "c"), **{**base, "logit_positions": 100000})
+  with pytest.raises(UserError, match=r"study.decode_steps = 1000 exceeds"):
+    study(run_dir=str(tmp_path / "d"), decode_steps=1000, **base)
+  assert not any(os.listdir(tmp_path / d) for d in "abcd")
 
 
 def test_inspect_refuses_64_bit_shapes_that_jax_would_lower_as_32_bit():
@@ -359,3 +367,11 @@ def test_edited_model_or_task_files_of_a_train_run_are_refused(tmp_path):
   (run / "task.json").write_text(json.dumps({**task_json, "num_keys": 40}))
   with pytest.raises(UserError, match=r"a recall task of 90 tokens .* has 98"):
     trained.load_run(str(run))
+
+
+def test_sinks_refuses_injection_presets_with_no_layer_to_inject():
+  from attnprec.study import sinks
+  with pytest.raises(UserError, match=r"sinks.inject_presets = \('bf16',\) is set but "
+                                      r"sinks.inject_layers is empty"):
+    sinks.sinks_job(run_dir="/nonexistent-never-written", model="smollm2-135m",
+                    inject_presets=("bf16",), inject_layers=())

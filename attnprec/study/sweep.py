@@ -271,6 +271,15 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
     cases, text_info = _real_cases(m.tokenizer, lengths, batch, decode_steps, seed,
                                    text or "stdlib")
   sizes = sorted(case.tokens_BxL.shape[1] for case in cases)
+  # The report says how many decode steps and logit positions were compared: a value past
+  # the shortest sequence would be cut there, and the report would name the value asked.
+  for name, value, most in (("decode_steps", decode_steps, sizes[0] - 1),
+                            ("logit_positions", logit_positions, sizes[0])):
+    if value > most:
+      raise UserError(f"study.{name} = {value} exceeds what the shortest sequence of this "
+                      f"study holds ({sizes[0]} tokens: at most {most}); it would be cut to "
+                      f"{most} while the report named {value}. Set study.{name} <= {most}, "
+                      f"or study longer contexts.")
   if float64_batch != FLOAT64_BATCH and sizes[0] > float64_max_tokens:
     raise UserError(f"study.float64_batch = {float64_batch} sizes the float64 reference "
                     f"pass, which runs only on contexts of at most study.float64_max_tokens "
