@@ -375,3 +375,16 @@ def test_sinks_refuses_injection_presets_with_no_layer_to_inject():
                                       r"sinks.inject_layers is empty"):
     sinks.sinks_job(run_dir="/nonexistent-never-written", model="smollm2-135m",
                     inject_presets=("bf16",), inject_layers=())
+
+
+def test_attention_report_refuses_settings_a_function_does_not_state():
+  """A user's function carries no attnprec kernel, KV cache or key offset: expecting them
+  gave a PASS that named them unchecked."""
+  from attnprec.inspect import attention_report, examples
+  from attnprec.precision import Precision
+  args, kwargs = examples.maxtext_inputs()
+  for field, value in (("kv_cache_k_dtype", "int8"), ("key_offset", "prefill_mean"),
+                       ("kernel", "blockwise")):
+    expect = Precision(dtype="bfloat16", **{field: value})
+    with pytest.raises(UserError, match=f"sets {field}={value!r}"):
+      attention_report(examples.maxtext_attention, *args, expect=expect, **kwargs)

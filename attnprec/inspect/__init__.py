@@ -95,6 +95,28 @@ def attention_report(fn, *args, expect=None, **kwargs) -> Report:
                          function=f"{module}:{name}" if module else name)
 
 
+# Precision fields that describe how attnprec's own model runs (its kernel, its KV cache,
+# its key offset, the weights it prepares), which a function it did not build does not
+# state in its program: the report could not check them, so they are not taken.
+NOT_IN_A_FUNCTION = ("kernel", "kv_cache_k_dtype", "kv_cache_v_dtype", "kv_cache_k_scale",
+                     "kv_cache_v_scale", "key_offset", "carrier_weights", "stored_weights")
+
+
+def check_expect_readable(expect, what: str) -> None:
+  """Refuses an expected Precision whose NOT_IN_A_FUNCTION fields differ from their
+  defaults: a PASS would name settings nothing checked."""
+  from attnprec.precision import Precision
+  default = Precision()
+  set_ = [f"{f}={getattr(expect, f)!r}" for f in NOT_IN_A_FUNCTION
+          if getattr(expect, f) != getattr(default, f)]
+  if set_:
+    raise UserError(f"{what} sets {', '.join(set_)}: how attnprec's own model runs (its "
+                    f"kernel, KV cache, key offset, prepared weights), which a function's "
+                    f"lowered program does not state, so the report could not check it and "
+                    f"a PASS would name it unchecked. Leave those fields at their defaults "
+                    f"(`make audit` checks them on attnprec's model).")
+
+
 def _is_input(x) -> bool:
   """What jax.jit can lower a function on: arrays, shapes, and plain numbers."""
   return (isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
@@ -112,6 +134,8 @@ def _check_arguments(fn, args, kwargs, expect) -> None:
                     f"an attnprec.precision.Precision to check against (e.g. "
                     f"Precision(dtype='bfloat16', float32_logits=True)) or None (report "
                     f"only).")
+  if expect is not None:
+    check_expect_readable(expect, "attention_report's expect")
   named = [(f"argument {i}", a) for i, a in enumerate(args)] + \
           [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
   for label, value in named:

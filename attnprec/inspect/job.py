@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from attnprec import platforms, runs
 from attnprec.errors import UserError, choice_error
-from attnprec.inspect import inspect_lowered
+from attnprec.inspect import check_expect_readable, inspect_lowered
 from attnprec.inspect.report import Report
 from attnprec.precision import phase_precision, target_backend
 
@@ -191,6 +191,7 @@ def inspect_job(*, run_dir: str, fn: Optional[str] = None, inputs: Optional[str]
   precision = expected_precision(expect)
   if precision is not None:
     platforms.check_precision(platform, precision)
+    check_expect_readable(precision, f"The expected precision ({expect} phase)")
   args, kwargs = build_inputs(inputs, shapes)
   try:
     lowered = lower_for(function, platform, args, kwargs)
