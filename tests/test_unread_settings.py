@@ -388,3 +388,17 @@ def test_attention_report_refuses_settings_a_function_does_not_state():
     expect = Precision(dtype="bfloat16", **{field: value})
     with pytest.raises(UserError, match=f"sets {field}={value!r}"):
       attention_report(examples.maxtext_attention, *args, expect=expect, **kwargs)
+
+
+def test_a_binding_for_the_job_a_runner_does_not_run_is_refused():
+  """`eval.job = @retrieval` with `humaneval.problems` on the command line: the job
+  parameter's default (humaneval) is not called once the job is bound."""
+  from attnprec import ginutils
+  import attnprec.evals.jobs  # noqa: F401 -- declares eval's jobs
+  with pytest.raises(UserError, match=r"humaneval.problems is set on the command line but "
+                                      r"eval does not read humaneval"):
+    ginutils.parse(["runs/eval.gin"], ["eval.job = @retrieval", "humaneval.problems = 3"],
+                   reads=("eval",), prog="eval", defaults=1)
+  ginutils.clear()
+  ginutils.parse(["runs/eval.gin"], ["humaneval.problems = 3"], reads=("eval",),
+                 prog="eval", defaults=1)                      # the default job reads it

@@ -110,9 +110,10 @@ def _called(fn, seen: set, home: str = "") -> set:
   return out
 
 
-def _defaults(obj) -> set:
+def _defaults(obj, bound=()) -> set:
   """Configurables among a function's or class's parameter defaults: a configurable
-  (`job=train_recall`) or an instance of a configurable class (`BlockSizes()`)."""
+  (`job=train_recall`) or an instance of a configurable class (`BlockSizes()`). A
+  parameter in `bound` (set in gin: `eval.job = @retrieval`) does not use its default."""
   try:
     params = inspect.signature(obj).parameters.values()
   except (TypeError, ValueError):
@@ -120,7 +121,7 @@ def _defaults(obj) -> set:
   names, classes = _names_by_object(), _classes()
   out = set()
   for p in params:
-    if p.default is inspect.Parameter.empty:
+    if p.default is inspect.Parameter.empty or p.name in bound:
       continue
     found = names.get(id(p.default)) or classes.get(id(type(p.default)))
     if found:
@@ -135,7 +136,9 @@ def calls(name: str) -> FrozenSet[str]:
   if c is None:
     return frozenset()
   fn = _unwrap(c.wrapped)
-  found = _defaults(fn) | (set() if isinstance(fn, type) else _called(fn, set()))
+  from attnprec import checks
+  bound = set(checks.bound_args(c.name))     # a bound parameter's default is not called
+  found = _defaults(fn, bound) | (set() if isinstance(fn, type) else _called(fn, set()))
   return frozenset(found - {c.name})
 
 
