@@ -195,6 +195,10 @@ def test_a_header_value_of_another_type_is_refused(tmp_path):
   with pytest.raises(UserError, match=r"seed = 0.0 \(float\), but this run has seed = 0 "
                                       r"\(int\)"):
     records.ItemLog(str(path), {"seed": 0, "task": "retrieval"})
+  path.write_text('{"meta": {"seed": 0, "task": "retrieval"}, "note": 1}\n')
+  with pytest.raises(UserError, match=r"items.jsonl, line 1: the header holds \['note'\] "
+                                      r"beside 'meta'"):
+    records.ItemLog(str(path), {"seed": 0, "task": "retrieval"})
 
 
 def test_a_key_given_twice_in_a_file_a_run_reads_back_is_refused(tmp_path):

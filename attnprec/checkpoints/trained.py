@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from attnprec import readback, runs
+from attnprec import checks, readback, runs
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.tasks import recall
@@ -52,8 +52,12 @@ def load_task(directory: str) -> Optional[recall.RecallTask]:
   hold every field and no other: a missing field would silently take a default and
   evaluate a different task."""
   path = os.path.join(directory, TASK_FILE)
-  if not os.path.isfile(path):
+  if not os.path.lexists(path):
     return None
+  problem = checks.regular_file(path)      # a FIFO would block; a directory is no task
+  if problem:
+    raise UserError(f"{path} (the recall task the run trained on) {problem}. Restore the "
+                    f"run directory's task.json.")
   fields = sorted(f.name for f in dataclasses.fields(recall.RecallTask))
   try:
     with open(path) as f:

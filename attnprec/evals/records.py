@@ -211,6 +211,9 @@ def parse(path: str):
     if header is None:
       if not (isinstance(obj, dict) and isinstance(obj.get("meta"), dict)):
         break
+      if set(obj) != {"meta"}:
+        raise bad(number, f"the header holds {sorted(set(obj) - {'meta'})} beside 'meta' "
+                          f"(a header is {{\"meta\": {{...}}}} and nothing else)")
       header = obj["meta"]
       good.append(line)
       continue
