@@ -25,6 +25,7 @@ one is used instead, with a message saying so.
 import asyncio
 import contextlib
 import glob
+import hashlib
 import logging
 import os
 import shutil
@@ -34,6 +35,8 @@ import time
 from typing import List, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
@@ -129,8 +132,10 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def save(self, state: dict, meta: dict) -> None:
-    """Writes step meta['step'] (blocking; atomic) and prunes to the last `keep`."""
+    """Writes step meta['step'] (blocking; atomic) and prunes to the last `keep`. The
+    meta records the state's `fingerprint`, checked when it is restored."""
     step = int(meta["step"])
+    meta = dict(meta, fingerprint=fingerprint(state))
     items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
     if self.fault.pause_in_save_at_step == step:
       items["pause"] = _PauseSave({"pause_s": self.fault.pause_s, "marker": self.fault.marker})
@@ -198,6 +203,13 @@ class Checkpointer:
             f"other code, and resuming from it would continue from a wrong place. Restore "
             f"it, remove step {step}'s directory to resume from the one before, or train "
             f"into a new --run_dir. Nothing was changed.")
+      recorded = got.meta.get("fingerprint")
+      if recorded is not None and fingerprint(got.state) != recorded:
+        # orbax reads a damaged chunk (same size, other bytes) without a word
+        unreadable.append((step, ValueError(
+            "its arrays are not the ones saved: their fingerprint differs from the one "
+            "recorded with them (a damaged file)")))
+        continue
       self._set_aside(unreadable, fallback=step)
       return got.state, got.meta
     if unreadable:
@@ -308,6 +320,36 @@ def _short(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[:200]}"
 
 
+@jax.jit
+def _leaf_sums(leaves):
+  """Per leaf, two wrapping sums of its bits as unsigned words, plain and mixed (each word
+  through a nonlinear bijection first): a flipped bit changes both. Integer sums, so the
+  same on any sharding of the leaf (an SPMD all-reduce of a sum: XLA:CPU partitions no
+  XOR reduction)."""
+  out = []
+  for x in leaves:
+    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(jnp.dtype(x.dtype).itemsize)
+    if bits is None or x.dtype == jnp.bool_:
+      x = x.astype(jnp.uint32)
+      bits = jnp.uint32
+    words = jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32).ravel()
+    mixed = (words ^ (words >> 15)) * jnp.uint32(0x2C1B3C6D)
+    mixed = mixed ^ (mixed >> 12)
+    out.append(jnp.stack([words.sum(dtype=jnp.uint32), mixed.sum(dtype=jnp.uint32)]))
+  return out
+
+
+def fingerprint(state) -> str:
+  """A digest of every array of a train state (`_leaf_sums`, computed where the arrays
+  are, then hashed): recorded in a checkpoint's meta when it is saved and compared when
+  it is restored."""
+  sums = jax.device_get(_leaf_sums(jax.tree.leaves(state)))
+  digest = hashlib.sha256()
+  for s in sums:
+    digest.update(np.asarray(s, np.uint32).tobytes())
+  return digest.hexdigest()[:32]
+
+
 def meta_problem(meta, step: int) -> Optional[str]:
   """None if a checkpoint's meta record is what a training writes for `step`, else what
   is wrong: not an object; 'step' or 'data_position' (the batches consumed, one per
@@ -327,6 +369,8 @@ def meta_problem(meta, step: int) -> Optional[str]:
   for key in ("precision", "xla"):
     if key in meta and not isinstance(meta[key], str):
       return f"has {key} = {meta[key]!r}, not a line of settings"
+  if "fingerprint" in meta and not isinstance(meta["fingerprint"], str):
+    return f"has fingerprint = {meta['fingerprint']!r}, not a digest"
   if "optimizer" in meta and not isinstance(meta["optimizer"], dict):
     return f"has optimizer = {meta['optimizer']!r}, not an object of settings"
   acc = meta.get("eval_accuracy")

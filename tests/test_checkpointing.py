@@ -95,13 +95,29 @@ def test_unreadable_checkpoint_falls_back_to_previous(tmp_path, capsys):
   assert_bitwise_equal(straight, load_npz(run / "params.npz"))
 
 
+def _flip_a_data_byte(step_dir):
+  """One byte flipped in the middle of the largest data file: same size, other bytes
+  (a damaged disk), which orbax reads without a word."""
+  files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "state"))
+           for f in fs if os.sep + "d" + os.sep in os.path.join(d, f)]
+  largest = max(files, key=os.path.getsize)
+  with open(largest, "r+b") as f:
+    f.seek(os.path.getsize(largest) // 2)
+    byte = f.read(1)
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte[0] ^ 0x10]))
+
+
 def test_no_readable_checkpoint_is_a_user_error(tmp_path):
+  """Step 2 without its state, step 4 with a flipped byte in its arrays (caught by the
+  fingerprint its meta records): no readable checkpoint, named per step."""
   run = tmp_path / "run"
   train_in_process(run, STEPS4)
   shutil.rmtree(run / "checkpoints" / "2" / "state")
-  _corrupt(run / "checkpoints" / "4")
+  _flip_a_data_byte(run / "checkpoints" / "4")
   before = checkpoint_listing(run)
-  with pytest.raises(UserError, match=r"No readable checkpoint.*step 4.*step 2"):
+  with pytest.raises(UserError, match=r"No readable checkpoint.*step 4: .*fingerprint.*"
+                                      r"step 2"):
     train_in_process(run, STEPS4)
   assert checkpoint_listing(run) == before                       # nothing moved or lost
 
