@@ -117,6 +117,12 @@ class Checkpointer:
         raise UserError(f"{path} is named like the checkpoint of step {name} but is not a "
                         f"directory (a checkpoint is one); a restore would skip it and a "
                         f"save of that step replace it. Move it out of {self.directory}.")
+      if name.isdigit() and name != str(int(name)):
+        raise UserError(f"{path} is named like the checkpoint of step {int(name)}, but a "
+                        f"checkpoint's directory is named {int(name)!s} (no leading zeros); "
+                        f"a restore would skip it without a word and train those steps "
+                        f"again. Rename it to {int(name)!s}, or move it out of "
+                        f"{self.directory}.")
 
   def _open(self) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=True,

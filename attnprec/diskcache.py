@@ -31,12 +31,20 @@ ENV_VAR = "ATTNPREC_CACHE"
 
 def cache_dir(*parts: str) -> pathlib.Path:
   """`$ATTNPREC_CACHE/<parts>` (default `~/.cache/attnprec/<parts>`), created if needed."""
-  root = os.environ.get(ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "attnprec")
+  root = os.environ.get(ENV_VAR)
+  if not root:
+    home = os.path.expanduser("~")
+    if not os.path.isdir(home):
+      # a daemon user's HOME (/nonexistent): creating it would put a cache at the root
+      raise UserError(f"The home directory {home!r} (HOME) does not exist, so the cache "
+                      f"(~/.cache/attnprec: checkpoints, compiled programs) has no place; "
+                      f"set ${ENV_VAR} to a writable directory, or HOME to an existing one.")
+    root = os.path.join(home, ".cache", "attnprec")
   path = pathlib.Path(root, *parts)
   try:
     path.mkdir(parents=True, exist_ok=True)
   except OSError as e:
-    raise UserError(f"Cannot create the checkpoint cache directory {path} ({e}); set "
+    raise UserError(f"Cannot create the cache directory {path} ({e}); set "
                     f"${ENV_VAR} to a writable directory.") from None
   if str(path) not in _SWEPT:
     _SWEPT.add(str(path))

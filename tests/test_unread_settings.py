@@ -402,3 +402,19 @@ def test_a_binding_for_the_job_a_runner_does_not_run_is_refused():
   ginutils.clear()
   ginutils.parse(["runs/eval.gin"], ["humaneval.problems = 3"], reads=("eval",),
                  prog="eval", defaults=1)                      # the default job reads it
+
+
+def test_a_missing_home_or_a_zero_padded_checkpoint_is_named(tmp_path, monkeypatch):
+  """HOME=/nonexistent (a daemon user's) made the cache create it at the root; a step
+  directory `04` was skipped by every restore, and its steps trained again."""
+  from attnprec import checkpointing, diskcache
+  monkeypatch.delenv(diskcache.ENV_VAR, raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path / "nonexistent" / "x"))
+  with pytest.raises(UserError, match=r"home directory .*nonexistent/x' \(HOME\) does not "
+                                      r"exist"):
+    diskcache.cache_dir("jax-compilation")
+  assert not (tmp_path / "nonexistent").exists()
+  (tmp_path / "run" / "checkpoints" / "04").mkdir(parents=True)
+  with pytest.raises(UserError, match=r"checkpoints/04 is named like the checkpoint of "
+                                      r"step 4, but .*\(no leading zeros\)"):
+    checkpointing.Checkpointer(str(tmp_path / "run"), keep=2)
