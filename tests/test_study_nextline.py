@@ -18,6 +18,7 @@ import pytest
 
 from attnprec import checkpoints, decoding
 from attnprec.config import ModelConfig
+from attnprec.errors import UserError
 from attnprec import stats
 from attnprec.model import init_params
 from attnprec.precision import REFERENCE
@@ -80,6 +81,11 @@ def test_windows_and_intervals():
   assert w.shape == (5, 21) and (w[:, 0] == 7).all()
   for row in w:                                   # a contiguous run of one file
     assert (np.diff(row[1:]) == 1).all()
+  # 81 + 21 distinct starts of a 20-token body: one more window would repeat one
+  assert len(nextline.make_windows(files, 102, 21, [7])) == 102
+  with pytest.raises(UserError, match=r"nextline.windows = 103 exceeds the distinct "
+                                      r"windows of 21 tokens the source files hold \(102\)"):
+    nextline.make_windows(files, 103, 21, [7])
   lo, hi = stats.wilson(5, 10)
   assert abs(lo - 0.2366) < 1e-4 and abs(hi - 0.7634) < 1e-4
   a = [np.array([1, 0, 1], bool), np.array([1, 1], bool)]

@@ -81,6 +81,12 @@ def make_windows(files: List[List[int]], count: int, length: int, prefix: List[i
   usable = [f for f in files if len(f) >= body]
   if not usable:
     raise UserError(f"No source file has {body} tokens; lower nextline.length.")
+  distinct = sum(len(f) - body + 1 for f in usable)
+  if count > distinct:
+    raise UserError(f"nextline.windows = {count} exceeds the distinct windows of {length} "
+                    f"tokens the source files hold ({distinct}): windows would repeat, and "
+                    f"the interval would count the copies as independent. Lower "
+                    f"nextline.windows, or add modules.")
   per_file = -(-count // len(usable))
   windows = []
   for k in range(per_file):
