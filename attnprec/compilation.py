@@ -26,7 +26,8 @@ the cache, `<cache>-digests/<key>`), on every hit of every program, not only tho
 program's entry copied under a key is valid cache data that JAX would load, silently, as
 this program; it is removed and the program compiled afresh, and the fresh entry written
 in its place. An entry that has no recorded digest (written before digests were kept) is
-given one when it is first read.
+given one when it is first read, once it is settled (`_SETTLED_S`: JAX writes entries in
+place, and another process may still be writing it).
 """
 import contextlib
 import dataclasses
@@ -228,6 +229,7 @@ class Compiled:
 
 # ----------------------------------------------------------------------------- digests
 _SWAPPED = [0]       # entries found not to be the bytes written for their key
+_SETTLED_S = 60.0    # an entry without a digest older than this is pinned on its first read
 
 
 def _digest_path(cache_path, key: str) -> str:
@@ -264,7 +266,13 @@ def _guard() -> None:
       with open(_digest_path(self.path, key)) as f:
         recorded = f.read().strip()
     except OSError:
-      _record(self.path, key, value)        # an entry from before digests: trusted once
+      # No digest: an entry from before digests were kept, pinned now if it is settled,
+      # or one another process is still writing (JAX writes in place; its writer records
+      # the digest once the write is done): not pinned to what may be half a file.
+      with contextlib.suppress(OSError):
+        entry = os.path.join(self.path, f"{key}{_ENTRY_SUFFIX}")
+        if time.time() - os.path.getmtime(entry) > _SETTLED_S:
+          _record(self.path, key, value)
       return value
     if recorded == hashlib.sha256(value).hexdigest():
       return value
@@ -277,11 +285,12 @@ def _guard() -> None:
     return None
 
   def recorded_put(self, key, value):
+    # JAX writes only a new entry: the digest is of the bytes this process wrote, recorded
+    # after the write (an entry another process wrote first is its writer's to record)
+    fresh = not os.path.exists(os.path.join(self.path, f"{key}{_ENTRY_SUFFIX}"))
     put(self, key, value)
-    if not os.path.exists(_digest_path(self.path, key)):
-      with contextlib.suppress(OSError):
-        with open(os.path.join(self.path, f"{key}{_ENTRY_SUFFIX}"), "rb") as f:
-          _record(self.path, key, f.read())
+    if fresh:
+      _record(self.path, key, value)
 
   cls.get, cls.put, cls._attnprec_guarded = checked_get, recorded_put, True
 
