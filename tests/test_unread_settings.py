@@ -418,3 +418,13 @@ def test_a_missing_home_or_a_zero_padded_checkpoint_is_named(tmp_path, monkeypat
   with pytest.raises(UserError, match=r"checkpoints/04 is named like the checkpoint of "
                                       r"step 4, but .*\(no leading zeros\)"):
     checkpointing.Checkpointer(str(tmp_path / "run"), keep=2)
+
+
+def test_a_float64_batch_larger_than_the_batch_is_refused(tmp_path):
+  """The float64 pass runs on the first sequences of the batch: float64_batch = 7 with a
+  batch of 4 was cut to 4 while the settings recorded 7."""
+  from attnprec.study.sweep import study
+  with pytest.raises(UserError, match=r"study.float64_batch = 7 exceeds study.batch = 4"):
+    study(run_dir=str(tmp_path / "s"), model="recall-tiny", presets=("bf16",),
+          pair_counts=(2,), batch=4, float64_batch=7, logit_positions=8, progress=False)
+  assert not os.listdir(tmp_path / "s")

@@ -70,5 +70,6 @@ def resolve_file(path: str) -> str:
       return os.path.abspath(candidate)
   available = sorted(os.path.relpath(os.path.join(d, f), os.path.dirname(REPO_GIN_DIR))
                      for d, _, fs in os.walk(REPO_GIN_DIR) for f in fs if f.endswith(".gin"))
-  why = "not found" if paths.unreachable(path) == "does not exist" else paths.unreachable(path)
+  why = paths.unreachable(path)
+  why = "not found" if why == "does not exist" else why
   raise UserError(f"Gin file {path!r} {why}. Available gin files: {', '.join(available)}.")

@@ -466,9 +466,10 @@ def sinks_job(*, run_dir: str, model: str = "qwen2.5-coder-0.5b", length: int = 
     if not isinstance(value, int) or value < least:
       raise UserError(f"sinks.{name} must be an integer >= {least}, got {value!r}.")
   if bool(inject_presets) != bool(inject_layers):
-    given, empty = (("inject_presets", "inject_layers") if inject_presets else
-                    ("inject_layers", "inject_presets"))
-    raise UserError(f"sinks.{given} = {tuple(locals()[given])!r} is set but sinks.{empty} is "
+    (given, value), empty = ((("inject_presets", inject_presets), "inject_layers")
+                             if inject_presets else
+                             (("inject_layers", inject_layers), "inject_presets"))
+    raise UserError(f"sinks.{given} = {tuple(value)!r} is set but sinks.{empty} is "
                     f"empty, so nothing would be injected and the setting would not be "
                     f"used (the injection plot would show nothing measured). Set both, or "
                     f"leave both empty to skip the injection.")

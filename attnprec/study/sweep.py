@@ -280,6 +280,11 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
                       f"study holds ({sizes[0]} tokens: at most {most}); it would be cut to "
                       f"{most} while the report named {value}. Set study.{name} <= {most}, "
                       f"or study longer contexts.")
+  if float64_batch > batch:
+    raise UserError(f"study.float64_batch = {float64_batch} exceeds study.batch = {batch}: "
+                    f"the float64 pass runs on the first of the batch's sequences, so it "
+                    f"would be cut to {batch} while the settings recorded {float64_batch}. "
+                    f"Set study.float64_batch <= study.batch.")
   if float64_batch != FLOAT64_BATCH and sizes[0] > float64_max_tokens:
     raise UserError(f"study.float64_batch = {float64_batch} sizes the float64 reference "
                     f"pass, which runs only on contexts of at most study.float64_max_tokens "
@@ -310,7 +315,7 @@ def study(*, run_dir: str, model: str = "recall-tiny", presets: Optional[Sequenc
                                  m.tokenizer),
            "nll": float((out["nll"] * case.nll_mask_BxL).sum() / case.nll_mask_BxL.sum())}
     if case.tokens_BxL.shape[1] <= float64_max_tokens:
-      row["float64"] = _float64_floor(m, config, out, case, min(float64_batch, batch))
+      row["float64"] = _float64_floor(m, config, out, case, float64_batch)
     ref_rows.append(row)
     bar.update()
 
