@@ -398,7 +398,8 @@ def audit_program(phase: str, lowered, precision: Precision, config: ModelConfig
     # gradient dots of the same shapes, so there they are only checked for accumulation.
     structure = {} if phase == "train" else dict(head_dim=config.head_dim,
                                                  key_lengths=key_lengths)
-    text = compiled_text if compiled_text is not None else lowered.compile().as_text()
+    text = (compiled_text if compiled_text is not None
+            else contract_check.compiled_text(lowered))
     # every forward attention dot of the lowered program must be read back compiled
     # (a kernel in a custom call is read from its body instead: `_check_pallas_bodies`)
     expected = None if opaque else 2 * len(report.attentions)
@@ -472,16 +473,30 @@ def summarize_compiled(text: str, precision: Optional[Precision] = None, *,
           "ok": not problems}
 
 
+def _compiled_phases(compile) -> tuple:
+  """`run_audit`'s `compile` as the phases whose compiled program is read."""
+  if isinstance(compile, bool):
+    return PHASES if compile else ()
+  phases = tuple(compile) if isinstance(compile, (list, tuple)) else None
+  if phases is None or not set(phases) <= set(PHASES):
+    raise UserError(f"audit compile={compile!r}: use True, False or a list of the phases "
+                    f"to compile, from {list(PHASES)}.")
+  return phases
+
+
 def run_audit(config: ModelConfig, train_precision: Precision, decode_precision: Precision,
               *, batch: int = 2, prompt_len: int = 8, new_tokens: int = 8,
-              compile: bool = True, model_source: str = "model.* (gin)",
+              compile=True, model_source: str = "model.* (gin)",
               platform: str = platforms.DEFAULT_PLATFORM,
               compiled_texts: Optional[Dict[str, str]] = None) -> dict:
   """Lowers (and compiles) the three programs and checks each (`audit_program`): a
   JSON-able dict whose 'ok' is the verdict. The train step runs no KV cache, so the
   train precision's cache setting applies to no program (`train` refuses one); the
   prefill and decode step are held to the decode precision's cache rows. `platform`:
-  lowered for it and read under its semantics (module docstring)."""
+  lowered for it and read under its semantics (module docstring). `compile`: True (every
+  program), False, or the phases whose compiled program is read (the others are checked
+  as lowered only)."""
+  compiled_phases = _compiled_phases(compile)
   traced = trace_programs(config, train_precision, decode_precision, batch=batch,
                           prompt_len=prompt_len, new_tokens=new_tokens, platform=platform)
   programs = {ph: (prec, _lower(t, platform)) for ph, (prec, t) in traced.items()}
@@ -495,11 +510,11 @@ def run_audit(config: ModelConfig, train_precision: Precision, decode_precision:
   # What the backend compiled each program into: given (a captured fixture), compiled
   # here where `platform` is this machine's backend, else not checked (NOT_COMPILED).
   texts = dict(compiled_texts or {})
-  if compile and platform == local_platform():
+  if platform == local_platform():
     for ph, (_, lowered) in programs.items():
-      if ph not in texts:
-        texts[ph] = lowered.compile().as_text()
-  phases = {ph: audit_program(ph, lowered, prec, config, compile=compile,
+      if ph in compiled_phases and ph not in texts:
+        texts[ph] = contract_check.compiled_text(lowered)
+  phases = {ph: audit_program(ph, lowered, prec, config, compile=ph in compiled_phases,
                               key_lengths=tuple(sorted(lengths)), platform=platform,
                               compiled_text=texts.get(ph))
             for ph, (prec, lowered) in programs.items()}

@@ -109,6 +109,11 @@ class Platform:
   decode_write: str = "scatter"
   decode_write_codes: str = "scatter"
   decode_write_source: str = ""
+  # Compiler options for a program compiled only to read what the backend made of it (the
+  # optimized HLO text the audit and `inspect` check; never one that runs): options that
+  # change the machine code and not that text, so it compiles faster; and the evidence.
+  text_compile_options: Dict[str, object] = dataclasses.field(default_factory=dict)
+  text_compile_source: str = ""
 
   def arithmetic(self, precision: str) -> str:
     """'tf32', 'bf16', ... for a lax Precision name on f32 operands."""
@@ -146,7 +151,12 @@ TABLE: Dict[str, Platform] = {
         decode_write_source="XLA:CPU writes a scatter into a uint16 / uint8 buffer in "
                             "place; as update slices it fused the last one into the "
                             "kernel's read and copied each layer's cache per step "
-                            "(tests/test_cache.py checks the compiled step for copies)"),
+                            "(tests/test_cache.py checks the compiled step for copies)",
+        text_compile_options={"xla_backend_optimization_level": 0},
+        text_compile_source="XLA:CPU's backend optimization level is LLVM's: at 0 the "
+                            "optimized HLO is the same text (tests/test_audit.py compares "
+                            "a train step, prefill and decode step compiled both ways), "
+                            "in about half the compile time"),
     "tpu": Platform(
         name="tpu", backend="tpu", hardware="TPU, MXU",
         f32_products={"DEFAULT": "bf16", "HIGH": "bf16_3x", "HIGHEST": "bf16_6x"},

@@ -18,6 +18,7 @@ import pytest
 
 from attnprec import audit, decoding, ginutils
 from attnprec.inspect import compiled
+from attnprec.inspect.report import compiled_text
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.precision import Precision, phase_precision
@@ -29,6 +30,9 @@ PRESETS = sorted(glob.glob(os.path.join(ginutils.REPO_GIN_DIR, "precision", "*.g
 # their cache rows back from the prefill and decode programs (tests at the end).
 KV_PRESETS = [p for p in PRESETS if os.path.basename(p).startswith("kv_")]
 RUNNER = os.path.join(os.path.dirname(ginutils.REPO_GIN_DIR), "runners", "audit.py")
+# The serving programs: tests that assert only on them compile only them (`run_audit`'s
+# `compile`), the train step is still lowered and checked.
+SERVING = ("prefill", "decode")
 
 # Tests of what XLA:CPU compiled (its fusions, its rewrites, its dropped op_names): the
 # programs are lowered for cpu and `run_audit` compiles only for the backend this process
@@ -171,13 +175,35 @@ def test_compiled_summary_shows_the_backend_rewrite():
   asks for appear as f32->bf16 converts (excess precision is disabled in conftest)."""
   prec = Precision(dtype="bfloat16", float32_qk_product=False, float32_logits=False)
   lowered = audit.lower_programs(CONFIG, prec, prec)["decode"][1]
-  summary = audit.summarize_compiled(lowered.compile().as_text())
+  summary = audit.summarize_compiled(compiled_text(lowered))
   assert summary["converts"].get("f32->bf16", 0) > 0
   assert sum(summary["dots"].values()) >= 7 * CONFIG.num_layers + 1
   assert all(k.endswith("->f32") for k in summary["dots"]), summary["dots"]
 
 
 # ----------------------------------------------------------------------------- compiled
+@xla_cpu
+def test_the_text_compile_options_leave_the_compiled_program_s_text_unchanged():
+  """What the audit reads is compiled with `Platform.text_compile_options` (XLA:CPU:
+  LLVM's optimization level 0): the optimized HLO is the same text as the default
+  compile's, for a train step, a prefill and a decode step (a 1-layer model: the passes
+  are per program, not per layer)."""
+  from attnprec import platforms
+  assert platforms.TABLE["cpu"].text_compile_options        # something to check
+  one = dataclasses.replace(CONFIG, num_layers=1)
+  safe = Precision(dtype="bfloat16")
+  for phase, (_, lowered) in audit.lower_programs(one, safe, safe).items():
+    assert compiled_text(lowered) == lowered.compile().as_text(), phase
+
+
+def test_compile_names_phases_or_is_refused():
+  safe = Precision(dtype="bfloat16")
+  with pytest.raises(UserError, match=r"compile='decode'.*\['train', 'prefill', 'decode'\]"):
+    audit.run_audit(CONFIG, safe, safe, compile="decode")
+  with pytest.raises(UserError, match="compile=\\('serve',\\)"):
+    audit.run_audit(CONFIG, safe, safe, compile=("serve",))
+
+
 def _narrow_qk_kernel(monkeypatch):
   """A dot_product kernel that computes the QK product with a bf16 result even when
   float32_qk_product=True, then casts it to f32 (so its own type checks still pass): the
@@ -262,14 +288,14 @@ def test_dots_whose_op_name_xla_dropped_are_attributed_by_shape(monkeypatch):
   one_kv = dataclasses.replace(CONFIG, num_heads=2, num_kv_heads=1, head_dim=32,
                                d_model=64)
   safe = Precision(dtype="bfloat16")
-  result = audit.run_audit(one_kv, safe, safe)
+  result = audit.run_audit(one_kv, safe, safe, compile=SERVING)
   assert result["ok"], result["problems"]
   for phase in ("prefill", "decode"):
     sites = {r["site"] for r in result["phases"][phase]["compiled"]["rows"]}
     assert {"qk (op_name dropped; by shape)", "wv (op_name dropped; by shape)"} <= sites, \
         sites
   _narrow_qk_kernel(monkeypatch)
-  result = audit.run_audit(one_kv, safe, safe)
+  result = audit.run_audit(one_kv, safe, safe, compile=SERVING)
   for phase in ("prefill", "decode"):
     compiled = result["phases"][phase]["compiled"]["problems"]
     assert any("logits are rounded to bf16 right after" in q for q in compiled), compiled
@@ -277,7 +303,7 @@ def test_dots_whose_op_name_xla_dropped_are_attributed_by_shape(monkeypatch):
 
 def _safe_decode_text():
   safe = Precision(dtype="bfloat16")
-  return audit.lower_programs(CONFIG, safe, safe)["decode"][1].compile().as_text(), \
+  return compiled_text(audit.lower_programs(CONFIG, safe, safe)["decode"][1]), \
       decoding.serving_precision(safe)
 
 
@@ -441,15 +467,18 @@ def test_kv_presets_pass_with_their_cache_rows_read_back(preset, kernel):
   code, _ = KV_CODE[os.path.basename(preset)]
   B, K, S = 2, CONFIG.num_kv_heads, CACHE_LENGTH
   flags = KV_FP8_FLAGS if os.path.basename(preset) == "kv_fp8.gin" else KV_FLAGS[kernel]
-  for qk, logits in flags:
+  for i, (qk, logits) in enumerate(flags):
+    # every layer's rows on the 2-layer model once; the other flag combinations on one
+    # layer (the rows are per layer, the flags change each one the same way)
+    config = CONFIG if i == 0 else dataclasses.replace(CONFIG, num_layers=1)
     p = _kv_phases(preset, kernel, qk, logits)
-    result = audit.run_audit(CONFIG, p["train"], p["decode"], compile=False)
+    result = audit.run_audit(config, p["train"], p["decode"], compile=False)
     assert result["ok"], (qk, logits, result["problems"])
     lg, probs = ("f32" if qk else "bf16"), ("f32" if qk or logits else "bf16")
     rounded = lambda dt: "" if dt == "f32" else " (f32->bf16)"  # noqa: E731
     for phase in ("prefill", "decode"):
       rows = result["phases"][phase]["cache"]
-      assert sorted(r["layer"] for r in rows) == [0, 1], rows
+      assert sorted(r["layer"] for r in rows) == list(range(config.num_layers)), rows
       for r in rows:
         assert (r["k"], r["v"]) == (code, code), r
         assert r["k_scale"] == f"f32[{B}, {K}, {S}] per key, on the logits in {lg}{rounded(lg)}"
@@ -471,7 +500,7 @@ def test_kv_presets_pass_the_compiled_check(preset, kernel):
   scale in f32, each told apart from the softmax's normalisation by the keys' axis."""
   code, hlo_code = KV_CODE[os.path.basename(preset)]
   p = _kv_phases(preset, kernel)
-  result = audit.run_audit(CONFIG, p["train"], p["decode"])
+  result = audit.run_audit(CONFIG, p["train"], p["decode"], compile=SERVING)
   assert result["ok"], result["problems"]
   for phase in ("prefill", "decode"):
     qk, wv = (_compiled_types(result, phase, site) for site in ("qk", "wv"))
@@ -489,7 +518,7 @@ def test_a_per_channel_key_scale_is_read_back_on_q(kernel):
   along the head dim, in the lowered program and in the compiled one; the logits carry
   no key scale."""
   p = _kv_phases(KV_INT8, kernel, k_scale="channel")
-  result = audit.run_audit(CONFIG, p["train"], p["decode"])
+  result = audit.run_audit(CONFIG, p["train"], p["decode"], compile=SERVING)
   assert result["ok"], result["problems"]
   for phase in ("prefill", "decode"):
     for r in result["phases"][phase]["cache"]:
@@ -537,7 +566,7 @@ def _scale_columns_variant(monkeypatch, *, key=None, value=None):
   jax.clear_caches()
 
 
-def _kv_int8_result(kernel="dot_product", compile=True):
+def _kv_int8_result(kernel="dot_product", compile=SERVING):
   p = _kv_phases(KV_INT8, kernel)
   return audit.run_audit(CONFIG, p["train"], p["decode"], compile=compile)
 
@@ -642,8 +671,9 @@ def test_the_runner_passes_a_kv_preset_and_exits_3_on_a_quantized_query(tmp_path
   md = (ok / "audit.md").read_text()
   assert "## KV cache" in md and "| decode | 0 | i8 |" in md and "PASS" in md
   _quantized_query(monkeypatch)
-  bad = tmp_path / "bad"
-  assert runner.main(["--gin_file=precision/kv_int8.gin", f"--run_dir={bad}"] + small) == 3
+  bad = tmp_path / "bad"     # the lowered check alone finds it (compiled: tests above)
+  assert runner.main(["--gin_file=precision/kv_int8.gin", f"--run_dir={bad}",
+                      "--gin.audit.compile=False"] + small) == 3
   assert "q is quantized" in (bad / "audit.md").read_text()
 
 

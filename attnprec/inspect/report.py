@@ -327,7 +327,7 @@ class Report:
     and, with a stated Precision, checks every compiled dot (`check_compiled_dot`); its
     problems join `problems()`. Returns self."""
     text = lowered_or_text if isinstance(lowered_or_text, str) else \
-        lowered_or_text.compile().as_text()
+        compiled_text(lowered_or_text)
     if self.expect is not None:
       self.compiled = check_compiled(text, self.expect)
     else:
@@ -747,6 +747,17 @@ def check_compiled_dot(dot, precision: Precision, platform: str = "cpu") -> List
     problems.append(f"a compiled dot the audit cannot attribute ({dot.name or 'no op_name'})"
                     f" accumulates in {acc}")
   return problems + compiled_precision_problems(dot, precision, platform)
+
+
+def compiled_text(lowered) -> str:
+  """What this backend compiles `lowered` into: the optimized HLO text
+  (`lowered.compile().as_text()`), compiled with the platform's
+  `Platform.text_compile_options` (options that change the machine code, not that text).
+  The program compiled here is only read, never run."""
+  platform = platforms.local_platform(
+      jax.default_backend(), getattr(jax.devices()[0].client, "platform_version", ""))
+  options = dict(platforms.TABLE[platform].text_compile_options) if platform else {}
+  return lowered.compile(compiler_options=options or None).as_text()
 
 
 def check_compiled(text: str, precision: Precision, *, head_dim: Optional[int] = None,
