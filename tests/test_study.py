@@ -44,13 +44,14 @@ def test_float64_forward_matches_the_model(features):
   fields = dict(vocab_size=23, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=8, mlp_hidden=48)
   config = ModelConfig(**{**fields, **features})
-  params = init_params(config, jax.random.PRNGKey(1))
+  # init and forward each jitted as one program (op by op, they compile ~100 small ones)
+  params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(1))
   # non-trivial norm scales and biases, so every parameter matters
   rng = np.random.default_rng(0)
   params = jax.tree_util.tree_map(lambda x: np.asarray(x) + 0.1 * rng.standard_normal(x.shape)
                                   .astype(np.float32), params)
   tokens = rng.integers(0, 23, (2, 11)).astype(np.int32)
-  logits, attn, _ = measure.collect(config, params, tokens, REFERENCE)
+  logits, attn, _ = jax.jit(lambda p, t: measure.collect(config, p, t, REFERENCE))(params, tokens)
   logits64, attn64 = float64.forward(config, params, tokens)
   scale = np.abs(logits64).max()
   assert np.abs(np.asarray(logits) - logits64).max() <= 1e-5 * scale
@@ -111,10 +112,11 @@ def test_preset_file_with_other_bindings_is_refused(tmp_path):
 TASK = RecallTask(num_keys=8, value_vocab=8, value_len=1, num_pairs=4, num_queries=4)
 
 
-def _checkpoint(path, max_seq_len=64):
-  config = ModelConfig(vocab_size=TASK.vocab_size, d_model=16, num_layers=2, num_heads=2,
+def _checkpoint(path, max_seq_len=64, num_layers=2):
+  config = ModelConfig(vocab_size=TASK.vocab_size, d_model=16, num_layers=num_layers, num_heads=2,
                        num_kv_heads=1, head_dim=8, mlp_hidden=32, max_seq_len=max_seq_len)
-  runs.save_params(str(path), jax.device_get(init_params(config, jax.random.PRNGKey(0))))
+  params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(0))
+  runs.save_params(str(path), jax.device_get(params))
   runs.write_json(str(path), "model.json", runs.config_dict(config))
   runs.write_json(str(path), "task.json", dataclasses.asdict(TASK))
   return str(path)
@@ -157,13 +159,13 @@ def test_tiny_sweep_end_to_end(tmp_path):
 def test_study_with_a_logit_offset_reports_it(tmp_path):
   """The offset (attnprec/study/offsets.py) is calibrated, applied to every configuration
   and the reference alike (fp32 matches the reference exactly, float64 follows it), and
-  reported."""
-  ckpt = _checkpoint(tmp_path / "ckpt")
+  reported. One layer: per-layer calibration is tests/test_study_offsets.py's."""
+  ckpt = _checkpoint(tmp_path / "ckpt", num_layers=1)
   out_dir = tmp_path / "study"
   study(run_dir=str(out_dir), model=ckpt, **{**SMALL, "pair_counts": (3,)}, logit_offset=100.0)
   saved = json.loads((out_dir / "results.json").read_text())
   assert saved["logit_offset"] == 100.0 and saved["key_offset"] is True
-  assert [st["mean"] for st in saved["offset_stats"]] == pytest.approx([100.0, 100.0], rel=1e-4)
+  assert [st["mean"] for st in saved["offset_stats"]] == pytest.approx([100.0], rel=1e-4)
   fp32 = saved["configs"][1]["per_length"][0]
   assert max(fp32["prefill_attn_rel_l2"]) == 0 and fp32["greedy"]["agreement"] == 1
   floor = saved["reference"]["per_length"][0]["float64"]
@@ -174,27 +176,32 @@ def test_study_with_a_logit_offset_reports_it(tmp_path):
 
 def test_decode_errors_come_from_decode_steps(tmp_path):
   """The decode measurement runs single-token steps from a cache: under fp32 it agrees
-  with the full forward pass at the same positions (a check of the measurement itself)."""
+  with the full forward pass at the same positions (a check of the measurement itself).
+  The shapes are the tiny sweep's at 2 pairs (batch 4, 13 tokens, 8 logit positions kept,
+  3 decode steps), so both programs are the ones that sweep compiled."""
   ckpt = _checkpoint(tmp_path / "ckpt")
   from attnprec.study import models
   m = models.load_model(ckpt)
-  tokens = np.random.default_rng(0).integers(2, 18, (2, 12)).astype(np.int32)
-  _, _, attn = measure.forward_fn(m.config, REFERENCE, 4)(m.params, tokens)
-  _, dec_attn = measure.decode_fn(m.config, REFERENCE, 9)(m.params, tokens)
+  L = TASK.context_len(SMALL["pair_counts"][0], SMALL["num_queries"])
+  prefix = L - SMALL["decode_steps"]
+  tokens = np.random.default_rng(0).integers(2, 18, (SMALL["batch"], L)).astype(np.int32)
+  _, _, attn = measure.forward_fn(m.config, REFERENCE, SMALL["logit_positions"])(m.params, tokens)
+  _, dec_attn = measure.decode_fn(m.config, REFERENCE, prefix)(m.params, tokens)
   np.testing.assert_allclose(np.asarray(dec_attn),
-                             np.moveaxis(np.asarray(attn)[:, :, 9:], 2, 0), atol=2e-6)
+                             np.moveaxis(np.asarray(attn)[:, :, prefix:], 2, 0), atol=2e-6)
 
 
 def test_a_cache_preset_measures_its_cache_in_the_forward_rows():
   """A quantized-cache preset's forward (prefill error, NLL, logits) runs through its cache:
   it equals a prefill into that cache done by hand (the model's own cached apply, an
   independent path), and differs from the same flags with the compute-dtype cache (the
-  setting is measured, not silently ignored); a compute-cache preset is unchanged."""
+  setting is measured, not silently ignored); a compute-cache preset is unchanged. One
+  layer: the cache, not the depth, is the point."""
   from attnprec import model as model_lib
   from attnprec.cache import init_cache
-  config = ModelConfig(vocab_size=23, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+  config = ModelConfig(vocab_size=23, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,
                        head_dim=8, mlp_hidden=48)
-  params = init_params(config, jax.random.PRNGKey(3))
+  params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(3))
   tokens = np.random.default_rng(1).integers(0, 23, (2, 10)).astype(np.int32)
   exact = dataclasses.replace(REFERENCE, matmul_precision="default",
                               einsum_precision="default")
