@@ -17,13 +17,22 @@ CONFIG = ModelConfig(vocab_size=17, d_model=32, num_layers=2, num_heads=4, num_k
                      head_dim=8, mlp_hidden=64, qk_norm=True, sliding_window=4,
                      layer_pattern=("local", "global"), attn_logit_soft_cap=20.0,
                      post_attn_norm=True, post_mlp_norm=True)
-PARAMS = init_params(CONFIG, jax.random.PRNGKey(0))
+PARAMS = jax.jit(init_params, static_argnums=0)(CONFIG, jax.random.PRNGKey(0))
 FP32 = Precision()
 
 
 # One program for every prefix: a sequence is padded to this length after its end, which a
 # causal model's logits at the positions before cannot see.
-_FULL_T = 16
+_FULL_T = 21
+# The batched decodes below share one shape: 3 prompts padded to 9 tokens, 12 new tokens
+# (padding after a prompt's end is what pad_prompts adds; the causal mask hides it).
+_P, _M = 9, 12
+
+
+def _padded(prompts):
+  tokens, lengths = decoding.pad_prompts(prompts)
+  tokens = np.pad(np.asarray(tokens), ((0, 0), (0, _P - tokens.shape[1])))
+  return jnp.asarray(tokens), lengths
 _full_forward = jax.jit(lambda params, tokens: transformed(CONFIG).apply(
     params, tokens, precision=FP32).logits)
 
@@ -34,20 +43,20 @@ def _greedy_full_forward(prompt, steps):
   seq, logits = list(prompt), []
   for _ in range(steps):
     padded = jnp.asarray([seq + [0] * (_FULL_T - len(seq))])
-    out = np.asarray(_full_forward(PARAMS, padded)[0, len(seq) - 1])
+    out = np.asarray(_full_forward(PARAMS, padded))[0, len(seq) - 1]
     logits.append(out)
     seq.append(int(np.argmax(out)))
   return seq[len(prompt):], np.stack(logits)
 
 
 def test_cached_decode_equals_full_forward_batched_padded():
-  prompts = [[1, 2, 3, 4, 5, 6, 7], [3, 4], [5, 1, 9, 2]]   # lengths 7, 2, 4 (padded)
-  tokens, lengths = decoding.pad_prompts(prompts)
+  prompts = [[1, 2, 3, 4, 5, 6, 7], [3, 4], [5, 1, 9, 2]]   # lengths 7, 2, 4 (padded to 9)
+  tokens, lengths = _padded(prompts)
   out, logits, *_ = decoding.generate(PARAMS, tokens, lengths, jax.random.PRNGKey(0),
-                                  config=CONFIG, precision=FP32, max_new_tokens=8)
-  chex.assert_shape(out, (3, 8))
+                                  config=CONFIG, precision=FP32, max_new_tokens=_M)
+  chex.assert_shape(out, (3, _M))
   for b, prompt in enumerate(prompts):
-    want_tokens, want_logits = _greedy_full_forward(prompt, 8)
+    want_tokens, want_logits = _greedy_full_forward(prompt, _M)
     assert list(np.asarray(out[b])) == want_tokens
     # Same float32 math in a different order (cache vs full sequence).
     np.testing.assert_allclose(logits[b], want_logits, atol=2e-4, rtol=1e-4)
@@ -58,7 +67,7 @@ def test_causality_by_gradients():
   not read the embedding table)."""
   config = ModelConfig(vocab_size=17, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                        head_dim=8, mlp_hidden=64, tie_embeddings=False)
-  params = init_params(config, jax.random.PRNGKey(1))
+  params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(1))
   apply = transformed(config).apply
   T = 8
   tokens = jnp.arange(1, T + 1)[None]
@@ -145,15 +154,15 @@ def test_carried_weights_compute_what_bf16_weights_compute():
   dots), the same bf16 + flags decode: logits equal within bf16 rounding of the dense
   outputs (accumulation order may differ) and the same greedy tokens; and both against
   the float32 model, the independent reference: equally far from it."""
-  prompts = [[1, 2, 3, 4, 5, 6, 7], [3, 4]]
-  tokens, lengths = decoding.pad_prompts(prompts)
+  prompts = [[1, 2, 3, 4, 5, 6, 7], [3, 4], [5, 1, 9, 2]]
+  tokens, lengths = _padded(prompts)     # the fp32 prefill is the early-stopping test's
   carried, prec = decoding.for_serving(PARAMS, BF16_FLAGS, backend="cpu")
   prefill = jax.jit(decoding.prefill, static_argnames=("config", "precision", "cache_length"))
   runs = {}
   for name, (p, pr) in {"cast": (PARAMS, BF16_FLAGS), "carried": (carried, prec),
                         "fp32": (PARAMS, FP32)}.items():
     runs[name] = np.asarray(prefill(p, tokens, lengths, config=CONFIG, precision=pr,
-                                    cache_length=12).last_BxV)
+                                    cache_length=_P + _M).last_BxV)
   # bf16's spacing near logits of O(1) is 2^-8: a few ulps of the last dense rounding.
   np.testing.assert_allclose(runs["carried"], runs["cast"], atol=2e-2, rtol=2e-2)
   assert (runs["carried"].argmax(-1) == runs["cast"].argmax(-1)).all()
@@ -198,17 +207,19 @@ def _fixed_length_loop(prompt_BxP, lengths_B, steps, eos_id):
 
 def test_early_stopping_gives_the_fixed_length_loops_tokens():
   """The while loop stops once every sequence has ended, with the tokens of a loop that
-  runs all max_new_tokens steps; `steps` says how many it ran."""
-  M = 12
+  runs all max_new_tokens steps; `steps` says how many it ran. Every batch has one shape
+  (_padded), so each form of end token compiles one program."""
+  M = _M
   def run(prompts, eos=-1):
-    tokens, lengths = decoding.pad_prompts(prompts)
+    tokens, lengths = _padded(prompts)
     out = decoding.generate(PARAMS, tokens, lengths, jax.random.PRNGKey(0), config=CONFIG,
                             precision=FP32, max_new_tokens=M, eos_id=eos)
     return tokens, lengths, out
 
   base = [1, 2, 3, 4, 5, 6, 7]
-  free0 = np.asarray(run([base])[2].tokens_BxM)[0].tolist()
-  batches = [[base, [3, 4], [5, 1, 9, 2]],                 # different continuations
+  first = [base, [3, 4], [5, 1, 9, 2]]                     # different continuations
+  free0 = np.asarray(run(first)[2].tokens_BxM)[0].tolist()   # base's greedy continuation
+  batches = [first,
              [base, base + free0[:1], base + free0[:2]]]   # shifted: they share tokens
   steps = []
   for prompts in batches:
