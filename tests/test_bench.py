@@ -71,7 +71,7 @@ def test_tiny_model_bench_reports_every_case(tmp_path):
   from attnprec.model import init_params
   config = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
                        head_dim=8, mlp_hidden=16, max_seq_len=64)
-  params = init_params(config, jax.random.PRNGKey(0))
+  params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(0))
   result = model_bench.run_model_bench(
       config=config, params=params, model="tiny", cases=((2, 9),), steps=3, rounds=2,
       include_torch=False, flag_case=(1, 6), train_tokens=8, bandwidth_mbytes=1, progress=False)
@@ -172,7 +172,7 @@ def test_projection_bench_tiny(tmp_path):
       (m, f) for m in (8, 1) for f in projections.MICRO_FORMS}
   projections.add_ratios(rows, ("shape", "M"), "carried")
   assert all(r["vs_carried"] > 0 for r in rows)
-  result = projections.run(config=config, params=init_params(config, jax.random.PRNGKey(0)),
+  result = projections.run(config=config, params=jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(0)),
                            model_name="tiny", micro_rows=(4,), micro_shapes=(("t", 16, 8),),
                            layers_per_call=1, micro_rounds=1, model_rounds=1,
                            prefill_tokens=16, steps=2, decode_cache=8,
@@ -224,7 +224,9 @@ def test_presets_and_cases_share_one_copy_of_the_carried_weights(monkeypatch):
   bench run (a 1.5B model's is 6 GB), equal to what `decoding.for_serving` makes; fp32
   keeps the given params. A prefill of >= 128 rows reads `decoding.prefill_params`' copy
   (the blocks' matrices stored in bf16), also one per dtype; the carried-prefill preset
-  reads the carried weights."""
+  reads the carried weights. The small cases are test_tiny_model_bench_reports_every_case's
+  programs (fp32 and bf16_flags at 2x9, 3 steps; bf16 and bf16_flags at its flag case 1x6,
+  8 steps), which the compilation cache then holds."""
   import dataclasses
 
   import jax
@@ -237,22 +239,23 @@ def test_presets_and_cases_share_one_copy_of_the_carried_weights(monkeypatch):
   from attnprec.model import init_params
   config = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
                        head_dim=8, mlp_hidden=16, max_seq_len=64)
-  params = init_params(config, jax.random.PRNGKey(0))
-  prompt = np.zeros((2, 5), np.int32)
+  params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(0))
+  prompt = np.zeros((2, 9), np.int32)
+  flag_case = np.zeros((1, 6), np.int32)
   carried = {}
-  case = lambda name, prompt: model_bench._AttnprecCase(  # noqa: E731
-      config, params, model_bench.PRESETS[name], prompt, 2, carried=carried)
-  fp32, bf16, flags = case("fp32", prompt), case("bf16", prompt), case("bf16_flags", prompt)
-  longer = case("bf16_flags", np.zeros((1, 7), np.int32))
+  case = lambda name, prompt, steps=3: model_bench._AttnprecCase(  # noqa: E731
+      config, params, model_bench.PRESETS[name], prompt, steps, carried=carried)
+  fp32, flags = case("fp32", prompt), case("bf16_flags", prompt)
+  bf16, other_case = case("bf16", flag_case, 8), case("bf16_flags", flag_case, 8)
   assert fp32.params is params and fp32.weights == "float32"
-  assert bf16.params is flags.params is longer.params
+  assert bf16.params is flags.params is other_case.params
   assert sorted(k[:2] for k in carried if len(k) == 2) == [("bfloat16", True),
                                                             ("float32", False)]
   assert fp32.prefill_params is params and flags.prefill_params is flags.params
   # 'auto' as on a CPU with bf16 dots: a 128-row prefill reads stored block matrices
   monkeypatch.setattr(cpu_features, "bf16_features", lambda *a: ("avx512_bf16",))
   rows128 = np.zeros((2, 64), np.int32)
-  big, big2 = case("bf16_flags", rows128), case("bf16", rows128)
+  big, big2 = case("bf16_flags", rows128, 2), case("bf16", rows128, 2)
   assert big.prefill_params is big2.prefill_params is not big.params
   assert big.params is flags.params and big.weights == "carried, prefill stored"
   assert big.prefill_params["decoder/layer_0/mlp/up"]["w"].dtype == jnp.bfloat16
@@ -264,7 +267,7 @@ def test_presets_and_cases_share_one_copy_of_the_carried_weights(monkeypatch):
   algo = dataclasses.replace(model_bench.PRESETS["bf16"], matmul_precision="BF16_BF16_F32")
   uncarried = model_bench._AttnprecCase(config, params, algo, prompt, 2, carried=carried)
   assert uncarried.params is params and uncarried.weights == "float32"
-  assert flags.weights == longer.weights == "carried"
+  assert flags.weights == other_case.weights == "carried"
   expect, _ = decoding.for_serving(params, model_bench.PRESETS["bf16_flags"])
   for a, b in zip(jax.tree_util.tree_leaves(expect), jax.tree_util.tree_leaves(flags.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -427,7 +430,7 @@ def test_a_bench_case_refuses_non_finite_logits():
   from attnprec.precision import Precision
   config = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
                        head_dim=8, mlp_hidden=32, max_seq_len=32)
-  params = init_params(config, jax.random.PRNGKey(0))
+  params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(0))
   prompt = jnp.ones((1, 4), jnp.int32)
   clean = model_bench._AttnprecCase(config, params, Precision(), prompt, 1, label="clean")
   assert clean.decode() > 0 and clean._decode_checked
