@@ -172,7 +172,8 @@ def test_projection_bench_tiny(tmp_path):
       (m, f) for m in (8, 1) for f in projections.MICRO_FORMS}
   projections.add_ratios(rows, ("shape", "M"), "carried")
   assert all(r["vs_carried"] > 0 for r in rows)
-  result = projections.run(config=config, params=jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(0)),
+  params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(0))
+  result = projections.run(config=config, params=params,
                            model_name="tiny", micro_rows=(4,), micro_shapes=(("t", 16, 8),),
                            layers_per_call=1, micro_rounds=1, model_rounds=1,
                            prefill_tokens=16, steps=2, decode_cache=8,
