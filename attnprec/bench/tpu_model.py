@@ -356,8 +356,6 @@ def run(out_dir: str, *, presets: Sequence[str] = PRESETS,
   result = tpu_attention.previous(os.path.join(out_dir, "tpu_model.json"), settings)
   platform = jax.default_backend()
   result.update(backend=platform, device=str(jax.devices()[0].device_kind))
-  params = init_params(config)
-  serving = _Serving(params)
   peak = model_bench.matmul_peak(PEAK_SHAPE)["bf16"]
   bw = tpu_decode.hbm_read_bandwidth()
   for what, value in (("bf16 matmul peak (FLOP/s)", peak),
@@ -368,6 +366,8 @@ def run(out_dir: str, *, presets: Sequence[str] = PRESETS,
                            f"on an idle device.")
   result.update(bf16_peak_tflops=peak / 1e12,
                 read_gbps={k: v / 1e9 for k, v in bw.items()})
+  params = init_params(config)            # after the probes: a broken one stops it first
+  serving = _Serving(params)
   todo = ([(f"prefill {B}x{P}", ("prefill", B, P)) for B, P in prefill_cases] +
           [(f"decode {B}x{S}", ("decode", B, S)) for B, S in decode_cases] +
           [(f"train {B}x{T}", ("train", B, T)) for B, T in train_cases])
