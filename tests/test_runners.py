@@ -1,21 +1,56 @@
 """The runners end to end, as a user calls them: outputs on success, exit 2 and one clear
-paragraph (no traceback) on bad input, nothing half-written."""
+paragraph (no traceback) on bad input, nothing half-written.
+
+Each bad input is given to the runner's `main(argv)` in this process (what its
+`__main__` passes to `cli.exit`: the process's exit code); one bad input per runner
+also goes through a real process (`test_bad_input_exits_2_from_the_command_line`), so
+the path from `main`'s code to the process's exit code is tested too."""
+import contextlib
+import importlib.util
+import io
 import json
 import os
 import subprocess
 import sys
 
+import gin
 import pytest
 
+from test_train_utils import SUBPROCESS_ENV   # also turns on the tests' compilation cache
+from test_train_utils import TINY as TRAIN_TINY
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--gin.model.d_model=16", "--gin.model.mlp_hidden=32", "--gin.train.steps=3",
-        "--gin.train.log_every=1", "--gin.train.eval_every=3", "--gin.train.batch_size=4"]
+# The training tests' tiny setup (test_train_utils.TINY) and 4 steps, as --gin.X=V flags:
+# the programs the in-process trainings of 4 steps compile (the compilation cache).
+TINY = [f"--gin.{b.replace(' = ', '=')}" for b in TRAIN_TINY + ["train.steps = 4"]]
 
 
 def run(script, *args):
   return subprocess.run([sys.executable, os.path.join(ROOT, "runners", script), *args],
                         capture_output=True, text=True, cwd=ROOT, timeout=600,
-                        env={**os.environ, "XLA_FLAGS": "--xla_allow_excess_precision=false"})
+                        env={**SUBPROCESS_ENV, "XLA_FLAGS": "--xla_allow_excess_precision=false"})
+
+
+def run_main(script, *args, monkeypatch):
+  """(exit code, stderr) of runners/<script>'s main(args), called in this process."""
+  import jax
+  cache = jax.config.jax_compilation_cache_dir
+  # decode's `compilation.enable()` keeps a cache directory named by the environment:
+  # the tests' own (else it would point this process at the user's cache).
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", cache)
+  spec = importlib.util.spec_from_file_location(
+      f"runner_{script[:-3]}_runners", os.path.join(ROOT, "runners", script))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  err = io.StringIO()
+  gin.clear_config()
+  try:
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+      rc = module.main(list(args))
+  finally:
+    gin.clear_config()
+    jax.config.update("jax_compilation_cache_dir", cache)
+  return rc, err.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +67,7 @@ def test_train_writes_run_directory(trained):
     assert os.path.isfile(os.path.join(trained, name)), name
   with open(os.path.join(trained, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
-  assert records[-1]["step"] == 3 and "eval_accuracy" in records[-1]
+  assert records[-1]["step"] == 4 and "eval_accuracy" in records[-1]
   with open(os.path.join(trained, "operative_config.gin")) as f:
     assert "precision.dtype" in f.read()
 
@@ -61,13 +96,13 @@ def test_decode_reads_the_train_run_with_decode_precision(trained, tmp_path):
     (["--gin_file=experiments/missing.gin"], "Gin file 'experiments/missing.gin' not found"),
     (["--bogus"], "Unknown argument(s) ['--bogus']"),
 ])
-def test_train_bad_input_exit_2(args, needle, tmp_path):
+def test_train_bad_input_exit_2(args, needle, tmp_path, monkeypatch):
   run_dir = tmp_path / "run"
-  proc = run("train.py", "--gin_file=experiments/recall.gin", f"--run_dir={run_dir}", *TINY,
-             *args)
-  assert proc.returncode == 2, (proc.returncode, proc.stderr)
-  assert needle in proc.stderr
-  assert "Traceback" not in proc.stderr
+  rc, err = run_main("train.py", "--gin_file=experiments/recall.gin", f"--run_dir={run_dir}",
+                     *TINY, *args, monkeypatch=monkeypatch)
+  assert rc == 2, (rc, err)
+  assert needle in err
+  assert "Traceback" not in err
   assert not (run_dir / "params.npz").exists()
 
 
@@ -77,10 +112,29 @@ def test_train_bad_input_exit_2(args, needle, tmp_path):
     (["--gin.decode/precision.einsum_precision=fastest"],
      "Invalid decode/precision.einsum_precision = 'fastest': valid values are"),
 ])
-def test_decode_bad_input_exit_2(args, needle, tmp_path):
-  proc = run("decode.py", "--gin_file=experiments/recall.gin", f"--run_dir={tmp_path}", *args)
-  assert proc.returncode == 2, (proc.returncode, proc.stderr)
-  assert needle in proc.stderr
-  assert "Traceback" not in proc.stderr
-  assert "In call to configurable" not in proc.stderr   # one paragraph, no gin trailer
+def test_decode_bad_input_exit_2(args, needle, tmp_path, monkeypatch):
+  rc, err = run_main("decode.py", "--gin_file=experiments/recall.gin", f"--run_dir={tmp_path}",
+                     *args, monkeypatch=monkeypatch)
+  assert rc == 2, (rc, err)
+  assert needle in err
+  assert "Traceback" not in err
+  assert "In call to configurable" not in err   # one paragraph, no gin trailer
   assert not (tmp_path / "results.json").exists()
+
+
+def test_bad_input_exits_2_from_the_command_line(tmp_path):
+  """A bad input to each runner as a process: exit code 2, the paragraph on stderr, no
+  traceback, nothing written (one train and one decode case of the tests above)."""
+  run_dir = tmp_path / "run"
+  proc = run("train.py", "--gin_file=experiments/recall.gin", f"--run_dir={run_dir}", *TINY,
+             "--gin.model.num_kv_heads=3")
+  assert proc.returncode == 2, (proc.returncode, proc.stderr)
+  assert "num_heads=2 is not divisible by model.num_kv_heads=3" in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not (run_dir / "params.npz").exists()
+  proc = run("decode.py", "--gin_file=experiments/recall.gin", f"--run_dir={tmp_path / 'dec'}",
+             "--gin.decode/precision.einsum_precision=fastest")
+  assert proc.returncode == 2, (proc.returncode, proc.stderr)
+  assert "Invalid decode/precision.einsum_precision = 'fastest': valid values are" in proc.stderr
+  assert "Traceback" not in proc.stderr and "In call to configurable" not in proc.stderr
+  assert not (tmp_path / "dec" / "results.json").exists()
