@@ -2,7 +2,8 @@
 K kept, unreadable checkpoints set aside, and changed architectures refused.
 
 Reference for "exact": the same number of steps trained straight through, compared bit for
-bit (params.npz bytes and every logged loss).
+bit (params.npz bytes and every logged loss). The straight runs (4 and 8 steps) are trained
+once per module (fixtures); a test that changes a run works on its own copy.
 """
 import errno
 import importlib.util
@@ -37,15 +38,37 @@ STEPS4 = ["train.steps = 4", "train.checkpoint_every = 2"]
 STEPS8 = ["train.steps = 8", "train.checkpoint_every = 2", "train.keep_checkpoints = 2"]
 
 
+@pytest.fixture(scope="module")
+def finished4(tmp_path_factory):
+  """A finished STEPS4 run (checkpoints 2 and 4, params.npz); copy it before changing it."""
+  run = tmp_path_factory.mktemp("finished4") / "run"
+  train_in_process(run, STEPS4)
+  gin.clear_config()
+  return run
+
+
+@pytest.fixture(scope="module")
+def straight8(tmp_path_factory):
+  """A STEPS8 run trained straight through, never interrupted (read only)."""
+  run = tmp_path_factory.mktemp("straight8") / "straight"
+  train_in_process(run, STEPS8)
+  gin.clear_config()
+  return run
+
+
+def _copy(run, tmp_path):
+  shutil.copytree(run, tmp_path / "run")
+  return tmp_path / "run"
+
+
 def _losses(run_dir):
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     return [(r["step"], r["loss"]) for r in map(json.loads, f)]
 
 
-def test_resume_after_sigkill_and_killed_save_is_bit_identical(tmp_path):
-  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+def test_resume_after_sigkill_and_killed_save_is_bit_identical(tmp_path, straight8):
+  straight, resumed = straight8, tmp_path / "resumed"         # the same program, unkilled
   marker = str(tmp_path / "marker")
-  train_in_process(straight, STEPS8)                          # the same program, unkilled
   assert checkpoint_listing(straight) == ["6", "8"]          # keep_checkpoints = 2
 
   # 1) SIGKILL after step 5: the newest checkpoint is step 4.
@@ -78,11 +101,10 @@ def _corrupt(step_dir):
     f.write(b"not a manifest")
 
 
-def test_unreadable_checkpoint_falls_back_to_previous(tmp_path, capsys):
+def test_unreadable_checkpoint_falls_back_to_previous(tmp_path, capsys, finished4):
   """Corrupt the newest checkpoint of a finished 4-step run, train again: it resumes from
   step 2 and ends bit-identical to the uninterrupted run."""
-  run = tmp_path / "run"
-  train_in_process(run, STEPS4)
+  run = _copy(finished4, tmp_path)
   straight = load_npz(run / "params.npz")
   os.remove(run / "params.npz")
   _corrupt(run / "checkpoints" / "4")
@@ -108,11 +130,10 @@ def _flip_a_data_byte(step_dir):
     f.write(bytes([byte[0] ^ 0x10]))
 
 
-def test_no_readable_checkpoint_is_a_user_error(tmp_path):
+def test_no_readable_checkpoint_is_a_user_error(tmp_path, finished4):
   """Step 2 without its state, step 4 with a flipped byte in its arrays (caught by the
   fingerprint its meta records): no readable checkpoint, named per step."""
-  run = tmp_path / "run"
-  train_in_process(run, STEPS4)
+  run = _copy(finished4, tmp_path)
   shutil.rmtree(run / "checkpoints" / "2" / "state")
   _flip_a_data_byte(run / "checkpoints" / "4")
   before = checkpoint_listing(run)
@@ -122,9 +143,8 @@ def test_no_readable_checkpoint_is_a_user_error(tmp_path):
   assert checkpoint_listing(run) == before                       # nothing moved or lost
 
 
-def test_changed_architecture_names_the_leaves(tmp_path):
-  run = tmp_path / "run"
-  train_in_process(run, STEPS4)
+def test_changed_architecture_names_the_leaves(tmp_path, finished4):
+  run = _copy(finished4, tmp_path)
   model_json = (run / "model.json").read_text()
   with pytest.raises(UserError, match=r"step 4.*params/decoder/layer_0/mlp/down/w: checkpoint "
                                       r"\(64, 32\) float32, now \(96, 32\) float32"):
@@ -133,10 +153,9 @@ def test_changed_architecture_names_the_leaves(tmp_path):
   assert checkpoint_listing(run) == ["2", "4"]
 
 
-def test_changed_param_dtype_names_the_leaves(tmp_path):
+def test_changed_param_dtype_names_the_leaves(tmp_path, finished4):
   """A checkpoint whose params are bfloat16 (written directly) is refused by name."""
-  run = tmp_path / "run"
-  train_in_process(run, STEPS4)
+  run = _copy(finished4, tmp_path)
   ckpt = checkpointing.Checkpointer(str(run), keep=3)
   state = _restore_raw(run)
   state["params"] = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state["params"])
@@ -162,9 +181,8 @@ def test_unwritable_run_dir_is_a_user_error(tmp_path):
   assert blocker.read_text() == "x"
 
 
-def test_finished_run_is_not_retrained(tmp_path, capsys):
-  run = tmp_path / "run"
-  train_in_process(run, STEPS4)
+def test_finished_run_is_not_retrained(tmp_path, capsys, finished4):
+  run = _copy(finished4, tmp_path)
   params = load_npz(run / "params.npz")
   capsys.readouterr()
   train_in_process(run, STEPS4)
@@ -187,7 +205,7 @@ async def _enospc_at_step_6(self, item, directory):
   return await _real_json_save(self, item, directory)
 
 
-def test_full_disk_in_a_checkpoint_save_is_one_paragraph(tmp_path, capfd):
+def test_full_disk_in_a_checkpoint_save_is_one_paragraph(tmp_path, capfd, straight8):
   """The meta item's write fails with ENOSPC inside orbax's writer thread while the state
   item is still being written: exit 2, one line naming the checkpoint and the cause, no
   traceback from any thread, the previous checkpoints intact, the partial one removed;
@@ -213,9 +231,7 @@ def test_full_disk_in_a_checkpoint_save_is_one_paragraph(tmp_path, capfd):
   gin.clear_config()
   train_in_process(run, STEPS8)
   assert "resuming from checkpoint step 4" in capfd.readouterr().out
-  straight = tmp_path / "straight"
-  train_in_process(straight, STEPS8)
-  assert_bitwise_equal(load_npz(straight / "params.npz"), load_npz(run / "params.npz"))
+  assert_bitwise_equal(load_npz(straight8 / "params.npz"), load_npz(run / "params.npz"))
 
 
 def test_atomic_write_failure_keeps_the_old_file(tmp_path):
