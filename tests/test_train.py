@@ -18,12 +18,21 @@ from attnprec.config import ModelConfig
 from attnprec.faults import Faults
 from attnprec.precision import Precision
 from attnprec.tasks.recall import RecallTask
-from test_train_utils import (REPO, assert_bitwise_equal, checkpoint_listing, load_npz,
-                              run_train, train_in_process)
+from test_train_utils import (REPO, TINY, assert_bitwise_equal, checkpoint_listing, load_npz,
+                              train_in_process)
 
 CONFIG = ModelConfig(vocab_size=18, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
                      head_dim=16, mlp_hidden=64, max_seq_len=64)
 TASK = RecallTask(num_keys=8, value_vocab=8, value_len=1, num_pairs=4, num_queries=4)
+
+
+def _train_runner():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "runner_train_test_train", os.path.join(REPO, "runners", "train.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def _batch(step=0):
@@ -81,16 +90,22 @@ def test_skip_nonfinite_steps_finishes_and_counts(tmp_path):
   assert all(np.isfinite(v).all() for v in load_npz(run / "params.npz").values())
 
 
-def test_runner_exits_2_when_a_huge_learning_rate_overflows_params(tmp_path):
+def test_runner_exits_2_when_a_huge_learning_rate_overflows_params(tmp_path, capfd):
   """A real blow-up, no injection: lr 1e30 overflows the params at step 2 (step 1 has lr 0
-  from the warmup); the runner names the step and metric, keeps checkpoint 1, exits 2."""
+  from the warmup); the runner names the step and metric, keeps checkpoint 1, exits 2.
+  (The runner's main() in this process: its code is the process's exit code, which
+  test_runners checks through a real process.)"""
   run = tmp_path / "run"
-  done = run_train(run, ["train.steps = 4", "train.checkpoint_every = 1",
-                         "optimizer.learning_rate = 1e30"])
-  assert done.returncode == 2
-  assert "train: error: Training stopped at step 2: param_norm is inf" in done.stderr
-  assert "last good checkpoint is step 1" in done.stderr
-  assert "Traceback" not in done.stderr
+  capfd.readouterr()
+  rc = _train_runner().main([f"--run_dir={run}", "--gin_file=experiments/recall.gin", *[
+      f"--gin_bindings={b}" for b in TINY + ["train.steps = 4", "train.checkpoint_every = 1",
+                                             "optimizer.learning_rate = 1e30"]]])
+  gin.clear_config()
+  err = capfd.readouterr().err
+  assert rc == 2, err
+  assert "train: error: Training stopped at step 2: param_norm is inf" in err
+  assert "last good checkpoint is step 1" in err
+  assert "Traceback" not in err
   assert checkpoint_listing(run) == ["1"]
 
 
@@ -170,38 +185,41 @@ def test_resuming_under_another_train_precision_is_refused_and_optimizer_changes
   with another precision is refused (its steps would mix two precisions under one name),
   a changed learning rate is said (the run then goes on with it)."""
   run = tmp_path / "run"
-  train_in_process(run, ["train.steps = 2", "train.checkpoint_every = 2"])
-  # a run that ends inside its warm-up says so (TINY's warm-up is 2 steps)
+  # 4 steps: the programs of this file's other 4-step trainings (the compilation cache)
+  train_in_process(run, ["train.steps = 4", "train.checkpoint_every = 2"])
+  capsys.readouterr()
+  with pytest.raises(UserError, match=r"trained to step 4 with precision 'dtype=float32.*"
+                                      r"this run's train precision is 'dtype=bfloat16"):
+    train_in_process(run, ["train.steps = 2", "train/precision.dtype = 'bfloat16'"])
+  # a run that ends inside its warm-up says so (TINY's warm-up is 2 steps), before it
+  # reads the checkpoint
   assert ("note: optimizer.warmup_steps = 2 >= train.steps = 2: the learning rate stays in "
           "its warm-up and reaches at most 0.5 x optimizer.learning_rate = 0.003"
           in capsys.readouterr().out)
-  with pytest.raises(UserError, match=r"trained to step 2 with precision 'dtype=float32.*"
-                                      r"this run's train precision is 'dtype=bfloat16"):
-    train_in_process(run, ["train.steps = 3", "train/precision.dtype = 'bfloat16'"])
   # another model whose parameters have the same shapes: refused, model.json untouched
   model_json = (run / "model.json").read_text()
-  with pytest.raises(UserError, match=r"trained to step 2 as another model than this "
+  with pytest.raises(UserError, match=r"trained to step 4 as another model than this "
                                       r"run's: model.activation \('silu' -> 'gelu'\)"):
-    train_in_process(run, ["train.steps = 3", "model.activation = 'gelu'"])
+    train_in_process(run, ["train.steps = 5", "model.activation = 'gelu'"])
   assert (run / "model.json").read_text() == model_json
   # a checkpoint whose meta does not record its precision (edited): refused
   edited = tmp_path / "edited"
   shutil.copytree(run, edited)
-  meta_path = edited / "checkpoints" / "2" / "meta" / "metadata"
+  meta_path = edited / "checkpoints" / "4" / "meta" / "metadata"
   meta = json.loads(meta_path.read_text())
   del meta["precision"]
   meta_path.write_text(json.dumps(meta))
   with pytest.raises(UserError, match=r"does not record the train precision its steps ran "
                                       r"in"):
-    train_in_process(edited, ["train.steps = 3", "train/precision.dtype = 'bfloat16'"])
+    train_in_process(edited, ["train.steps = 5", "train/precision.dtype = 'bfloat16'"])
   # XLA settings that change numbers are part of the run's precision
   with mock.patch.dict(os.environ, {"XLA_FLAGS": os.environ["XLA_FLAGS"] +
                                     " --xla_cpu_enable_fast_math=true"}):
-    with pytest.raises(UserError, match=r"trained to step 2 with 'XLA: excess precision "
+    with pytest.raises(UserError, match=r"trained to step 4 with 'XLA: excess precision "
                                         r"disabled.*this run has .*fast_math"):
-      train_in_process(run, ["train.steps = 3"])
+      train_in_process(run, ["train.steps = 5"])
   capsys.readouterr()
-  train_in_process(run, ["train.steps = 3", "optimizer.learning_rate = 0.5"])
+  train_in_process(run, ["train.steps = 5", "optimizer.learning_rate = 0.5"])
   out = capsys.readouterr().out
   assert "optimizer.learning_rate (0.003 -> 0.5) changed since the checkpoint" in out, out
-  assert "warm-up" not in out                    # 3 steps leave the 2-step warm-up
+  assert "warm-up" not in out                    # 5 steps leave the 2-step warm-up
