@@ -16,6 +16,9 @@ from attnprec.errors import UserError
 from attnprec.layers import AttentionKernel
 from attnprec.lrsweep import corpus, group, report, settings
 from attnprec import model as model_lib
+from test_train_utils import use_compilation_cache
+
+use_compilation_cache()   # identical programs compiled once (the runner's below: TINY)
 
 PLAN_ARGS = dict(sizes=("tiny",), settings=("fp32",), lrs=(1e-3, 3e-2), seeds=(0,),
                  steps=4, warmup=1, batch=2, seq_len=16, eval_every=2, eval_batch=3)
@@ -209,10 +212,12 @@ def _call(argv, capsys):
   return rc, capsys.readouterr().err
 
 
+# PLAN_ARGS with one learning rate: the shapes of the group of one trained above, so the
+# runner's compiled programs are that group's (loaded from the compilation cache).
 TINY = ["--gin.lr_sweep.sizes=('tiny',)", "--gin.lr_sweep.settings=('fp32',)",
-        "--gin.lr_sweep.lrs=(1e-3,)", "--gin.lr_sweep.seeds=(0,)", "--gin.lr_sweep.steps=2",
+        "--gin.lr_sweep.lrs=(1e-3,)", "--gin.lr_sweep.seeds=(0,)", "--gin.lr_sweep.steps=4",
         "--gin.lr_sweep.warmup=1", "--gin.lr_sweep.batch=2", "--gin.lr_sweep.seq_len=16",
-        "--gin.lr_sweep.eval_every=2", "--gin.lr_sweep.eval_batch=2"]
+        "--gin.lr_sweep.eval_every=2", "--gin.lr_sweep.eval_batch=3"]
 
 
 @pytest.mark.parametrize("binding,needle", [
