@@ -130,9 +130,10 @@ def test_api_raises_on_nonfinite_logits_and_names_the_stage(models):
   fp16 = Precision(dtype="float16")
   ok = checkpoints.generate(big, "ab a", max_new_tokens=3)     # float32: finite
   assert ok.finite == [True] and len(ok.tokens[0]) == 3
+  # the two prompts of the flagged call below: one compiled fp16 program for both calls
   with pytest.raises(NonFiniteError, match=r"NaN at decode step 0 of prompt 0\) under "
                                            r"dtype=float16") as e:
-    checkpoints.generate(big, "ab a", max_new_tokens=3, precision=fp16)
+    checkpoints.generate(big, ["ab a", "b"], max_new_tokens=3, precision=fp16)
   assert e.value.stage == "layer 0 MLP (down projection)"
   assert "65504" in str(e.value) and "agreement" in str(e.value)
   flagged = checkpoints.generate(big, ["ab a", "b"], max_new_tokens=3, precision=fp16,
