@@ -147,9 +147,9 @@ class EmptyRowsTest(chex.TestCase, parameterized.TestCase):
     q, k, v = _qkv(4, 32, 2, dtype)
     q_pos = jnp.full((B, 4), -1, jnp.int32)
     k_pos = jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), (B, 32))
-    out, stats = blockwise.blockwise_attention(
-        q, k, v, causal=True, q_positions_BxT=q_pos, k_positions_BxS=k_pos, kv_block=8,
-        return_stats=True)
+    out, stats = jax.jit(functools.partial(
+        blockwise.blockwise_attention, causal=True, kv_block=8, return_stats=True))(
+            q, k, v, q_positions_BxT=q_pos, k_positions_BxS=k_pos)
     np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
     self.assertEqual(int(stats["blocks_computed"]), 0)
 
@@ -181,11 +181,12 @@ class BlockSkippingTest(chex.TestCase, parameterized.TestCase):
     T, S, pos = 1, 128, 37
     q, k, v = _qkv(T, S, 2)
     q_pos, k_pos = _positions(T, S, decode_pos=[pos] * B)
-    hidden = (jnp.arange(S) >= 48)[None, :, None, None]          # blocks 3.. of 16 keys
-    k_bad, v_bad = jnp.where(hidden, jnp.nan, k), jnp.where(hidden, jnp.nan, v)
+    hidden = (np.arange(S) >= 48)[None, :, None, None]           # blocks 3.. of 16 keys
+    k_bad, v_bad = (jnp.asarray(np.where(hidden, np.nan, np.asarray(x)), jnp.float32)
+                    for x in (k, v))
     cmask = CausalMask(q_pos, k_pos)
-    out = blockwise.blockwise_attention(q, k_bad, v_bad, kv_block=16,
-                                        **blockwise.mask_kwargs(cmask))
+    out = jax.jit(lambda *x: blockwise.blockwise_attention(
+        *x, kv_block=16, **blockwise.mask_kwargs(cmask)))(q, k_bad, v_bad)
     chex.assert_tree_all_finite(out)
     want = _dot_product(q, k, v, mask=cmask.dense())
     chex.assert_trees_all_close(out, want, atol=ATOL, rtol=RTOL)
@@ -241,7 +242,8 @@ class DecodeBlockOverlapTest(parameterized.TestCase):
     fn = jax.jit(lambda q, kc, vc: blockwise.blockwise_attention(
         q, kc, vc, kv_block=16, **blockwise.mask_kwargs(cmask), **kw))
     out = fn(q, kc, vc)
-    want = dot_product.dot_product_attention(q, kc, vc, mask=cmask.dense(), **kw)
+    want = jax.jit(lambda q, kc, vc: dot_product.dot_product_attention(
+        q, kc, vc, mask=cmask.dense(), **kw))(q, kc, vc)
     # bf16 outputs of O(1): the two kernels differ in float32 summation order only
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                                atol=1e-2, rtol=1e-2)
@@ -377,7 +379,8 @@ class StageDtypesTest(parameterized.TestCase):
     off = dict(flags=AttentionFlags(float32_qk_product=False, float32_logits=False))
     ref = contract.reference_attention_np(q, k, v, mask=cmask.dense())
     err = lambda out: float(np.abs(np.asarray(out, np.float64) - ref).max())
-    err_bw = err(blockwise.blockwise_attention(q, k, v, **blockwise.mask_kwargs(cmask), **off))
+    err_bw = err(jax.jit(lambda *x: blockwise.blockwise_attention(
+        *x, **blockwise.mask_kwargs(cmask), **off))(q, k, v))
     err_dp = err(_dot_product(q, k, v, mask=cmask.dense(), **off))
     self.assertLessEqual(err_bw, err_dp)
 
@@ -458,8 +461,8 @@ class RegistryTest(parameterized.TestCase):
       return real(*args, **kwargs)
 
     q, k, v = _qkv(4, 4, 2, jnp.bfloat16)
-    with mock.patch.object(contract, "prepare", spy):
-      kernels.attend(prec, q, k, v)
+    with mock.patch.object(contract, "prepare", spy):   # traced: the preamble runs once
+      jax.eval_shape(lambda *x: kernels.attend(prec, *x), q, k, v)
     self.assertEqual(seen, [prec.attention])
     tree = ast.parse(inspect.getsource(sys.modules[kernels.get(kernel).attend.__module__]))
     called = {getattr(n.func, "attr", getattr(n.func, "id", None))
@@ -574,8 +577,9 @@ class WiringTest(parameterized.TestCase):
     q, k, v = _qkv(1, 50, 2)
     q_pos, k_pos = _positions(1, 50, decode_pos=[10, 44])
     cmask = CausalMask(q_pos, k_pos, sliding_window=20)
-    out = kernels.attend(Precision(kernel=kernel), q, k, v, mask=cmask)
-    want = kernels.attend(Precision(kernel="dot_product"), q, k, v, mask=cmask)
+    run = jax.jit(lambda p, *x: kernels.attend(p, *x, mask=cmask), static_argnums=0)
+    out = run(Precision(kernel=kernel), q, k, v)
+    want = run(Precision(kernel="dot_product"), q, k, v)
     chex.assert_trees_all_close(out, want, atol=ATOL, rtol=RTOL)
     ref = contract.reference_attention_np(q, k, v, mask=cmask.dense())
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=ATOL, rtol=RTOL)
@@ -589,8 +593,9 @@ class WiringTest(parameterized.TestCase):
     self.assertEqual(prec.kernel, "blockwise")
     self.assertEqual(prec.block_sizes, blockwise.BlockSizes(q_block=2, kv_block=4))
     q, k, v = _qkv(8, 8, 2)
-    _, stats = blockwise.blockwise_attention(q, k, v, block_sizes=prec.block_sizes,
-                                             return_stats=True)
+    _, stats = jax.jit(functools.partial(blockwise.blockwise_attention,
+                                         block_sizes=prec.block_sizes, return_stats=True))(
+                                             q, k, v)
     self.assertEqual(stats["blocks_total"], 4 * 2)
 
   def test_block_sizes_are_static_data_in_the_jit_key(self):
@@ -638,16 +643,18 @@ class WiringTest(parameterized.TestCase):
                       head_dim=8, mlp_hidden=64, sliding_window=5,
                       layer_pattern=("local", "global"), attn_logit_soft_cap=20.0)
     params = jax.jit(model_lib.init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
-    apply = jax.jit(model_lib.transformed(cfg).apply, static_argnames=("precision",))
+    apply = model_lib.transformed(cfg).apply
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 21), 0, 50)
 
-    def run(kernel):
+    @functools.partial(jax.jit, static_argnums=0)    # prefill and step: one program
+    def run(kernel, params, tokens):
       prec = Precision(kernel=kernel)
       out = apply(params, tokens, None, init_cache(cfg, 2, 32, jnp.float32), precision=prec)
       step = apply(params, tokens[:, :1], jnp.full((2, 1), 21), out.cache, precision=prec)
       return out.logits, step.logits
 
-    chex.assert_trees_all_close(run("blockwise"), run("dot_product"),
+    chex.assert_trees_all_close(run("blockwise", params, tokens),
+                                run("dot_product", params, tokens),
                                 atol=tol(1e-4, MODEL_UNITS), rtol=tol(1e-4, MODEL_UNITS))
 
 
@@ -694,11 +701,14 @@ class ScaleTest(parameterized.TestCase):
     floor = self._rel(jnp.asarray(ref, jnp.bfloat16), ref)   # rounding the exact output
     prec = Precision(dtype="bfloat16", kernel=kernel,        # both flags on (default)
                      einsum_precision=einsum)
-    err = self._rel(kernels.attend(prec, q, k, v, mask=cmask), ref)
+    run = jax.jit(lambda q, k, v, scale=None: kernels.attend(prec, q, k, v, mask=cmask,
+                                                             scale=scale),
+                  static_argnames="scale")
+    err = self._rel(run(q, k, v), ref)
     self.assertLessEqual(err, bound * floor, (err, floor))
     # The old way (q * scale rounded to bf16, then an unscaled product) for contrast.
     q_scaled = q * jnp.asarray(H ** -0.5, jnp.bfloat16)
-    old = self._rel(kernels.attend(prec, q_scaled, k, v, mask=cmask, scale=1.0), ref)
+    old = self._rel(run(q_scaled, k, v, scale=1.0), ref)
     if H == 128:
       self.assertGreater(old, 1.5 * floor, (old, floor))
     else:                      # 1/8 and 1/16 are powers of two: exact in bf16 either way
@@ -712,6 +722,8 @@ class ScaleTest(parameterized.TestCase):
     q, k, v = self._inputs(H)
     prec = Precision(dtype="bfloat16", kernel=kernel, float32_qk_product=False,
                      float32_logits=False)
-    out = kernels.attend(prec, q, k, v)
-    pre = kernels.attend(prec, q * jnp.asarray(H ** -0.5, jnp.bfloat16), k, v, scale=1.0)
+    run = jax.jit(lambda q, k, v, scale=None: kernels.attend(prec, q, k, v, scale=scale),
+                  static_argnames="scale")
+    out = run(q, k, v)
+    pre = run(q * jnp.asarray(H ** -0.5, jnp.bfloat16), k, v, scale=1.0)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(pre, np.float32))
