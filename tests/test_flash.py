@@ -142,8 +142,8 @@ def test_bf16_flags_change_the_numbers_as_dot_products_do():
   on = AttentionFlags()
   f_off, f_on = (jax.jit(_flash_fn(pos, pos, None, None, None, fl))(q, k, v)
                  for fl in (off, on))
-  d_off, d_on = (dot_product.dot_product_attention(q, k, v, mask=mask, flags=fl)
-                 for fl in (off, on))
+  d_off, d_on = (jax.jit(functools.partial(dot_product.dot_product_attention, mask=mask,
+                                           flags=fl))(q, k, v) for fl in (off, on))
   np.testing.assert_allclose(np.asarray(f_off, np.float32), np.asarray(d_off, np.float32),
                              atol=0.1, rtol=0.1)
   assert err(f_off) > 2 * err(f_on), (err(f_off), err(f_on))
@@ -230,7 +230,7 @@ def test_a_quantized_cache_is_read_and_has_no_gradient():
   storage = contract.CacheStorage("int8", "compute", "token", None)
   f = lambda q: flash.flash_attention(q, codes, v, kv_cache=storage,  # noqa: E731
                                       kv_scales=scales).sum()
-  assert np.isfinite(float(f(q)))
+  assert np.isfinite(float(jax.jit(f)(q)))
   with pytest.raises(UserError, match="quantized KV cache .* has no gradient"):
     jax.grad(f)(q)
 
@@ -499,20 +499,23 @@ def test_a_decode_step_reads_a_64_wide_cache_keys_minor():
       q, k, v, causal=True, q_positions_BxT=q_pos, k_positions_BxS=k_pos, blocks=blocks,
       **kw)
   mask = contract.causal_mask(q_pos, k_pos)
-  got = run(q, k, v)
+  dense = lambda q, k, v, **kw: dot_product.dot_product_attention(  # noqa: E731
+      q, k, v, mask=mask, **kw)
+  got = jax.jit(run)(q, k, v)
   want = contract.reference_attention_np(*(np.asarray(x, np.float64) for x in (q, k, v)),
                                          mask=np.asarray(mask))
   np.testing.assert_allclose(got, want, atol=tol(2e-5), rtol=tol(2e-5))
-  np.testing.assert_allclose(got, dot_product.dot_product_attention(q, k, v, mask=mask),
-                             atol=tol(2e-5), rtol=tol(2e-5))
+  np.testing.assert_allclose(got, jax.jit(dense)(q, k, v), atol=tol(2e-5), rtol=tol(2e-5))
   storage = contract.CacheStorage("int8", "int8", "token", "token")
-  (kc, ks), (vc, vs) = (kvquant.quantize_token(x, "int8") for x in (k, v))
+  (kc, ks), (vc, vs) = (jax.jit(kvquant.quantize_token, static_argnums=1)(x, "int8")
+                        for x in (k, v))
   scales = contract.KVScales(k_token_BxKxS=jnp.swapaxes(ks, 1, 2),
                              v_token_BxKxS=jnp.swapaxes(vs, 1, 2))
+  quantized = dict(kv_cache=storage, kv_scales=scales)
   np.testing.assert_allclose(
-      run(q, kc, vc, kv_cache=storage, kv_scales=scales),
-      dot_product.dot_product_attention(q, kc, vc, mask=mask, kv_cache=storage,
-                                        kv_scales=scales), atol=tol(2e-5), rtol=tol(2e-5))
+      jax.jit(functools.partial(run, **quantized))(q, kc, vc),
+      jax.jit(functools.partial(dense, **quantized))(q, kc, vc),
+      atol=tol(2e-5), rtol=tol(2e-5))
   cache_BxKxSxH = jnp.swapaxes(k, 1, 2).astype(BF16)
   text = jax.jit(lambda q, c: run(q, jnp.swapaxes(c, 1, 2), jnp.swapaxes(c, 1, 2))).trace(
       q.astype(BF16), cache_BxKxSxH).lower(lowering_platforms=("tpu",)).as_text()
@@ -543,13 +546,15 @@ def test_a_decode_step_reads_one_layer_of_a_stack_in_place():
                                       k_positions_BxS=k_pos, blocks=blocks, layer=layer,
                                       kv_cache=kv_cache, kv_scales=kv_scales),
                 static_argnames="kv_cache")
+  dense = jax.jit(lambda q, k, v, kv_cache=contract.COMPUTE_CACHE, kv_scales=None:
+                  dot_product.dot_product_attention(q, k, v, mask=mask, kv_cache=kv_cache,
+                                                    kv_scales=kv_scales),
+                  static_argnames="kv_cache")
   for layer in (0, 2):
-    np.testing.assert_allclose(run(q, k, v, layer),
-                               dot_product.dot_product_attention(q, k[layer], v[layer],
-                                                                 mask=mask),
+    np.testing.assert_allclose(run(q, k, v, layer), dense(q, k[layer], v[layer]),
                                atol=tol(2e-5), rtol=tol(2e-5))
   storage = contract.CacheStorage("int8", "int8", "token", "token")
-  (kc, ks), (vc, vs) = (jax.vmap(lambda x: kvquant.quantize_token(x, "int8"))(x)
+  (kc, ks), (vc, vs) = (jax.jit(jax.vmap(lambda x: kvquant.quantize_token(x, "int8")))(x)
                         for x in (k, v))
   scales = contract.KVScales(k_token_BxKxS=jnp.swapaxes(ks, 2, 3),
                              v_token_BxKxS=jnp.swapaxes(vs, 2, 3))
@@ -557,8 +562,8 @@ def test_a_decode_step_reads_one_layer_of_a_stack_in_place():
                           v_token_BxKxS=scales.v_token_BxKxS[1])
   np.testing.assert_allclose(
       run(q, kc, vc, 1, kv_cache=storage, kv_scales=scales),
-      dot_product.dot_product_attention(q, kc[1], vc[1], mask=mask, kv_cache=storage,
-                                        kv_scales=one), atol=tol(2e-5), rtol=tol(2e-5))
+      dense(q, kc[1], vc[1], kv_cache=storage, kv_scales=one),
+      atol=tol(2e-5), rtol=tol(2e-5))
   text = jax.jit(lambda q, c, layer: flash.flash_attention(
       q, c, c, causal=True, q_positions_BxT=q_pos, k_positions_BxS=k_pos, blocks=blocks,
       layer=layer)).trace(q.astype(BF16), k.astype(BF16), 1).lower(
@@ -587,6 +592,11 @@ def test_a_long_prefill_over_a_quantized_cache_pads_its_scales():
   q_pos = k_pos[:, S - T:]
   mask = contract.causal_mask(q_pos, k_pos)
   vc, vs = kvquant.quantize_token(v, "int8")
+  got_fn = jax.jit(lambda q, kc, vc, scales, storage: flash.flash_attention(
+      q, kc, vc, causal=True, q_positions_BxT=q_pos, k_positions_BxS=k_pos, blocks=SMALL,
+      kv_cache=storage, kv_scales=scales), static_argnames="storage")
+  want_fn = jax.jit(lambda q, kc, vc, scales, storage: dot_product.dot_product_attention(
+      q, kc, vc, mask=mask, kv_cache=storage, kv_scales=scales), static_argnames="storage")
   for storage in (contract.CacheStorage("int8", "int8", "token", "token"),
                   contract.CacheStorage("float8_e4m3fn", "int8", "channel", "token")):
     if storage.k_scale == "token":
@@ -597,10 +607,7 @@ def test_a_long_prefill_over_a_quantized_cache_pads_its_scales():
       kc, kch = kvquant.quantize_channel(k, kvquant.channel_scale(k, storage.k_dtype),
                                          storage.k_dtype)
       scales = contract.KVScales(k_channel_BxKxH=kch, v_token_BxKxS=jnp.swapaxes(vs, 1, 2))
-    got = flash.flash_attention(q, kc, vc, causal=True, q_positions_BxT=q_pos,
-                                k_positions_BxS=k_pos, blocks=SMALL, kv_cache=storage,
-                                kv_scales=scales)
-    want = dot_product.dot_product_attention(q, kc, vc, mask=mask, kv_cache=storage,
-                                             kv_scales=scales)
+    got = got_fn(q, kc, vc, scales, storage=storage)
+    want = want_fn(q, kc, vc, scales, storage=storage)
     np.testing.assert_allclose(got, want, atol=tol(2e-5), rtol=tol(2e-5),
                                err_msg=storage.describe())
