@@ -258,28 +258,32 @@ def test_cache_rows_of_the_table():
 
 
 def test_kernels_assert_the_cache_rows():
+  """The kernels' checks of the cache rows hold while tracing (`jax.eval_shape`: the
+  checks run, nothing is compiled)."""
   storage = STORAGES[0]
   q, kc, vc, scales, *_ = _quantized_inputs(storage, "bfloat16")
   kw = dict(kv_cache=storage, kv_scales=scales)
-  dot_product.dot_product_attention(q, kc, vc, **kw)                      # fine
+  traced = lambda f, *args, **kwargs: jax.eval_shape(  # noqa: E731
+      lambda *a: f(*a, **kwargs), *args)
+  traced(dot_product.dot_product_attention, q, kc, vc, **kw)              # fine
   with pytest.raises(AssertionError):                                      # k not codes
-    dot_product.dot_product_attention(q, kc.astype(jnp.bfloat16), vc, **kw)
+    traced(dot_product.dot_product_attention, q, kc.astype(jnp.bfloat16), vc, **kw)
   with pytest.raises(AssertionError):                                      # scale not f32
-    dot_product.dot_product_attention(q, kc, vc, kv_cache=storage, kv_scales=KVScales(
-        k_token_BxKxS=scales.k_token_BxKxS.astype(jnp.bfloat16),
-        v_token_BxKxS=scales.v_token_BxKxS))
+    traced(dot_product.dot_product_attention, q, kc, vc, kv_cache=storage,
+           kv_scales=KVScales(k_token_BxKxS=scales.k_token_BxKxS.astype(jnp.bfloat16),
+                              v_token_BxKxS=scales.v_token_BxKxS))
   with pytest.raises(UserError, match="needs KVScales.v_token_BxKxS"):    # scale missing
-    blockwise.blockwise_attention(q, kc, vc, kv_cache=storage,
-                                  kv_scales=KVScales(k_token_BxKxS=scales.k_token_BxKxS))
+    traced(blockwise.blockwise_attention, q, kc, vc, kv_cache=storage,
+           kv_scales=KVScales(k_token_BxKxS=scales.k_token_BxKxS))
   with pytest.raises(UserError, match="unscaled"):                         # no such cache
-    dot_product.dot_product_attention(q, q[:, :1].repeat(S, 1)[:, :, :K], vc,
-                                      kv_scales=scales)
+    traced(dot_product.dot_product_attention, q, q[:, :1].repeat(S, 1)[:, :, :K], vc,
+           kv_scales=scales)
 
 
 # ----------------------------------------------------------------------------- decode
 CONFIG = ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=16, mlp_hidden=32)
-PARAMS = init_params(CONFIG, jax.random.PRNGKey(0))
+PARAMS = jax.jit(init_params, static_argnums=0)(CONFIG, jax.random.PRNGKey(0))
 
 
 def _prec(storage, dtype="float32", kernel="dot_product"):
@@ -375,10 +379,10 @@ def test_default_cache_is_todays_cache():
     return next_f(*args, **kwargs)
 
   prec = Precision(dtype="bfloat16")
-  with hk.experimental.intercept_methods(spy):
-    transformed(CONFIG).apply(PARAMS, TOKENS[:, :4], None, init_cache(CONFIG, 2, 8,
-                                                                      "bfloat16"),
-                              precision=prec)
+  with hk.experimental.intercept_methods(spy):     # traced: the calls, nothing run
+    jax.eval_shape(lambda p, t: transformed(CONFIG).apply(
+        p, t, None, init_cache(CONFIG, 2, 8, "bfloat16"), precision=prec),
+        PARAMS, TOKENS[:, :4])
   assert seen and all(d == [jnp.dtype(jnp.bfloat16)] * 3 and not kw for d, kw in seen)
 
 
