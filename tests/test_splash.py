@@ -115,7 +115,7 @@ def test_the_model_trains_with_it_as_with_dot_product():
   from attnprec.model import init_params
   config = ModelConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16, mlp_hidden=64, max_seq_len=64)
-  params = init_params(config, jax.random.PRNGKey(0))
+  params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 25)), jnp.int32)
   mask = jnp.ones(tokens.shape, jnp.float32)
 
@@ -131,8 +131,9 @@ def test_the_model_trains_with_it_as_with_dot_product():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=bound, rtol=bound)
   from attnprec import decoding
   with pytest.raises(UserError, match="positions other than the sequence's own"):
-    decoding.prefill(params, tokens, jnp.full((2,), 25, jnp.int32), config=config,
-                     precision=Precision(kernel="splash"), cache_length=32)
+    jax.eval_shape(lambda p: decoding.prefill(   # refused while tracing
+        p, tokens, jnp.full((2,), 25, jnp.int32), config=config,
+        precision=Precision(kernel="splash"), cache_length=32), params)
 
 
 def test_the_audit_reads_its_bodies():
