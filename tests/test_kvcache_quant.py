@@ -157,6 +157,13 @@ STORAGES = [CacheStorage("int8", "int8", "token", "token"),
 B, T, S, N, K, H = 2, 3, 24, 4, 2, 16
 
 
+# the quantizers as one program each (op by op they compile a program per operation)
+_quantize_token = jax.jit(kvquant.quantize_token, static_argnums=1)
+_quantize_channel = jax.jit(
+    lambda x, name: kvquant.quantize_channel(x, kvquant.channel_scale(x, name), name),
+    static_argnums=1)
+
+
 def _quantized_inputs(storage, dtype, seed=0):
   """q in `dtype`; k, v as a cache of `storage` holds them ([B, S, K, H] codes) with
   their KVScales; and the float64 values code * scale they represent."""
@@ -171,12 +178,12 @@ def _quantized_inputs(storage, dtype, seed=0):
       exact[which] = np.asarray(x.astype(jnp.float32), np.float64)
       return x
     if gran == "token":
-      codes, s_BxSxK = kvquant.quantize_token(x, name)
+      codes, s_BxSxK = _quantize_token(x, name)
       scales[f"{which}_token_BxKxS"] = jnp.swapaxes(s_BxSxK, 1, 2)
       exact[which] = np.asarray(codes).astype(np.float64) * np.asarray(
           s_BxSxK, np.float64)[..., None]
     else:
-      codes, s_BxKxH = kvquant.quantize_channel(x, kvquant.channel_scale(x, name), name)
+      codes, s_BxKxH = _quantize_channel(x, name)
       scales[f"{which}_channel_BxKxH"] = s_BxKxH
       exact[which] = np.asarray(codes).astype(np.float64) * np.asarray(
           s_BxKxH, np.float64)[:, None]
@@ -219,18 +226,27 @@ def test_kernel_with_quantized_cache_matches_float64_on_dequantized_values(kerne
   compute-dtype cache)."""
   q, kc, vc, scales, k64, v64 = _quantized_inputs(storage, dtype)
   q64 = np.asarray(q.astype(jnp.float32), np.float64)
+  precs = {(qk, lg): Precision(
+      dtype=dtype, kernel=kernel, float32_qk_product=qk, float32_logits=lg,
+      kv_cache_k_dtype=storage.k_dtype, kv_cache_v_dtype=storage.v_dtype,
+      kv_cache_k_scale=storage.k_scale, kv_cache_v_scale=storage.v_scale,
+      block_sizes=blockwise.BlockSizes(q_block=2, kv_block=8, decode_kv_block=8))
+      for qk, lg in FLAGS}
+  masks = {decode: _mask(decode) for decode in (False, True)}
+
+  @jax.jit    # the eight calls (flags x prefill / decode) as one program: one compile
+  def attend_all(q, kc, vc, masks, scales):
+    return {(decode, qk, lg): kernels.attend(prec, q[:, :1] if decode else q, kc, vc,
+                                             mask=masks[decode], kv_scales=scales)
+            for decode in (False, True) for (qk, lg), prec in precs.items()}
+
+  outs = attend_all(q, kc, vc, masks, scales)
   for decode in (False, True):
-    mask = _mask(decode)
-    qq, q_ref = (q[:, :1], q64[:, :1]) if decode else (q, q64)
+    mask = masks[decode]
+    q_ref = q64[:, :1] if decode else q64
     want = contract.reference_attention_np(q_ref, k64, v64, mask=np.asarray(mask.dense()))
     for qk, lg in FLAGS:
-      prec = Precision(dtype=dtype, kernel=kernel, float32_qk_product=qk, float32_logits=lg,
-                       kv_cache_k_dtype=storage.k_dtype, kv_cache_v_dtype=storage.v_dtype,
-                       kv_cache_k_scale=storage.k_scale, kv_cache_v_scale=storage.v_scale,
-                       block_sizes=blockwise.BlockSizes(q_block=2, kv_block=8,
-                                                        decode_kv_block=8))
-      got = jax.jit(lambda *a: kernels.attend(prec, *a[:3], mask=a[3], kv_scales=a[4]))(
-          qq, kc, vc, mask, scales)
+      got = outs[(decode, qk, lg)]
       assert got.dtype == jnp.dtype(dtype)
       err = np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want).max()
       # float32: blockwise's bound where f32 dots multiply in f32; on a TPU at DEFAULT
