@@ -57,7 +57,7 @@ def test_no_mask_hides_the_padded_keys():
   """No mask, 50 queries over 150 keys (both padded to 256): every real key seen, no
   padded one (float64 reference, fp32)."""
   q, k, v = _qkv(50, 150, 2)
-  out = splash.splash_attention(q, k, v)
+  out = jax.jit(splash.splash_attention)(q, k, v)
   ref = contract.reference_attention_np(q, k, v)
   bound = tol(2e-5, scale=np.abs(ref).max())
   np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=bound, rtol=bound)
@@ -74,7 +74,8 @@ def test_bf16_with_both_flags_is_dot_product_s_error():
   err = lambda out: float(np.abs(np.asarray(out, np.float64) - ref).max())  # noqa: E731
   prec = Precision(dtype="bfloat16", kernel="splash")
   got = jax.jit(lambda *x: kernels.attend(prec, *x, mask=mask))(q, k, v)
-  want = dot_product.dot_product_attention(q, k, v, mask=mask.dense())
+  want = jax.jit(lambda *x: dot_product.dot_product_attention(*x, mask=mask.dense()))(
+      q, k, v)
   assert err(got) <= 1.05 * err(want) + 2 ** -9, (err(got), err(want))
 
 
@@ -92,19 +93,20 @@ def test_what_it_cannot_honour_is_refused_by_name():
   prec = Precision(dtype="bfloat16", kernel="splash")
   rng = np.random.default_rng(0)
   q128 = jnp.asarray(rng.normal(size=(B, 8, 2, 128)), BF16)
+  traced = lambda f, *x: jax.eval_shape(f, *x)  # noqa: E731  (refused while tracing)
   with pytest.raises(UserError, match=r"query scale 0\.0883.*head dim 128.*power of two"):
-    kernels.attend(prec, q128, q128, q128)
+    traced(lambda *x: kernels.attend(prec, *x), q128, q128, q128)
   # float32: the table scales q itself, so any scale runs
-  f32 = kernels.attend(Precision(kernel="splash"), q128.astype(jnp.float32),
-                       q128.astype(jnp.float32), q128.astype(jnp.float32))
+  f32 = jax.jit(lambda *x: kernels.attend(Precision(kernel="splash"), *x))(
+      *(q128.astype(jnp.float32),) * 3)
   assert f32.shape == q128.shape
   q, k, v = _qkv(1, 40, 2, BF16)
   k_pos = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (B, 40))
   decode = CausalMask(jnp.asarray([[10], [30]], jnp.int32), k_pos)
   with pytest.raises(UserError, match="positions other than the sequence's own.*'flash'"):
-    kernels.attend(prec, q, k, v, mask=decode)
+    traced(lambda *x: kernels.attend(prec, *x, mask=decode), q, k, v)
   with pytest.raises(UserError, match="a dense mask"):
-    kernels.attend(prec, q, k, v, mask=decode.dense())
+    traced(lambda *x: kernels.attend(prec, *x, mask=decode.dense()), q, k, v)
 
 
 def test_the_model_trains_with_it_as_with_dot_product():
