@@ -577,9 +577,8 @@ class WiringTest(parameterized.TestCase):
     q, k, v = _qkv(1, 50, 2)
     q_pos, k_pos = _positions(1, 50, decode_pos=[10, 44])
     cmask = CausalMask(q_pos, k_pos, sliding_window=20)
-    run = jax.jit(lambda p, *x: kernels.attend(p, *x, mask=cmask), static_argnums=0)
-    out = run(Precision(kernel=kernel), q, k, v)
-    want = run(Precision(kernel="dot_product"), q, k, v)
+    out, want = jax.jit(lambda *x: [kernels.attend(Precision(kernel=name), *x, mask=cmask)
+                                    for name in (kernel, "dot_product")])(q, k, v)
     chex.assert_trees_all_close(out, want, atol=ATOL, rtol=RTOL)
     ref = contract.reference_attention_np(q, k, v, mask=cmask.dense())
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=ATOL, rtol=RTOL)
@@ -701,14 +700,15 @@ class ScaleTest(parameterized.TestCase):
     floor = self._rel(jnp.asarray(ref, jnp.bfloat16), ref)   # rounding the exact output
     prec = Precision(dtype="bfloat16", kernel=kernel,        # both flags on (default)
                      einsum_precision=einsum)
-    run = jax.jit(lambda q, k, v, scale=None: kernels.attend(prec, q, k, v, mask=cmask,
-                                                             scale=scale),
-                  static_argnames="scale")
-    err = self._rel(run(q, k, v), ref)
-    self.assertLessEqual(err, bound * floor, (err, floor))
-    # The old way (q * scale rounded to bf16, then an unscaled product) for contrast.
+    # The old way (q * scale rounded to bf16, then an unscaled product) for contrast;
+    # both calls one program
     q_scaled = q * jnp.asarray(H ** -0.5, jnp.bfloat16)
-    old = self._rel(run(q_scaled, k, v, scale=1.0), ref)
+    new, old = jax.jit(lambda q, q_scaled, k, v: (
+        kernels.attend(prec, q, k, v, mask=cmask),
+        kernels.attend(prec, q_scaled, k, v, mask=cmask, scale=1.0)))(q, q_scaled, k, v)
+    err = self._rel(new, ref)
+    self.assertLessEqual(err, bound * floor, (err, floor))
+    old = self._rel(old, ref)
     if H == 128:
       self.assertGreater(old, 1.5 * floor, (old, floor))
     else:                      # 1/8 and 1/16 are powers of two: exact in bf16 either way
@@ -722,8 +722,7 @@ class ScaleTest(parameterized.TestCase):
     q, k, v = self._inputs(H)
     prec = Precision(dtype="bfloat16", kernel=kernel, float32_qk_product=False,
                      float32_logits=False)
-    run = jax.jit(lambda q, k, v, scale=None: kernels.attend(prec, q, k, v, scale=scale),
-                  static_argnames="scale")
-    out = run(q, k, v)
-    pre = run(q * jnp.asarray(H ** -0.5, jnp.bfloat16), k, v, scale=1.0)
+    out, pre = jax.jit(lambda q, q_scaled, k, v: (          # both calls one program
+        kernels.attend(prec, q, k, v), kernels.attend(prec, q_scaled, k, v, scale=1.0)))(
+            q, q * jnp.asarray(H ** -0.5, jnp.bfloat16), k, v)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(pre, np.float32))
