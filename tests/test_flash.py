@@ -140,10 +140,11 @@ def test_bf16_flags_change_the_numbers_as_dot_products_do():
   err = lambda out: float(np.abs(np.asarray(out, np.float64) - ref).max())  # noqa: E731
   off = AttentionFlags(float32_qk_product=False, float32_logits=False)
   on = AttentionFlags()
-  f_off, f_on = (jax.jit(_flash_fn(pos, pos, None, None, None, fl))(q, k, v)
-                 for fl in (off, on))
-  d_off, d_on = (jax.jit(functools.partial(dot_product.dot_product_attention, mask=mask,
-                                           flags=fl))(q, k, v) for fl in (off, on))
+  # the four calls as one program
+  f_off, f_on, d_off, d_on = jax.jit(lambda q, k, v: [
+      _flash_fn(pos, pos, None, None, None, fl)(q, k, v) for fl in (off, on)] + [
+      dot_product.dot_product_attention(q, k, v, mask=mask, flags=fl) for fl in (off, on)])(
+          q, k, v)
   np.testing.assert_allclose(np.asarray(f_off, np.float32), np.asarray(d_off, np.float32),
                              atol=0.1, rtol=0.1)
   assert err(f_off) > 2 * err(f_on), (err(f_off), err(f_on))
