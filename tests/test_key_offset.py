@@ -133,9 +133,18 @@ def test_none_is_todays_forward_bit_for_bit():
 
 
 # ----------------------------------------------------------------------------- bf16 error
-def _error(params, tokens, prec):
-  want = _logits(params, tokens, F32_REF)
-  return float(jnp.sqrt(jnp.mean(jnp.square(_logits(params, tokens, prec) - want))))
+@functools.partial(jax.jit, static_argnames="precisions")
+def _all_logits(params, tokens, precisions):
+  """The logits under each precision, as one program (one compile for them all)."""
+  apply = model_lib.transformed(CONFIG).apply
+  return [apply(params, tokens, None, None, precision=p).logits for p in precisions]
+
+
+def _errors(params, tokens, *precs):
+  """RMS error of the logits under each precision against the float32 reference."""
+  want, *got = _all_logits(params, tokens, (F32_REF,) + precs)
+  want = np.asarray(want, np.float64)
+  return [float(np.sqrt(np.mean(np.square(np.asarray(g, np.float64) - want)))) for g in got]
 
 
 def test_offset_reduces_the_bf16_error_on_a_key_bias_model():
@@ -143,10 +152,9 @@ def test_offset_reduces_the_bf16_error_on_a_key_bias_model():
   against the float32 reference falls well below the offset-free bf16 error, and below the
   c = 0 control (which has the single rounding but not the offset)."""
   params, tokens = _params(), _tokens(T=64)
-  none = _error(params, tokens, Precision(**BF16))
-  zero = _error(params, tokens, Precision(**BF16, key_offset="zero"))
-  bias = _error(params, tokens, Precision(**BF16, key_offset="bias"))
-  mean = _error(params, tokens, Precision(**BF16, key_offset="prefill_mean"))
+  none, zero, bias, mean = _errors(params, tokens, *(
+      Precision(**BF16, key_offset=name) for name in ("none", "zero", "bias",
+                                                      "prefill_mean")))
   assert bias < 0.5 * none and mean < 0.5 * none, (none, bias, mean)
   assert bias < 0.7 * zero, (zero, bias)
 
@@ -162,9 +170,9 @@ def test_three_bf16_passes_on_the_qk_product_are_no_alternative(qk_f32):
   the key-bias offset, not the passes, is what removes it."""
   params, tokens = _params(), _tokens(T=32)
   flags = dict(BF16, float32_qk_product=qk_f32)
-  plain = _error(params, tokens, Precision(**flags))
-  x3 = _error(params, tokens, Precision(**flags, einsum_precision="BF16_BF16_F32_X3"))
-  bias = _error(params, tokens, Precision(**flags, key_offset="bias"))
+  plain, x3, bias = _errors(params, tokens, Precision(**flags),
+                            Precision(**flags, einsum_precision="BF16_BF16_F32_X3"),
+                            Precision(**flags, key_offset="bias"))
   assert 0.8 * plain < x3 < 1.25 * plain, (plain, x3)
   assert bias < 0.5 * x3, (x3, bias)
 
