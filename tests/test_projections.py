@@ -84,12 +84,16 @@ def test_few_rows_are_the_float32_carried_dot_bit_for_bit():
 _init = jax.jit(init_params, static_argnums=0)
 
 
-def _logits(form, params, precision, tokens_BxT):
-  # a new function each call: traced afresh under `form`
+@functools.partial(jax.jit, static_argnames="runs")
+def _logits(params, tokens_BxT, runs):
+  """The logits of each (form, precision) in `runs`, each call traced under its form,
+  as one program (one compile, shared by every seed: `runs` is its static key)."""
   apply = model_lib.transformed(CONFIG).apply
-  with forms.projection_form(form):
-    return np.asarray(jax.jit(lambda p, t: apply(p, t, precision=precision).logits)(
-        params, tokens_BxT))
+  out = []
+  for form, precision in runs:
+    with forms.projection_form(form):
+      out.append(apply(params, tokens_BxT, precision=precision).logits)
+  return out
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -107,15 +111,15 @@ def test_tiny_model_logits_before_and_after(seed):
   assert carried.carrier_weights
   tokens = jax.random.randint(jax.random.PRNGKey(seed + 10), (2, 64), 0, CONFIG.vocab_size)
   assert tokens.size >= layers.MIN_ROWS_C_DOT       # the bf16 x bf16 -> f32 form runs
-  after = _logits("current", params, carried, tokens)
-  before = _logits("carried", params, carried, tokens)
+  fp32 = Precision()
+  after, before, fp32_current, fp32_c_result = (np.asarray(x) for x in _logits(
+      params, tokens, (("current", carried), ("carried", carried), ("current", fp32),
+                       ("c_result", fp32))))
   diff = np.abs(after - before)
   assert diff.max() <= 0.03, diff.max()
   assert np.mean(diff.max(-1) > 1e-5) <= 0.05
   np.testing.assert_array_equal(after.argmax(-1), before.argmax(-1))
-  fp32 = Precision()
-  np.testing.assert_array_equal(_logits("current", params, fp32, tokens),
-                                _logits("c_result", params, fp32, tokens))
+  np.testing.assert_array_equal(fp32_current, fp32_c_result)
 
 
 def _dense_dots(compiled_text):
