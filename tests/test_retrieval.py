@@ -49,7 +49,19 @@ def tok():
 
 @pytest.fixture(scope="module")
 def params():
-  return model_lib.init_params(CONFIG, jax.random.PRNGKey(3))
+  """Random params at the scales `model.init_params` draws (embeddings d_model^-1/2,
+  weights fan_in^-1/2, norm scales 1), drawn in NumPy (no compile), small non-zero biases."""
+  rng = np.random.default_rng(3)
+
+  def draw(name, shape):
+    if name == "scale":
+      return np.ones(shape)
+    if name == "b":
+      return 0.1 * rng.standard_normal(shape)
+    std = CONFIG.d_model ** -0.5 if name == "embeddings" else shape[0] ** -0.5
+    return std * np.clip(rng.standard_normal(shape), -2, 2)
+  return {m: {n: jnp.asarray(draw(n, s.shape), jnp.float32) for n, s in d.items()}
+          for m, d in model_lib.param_shapes(CONFIG).items()}
 
 
 def _contexts(tok, **kw):
@@ -320,30 +332,32 @@ def test_good_input_reaches_the_model(tok, tmp_path):
 def test_the_job_writes_records_and_report_and_resumes(tok, params, tmp_path):
   ckpt = checkpoints.Checkpoint(CONFIG, params, tok, "tiny random model")
   run_dir = tmp_path / "run"
-  argv = ["--gin.retrieval.presets=('bf16',)", "--gin.retrieval.lengths=(512, 768)",
-          "--gin.retrieval.contexts=1", "--gin.retrieval.questions=3",
-          "--gin.retrieval.batch=2", f"--run_dir={run_dir}"]
+  # the highest preset's programs are the other tests': 768 the teacher-forced test's,
+  # 1024 the prefix test's (both 4 questions in batches of 3, the last one padded)
+  argv = ["--gin.retrieval.presets=('bf16',)", "--gin.retrieval.lengths=(768, 1024)",
+          "--gin.retrieval.contexts=1", "--gin.retrieval.questions=4",
+          "--gin.retrieval.batch=3", f"--run_dir={run_dir}"]
   rc, err = call(argv, tok, load=lambda *a, **k: ckpt)
   assert rc == 0, err
   lines = [json.loads(x) for x in (run_dir / "items.jsonl").read_text().splitlines()]
   meta, recs = lines[0]["meta"], lines[1:]
   assert meta["task"] == "retrieval" and meta["seed"] == 0
   assert meta["kernel"] == "blockwise"              # eval_retrieval.gin's, for every preset
-  assert len(recs) == 2 * 2 * 3                     # 2 presets x 2 lengths x 3 items
-  assert [r["preset"] for r in recs] == ["highest"] * 6 + ["bf16"] * 6
-  assert [r["length"] for r in recs[:6]] == [512] * 3 + [768] * 3   # shortest first
+  assert len(recs) == 2 * 2 * 4                     # 2 presets x 2 lengths x 4 items
+  assert [r["preset"] for r in recs] == ["highest"] * 8 + ["bf16"] * 8
+  assert [r["length"] for r in recs[:8]] == [768] * 4 + [1024] * 4   # shortest first
   for r in recs:
     assert r["finite"] and len(r["argmax"]) == len(r["gold"]) == 36
     assert r["tokens"] <= r["length"] and r["seconds"] > 0
     assert isinstance(r["closed"], bool) and isinstance(r["close_ok"], bool)
   assert sum(r["compile_seconds"] > 0 for r in recs) <= 2 * 2   # first item of each run
   summary = json.loads((run_dir / "results.json").read_text())
-  assert sorted(summary["lengths"]) == ["512", "768"]
-  comp = summary["lengths"]["512"]["comparisons"]
+  assert sorted(summary["lengths"]) == ["1024", "768"]
+  comp = summary["lengths"]["768"]["comparisons"]
   assert [(c["a"], c["b"]) for c in comp] == [("bf16", "highest")]
   assert set(summary["departure"]["bf16"]) == {"vs_reference", "vs_baseline"}
   md = (run_dir / "results.md").read_text()
-  assert "| preset | 512 | 768 |" in md and "exact McNemar p" in md
+  assert "| preset | 768 | 1024 |" in md and "exact McNemar p" in md
   assert (run_dir / "retrieval.png").stat().st_size > 0
   # A rerun resumes: nothing scored again (the model is never even called).
   before = (run_dir / "items.jsonl").read_text()
