@@ -7,9 +7,14 @@ each line's prefix and comparing the generated tokens with the line. Checked on 
 random model with windows made of its own greedy continuations, some tokens changed, so
 that some lines match and some do not.
 """
+import contextlib
+import importlib.util
+import io
 import os
 import subprocess
 import sys
+
+import gin
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +25,7 @@ from attnprec import checkpoints, decoding
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec import stats
-from attnprec.model import init_params
+from attnprec.model import param_shapes
 from attnprec.precision import REFERENCE
 from attnprec.study import nextline
 
@@ -30,7 +35,16 @@ CONFIG = ModelConfig(vocab_size=11, d_model=32, num_layers=2, num_heads=4, num_k
 
 
 def test_teacher_forced_exact_match_equals_greedy_decoding():
-  params = init_params(CONFIG, jax.random.PRNGKey(3))
+  # random params at the scales init_params draws, in NumPy (no op-by-op init compiles)
+  rng = np.random.default_rng(3)
+
+  def draw(name, shape):
+    if name == "scale":
+      return np.ones(shape)
+    std = CONFIG.d_model ** -0.5 if name == "embeddings" else shape[0] ** -0.5
+    return std * np.clip(rng.standard_normal(shape), -2, 2)
+  params = {m: {n: jnp.asarray(draw(n, s.shape), jnp.float32) for n, s in d.items()}
+            for m, d in param_shapes(CONFIG).items()}
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, 11, (3, 6)).astype(np.int32)
   gen, _, *_ = decoding.generate(params, jnp.asarray(prompts), jnp.full((3,), 6, jnp.int32),
@@ -95,17 +109,36 @@ def test_windows_and_intervals():
   assert 2 / 3 - 1e-9 <= lo <= 0.8 <= hi <= 1   # per window 2/3 and 2/2
 
 
-@pytest.mark.parametrize("binding, needle", [
-    ("nextline.first_token='bos'", "first_token"),
-    ("nextline.windows=0", "nextline.windows"),
-    ("nextline.presets=('bf17',)", "bf17"),
+@pytest.mark.parametrize("binding, needle, process", [
+    ("nextline.first_token='bos'", "first_token", True),
+    ("nextline.windows=0", "nextline.windows", False),
+    ("nextline.presets=('bf17',)", "bf17", False),
 ])
-def test_bad_input_exit_2(binding, needle, tmp_path):
-  proc = subprocess.run([sys.executable, "runners/nextline.py", f"--gin_bindings={binding}",
-                         f"--run_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True,
-                        text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
-  assert proc.returncode == 2, proc.stderr[-2000:]
-  assert needle in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_input_exit_2(binding, needle, process, tmp_path):
+  """Exit code 2, one message naming the setting, no traceback, nothing written. The first
+  case runs the runner as a process (its exit code); the others drive its `main(argv)`
+  in-process (the same checks, without a process's start-up)."""
+  argv = [f"--gin_bindings={binding}", f"--run_dir={tmp_path / 'run'}"]
+  if process:
+    proc = subprocess.run([sys.executable, "runners/nextline.py", *argv], cwd=ROOT,
+                          capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    rc, err = proc.returncode, proc.stderr
+  else:
+    spec = importlib.util.spec_from_file_location(
+        "runner_nextline", os.path.join(ROOT, "runners", "nextline.py"))
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    out = io.StringIO()
+    gin.clear_config()
+    try:
+      with contextlib.redirect_stderr(out), contextlib.redirect_stdout(io.StringIO()):
+        rc = runner.main(argv)
+    finally:
+      gin.clear_config()
+    err = out.getvalue()
+  assert rc == 2, err[-2000:]
+  assert needle in err and "Traceback" not in err
   assert not (tmp_path / "run").exists()
 
 
