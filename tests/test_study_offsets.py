@@ -23,8 +23,17 @@ CONFIG = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_k
 
 @pytest.fixture(scope="module")
 def setup():
-  params = jax.device_get(model_lib.init_params(CONFIG, jax.random.PRNGKey(0)))
   rng = np.random.default_rng(0)
+
+  def draw(name, shape):   # random params at the scales init_params draws (in NumPy)
+    if name == "scale":
+      return np.ones(shape, np.float32)
+    if name == "b":
+      return np.zeros(shape, np.float32)
+    std = CONFIG.d_model ** -0.5 if name == "embeddings" else shape[0] ** -0.5
+    return (std * np.clip(rng.standard_normal(shape), -2, 2)).astype(np.float32)
+  params = {m: {n: draw(n, s.shape) for n, s in d.items()}
+            for m, d in model_lib.param_shapes(CONFIG).items()}
   # A common query component, as trained models have (their queries share a large mean
   # direction); random-init queries have none.
   for i in range(CONFIG.num_layers):
