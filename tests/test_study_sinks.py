@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from attnprec.config import ModelConfig
-from attnprec.model import init_params
+from attnprec.model import param_shapes
 from attnprec.study import float64, measure, sinks
 from attnprec import presets as preset_lib
 
@@ -29,8 +29,17 @@ def tiny(k_bias: float = 0.0):
   """Random params; layer 0's k and q biases share a direction in the slowly rotating RoPE
   dimensions (as Qwen2's do, rope base 1e6), so q . b_k is a large offset shared by every
   key of a query, of ~k_bias * 2."""
-  params = init_params(CONFIG, jax.random.PRNGKey(0))
   rng = np.random.default_rng(0)
+
+  def draw(name, shape):   # init_params' scales (in NumPy: no op-by-op init compiles)
+    if name == "scale":
+      return np.ones(shape, np.float32)
+    if name == "b":
+      return np.zeros(shape, np.float32)
+    std = CONFIG.d_model ** -0.5 if name == "embeddings" else shape[0] ** -0.5
+    return (std * np.clip(rng.standard_normal(shape), -2, 2)).astype(np.float32)
+  params = {m: {n: draw(n, s.shape) for n, s in d.items()}
+            for m, d in param_shapes(CONFIG).items()}
   params = jax.tree_util.tree_map(
       lambda x: np.asarray(x) + 0.2 * rng.standard_normal(x.shape).astype(np.float32), params)
   if k_bias:
@@ -122,18 +131,42 @@ def test_analyze_and_plot(tmp_path):
 
 
 def test_runner_bad_input_exit_2(tmp_path):
-  """Refused before any model is loaded or anything is written."""
+  """Refused before any model is loaded or anything is written: exit code 2 and one
+  message naming the setting. The first case runs the runner as a process (its exit
+  code); the second drives its `main(argv)` in-process (the same checks, without a
+  second process's start-up)."""
+  import contextlib
+  import importlib.util
+  import io
   import os
   import subprocess
   import sys
+
+  import gin
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  for binding, needle in (("sinks.variants=('bos',)", "sinks.variants"),
-                          ("sinks.length=4", "sinks.length")):
-    proc = subprocess.run([sys.executable, "runners/sinks.py", f"--gin_bindings={binding}",
-                           f"--run_dir={tmp_path / 'run'}"], cwd=root, capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=root), timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert needle in proc.stderr and "Traceback" not in proc.stderr
+  for binding, needle, process in (("sinks.variants=('bos',)", "sinks.variants", True),
+                                   ("sinks.length=4", "sinks.length", False)):
+    argv = [f"--gin_bindings={binding}", f"--run_dir={tmp_path / 'run'}"]
+    if process:
+      proc = subprocess.run([sys.executable, "runners/sinks.py", *argv], cwd=root,
+                            capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=root), timeout=300)
+      rc, err = proc.returncode, proc.stderr
+    else:
+      spec = importlib.util.spec_from_file_location(
+          "runner_sinks", os.path.join(root, "runners", "sinks.py"))
+      runner = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(runner)
+      out = io.StringIO()
+      gin.clear_config()
+      try:
+        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(io.StringIO()):
+          rc = runner.main(argv)
+      finally:
+        gin.clear_config()
+      err = out.getvalue()
+    assert rc == 2, err[-2000:]
+    assert needle in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
 
 
