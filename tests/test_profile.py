@@ -5,6 +5,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from attnprec import decoding
@@ -18,8 +19,29 @@ CONFIG = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_k
                      head_dim=16, mlp_hidden=64, max_seq_len=512, qkv_bias=True)
 
 
+# the profiled runs' model (`run_profile`)
+TINY = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                   head_dim=8, mlp_hidden=16, max_seq_len=256)
+
+
+def _params(config, seed=0):
+  """Random params at the scales `model.init_params` draws, in NumPy (no op-by-op init
+  compiles)."""
+  rng = np.random.default_rng(seed)
+
+  def draw(name, shape):
+    if name == "scale":
+      return np.ones(shape)
+    if name == "b":
+      return np.zeros(shape)
+    std = config.d_model ** -0.5 if name == "embeddings" else shape[0] ** -0.5
+    return std * np.clip(rng.standard_normal(shape), -2, 2)
+  return {m: {n: jnp.asarray(draw(n, s.shape), jnp.float32) for n, s in d.items()}
+          for m, d in model_lib.param_shapes(config).items()}
+
+
 def _compiled(kernel, T=64, key_offset="none"):
-  params = model_lib.init_params(CONFIG, jax.random.PRNGKey(0))
+  params = _params(CONFIG)
   prec = Precision(dtype="bfloat16", kernel=kernel, key_offset=key_offset)
   fn = jax.jit(functools.partial(decoding.prefill, config=CONFIG, precision=prec,
                                  cache_length=T + 8))
@@ -149,15 +171,9 @@ def test_run_profile_calls_the_prefill_with_the_params_it_was_compiled_for(monke
   (the carried float32 ones are refused by the compiled program), as `make bench` does."""
   import types
 
-  import jax
-
   from attnprec import cpu_features
-  from attnprec.config import ModelConfig
-  from attnprec.model import init_params
   monkeypatch.setattr(cpu_features, "bf16_features", lambda *a: ("avx512_bf16",))
-  config = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                       head_dim=8, mlp_hidden=16, max_seq_len=256)
-  tiny = types.SimpleNamespace(config=config, params=init_params(config, jax.random.PRNGKey(0)))
+  tiny = types.SimpleNamespace(config=TINY, params=_params(TINY))
   result = profile.run_profile(models=("tiny",), cases=((1, 160),),
                                presets=("bf16_flags", "bf16_flags_carried_prefill"),
                                phases=("prefill", "decode"), rounds=1, progress=False,
@@ -183,12 +199,12 @@ def test_run_profile_calls_the_prefill_with_the_params_it_was_compiled_for(monke
 @pytest.mark.parametrize("phases", [("prefill",), ("decode",)])
 def test_a_broken_model_is_not_profiled(phases):
   """A model whose logits are NaN has no profile worth reading: the case is refused by
-  name before anything is traced (it produced a clean-looking table before)."""
+  name before anything is traced (it produced a clean-looking table before). The case is
+  the previous test's (its programs, through the compilation cache)."""
   import types
-  params = model_lib.init_params(CONFIG, jax.random.PRNGKey(0))
-  params = jax.tree_util.tree_map(lambda w: w * jnp.nan, params)
+  params = jax.tree_util.tree_map(lambda w: w * np.nan, _params(TINY))
   with pytest.raises(UserError, match="The logits of the prefill of bench case profile "
-                                      "tiny 1x16 bf16_flags were not finite"):
-    profile.run_profile(models=("tiny",), cases=((1, 16),), presets=("bf16_flags",),
+                                      "tiny 1x160 bf16_flags were not finite"):
+    profile.run_profile(models=("tiny",), cases=((1, 160),), presets=("bf16_flags",),
                         rounds=1, phases=phases, progress=False,
-                        load=lambda m: types.SimpleNamespace(config=CONFIG, params=params))
+                        load=lambda m: types.SimpleNamespace(config=TINY, params=params))
