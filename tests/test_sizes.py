@@ -23,6 +23,15 @@ RETRIEVAL = os.path.join(ROOT, "results", "retrieval-qwen2.5-coder-0.5b")
 HUMANEVAL = os.path.join(ROOT, "results", "humaneval-qwen2.5-coder-0.5b")
 
 
+@pytest.fixture(autouse=True)
+def _figure_drawn_once(request, monkeypatch):
+  """The error-by-layer figure is drawn and checked (a PNG) in
+  test_the_table_quotes_the_source_results; the other tests' claims are about the table
+  and the refusals, so their jobs skip the drawing (about a second of matplotlib each)."""
+  if request.node.name != "test_the_table_quotes_the_source_results":
+    monkeypatch.setattr(sizes, "plot_layers", lambda labels, rows, presets, path: path)
+
+
 def _copy(src, dst, edit=None, edit_header=None):
   """A copy of a run directory: results.json (edited by `edit`) and, for an eval, its
   items.jsonl (the header's meta edited by `edit_header`)."""
