@@ -25,6 +25,7 @@ from attnprec.cache import init_cache, storage_dtype
 from attnprec.config import ModelConfig
 from attnprec.model import init_params
 from attnprec.precision import Precision
+from attnprec.inspect.report import compiled_text  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=16, mlp_hidden=32)
@@ -119,7 +120,7 @@ def test_blockwise_decode_step_reads_the_cache_without_a_copy(batch, dtype, stor
       init_cache(CONFIG, batch, length, prec.compute_dtype, prec.cache_storage),
       jnp.zeros((batch, CONFIG.vocab_size)), jnp.array([3, 7][:batch], jnp.int32))
   step = decoding.step_fn(CONFIG, prec)
-  text = step.lower(PARAMS, state, jnp.zeros((batch,), jnp.int32)).compile().as_text()
+  text = compiled_text(step.lower(PARAMS, state, jnp.zeros((batch,), jnp.int32)))
   shapes = {f"{batch},{CONFIG.num_kv_heads},{length},{CONFIG.head_dim}",
             f"{batch},{length},{CONFIG.num_kv_heads},{CONFIG.head_dim}"}
   ops = [o for o in cache_sized(text, shapes=shapes) if "scatter" not in o[2]
@@ -136,7 +137,7 @@ def test_generate_loop_does_not_copy_the_cache(dtype):
   lowered = decoding.generate.lower(PARAMS, tokens, jnp.array([8, 5], jnp.int32),
                                     jax.random.PRNGKey(0), config=CONFIG, precision=prec,
                                     max_new_tokens=S - 8)
-  text = lowered.compile().as_text()
+  text = compiled_text(lowered)
   assert [o for o in cache_sized(text) if o[1] == "copy"]          # the check sees them
   ops = cache_sized(text, skip_entry=True)
   assert [o for o in ops if "scatter" in o[2]], ops                  # the loop's writes
@@ -235,7 +236,7 @@ def test_bf16_decode_loop_does_not_convert_the_weights():
   lowered = decoding.generate.lower(PARAMS, tokens, jnp.array([8, 5], jnp.int32),
                                     jax.random.PRNGKey(0), config=CONFIG, precision=prec,
                                     max_new_tokens=16)
-  assert _weight_dtypes_in_loops(lowered.compile().as_text()) == {"f32"}
+  assert _weight_dtypes_in_loops(compiled_text(lowered)) == {"f32"}
 
   def cast_at_use(params, state, token_B):
     def body(_, carry):

@@ -28,6 +28,7 @@ from attnprec.contract import AttentionFlags, CausalMask
 from attnprec.errors import UserError
 from attnprec.kernels import blockwise, dot_product, jax_nn
 from attnprec.precision import Precision, parse_precision
+from attnprec.inspect.report import compiled_text  # noqa: E402
 from platform_bounds import MODEL_UNITS, exact_f32_dots, tol
 
 ATOL = RTOL = tol(2e-5)
@@ -247,7 +248,7 @@ class DecodeBlockOverlapTest(parameterized.TestCase):
     # bf16 outputs of O(1): the two kernels differ in float32 summation order only
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                                atol=1e-2, rtol=1e-2)
-    text = fn.lower(q, kc, vc).compile().as_text()
+    text = compiled_text(fn.lower(q, kc, vc))
     for name in (k_dtype, v_dtype):   # each side sliced per block as it is stored
       stored = {"int8": "s8", "compute": "u16"}.get(name, "u8")
       self.assertRegex(text, rf"{stored}\[{B},2,16,16\]")
@@ -272,7 +273,7 @@ class DecodeBlockOverlapTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                                atol=1e-2, rtol=1e-2)
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=2e-2, rtol=2e-2)
-    self.assertRegex(fn.lower(q, k, v).compile().as_text(), rf"u16\[{batch},2,16,16\]")
+    self.assertRegex(compiled_text(fn.lower(q, k, v)), rf"u16\[{batch},2,16,16\]")
 
   def test_no_padded_copy_of_the_cache(self):
     T, S = 1, 100
@@ -280,7 +281,7 @@ class DecodeBlockOverlapTest(parameterized.TestCase):
     q_pos, k_pos = _positions(T, S, decode_pos=[99, 99])
     fn = jax.jit(lambda q, k, v: blockwise.blockwise_attention(
         q, k, v, kv_block=16, **blockwise.mask_kwargs(CausalMask(q_pos, k_pos))))
-    text = fn.lower(q, k, v).compile().as_text()
+    text = compiled_text(fn.lower(q, k, v))
     self.assertNotRegex(text, r"f32\[2,112,2,16\]")      # Sp = 7 * 16 = 112 keys
     self.assertRegex(text, r"f32\[2,100,2,16\]")
 

@@ -24,6 +24,7 @@ from attnprec.cache import init_cache
 from attnprec.config import ModelConfig
 from attnprec.model import init_params
 from attnprec.precision import Precision
+from attnprec.inspect.report import compiled_text  # noqa: E402
 
 BF16_FLAGS = Precision(dtype="bfloat16", float32_qk_product=True, float32_logits=True)
 CONFIG = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -146,7 +147,7 @@ def test_compiled_dense_dots_are_bf16_x_bf16_to_f32(bf16_cpu):
   tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
   assert 2 * 64 >= layers.MIN_ROWS_C_DOT
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-  text = prefill.lower(params, tokens, lengths).compile().as_text()
+  text = compiled_text(prefill.lower(params, tokens, lengths))
   dots = _dense_dots(text)
   layer_dots = [d for d in dots if d.layer is not None]
   assert len(layer_dots) >= 7 * CONFIG.num_layers, [d.name for d in dots]
@@ -155,8 +156,8 @@ def test_compiled_dense_dots_are_bf16_x_bf16_to_f32(bf16_cpu):
                                jax.ShapeDtypeStruct((1, CONFIG.vocab_size), jnp.float32),
                                jax.ShapeDtypeStruct((1,), jnp.int32))
   step = jax.jit(functools.partial(decoding.decode_step, config=CONFIG, precision=prec))
-  step_dots = _dense_dots(step.lower(params, state, jax.ShapeDtypeStruct(
-      (1,), jnp.int32)).compile().as_text())
+  step_dots = _dense_dots(compiled_text(step.lower(params, state, jax.ShapeDtypeStruct(
+      (1,), jnp.int32))))
   assert step_dots and {d.types for d in step_dots} == {"f32xf32->f32"}, \
       {d.types for d in step_dots}
 
@@ -319,8 +320,8 @@ def test_a_forced_form_is_what_xla_compiles_in_prefill(form, types):
       Precision(dtype="bfloat16", projection_form=form), backend="cpu")
   prefill = jax.jit(functools.partial(decoding.prefill, config=CONFIG, precision=prec,
                                       cache_length=64))
-  text = prefill.lower(params, jax.ShapeDtypeStruct((2, 64), jnp.int32),
-                       jax.ShapeDtypeStruct((2,), jnp.int32)).compile().as_text()
+  text = compiled_text(prefill.lower(params, jax.ShapeDtypeStruct((2, 64), jnp.int32),
+                       jax.ShapeDtypeStruct((2,), jnp.int32)))
   layer_dots = [d for d in _dense_dots(text) if d.layer is not None]
   assert len(layer_dots) >= 7 * CONFIG.num_layers
   assert {d.types for d in layer_dots} == types

@@ -27,6 +27,7 @@ from attnprec.cache import (KVCache, StackedKVCache, init_cache, stack_cache,
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.precision import Precision
+from attnprec.inspect.report import compiled_text  # noqa: E402
 
 # qkv_bias: the 'bias' key offset reads each layer's own key bias inside the scan.
 UNROLLED = ModelConfig(vocab_size=32, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -256,7 +257,7 @@ def test_the_scanned_decode_step_writes_the_stacked_cache_in_place(params):
                                jnp.zeros((B, SCANNED.vocab_size)),
                                jnp.array([3, 7], jnp.int32))
   step = decoding.step_fn(SCANNED, bf16)
-  text = step.lower(stacked, state, jnp.zeros((B,), jnp.int32)).compile().as_text()
+  text = compiled_text(step.lower(stacked, state, jnp.zeros((B,), jnp.int32)))
   dims = f"{SCANNED.num_layers},{B},{SCANNED.num_kv_heads},{S},{SCANNED.head_dim}"
   write = platforms.TABLE[platforms.local_platform(jax.default_backend())].decode_write
   assert _stack_sized(text, dims)
