@@ -6,8 +6,8 @@ tokenizer (resumes, refuses bad input before loading a model). Runs no real mode
 import json
 import os
 
+import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from attnprec import checkpoints
@@ -16,7 +16,7 @@ from attnprec.checkpoints import Checkpoint
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.evals import common, humaneval, humaneval_eval, records, report, sandbox
-from attnprec.model import param_shapes
+from test_train_utils import numpy_params  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -134,16 +134,7 @@ class _ByteTokenizer:
 def tiny_model(monkeypatch):
   config = ModelConfig(vocab_size=258, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
                        head_dim=8, mlp_hidden=32, max_seq_len=4096)
-  # random params at the scales init_params draws, in NumPy (no op-by-op init compiles)
-  rng = np.random.default_rng(0)
-
-  def draw(name, shape):
-    if name == "scale":
-      return np.ones(shape)
-    std = config.d_model ** -0.5 if name == "embeddings" else shape[0] ** -0.5
-    return std * np.clip(rng.standard_normal(shape), -2, 2)
-  params = {m: {n: jnp.asarray(draw(n, s.shape), jnp.float32) for n, s in d.items()}
-            for m, d in param_shapes(config).items()}
+  params = jax.tree_util.tree_map(jnp.asarray, numpy_params(config, 0))
   ckpt = Checkpoint(config, params, _ByteTokenizer(), "tiny random model")
   loads = []
   monkeypatch.setattr(checkpoints, "load", lambda name, **kw: loads.append(name) or ckpt)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from attnprec import decoding
-from attnprec import model as model_lib
 from attnprec.bench import profile
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.precision import Precision
+from test_train_utils import numpy_params  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=16, mlp_hidden=64, max_seq_len=512, qkv_bias=True)
@@ -25,19 +25,8 @@ TINY = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_
 
 
 def _params(config, seed=0):
-  """Random params at the scales `model.init_params` draws, in NumPy (no op-by-op init
-  compiles)."""
-  rng = np.random.default_rng(seed)
-
-  def draw(name, shape):
-    if name == "scale":
-      return np.ones(shape)
-    if name == "b":
-      return np.zeros(shape)
-    std = config.d_model ** -0.5 if name == "embeddings" else shape[0] ** -0.5
-    return std * np.clip(rng.standard_normal(shape), -2, 2)
-  return {m: {n: jnp.asarray(draw(n, s.shape), jnp.float32) for n, s in d.items()}
-          for m, d in model_lib.param_shapes(config).items()}
+  """`test_train_utils.numpy_params`, as jax arrays."""
+  return jax.tree_util.tree_map(jnp.asarray, numpy_params(config, seed))
 
 
 def _compiled(kernel, T=64, key_offset="none"):

@@ -26,6 +26,7 @@ from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.evals import retrieval, retrieval_eval
 from attnprec.precision import REFERENCE
+from test_train_utils import numpy_params  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = ModelConfig(vocab_size=257, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -49,19 +50,8 @@ def tok():
 
 @pytest.fixture(scope="module")
 def params():
-  """Random params at the scales `model.init_params` draws (embeddings d_model^-1/2,
-  weights fan_in^-1/2, norm scales 1), drawn in NumPy (no compile), small non-zero biases."""
-  rng = np.random.default_rng(3)
-
-  def draw(name, shape):
-    if name == "scale":
-      return np.ones(shape)
-    if name == "b":
-      return 0.1 * rng.standard_normal(shape)
-    std = CONFIG.d_model ** -0.5 if name == "embeddings" else shape[0] ** -0.5
-    return std * np.clip(rng.standard_normal(shape), -2, 2)
-  return {m: {n: jnp.asarray(draw(n, s.shape), jnp.float32) for n, s in d.items()}
-          for m, d in model_lib.param_shapes(CONFIG).items()}
+  """Random params at init_params' scales (in NumPy: no compile), small non-zero biases."""
+  return jax.tree_util.tree_map(jnp.asarray, numpy_params(CONFIG, 3, bias_std=0.1))
 
 
 def _contexts(tok, **kw):

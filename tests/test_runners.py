@@ -5,19 +5,16 @@ Each bad input is given to the runner's `main(argv)` in this process (what its
 `__main__` passes to `cli.exit`: the process's exit code); one bad input per runner
 also goes through a real process (`test_bad_input_exits_2_from_the_command_line`), so
 the path from `main`'s code to the process's exit code is tested too."""
-import contextlib
-import importlib.util
-import io
 import json
 import os
 import subprocess
 import sys
 
-import gin
 import pytest
 
 from test_train_utils import SUBPROCESS_ENV   # also turns on the tests' compilation cache
 from test_train_utils import TINY as TRAIN_TINY
+from test_train_utils import runner_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The training tests' tiny setup (test_train_utils.TINY) and 4 steps, as --gin.X=V flags:
@@ -31,26 +28,7 @@ def run(script, *args):
                         env={**SUBPROCESS_ENV, "XLA_FLAGS": "--xla_allow_excess_precision=false"})
 
 
-def run_main(script, *args, monkeypatch):
-  """(exit code, stderr) of runners/<script>'s main(args), called in this process."""
-  import jax
-  cache = jax.config.jax_compilation_cache_dir
-  # decode's `compilation.enable()` keeps a cache directory named by the environment:
-  # the tests' own (else it would point this process at the user's cache).
-  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", cache)
-  spec = importlib.util.spec_from_file_location(
-      f"runner_{script[:-3]}_runners", os.path.join(ROOT, "runners", script))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  err = io.StringIO()
-  gin.clear_config()
-  try:
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-      rc = module.main(list(args))
-  finally:
-    gin.clear_config()
-    jax.config.update("jax_compilation_cache_dir", cache)
-  return rc, err.getvalue()
+run_main = runner_main         # (exit code, stderr) of a runner's main(args), in-process
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,10 @@ each line's prefix and comparing the generated tokens with the line. Checked on 
 random model with windows made of its own greedy continuations, some tokens changed, so
 that some lines match and some do not.
 """
-import contextlib
-import importlib.util
-import io
 import os
 import subprocess
 import sys
 
-import gin
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +21,9 @@ from attnprec import checkpoints, decoding
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec import stats
-from attnprec.model import param_shapes
 from attnprec.precision import REFERENCE
 from attnprec.study import nextline
+from test_train_utils import numpy_params, runner_main  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = ModelConfig(vocab_size=11, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -35,16 +31,7 @@ CONFIG = ModelConfig(vocab_size=11, d_model=32, num_layers=2, num_heads=4, num_k
 
 
 def test_teacher_forced_exact_match_equals_greedy_decoding():
-  # random params at the scales init_params draws, in NumPy (no op-by-op init compiles)
-  rng = np.random.default_rng(3)
-
-  def draw(name, shape):
-    if name == "scale":
-      return np.ones(shape)
-    std = CONFIG.d_model ** -0.5 if name == "embeddings" else shape[0] ** -0.5
-    return std * np.clip(rng.standard_normal(shape), -2, 2)
-  params = {m: {n: jnp.asarray(draw(n, s.shape), jnp.float32) for n, s in d.items()}
-            for m, d in param_shapes(CONFIG).items()}
+  params = numpy_params(CONFIG, 3)
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, 11, (3, 6)).astype(np.int32)
   gen, _, *_ = decoding.generate(params, jnp.asarray(prompts), jnp.full((3,), 6, jnp.int32),
@@ -114,7 +101,7 @@ def test_windows_and_intervals():
     ("nextline.windows=0", "nextline.windows", False),
     ("nextline.presets=('bf17',)", "bf17", False),
 ])
-def test_bad_input_exit_2(binding, needle, process, tmp_path):
+def test_bad_input_exit_2(binding, needle, process, tmp_path, monkeypatch):
   """Exit code 2, one message naming the setting, no traceback, nothing written. The first
   case runs the runner as a process (its exit code); the others drive its `main(argv)`
   in-process (the same checks, without a process's start-up)."""
@@ -125,18 +112,7 @@ def test_bad_input_exit_2(binding, needle, process, tmp_path):
                           env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     rc, err = proc.returncode, proc.stderr
   else:
-    spec = importlib.util.spec_from_file_location(
-        "runner_nextline", os.path.join(ROOT, "runners", "nextline.py"))
-    runner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runner)
-    out = io.StringIO()
-    gin.clear_config()
-    try:
-      with contextlib.redirect_stderr(out), contextlib.redirect_stdout(io.StringIO()):
-        rc = runner.main(argv)
-    finally:
-      gin.clear_config()
-    err = out.getvalue()
+    rc, err = runner_main("nextline.py", *argv, monkeypatch=monkeypatch)
   assert rc == 2, err[-2000:]
   assert needle in err and "Traceback" not in err
   assert not (tmp_path / "run").exists()

@@ -16,6 +16,7 @@ from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.precision import REFERENCE, Precision
 from attnprec.study import float64, measure, offsets, probes
+from test_train_utils import numpy_params  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=64, mlp_hidden=96, qkv_bias=True, max_seq_len=128)
@@ -24,16 +25,7 @@ CONFIG = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_k
 @pytest.fixture(scope="module")
 def setup():
   rng = np.random.default_rng(0)
-
-  def draw(name, shape):   # random params at the scales init_params draws (in NumPy)
-    if name == "scale":
-      return np.ones(shape, np.float32)
-    if name == "b":
-      return np.zeros(shape, np.float32)
-    std = CONFIG.d_model ** -0.5 if name == "embeddings" else shape[0] ** -0.5
-    return (std * np.clip(rng.standard_normal(shape), -2, 2)).astype(np.float32)
-  params = {m: {n: draw(n, s.shape) for n, s in d.items()}
-            for m, d in model_lib.param_shapes(CONFIG).items()}
+  params = numpy_params(CONFIG, rng)
   # A common query component, as trained models have (their queries share a large mean
   # direction); random-init queries have none.
   for i in range(CONFIG.num_layers):

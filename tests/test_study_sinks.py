@@ -15,9 +15,9 @@ import jax
 import numpy as np
 
 from attnprec.config import ModelConfig
-from attnprec.model import param_shapes
 from attnprec.study import float64, measure, sinks
 from attnprec import presets as preset_lib
+from test_train_utils import numpy_params, runner_main  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CONFIG = ModelConfig(vocab_size=29, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -30,16 +30,7 @@ def tiny(k_bias: float = 0.0):
   dimensions (as Qwen2's do, rope base 1e6), so q . b_k is a large offset shared by every
   key of a query, of ~k_bias * 2."""
   rng = np.random.default_rng(0)
-
-  def draw(name, shape):   # init_params' scales (in NumPy: no op-by-op init compiles)
-    if name == "scale":
-      return np.ones(shape, np.float32)
-    if name == "b":
-      return np.zeros(shape, np.float32)
-    std = CONFIG.d_model ** -0.5 if name == "embeddings" else shape[0] ** -0.5
-    return (std * np.clip(rng.standard_normal(shape), -2, 2)).astype(np.float32)
-  params = {m: {n: draw(n, s.shape) for n, s in d.items()}
-            for m, d in param_shapes(CONFIG).items()}
+  params = numpy_params(CONFIG, rng)
   params = jax.tree_util.tree_map(
       lambda x: np.asarray(x) + 0.2 * rng.standard_normal(x.shape).astype(np.float32), params)
   if k_bias:
@@ -130,19 +121,15 @@ def test_analyze_and_plot(tmp_path):
     assert open(p, "rb").read(8) == PNG
 
 
-def test_runner_bad_input_exit_2(tmp_path):
+def test_runner_bad_input_exit_2(tmp_path, monkeypatch):
   """Refused before any model is loaded or anything is written: exit code 2 and one
   message naming the setting. The first case runs the runner as a process (its exit
   code); the second drives its `main(argv)` in-process (the same checks, without a
   second process's start-up)."""
-  import contextlib
-  import importlib.util
-  import io
   import os
   import subprocess
   import sys
 
-  import gin
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   for binding, needle, process in (("sinks.variants=('bos',)", "sinks.variants", True),
                                    ("sinks.length=4", "sinks.length", False)):
@@ -153,18 +140,7 @@ def test_runner_bad_input_exit_2(tmp_path):
                             env=dict(os.environ, PYTHONPATH=root), timeout=300)
       rc, err = proc.returncode, proc.stderr
     else:
-      spec = importlib.util.spec_from_file_location(
-          "runner_sinks", os.path.join(root, "runners", "sinks.py"))
-      runner = importlib.util.module_from_spec(spec)
-      spec.loader.exec_module(runner)
-      out = io.StringIO()
-      gin.clear_config()
-      try:
-        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(io.StringIO()):
-          rc = runner.main(argv)
-      finally:
-        gin.clear_config()
-      err = out.getvalue()
+      rc, err = runner_main("sinks.py", *argv, monkeypatch=monkeypatch)
     assert rc == 2, err[-2000:]
     assert needle in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()

@@ -110,3 +110,50 @@ def use_compilation_cache() -> dict:
 
 
 SUBPROCESS_ENV = {**os.environ, **use_compilation_cache()}
+
+
+def numpy_params(config, seed=0, bias_std=0.0, dtype=np.float32) -> dict:
+  """Random params for `config` at the scales `model.init_params` draws (embeddings
+  d_model^-1/2, weights fan_in^-1/2, both cut at 2 standard deviations; norm scales 1),
+  drawn in NumPy: no op-by-op compiles of the model's init. Biases are zero, or normal
+  with `bias_std`."""
+  from attnprec import model as model_lib
+  rng = np.random.default_rng(seed)
+
+  def draw(name, shape):
+    if name == "scale":
+      return np.ones(shape)
+    if name == "b":
+      return bias_std * rng.standard_normal(shape) if bias_std else np.zeros(shape)
+    std = config.d_model ** -0.5 if name == "embeddings" else shape[0] ** -0.5
+    return std * np.clip(rng.standard_normal(shape), -2, 2)
+  return {m: {n: draw(n, s.shape).astype(dtype) for n, s in d.items()}
+          for m, d in model_lib.param_shapes(config).items()}
+
+
+def runner_main(script, *args, monkeypatch):
+  """(exit code, stderr) of runners/<script>'s main(args), called in this process (a bad
+  input's checks without a process's start-up)."""
+  import contextlib
+  import importlib.util
+  import io
+
+  import gin
+  import jax
+  cache = jax.config.jax_compilation_cache_dir
+  # a runner's `compilation.enable()` keeps a cache directory named by the environment:
+  # the tests' own (else it would point this process at the user's cache).
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", cache)
+  spec = importlib.util.spec_from_file_location(
+      f"runner_{script[:-3]}_in_process", os.path.join(REPO, "runners", script))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  err = io.StringIO()
+  gin.clear_config()
+  try:
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+      rc = module.main(list(args))
+  finally:
+    gin.clear_config()
+    jax.config.update("jax_compilation_cache_dir", cache)
+  return rc, err.getvalue()
