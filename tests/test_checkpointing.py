@@ -6,7 +6,6 @@ bit (params.npz bytes and every logged loss). The straight runs (4 and 8 steps) 
 once per module (fixtures); a test that changes a run works on its own copy.
 """
 import errno
-import importlib.util
 import json
 import os
 import shutil
@@ -20,19 +19,11 @@ import pytest
 
 from attnprec import checkpointing, runs
 from attnprec.errors import UserError
-from test_train_utils import (REPO, TINY, assert_bitwise_equal, checkpoint_listing, load_npz,
-                              run_and_kill, run_train, train_in_process)
+from test_train_utils import (TINY, assert_bitwise_equal, checkpoint_listing, load_npz,
+                              load_runner, run_and_kill, run_train, train_in_process)
 
 
-def _load_train_runner():
-  spec = importlib.util.spec_from_file_location(
-      "runner_train_ckpt", os.path.join(REPO, "runners", "train.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-TRAIN_RUNNER = _load_train_runner()
+TRAIN_RUNNER = load_runner("train.py")
 
 STEPS4 = ["train.steps = 4", "train.checkpoint_every = 2"]
 STEPS8 = ["train.steps = 8", "train.checkpoint_every = 2", "train.keep_checkpoints = 2"]

@@ -7,9 +7,6 @@ each line's prefix and comparing the generated tokens with the line. Checked on 
 random model with windows made of its own greedy continuations, some tokens changed, so
 that some lines match and some do not.
 """
-import os
-import subprocess
-import sys
 
 
 import jax
@@ -23,9 +20,8 @@ from attnprec.errors import UserError
 from attnprec import stats
 from attnprec.precision import REFERENCE
 from attnprec.study import nextline
-from test_train_utils import numpy_params, runner_main  # noqa: E402
+from test_train_utils import numpy_params, runner_exit  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = ModelConfig(vocab_size=11, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=8, mlp_hidden=48)
 
@@ -106,13 +102,7 @@ def test_bad_input_exit_2(binding, needle, process, tmp_path, monkeypatch):
   case runs the runner as a process (its exit code); the others drive its `main(argv)`
   in-process (the same checks, without a process's start-up)."""
   argv = [f"--gin_bindings={binding}", f"--run_dir={tmp_path / 'run'}"]
-  if process:
-    proc = subprocess.run([sys.executable, "runners/nextline.py", *argv], cwd=ROOT,
-                          capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
-    rc, err = proc.returncode, proc.stderr
-  else:
-    rc, err = runner_main("nextline.py", *argv, monkeypatch=monkeypatch)
+  rc, err = runner_exit("nextline.py", argv, process=process, monkeypatch=monkeypatch)
   assert rc == 2, err[-2000:]
   assert needle in err and "Traceback" not in err
   assert not (tmp_path / "run").exists()

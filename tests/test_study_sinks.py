@@ -17,7 +17,7 @@ import numpy as np
 from attnprec.config import ModelConfig
 from attnprec.study import float64, measure, sinks
 from attnprec import presets as preset_lib
-from test_train_utils import numpy_params, runner_main  # noqa: E402
+from test_train_utils import numpy_params, runner_exit  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CONFIG = ModelConfig(vocab_size=29, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -126,21 +126,10 @@ def test_runner_bad_input_exit_2(tmp_path, monkeypatch):
   message naming the setting. The first case runs the runner as a process (its exit
   code); the second drives its `main(argv)` in-process (the same checks, without a
   second process's start-up)."""
-  import os
-  import subprocess
-  import sys
-
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   for binding, needle, process in (("sinks.variants=('bos',)", "sinks.variants", True),
                                    ("sinks.length=4", "sinks.length", False)):
     argv = [f"--gin_bindings={binding}", f"--run_dir={tmp_path / 'run'}"]
-    if process:
-      proc = subprocess.run([sys.executable, "runners/sinks.py", *argv], cwd=root,
-                            capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=root), timeout=300)
-      rc, err = proc.returncode, proc.stderr
-    else:
-      rc, err = runner_main("sinks.py", *argv, monkeypatch=monkeypatch)
+    rc, err = runner_exit("sinks.py", argv, process=process, monkeypatch=monkeypatch)
     assert rc == 2, err[-2000:]
     assert needle in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()

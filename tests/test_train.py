@@ -19,7 +19,7 @@ from attnprec.faults import Faults
 from attnprec.precision import Precision
 from attnprec.tasks.recall import RecallTask
 from test_train_utils import (REPO, TINY, assert_bitwise_equal, checkpoint_listing, load_npz,
-                              train_in_process)
+                              load_runner, train_in_process)
 
 CONFIG = ModelConfig(vocab_size=18, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
                      head_dim=16, mlp_hidden=64, max_seq_len=64)
@@ -27,12 +27,7 @@ TASK = RecallTask(num_keys=8, value_vocab=8, value_len=1, num_pairs=4, num_queri
 
 
 def _train_runner():
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(
-      "runner_train_test_train", os.path.join(REPO, "runners", "train.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_runner("train.py")
 
 
 def _batch(step=0):

@@ -131,11 +131,31 @@ def numpy_params(config, seed=0, bias_std=0.0, dtype=np.float32) -> dict:
           for m, d in model_lib.param_shapes(config).items()}
 
 
+def load_runner(script):
+  """runners/<script> as a module (its main(argv) callable in this process)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      f"runner_{script[:-3]}_in_process", os.path.join(REPO, "runners", script))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def runner_exit(script, argv, *, process: bool, monkeypatch):
+  """(exit code, stderr) of runners/<script> with `argv`: as a process (its real exit code)
+  or through its main(argv) in this process (`runner_main`)."""
+  if process:
+    proc = subprocess.run([sys.executable, os.path.join("runners", script), *argv], cwd=REPO,
+                          capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=REPO), timeout=300)
+    return proc.returncode, proc.stderr
+  return runner_main(script, *argv, monkeypatch=monkeypatch)
+
+
 def runner_main(script, *args, monkeypatch):
   """(exit code, stderr) of runners/<script>'s main(args), called in this process (a bad
   input's checks without a process's start-up)."""
   import contextlib
-  import importlib.util
   import io
 
   import gin
@@ -144,10 +164,7 @@ def runner_main(script, *args, monkeypatch):
   # a runner's `compilation.enable()` keeps a cache directory named by the environment:
   # the tests' own (else it would point this process at the user's cache).
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", cache)
-  spec = importlib.util.spec_from_file_location(
-      f"runner_{script[:-3]}_in_process", os.path.join(REPO, "runners", script))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = load_runner(script)
   err = io.StringIO()
   gin.clear_config()
   try:
