@@ -29,22 +29,23 @@ STEPS4 = ["train.steps = 4", "train.checkpoint_every = 2"]
 STEPS8 = ["train.steps = 8", "train.checkpoint_every = 2", "train.keep_checkpoints = 2"]
 
 
+def _trained(tmp_path_factory, name, bindings):
+  run = tmp_path_factory.mktemp(name) / "run"
+  train_in_process(run, bindings)
+  gin.clear_config()
+  return run
+
+
 @pytest.fixture(scope="module")
 def finished4(tmp_path_factory):
   """A finished STEPS4 run (checkpoints 2 and 4, params.npz); copy it before changing it."""
-  run = tmp_path_factory.mktemp("finished4") / "run"
-  train_in_process(run, STEPS4)
-  gin.clear_config()
-  return run
+  return _trained(tmp_path_factory, "finished4", STEPS4)
 
 
 @pytest.fixture(scope="module")
 def straight8(tmp_path_factory):
   """A STEPS8 run trained straight through, never interrupted (read only)."""
-  run = tmp_path_factory.mktemp("straight8") / "straight"
-  train_in_process(run, STEPS8)
-  gin.clear_config()
-  return run
+  return _trained(tmp_path_factory, "straight8", STEPS8)
 
 
 def _copy(run, tmp_path):
