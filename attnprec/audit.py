@@ -97,6 +97,7 @@ from attnprec.model import init_params
 from attnprec.precision import Precision, target_backend
 
 PHASES = ("train", "prefill", "decode")
+_PHASE_NAMES = {"train": "train step", "prefill": "prefill", "decode": "decode step"}
 short = contract_check.short
 algorithm_text = contract_check.algorithm_text
 precision_expectation = contract_check.precision_expectation
@@ -148,10 +149,7 @@ NOT_COMPILED = ("Not checked without the {platform} backend: the compiled, optim
                 "(`make device-check` runs them on a GPU).")
 
 
-def local_platform() -> Optional[str]:
-  """The `platforms` name of the backend this process runs on."""
-  return platforms.local_platform(jax.default_backend(),
-                                  getattr(jax.devices()[0].client, "platform_version", ""))
+local_platform = contract_check.local_platform
 
 
 def _lower(traced, platform: str):
@@ -794,9 +792,13 @@ def verdict(result: dict) -> str:
                 for ph in PHASES)
     if calls:
       cache += f" and the {calls} Mosaic bodies of its tpu_custom_calls"
+    read = [ph for ph in PHASES if "compiled" in result["phases"][ph]]
+    into = ("them into" if len(read) == len(PHASES) else
+            f"the {' and '.join(_PHASE_NAMES[ph] for ph in read)} into (the rest was read "
+            f"as lowered only)")
     return (f"PASS: all {n} attention dots of the train step, prefill and decode step match "
             f"the contract for their phase's flags{on}{cache}"
-            + (f"; so do the {compiled} dots this backend compiled them into."
+            + (f"; so do the {compiled} dots this backend compiled {into}."
                if compiled else ".") + narrowed_text(result))
   shown = "; ".join(result["problems"][:6])
   more = f" (+{len(result['problems']) - 6} more)" if len(result["problems"]) > 6 else ""

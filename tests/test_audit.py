@@ -244,7 +244,7 @@ def test_compiled_programs_pass(preset):
     assert count("qk") == count("wv") == CONFIG.num_layers, rows
     assert count("dense") == 7 * CONFIG.num_layers + 1, rows
     assert all(r["verdict"] in ("ok", "listed") for r in rows)
-  assert "so do the" in audit.verdict(result)
+  assert "this backend compiled them into." in audit.verdict(result)
 
 
 @xla_cpu
@@ -509,6 +509,9 @@ def test_kv_presets_pass_the_compiled_check(preset, kernel):
   assert f"| prefill | 0,1 | {code} |" in audit.cache_table(result)
   assert "## KV cache" in audit.to_markdown(result)
   assert "cache's codes and scales match its rows" in audit.verdict(result)
+  # only the serving programs were compiled, and the verdict says so
+  assert ("compiled the prefill and decode step into (the rest was read as lowered only)"
+          in audit.verdict(result))
 
 
 @xla_cpu

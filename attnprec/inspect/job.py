@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from attnprec import platforms, runs
 from attnprec.errors import UserError, choice_error
 from attnprec.inspect import check_expect_readable, inspect_lowered
-from attnprec.inspect.report import Report
+from attnprec.inspect.report import Report, local_platform
 from attnprec.precision import phase_precision, target_backend
 
 EXPECT = ("auto", "none", "train", "decode")
@@ -145,9 +145,7 @@ def lower_for(function, platform: str, args, kwargs):
   """`jax.jit(function)` lowered for `platform`: as before on the platform this process
   runs on, else with `lowering_platforms` (nothing is compiled)."""
   jitted = jax.jit(function)
-  here = platforms.local_platform(jax.default_backend(),
-                                  getattr(jax.devices()[0].client, "platform_version", ""))
-  if platform == here:
+  if platform == local_platform():
     return jitted.lower(*args, **kwargs)
   # traced for the target's backend: 'auto' settings resolve for it, not this machine
   with target_backend(platforms.TABLE[platform].backend):

@@ -749,13 +749,18 @@ def check_compiled_dot(dot, precision: Precision, platform: str = "cpu") -> List
   return problems + compiled_precision_problems(dot, precision, platform)
 
 
+def local_platform() -> Optional[str]:
+  """The `platforms` name of the backend this process runs on (None: no row, ROCm)."""
+  return platforms.local_platform(jax.default_backend(),
+                                  getattr(jax.devices()[0].client, "platform_version", ""))
+
+
 def compiled_text(lowered) -> str:
   """What this backend compiles `lowered` into: the optimized HLO text
   (`lowered.compile().as_text()`), compiled with the platform's
   `Platform.text_compile_options` (options that change the machine code, not that text).
   The program compiled here is only read, never run."""
-  platform = platforms.local_platform(
-      jax.default_backend(), getattr(jax.devices()[0].client, "platform_version", ""))
+  platform = local_platform()
   options = dict(platforms.TABLE[platform].text_compile_options) if platform else {}
   return lowered.compile(compiler_options=options or None).as_text()
 
