@@ -43,6 +43,7 @@ def test_good_records_resume_and_a_line_cut_short_is_dropped(tmp_path):
     ('{"a": ' * 50000 + "1" + "}" * 50000, "JSON nested too deep"),
     (dict(GOOD, item="HumanEval/\ud800"), "field 'item' holds '\\ud800'"),
     (dict(GOOD, finite=False), "'correct' is true while 'finite' is false"),
+    (dict(GOOD, verdict="pass"), "field 'verdict' is not one a humaneval record has"),
     (json.dumps(GOOD)[:-1] + ', "correct": false}', "the key 'correct' is given twice"),
 ])
 def test_an_edited_record_is_an_error_naming_the_line_and_field(tmp_path, edit, says):
@@ -106,6 +107,7 @@ def test_a_retrieval_verdict_its_own_tokens_contradict_is_refused(tmp_path):
     (dict(seconds=float("inf")), "field 'seconds' is inf, not a time in seconds"),
     (dict(margin=float("inf")), "field 'margin' is inf while 'finite' is true"),
     (dict(item="L512-c0-q1"), "not an item id L<length>/c<i>/q<j>"),
+    (dict(correct_by_hand=True), "field 'correct_by_hand' is not one a retrieval record has"),
 ])
 def test_a_retrieval_record_whose_fields_are_impossible_is_refused(tmp_path, edit, says):
   """A record's fields agree with its item id and are possible: an edited length, a

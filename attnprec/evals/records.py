@@ -102,6 +102,19 @@ SCHEMAS = {
     "humaneval": dict(COMMON, tokens=list, kind=str),
     "retrieval": dict(COMMON, length=int, tokens=int, close_ok=bool),
 }
+# Every field a record of the task may hold (what `humaneval_eval` / `retrieval_eval`
+# write): a field outside it is not one this program wrote (an edit, another tool's
+# record), and is refused like a missing one.
+FIELDS = {
+    "humaneval": frozenset(SCHEMAS["humaneval"]) | {
+        "answer", "stopped", "batch_steps", "batch_seconds", "batch_rows",
+        "compile_seconds", "detail", "code", "fence_closed", "exec_seconds", "batch_id",
+        "code_version"},
+    "retrieval": frozenset(SCHEMAS["retrieval"]) | {
+        "context", "question", "index", "pairs", "relative", "where", "closed", "argmax",
+        "gold", "argmax_close", "margin", "first_wrong", "seconds", "batch_seconds",
+        "batch_rows", "prefill_seconds", "compile_seconds", "code_version", "precision"},
+}
 
 
 def check_record(record, task: Optional[str]) -> Optional[str]:
@@ -122,6 +135,10 @@ def check_record(record, task: Optional[str]) -> Optional[str]:
               f"{kind.__name__}")
     if isinstance(value, str) and readback.text_problem(value):
       return f"field {field!r} {readback.text_problem(value)}"
+  unknown = sorted(set(record) - FIELDS[task]) if task in FIELDS else []
+  if unknown:
+    return (f"field {_short(unknown[0])} is not one a {task} record has (it has "
+            f"{', '.join(repr(f) for f in sorted(FIELDS[task]))})")
   return _verdict_problem(record, task)
 
 
