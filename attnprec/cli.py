@@ -85,15 +85,17 @@ def run(prog: str, body: Callable[[], object], *, output_dir: Optional[str] = No
 
   Outputs: if `output_dir` did not exist before and the run fails, it is removed again
   when it holds no file, so a failed load leaves no empty run directory behind. When the
-  run is interrupted or cannot write an output, the files it wrote into `output_dir` are
-  removed too (no mix of a half-done run's outputs and older ones), unless
-  `keep_partial` (training: its checkpoints are the point).
+  run is interrupted or cannot write an output, what it wrote into `output_dir` is undone
+  (`runs.remove_written`: a file it created is removed, a file it replaced gets its
+  previous content back: no mix of a half-done run's outputs and older ones, and no older
+  one lost), unless `keep_partial` (training: its checkpoints are the point).
   """
   runs.code_identity()   # the code this run starts from, named by every result it writes
   existed = output_dir is None or os.path.lexists(output_dir)
   created = None if existed else runs.first_missing(output_dir)   # and removed on failure
   partial = False
-  with runs.track_writes() as written, _handled_signals(_raise_interrupted):
+  with runs.track_writes(keep_previous=not keep_partial) as written, \
+      _handled_signals(_raise_interrupted):
     try:
       # XLA ends the process on a flag it does not know; a flag file or jax's numerics
       # settings from the environment would change numbers the precision line names not
@@ -119,8 +121,8 @@ def run(prog: str, body: Callable[[], object], *, output_dir: Optional[str] = No
       if not existed:
         runs.remove_if_empty(output_dir, created)
       raise
-  if partial and output_dir is not None and not keep_partial:
-    runs.remove_written(written, output_dir)
+    if partial and output_dir is not None and not keep_partial:
+      runs.remove_written(written, output_dir)    # files it replaced get their content back
   if not existed:
     runs.remove_if_empty(output_dir, created)
   return rc

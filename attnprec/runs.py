@@ -3,8 +3,10 @@
 
 A write that fails (a full disk, a quota, a read-only mount) raises `WriteError`, a
 UserError naming the path and the cause; the partial file is removed first, and what was
-there before is untouched. `track_writes` records the files a run writes, so a runner can
-remove them again when the run is interrupted (`attnprec.cli.run`).
+there before is untouched. `track_writes` records the files a run writes (and keeps the
+previous version of each file a write replaces), so a runner can undo them when the run
+is interrupted (`attnprec.cli.run`): what it created is removed, what it replaced is
+put back.
 """
 import contextlib
 import dataclasses
@@ -60,18 +62,39 @@ def os_error_text(e: Optional[BaseException]) -> Optional[str]:
   return None
 
 
-_tracked: List[List[str]] = []   # one list per active track_writes(), innermost last
+class Written(list):
+  """The paths (absolute) written through this module while a `track_writes` block runs,
+  and `kept`: for each file a write replaced, a hidden hard link (or copy) beside it to
+  the content it had before the block first wrote it, so `remove_written` can put it
+  back. The links left when the block ends are removed."""
+
+  def __init__(self, keep_previous: bool = True):
+    super().__init__()
+    self.keep_previous = keep_previous
+    self.kept: Dict[str, str] = {}
+
+  def discard_kept(self) -> None:
+    for link in self.kept.values():
+      with contextlib.suppress(OSError):
+        os.remove(link)
+    self.kept.clear()
+
+
+_tracked: List[Written] = []   # one per active track_writes(), innermost last
 
 
 @contextlib.contextmanager
-def track_writes():
-  """Yields the list of paths written through this module while the block runs."""
-  written: List[str] = []
+def track_writes(keep_previous: bool = True):
+  """Yields the `Written` of the files written through this module while the block
+  runs (keeping the previous version of each file replaced, unless not `keep_previous`:
+  a run whose partial outputs are kept, a training)."""
+  written = Written(keep_previous)
   _tracked.append(written)
   try:
     yield written
   finally:
     _tracked.remove(written)
+    written.discard_kept()
 
 
 def _record(path: str) -> None:
@@ -79,14 +102,45 @@ def _record(path: str) -> None:
     written.append(os.path.abspath(path))
 
 
-def remove_written(written: List[str], under: str) -> None:
-  """Removes the files in `written` that lie inside directory `under`: what a run that
-  was interrupted (or could not finish writing) wrote there, so no mix of its outputs
-  and older ones is left. Files it did not write stay."""
+def _keep_previous(path: str) -> None:
+  """Before a tracked write replaces the file at `path`: a hidden link to its current
+  content, once per tracking block (the version from before the run, not one the run
+  wrote itself). A file that can be neither linked nor copied is a WriteError before
+  anything is replaced."""
+  path = os.path.abspath(path)
+  if not os.path.isfile(path):
+    return
+  for written in _tracked:
+    if not written.keep_previous or path in written.kept or path in written:
+      continue
+    link = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.previous-"
+                                                f"{os.getpid()}-{len(written.kept)}")
+    try:
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(link)                     # a stale one of an earlier process's pid
+      try:
+        os.link(path, link)
+      except OSError:                       # a filesystem without hard links
+        shutil.copy2(path, link)
+    except OSError as e:
+      raise write_error(path, e, what=f"{path!r} (keeping its previous version, so that "
+                                      f"an interrupted run can put it back)") from None
+    written.kept[path] = link
+
+
+def remove_written(written: Written, under: str) -> None:
+  """Undoes, inside directory `under`, what a run that was interrupted (or could not
+  finish writing) wrote there: a file it replaced gets its previous content back, a file
+  it created is removed. So no mix of its outputs and older ones is left, and nothing
+  older is lost. Files it did not write stay."""
   root = os.path.abspath(under)
   for path in set(written):
-    if path.startswith(root + os.sep) and os.path.isfile(path):
-      with contextlib.suppress(OSError):
+    if not path.startswith(root + os.sep):
+      continue
+    with contextlib.suppress(OSError):
+      if path in written.kept:
+        os.replace(written.kept.pop(path), path)
+      elif os.path.isfile(path):
         os.remove(path)
 
 
@@ -373,6 +427,8 @@ def atomic_write(path: str, data, mode: str = "w") -> None:
     with os.fdopen(fd, mode) as f:
       data(f) if callable(data) else f.write(data)
     os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; outputs are for everyone to read
+    if _tracked:
+      _keep_previous(path)
     os.replace(tmp, path)
   except BaseException as e:
     if tmp is not None and os.path.exists(tmp):

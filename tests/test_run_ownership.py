@@ -203,6 +203,43 @@ def test_an_interrupted_replacing_run_puts_the_old_directory_back(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+@pytest.mark.parametrize("stop", ["write_error", "interrupt"])
+def test_a_rerun_that_fails_leaves_the_earlier_run_s_files_as_they_were(tmp_path, stop):
+  """A runner's own directory run again (a study rerun) that replaces files and then
+  cannot finish (a write that fails: a full disk, an output path taken by a directory;
+  or Ctrl-C): every file it replaced gets the earlier run's content back, a file it
+  created is removed, nothing of it is left (no hidden copies either)."""
+  d = tmp_path / "run"
+
+  def first(run_dir):
+    for name in ("results.json", "plot.png", "report.md"):
+      runs.atomic_write(os.path.join(run_dir, name), f"old {name}")
+
+  def again(run_dir):
+    runs.atomic_write(os.path.join(run_dir, "results.json"), "new results.json")
+    runs.atomic_write(os.path.join(run_dir, "plot.png"), "new plot.png")
+    runs.atomic_write(os.path.join(run_dir, "plot.png"), "newer plot.png")
+    runs.atomic_write(os.path.join(run_dir, "extra.png"), "new extra.png")
+    if stop == "interrupt":
+      raise KeyboardInterrupt
+    os.remove(os.path.join(run_dir, "report.md"))
+    os.mkdir(os.path.join(run_dir, "report.md"))      # the next write fails: EISDIR
+    runs.atomic_write(os.path.join(run_dir, "report.md"), "new report.md")
+
+  def main(body):
+    return cli.main([f"--run_dir={d}"], prog="study", doc="s.", examples=[],
+                    default_files=[], default_run_dir=str(d), body=body)
+
+  assert main(first) == 0
+  rc = main(again)
+  assert rc == (cli.EXIT_INTERRUPTED if stop == "interrupt" else cli.EXIT_USER_ERROR)
+  for name in ("results.json", "plot.png"):
+    assert (d / name).read_text() == f"old {name}"
+  assert not (d / "extra.png").exists()
+  assert not [p.name for p in d.iterdir() if ".previous-" in p.name]
+  assert runs.owner(str(d)) == "study"
+
+
 def test_another_runner_s_directory_given_as_a_checkpoint_is_named_as_such(tmp_path):
   """A study / sizes / decode run directory passed where a checkpoint goes (e.g.
   recall_eval.checkpoint) says whose results it holds, not 'not an HF checkpoint'."""
