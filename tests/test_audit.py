@@ -8,6 +8,7 @@ here by wrapping `decoding.prefill` / `decoding.decode_step`, exactly the way th
 applied the flags only in training.
 """
 import dataclasses
+import functools
 import glob
 import importlib.util
 import json
@@ -22,9 +23,16 @@ from attnprec.inspect.report import compiled_text
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
 from attnprec.precision import Precision, phase_precision
+from test_train_utils import use_compilation_cache
 
 CONFIG = ModelConfig(vocab_size=13, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=8, mlp_hidden=32, max_seq_len=64)
+# The same model with one layer, for the claims that are per program, not per layer: the
+# deliberately broken variants (decoding that drops a flag, a narrowing kernel, the broken
+# KV-cache rows), the other kernels and settings, a per-channel key scale, dropped
+# op_names. CONFIG's two layers where the rows per layer are the point. ONE's unpatched
+# bf16 programs are compiled by the text-compile-options test alone (see there).
+ONE = dataclasses.replace(CONFIG, num_layers=1)
 PRESETS = sorted(glob.glob(os.path.join(ginutils.REPO_GIN_DIR, "precision", "*.gin")))
 # The quantized-KV-cache presets (int8 / float8 codes with float32 scales): the audit reads
 # their cache rows back from the prefill and decode programs (tests at the end).
@@ -47,6 +55,34 @@ xla_cpu = pytest.mark.skipif(
            "tests/test_tpu_fixtures.py and tests/test_tpu.py, its KV-cache rows not yet")
 
 
+# Identical programs are compiled once (the persistent compilation cache the suite's other
+# files turn on when they are collected; here too when this file runs alone). On a TPU the
+# suite runs as it always did.
+if jax.default_backend() == "cpu":
+  use_compilation_cache()
+
+
+def _audit(config, train, decode, compile):
+  """`audit.run_audit` of unpatched programs, once per (config, precisions, compile) in
+  this process: tests that audit the same thing assert on one result (never used with a
+  monkeypatched kernel or decoding)."""
+  key = (config, train, decode, compile)
+  if key not in _AUDITS:
+    _AUDITS[key] = audit.run_audit(config, train, decode, compile=compile)
+  return _AUDITS[key]
+
+
+_AUDITS = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered_safe():
+  """{phase: (precision, lowered)} of CONFIG under Precision(dtype='bfloat16') in both
+  phases (unpatched), lowered once for the tests that read one of them."""
+  safe = Precision(dtype="bfloat16")
+  return audit.lower_programs(CONFIG, safe, safe)
+
+
 def _phases(files, bindings=()):
   ginutils.parse(files, list(bindings))
   out = {}
@@ -60,10 +96,18 @@ def _forward_attention_rows(result, phase):
   return [r for r in result["phases"][phase]["attention"] if not r["backward"]]
 
 
+# The presets whose audit other tests compile too: the same audit, run once
+# (test_compiled_programs_pass, test_kv_presets_pass_the_compiled_check; the compiled
+# checks only add problems, and where the backend is not cpu they are skipped).
+PRESET_COMPILE = {"bf16.gin": True, "fp32_attention.gin": True, "fp32.gin": True,
+                  "kv_int8.gin": SERVING, "kv_fp8.gin": SERVING}
+
+
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: os.path.basename(p))
 def test_every_preset_passes_in_every_phase(preset):
   p = _phases([preset])
-  result = audit.run_audit(CONFIG, p["train"], p["decode"], compile=False)
+  result = _audit(CONFIG, p["train"], p["decode"],
+                  compile=PRESET_COMPILE.get(os.path.basename(preset), False))
   assert result["ok"], result["problems"]
   for phase in audit.PHASES:
     rows = _forward_attention_rows(result, phase)
@@ -76,10 +120,11 @@ def test_every_preset_passes_in_every_phase(preset):
 
 
 def test_the_qk_result_type_follows_the_flag_in_decode():
-  """The audit reads the types it checks: flag on -> f32 logits, flag off -> bf16."""
+  """The audit reads the types it checks: flag on -> f32 logits, flag off -> bf16.
+  (These are the fp32_attention.gin and bf16.gin precisions: their audits, shared.)"""
   for flag, want in ((True, "f32"), (False, "bf16")):
     prec = Precision(dtype="bfloat16", float32_qk_product=flag, float32_logits=flag)
-    result = audit.run_audit(CONFIG, prec, prec, compile=False)
+    result = _audit(CONFIG, prec, prec, compile=True)
     qk = [r for r in _forward_attention_rows(result, "decode") if r["site"] == "qk"]
     assert {r["result"] for r in qk} == {want}, qk
 
@@ -100,10 +145,18 @@ def _train_only_flags(monkeypatch, **overrides):
   monkeypatch.setattr(decoding, "decode_step", decode_step)
 
 
-def test_decode_ignoring_float32_qk_product_fails(monkeypatch):
-  _train_only_flags(monkeypatch, float32_qk_product=False, float32_logits=False)
-  safe = Precision(dtype="bfloat16")            # both flags on, in both phases
-  result = audit.run_audit(CONFIG, safe, safe, compile=False)
+@pytest.fixture(scope="module")
+def seed_bug():
+  """The seed's bug, audited once (lowered and, on cpu, compiled): decoding drops both
+  flags of a precision that sets both, in both phases."""
+  with pytest.MonkeyPatch.context() as mp:
+    _train_only_flags(mp, float32_qk_product=False, float32_logits=False)
+    safe = Precision(dtype="bfloat16")          # both flags on, in both phases
+    return audit.run_audit(CONFIG, safe, safe)
+
+
+def test_decode_ignoring_float32_qk_product_fails(seed_bug):
+  result = seed_bug
   assert not result["ok"]
   assert result["phases"]["train"]["ok"]          # training still honours the flags
   for phase in ("prefill", "decode"):
@@ -116,7 +169,7 @@ def test_decode_ignoring_float32_qk_product_fails(monkeypatch):
 def test_decode_ignoring_only_float32_logits_fails(monkeypatch):
   _train_only_flags(monkeypatch, float32_logits=False)
   prec = Precision(dtype="bfloat16", float32_qk_product=False, float32_logits=True)
-  result = audit.run_audit(CONFIG, prec, prec, compile=False)
+  result = audit.run_audit(ONE, prec, prec, compile=False)
   assert not result["ok"] and result["phases"]["train"]["ok"]
   assert not result["phases"]["decode"]["ok"]
 
@@ -124,7 +177,7 @@ def test_decode_ignoring_only_float32_logits_fails(monkeypatch):
 def test_decode_dropping_einsum_precision_fails(monkeypatch):
   _train_only_flags(monkeypatch, einsum_precision="default")
   prec = Precision(einsum_precision="highest")
-  result = audit.run_audit(CONFIG, prec, prec, compile=False)
+  result = audit.run_audit(ONE, prec, prec, compile=False)
   assert result["phases"]["train"]["ok"] and not result["phases"]["decode"]["ok"]
   assert any("precision DEFAULT, expected HIGHEST" in p
              for p in result["phases"]["decode"]["problems"])
@@ -136,7 +189,7 @@ def test_algorithm_preset_read_through_its_converts(flags):
   the audit still sees the contract's types (and would see a wrong one)."""
   prec = Precision(dtype="bfloat16", einsum_precision="BF16_BF16_F32_X3",
                    float32_qk_product=flags, float32_logits=flags)
-  result = audit.run_audit(CONFIG, prec, prec, compile=False)
+  result = audit.run_audit(ONE, prec, prec, compile=False)
   assert result["ok"], result["problems"]
   qk = [r for r in _forward_attention_rows(result, "decode") if r["site"] == "qk"]
   assert all(r["lhs"] == "f32<-bf16" for r in qk), qk
@@ -154,7 +207,7 @@ def test_algorithm_preset_read_through_its_converts(flags):
     ("jax_nn", {})])
 def test_other_kernels_pass(kernel, flags):
   prec = Precision(dtype="bfloat16", kernel=kernel, **flags)
-  result = audit.run_audit(CONFIG, prec, prec, compile=False)
+  result = audit.run_audit(ONE, prec, prec, compile=False)
   assert result["ok"], result["problems"]
   for phase in ("prefill", "decode"):
     rows = _forward_attention_rows(result, phase)
@@ -165,7 +218,7 @@ def test_other_kernels_pass(kernel, flags):
 def test_blockwise_dropping_float32_logits_fails(monkeypatch):
   _train_only_flags(monkeypatch, float32_logits=False)
   prec = Precision(dtype="bfloat16", kernel="blockwise", float32_qk_product=False)
-  result = audit.run_audit(CONFIG, prec, prec, compile=False)
+  result = audit.run_audit(ONE, prec, prec, compile=False)
   assert not result["phases"]["decode"]["ok"]
 
 
@@ -187,12 +240,13 @@ def test_the_text_compile_options_leave_the_compiled_program_s_text_unchanged():
   """What the audit reads is compiled with `Platform.text_compile_options` (XLA:CPU:
   LLVM's optimization level 0): the optimized HLO is the same text as the default
   compile's, for a train step, a prefill and a decode step (a 1-layer model: the passes
-  are per program, not per layer)."""
+  are per program, not per layer; and programs no other test compiles, so both compiles
+  are of this lowering: a compilation-cache hit would bring another trace's metadata).
+  """
   from attnprec import platforms
   assert platforms.TABLE["cpu"].text_compile_options        # something to check
-  one = dataclasses.replace(CONFIG, num_layers=1)
   safe = Precision(dtype="bfloat16")
-  for phase, (_, lowered) in audit.lower_programs(one, safe, safe).items():
+  for phase, (_, lowered) in audit.lower_programs(ONE, safe, safe).items():
     assert compiled_text(lowered) == lowered.compile().as_text(), phase
 
 
@@ -236,7 +290,7 @@ def test_compiled_programs_pass(preset):
   one qk and one wv per layer, 7 dense dots per layer + the unembedding, as XLA:CPU
   compiled them (dots inside its __ynn_fusion library fusions included)."""
   p = _phases([os.path.join(ginutils.REPO_GIN_DIR, "precision", preset)])
-  result = audit.run_audit(CONFIG, p["train"], p["decode"])
+  result = _audit(CONFIG, p["train"], p["decode"], compile=True)
   assert result["ok"], result["problems"]
   for phase in audit.PHASES:
     rows = result["phases"][phase]["compiled"]["rows"]
@@ -254,7 +308,7 @@ def test_a_kernel_narrowing_the_qk_product_fails_lowered_and_compiled(monkeypatc
   dot XLA:CPU made of it rounded to bf16 right after: both FAIL, in every phase."""
   _narrow_qk_kernel(monkeypatch)
   safe = Precision(dtype="bfloat16")
-  result = audit.run_audit(CONFIG, safe, safe)
+  result = audit.run_audit(ONE, safe, safe)
   assert not result["ok"]
   for phase in audit.PHASES:
     problems = result["phases"][phase]["problems"]
@@ -267,12 +321,10 @@ def test_a_kernel_narrowing_the_qk_product_fails_lowered_and_compiled(monkeypatc
 
 
 @xla_cpu
-def test_decode_ignoring_the_flags_fails_the_compiled_check_too(monkeypatch):
+def test_decode_ignoring_the_flags_fails_the_compiled_check_too(seed_bug):
   """The seed's bug (decode drops both flags) in the compiled program: the qk logits are
   rounded to bf16 and the wv dot reads bf16 probabilities; training stays clean."""
-  _train_only_flags(monkeypatch, float32_qk_product=False, float32_logits=False)
-  safe = Precision(dtype="bfloat16")
-  result = audit.run_audit(CONFIG, safe, safe)
+  result = seed_bug
   assert result["phases"]["train"]["compiled"]["ok"]
   for phase in ("prefill", "decode"):
     compiled = result["phases"][phase]["compiled"]["problems"]
@@ -284,9 +336,9 @@ def test_decode_ignoring_the_flags_fails_the_compiled_check_too(monkeypatch):
 def test_dots_whose_op_name_xla_dropped_are_attributed_by_shape(monkeypatch):
   """With one kv head XLA:CPU rewrites the attention dots and drops their op_name; in
   the prefill and decode programs they are told apart by the dimension they contract
-  (the head dim: qk; a key length: wv), so the narrowing kernel still fails there."""
-  one_kv = dataclasses.replace(CONFIG, num_heads=2, num_kv_heads=1, head_dim=32,
-                               d_model=64)
+  (the head dim: qk; a key length: wv), so the narrowing kernel still fails there.
+  (One layer: the rewrite is per dot, not per layer.)"""
+  one_kv = dataclasses.replace(ONE, num_heads=2, num_kv_heads=1, head_dim=32, d_model=64)
   safe = Precision(dtype="bfloat16")
   result = audit.run_audit(one_kv, safe, safe, compile=SERVING)
   assert result["ok"], result["problems"]
@@ -302,9 +354,8 @@ def test_dots_whose_op_name_xla_dropped_are_attributed_by_shape(monkeypatch):
 
 
 def _safe_decode_text():
-  safe = Precision(dtype="bfloat16")
-  return compiled_text(audit.lower_programs(CONFIG, safe, safe)["decode"][1]), \
-      decoding.serving_precision(safe)
+  return compiled_text(_lowered_safe()["decode"][1]), \
+      decoding.serving_precision(Precision(dtype="bfloat16"))
 
 
 @xla_cpu
@@ -344,11 +395,14 @@ def test_a_backend_narrowing_the_accumulation_is_seen_only_in_the_compiled_progr
 
 
 def test_the_runner_exits_3_on_a_compiled_mismatch(tmp_path, monkeypatch):
+  """(On ONE's architecture: the programs of
+  test_a_kernel_narrowing_the_qk_product_fails_lowered_and_compiled, compiled once.)"""
   runner = _runner()
   _narrow_qk_kernel(monkeypatch)
   out = tmp_path / "narrow"
-  assert runner.main(["--gin_file=precision/fp32_attention.gin", f"--run_dir={out}",
-                      "--gin.model.num_layers=1"]) == 3
+  assert runner.main(["--gin_file=precision/fp32_attention.gin", f"--run_dir={out}"]
+                     + _architecture(ONE)) == 3
+  _assert_audited(out, ONE)
   md = (out / "audit.md").read_text()
   assert "checked" in md and "MISMATCH" in md
 
@@ -375,6 +429,21 @@ def _runner():
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def _architecture(config):
+  """--gin.model.* bindings that make the runner's model (gin/models/recall_tiny.gin by
+  default) `config`: its programs are then the in-process tests' (compiled once)."""
+  fields = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+            "mlp_hidden", "max_seq_len", "embed_scale")
+  return [f"--gin.model.{f}={getattr(config, f)!r}" for f in fields]
+
+
+def _assert_audited(run_dir, config):
+  """The runner audited `config` (its audit.json's architecture)."""
+  from attnprec import runs
+  written = json.loads((run_dir / "audit.json").read_text())["config"]
+  assert written == json.loads(json.dumps(runs.config_dict(config))), written
 
 
 def test_runner_exit_codes_and_files(tmp_path, monkeypatch):
@@ -412,14 +481,18 @@ def test_inspect_report_checks_the_compiled_program_too(monkeypatch):
 
   from attnprec.inspect import inspect_lowered
   safe = decoding.serving_precision(Precision(dtype="bfloat16"))
-  lowered = audit.lower_programs(CONFIG, safe, safe)["prefill"][1]
+  # the prefill lowered under the serving form of bf16 compute (lower_programs applies it)
+  assert _lowered_safe()["prefill"][0] == safe
+  lowered = _lowered_safe()["prefill"][1]
   report = inspect_lowered(lowered, expect=safe).with_compiled(lowered)
   assert report.ok, report.problems()
   assert "What the backend compiled" in report.to_markdown()
   assert report.to_dict()["compiled"]
   _narrow_qk_kernel(monkeypatch)
   jax.clear_caches()
-  lowered = audit.lower_programs(CONFIG, safe, safe)["prefill"][1]
+  # (the 1-layer prefill test_a_kernel_narrowing_the_qk_product_fails_lowered_and_compiled
+  # compiles)
+  lowered = audit.lower_programs(ONE, safe, safe)["prefill"][1]
   report = inspect_lowered(lowered, expect=safe).with_compiled(lowered)
   assert any(p.startswith("compiled qk") for p in report.problems())
 
@@ -437,6 +510,10 @@ KV_FP8_FLAGS = [(True, True), (False, False)]
 KV_CODE = {"kv_int8.gin": ("i8", "s8"), "kv_fp8.gin": ("f8E4M3FN", "f8e4m3fn")}
 KV_INT8 = os.path.join(ginutils.REPO_GIN_DIR, "precision", "kv_int8.gin")
 KV_FP8 = os.path.join(ginutils.REPO_GIN_DIR, "precision", "kv_fp8.gin")
+# The (preset, kernel) pairs whose compiled programs are checked
+# (test_kv_presets_pass_the_compiled_check): their audit with both flags on, on CONFIG, is
+# run once and read by the lowered tests too.
+KV_COMPILED = [(KV_INT8, "dot_product"), (KV_INT8, "blockwise"), (KV_FP8, "dot_product")]
 CACHE_LENGTH = 16                        # the audit's prompt_len 8 + new_tokens 8
 
 
@@ -467,12 +544,15 @@ def test_kv_presets_pass_with_their_cache_rows_read_back(preset, kernel):
   code, _ = KV_CODE[os.path.basename(preset)]
   B, K, S = 2, CONFIG.num_kv_heads, CACHE_LENGTH
   flags = KV_FP8_FLAGS if os.path.basename(preset) == "kv_fp8.gin" else KV_FLAGS[kernel]
+  assert flags[0] == (True, True)
   for i, (qk, logits) in enumerate(flags):
-    # every layer's rows on the 2-layer model once; the other flag combinations on one
-    # layer (the rows are per layer, the flags change each one the same way)
-    config = CONFIG if i == 0 else dataclasses.replace(CONFIG, num_layers=1)
+    # every layer's rows on the 2-layer model once (both flags on: where the compiled
+    # check runs, its audit); the other flag combinations on one layer (the rows are per
+    # layer, the flags change each one the same way)
+    config = CONFIG if i == 0 else ONE
     p = _kv_phases(preset, kernel, qk, logits)
-    result = audit.run_audit(config, p["train"], p["decode"], compile=False)
+    compiled = i == 0 and (preset, kernel) in KV_COMPILED
+    result = _audit(config, p["train"], p["decode"], compile=SERVING if compiled else False)
     assert result["ok"], (qk, logits, result["problems"])
     lg, probs = ("f32" if qk else "bf16"), ("f32" if qk or logits else "bf16")
     rounded = lambda dt: "" if dt == "f32" else " (f32->bf16)"  # noqa: E731
@@ -490,8 +570,7 @@ def test_kv_presets_pass_with_their_cache_rows_read_back(preset, kernel):
         ("no codes", "none", "no codes", "none")}
 
 
-@pytest.mark.parametrize("preset,kernel", [(KV_INT8, "dot_product"), (KV_INT8, "blockwise"),
-                                           (KV_FP8, "dot_product")],
+@pytest.mark.parametrize("preset,kernel", KV_COMPILED,
                          ids=["kv_int8-dot_product", "kv_int8-blockwise", "kv_fp8-dot_product"])
 @xla_cpu
 def test_kv_presets_pass_the_compiled_check(preset, kernel):
@@ -500,7 +579,7 @@ def test_kv_presets_pass_the_compiled_check(preset, kernel):
   scale in f32, each told apart from the softmax's normalisation by the keys' axis."""
   code, hlo_code = KV_CODE[os.path.basename(preset)]
   p = _kv_phases(preset, kernel)
-  result = audit.run_audit(CONFIG, p["train"], p["decode"], compile=SERVING)
+  result = _audit(CONFIG, p["train"], p["decode"], compile=SERVING)
   assert result["ok"], result["problems"]
   for phase in ("prefill", "decode"):
     qk, wv = (_compiled_types(result, phase, site) for site in ("qk", "wv"))
@@ -519,9 +598,9 @@ def test_kv_presets_pass_the_compiled_check(preset, kernel):
 def test_a_per_channel_key_scale_is_read_back_on_q(kernel):
   """kv_cache_k_scale = 'channel': the scale multiplies q (float32, float32_qk_product)
   along the head dim, in the lowered program and in the compiled one; the logits carry
-  no key scale."""
+  no key scale. (One layer: the scale is applied per layer the same way.)"""
   p = _kv_phases(KV_INT8, kernel, k_scale="channel")
-  result = audit.run_audit(CONFIG, p["train"], p["decode"], compile=SERVING)
+  result = audit.run_audit(ONE, p["train"], p["decode"], compile=SERVING)
   assert result["ok"], result["problems"]
   for phase in ("prefill", "decode"):
     for r in result["phases"][phase]["cache"]:
@@ -570,8 +649,9 @@ def _scale_columns_variant(monkeypatch, *, key=None, value=None):
 
 
 def _kv_int8_result(kernel="dot_product", compile=SERVING):
+  """kv_int8 audited on the 1-layer model (a broken variant breaks every layer alike)."""
   p = _kv_phases(KV_INT8, kernel)
-  return audit.run_audit(CONFIG, p["train"], p["decode"], compile=compile)
+  return audit.run_audit(ONE, p["train"], p["decode"], compile=compile)
 
 
 def _lowered_problems(result, phase):
@@ -667,16 +747,20 @@ def test_codes_entering_the_qk_dot_in_another_dtype_fail(monkeypatch):
 
 def test_the_runner_passes_a_kv_preset_and_exits_3_on_a_quantized_query(tmp_path,
                                                                        monkeypatch):
+  """(On CONFIG's architecture: the passing run's prefill and decode step are the programs
+  test_kv_presets_pass_the_compiled_check[kv_int8-dot_product] compiles, compiled once;
+  its train step, float32 qk operands under a quantized cache, is compiled here.)"""
   runner = _runner()
-  small = ["--gin.model.num_layers=1"]
+  small = _architecture(CONFIG)
   ok = tmp_path / "ok"
   assert runner.main(["--gin_file=precision/kv_int8.gin", f"--run_dir={ok}"] + small) == 0
+  _assert_audited(ok, CONFIG)
   md = (ok / "audit.md").read_text()
-  assert "## KV cache" in md and "| decode | 0 | i8 |" in md and "PASS" in md
+  assert "## KV cache" in md and "| decode | 0,1 | i8 |" in md and "PASS" in md
   _quantized_query(monkeypatch)
   bad = tmp_path / "bad"     # the lowered check alone finds it (compiled: tests above)
   assert runner.main(["--gin_file=precision/kv_int8.gin", f"--run_dir={bad}",
-                      "--gin.audit.compile=False"] + small) == 3
+                      "--gin.audit.compile=False"] + _architecture(ONE)) == 3
   assert "q is quantized" in (bad / "audit.md").read_text()
 
 
@@ -686,12 +770,12 @@ def test_the_mlp_activation_in_float32_is_audited_both_ways(monkeypatch):
   'compute'), checked against 'float32', fails on exactly those projections."""
   bf16 = Precision(dtype="bfloat16")
   wide = dataclasses.replace(bf16, mlp_activation="float32")
-  result = audit.run_audit(CONFIG, wide, wide, compile=False)
+  result = audit.run_audit(ONE, wide, wide, compile=False)
   assert result["ok"], result["problems"]
   real_prefill = decoding.prefill
   monkeypatch.setattr(decoding, "prefill", lambda *a, precision, **k: real_prefill(
       *a, precision=dataclasses.replace(precision, mlp_activation="compute"), **k))
-  result = audit.run_audit(CONFIG, wide, wide, compile=False)
+  result = audit.run_audit(ONE, wide, wide, compile=False)
   assert not result["ok"]
   bad = [p for p in result["problems"] if "expected f32" in p]
   assert bad and all("mlp/gate" in p or "mlp/up" in p for p in bad), result["problems"]
