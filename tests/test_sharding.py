@@ -175,12 +175,12 @@ def _child_train_loop():
   base = ["train.steps = 4", "train.checkpoint_every = 2"]
   tmp = tempfile.mkdtemp()
   try:
-    train_in_process(f"{tmp}/straight", base + ["mesh.shape = (4, 2)"])
+    train_in_process(f"{tmp}/straight", base + ["mesh.shape = (2, 2)"])
     shutil.copytree(f"{tmp}/straight", f"{tmp}/resumed")
     shutil.rmtree(f"{tmp}/resumed/checkpoints/4")
     os.remove(f"{tmp}/resumed/params.npz")
     gin.clear_config()
-    train_in_process(f"{tmp}/resumed", base + ["mesh.shape = (8, 1)"])
+    train_in_process(f"{tmp}/resumed", base + ["mesh.shape = (4, 1)"])
     with open(f"{tmp}/resumed/metrics.jsonl") as f:
       steps = [json.loads(line)["step"] for line in f]
     a, b = load_npz(f"{tmp}/straight/params.npz"), load_npz(f"{tmp}/resumed/params.npz")
@@ -219,6 +219,7 @@ def _child_main():
   from attnprec import decoding, train
   from attnprec.config import ModelConfig
   from attnprec.precision import Precision
+  from test_train_utils import numpy_params
   assert jax.device_count() == 8
   config = ModelConfig(vocab_size=32, d_model=32, num_layers=1, num_heads=8, num_kv_heads=4,
                        head_dim=8, mlp_hidden=64, max_seq_len=64)
@@ -226,7 +227,11 @@ def _child_main():
   rng = np.random.default_rng(0)
   batch = (rng.integers(0, 32, (8, 16)).astype(np.int32), np.ones((8, 16), np.float32))
   optimizer = train.make_optimizer(total_steps=10, warmup_steps=1)
-  state0 = jax.jit(lambda: train.init_state(config, optimizer, 0))()
+  # The starting state: params drawn in NumPy at init_params' scales (numpy_params: no
+  # compile of the model's init) and the optimizer's own init; every mesh starts from it.
+  params0 = numpy_params(config)
+  state0 = train.TrainState(params0, jax.jit(optimizer.init)(params0), np.zeros((), np.int32),
+                            jax.random.PRNGKey(0))
   update = train.make_update(config, precision, optimizer)
   state, losses, norms = state0, [], []
   for _ in range(2):
