@@ -20,12 +20,12 @@ import pytest
 from attnprec import ginutils, runs
 from attnprec.config import ModelConfig
 from attnprec.errors import UserError
-from attnprec.model import init_params
 from attnprec.precision import REFERENCE
 from attnprec.study import float64, measure
 from attnprec import presets as preset_lib
 from attnprec.study.sweep import study
 from attnprec.tasks.recall import RecallTask
+from test_train_utils import numpy_params
 
 RUNNER = os.path.join(os.path.dirname(ginutils.REPO_GIN_DIR), "runners", "study.py")
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -44,12 +44,12 @@ def test_float64_forward_matches_the_model(features):
   fields = dict(vocab_size=23, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=8, mlp_hidden=48)
   config = ModelConfig(**{**fields, **features})
-  # init and forward each jitted as one program (op by op, they compile ~100 small ones)
-  params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(1))
-  # non-trivial norm scales and biases, so every parameter matters
+  # params drawn in NumPy at init_params' scales (no compile of the model's init), plus
+  # non-trivial norm scales and biases, so every parameter matters; the forward is
+  # jitted as one program (op by op, it compiles ~100 small ones)
   rng = np.random.default_rng(0)
-  params = jax.tree_util.tree_map(lambda x: np.asarray(x) + 0.1 * rng.standard_normal(x.shape)
-                                  .astype(np.float32), params)
+  params = jax.tree_util.tree_map(lambda x: x + 0.1 * rng.standard_normal(x.shape)
+                                  .astype(np.float32), numpy_params(config, seed=1))
   tokens = rng.integers(0, 23, (2, 11)).astype(np.int32)
   logits, attn, _ = jax.jit(lambda p, t: measure.collect(config, p, t, REFERENCE))(params, tokens)
   logits64, attn64 = float64.forward(config, params, tokens)
@@ -115,8 +115,7 @@ TASK = RecallTask(num_keys=8, value_vocab=8, value_len=1, num_pairs=4, num_queri
 def _checkpoint(path, max_seq_len=64, num_layers=2):
   config = ModelConfig(vocab_size=TASK.vocab_size, d_model=16, num_layers=num_layers, num_heads=2,
                        num_kv_heads=1, head_dim=8, mlp_hidden=32, max_seq_len=max_seq_len)
-  params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(0))
-  runs.save_params(str(path), jax.device_get(params))
+  runs.save_params(str(path), numpy_params(config, seed=0))   # init_params' scales, no compile
   runs.write_json(str(path), "model.json", runs.config_dict(config))
   runs.write_json(str(path), "task.json", dataclasses.asdict(TASK))
   return str(path)
@@ -156,17 +155,24 @@ def test_tiny_sweep_end_to_end(tmp_path):
   assert [c["time_ratio"] for c in res["configs"]][0] == 1.0
 
 
+# Every configuration of this sweep is exact (fp32), so the error plots have no line to
+# label; matplotlib warns about the empty legend.
+@pytest.mark.filterwarnings("ignore:No artists with labels found:UserWarning")
 def test_study_with_a_logit_offset_reports_it(tmp_path):
   """The offset (attnprec/study/offsets.py) is calibrated, applied to every configuration
   and the reference alike (fp32 matches the reference exactly, float64 follows it), and
-  reported. One layer: per-layer calibration is tests/test_study_offsets.py's."""
+  reported. One layer: per-layer calibration is tests/test_study_offsets.py's. The fp32
+  preset alone: it is the one whose rows are asserted (a bf16 preset would add its three
+  programs and no assertion)."""
   ckpt = _checkpoint(tmp_path / "ckpt", num_layers=1)
   out_dir = tmp_path / "study"
-  study(run_dir=str(out_dir), model=ckpt, **{**SMALL, "pair_counts": (3,)}, logit_offset=100.0)
+  study(run_dir=str(out_dir), model=ckpt, **{**SMALL, "presets": ("fp32",), "pair_counts": (3,)},
+        logit_offset=100.0)
   saved = json.loads((out_dir / "results.json").read_text())
   assert saved["logit_offset"] == 100.0 and saved["key_offset"] is True
   assert [st["mean"] for st in saved["offset_stats"]] == pytest.approx([100.0], rel=1e-4)
-  fp32 = saved["configs"][1]["per_length"][0]
+  assert [c["name"] for c in saved["configs"]] == ["fp32"]
+  fp32 = saved["configs"][0]["per_length"][0]
   assert max(fp32["prefill_attn_rel_l2"]) == 0 and fp32["greedy"]["agreement"] == 1
   floor = saved["reference"]["per_length"][0]["float64"]
   assert max(floor["attn_rel_l2"]) < 1e-4     # the float64 pass applies the offset too
@@ -201,7 +207,7 @@ def test_a_cache_preset_measures_its_cache_in_the_forward_rows():
   from attnprec.cache import init_cache
   config = ModelConfig(vocab_size=23, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,
                        head_dim=8, mlp_hidden=48)
-  params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(3))
+  params = numpy_params(config, seed=3)
   tokens = np.random.default_rng(1).integers(0, 23, (2, 10)).astype(np.int32)
   exact = dataclasses.replace(REFERENCE, matmul_precision="default",
                               einsum_precision="default")
@@ -209,9 +215,9 @@ def test_a_cache_preset_measures_its_cache_in_the_forward_rows():
                              kv_cache_k_scale="token", kv_cache_v_scale="token")
   nll_c, logits_c, _ = measure.forward_fn(config, exact, 10)(params, tokens)
   nll_q, logits_q, _ = measure.forward_fn(config, int8, 10)(params, tokens)
-  cache = init_cache(config, 2, 10, int8.compute_dtype, int8.cache_storage)
-  by_hand = jax.jit(lambda p, t, c: model_lib.transformed(config).apply(
-      p, t, None, c, precision=int8).logits)(params, tokens, cache)
+  by_hand = jax.jit(lambda p, t: model_lib.transformed(config).apply(
+      p, t, None, init_cache(config, 2, 10, int8.compute_dtype, int8.cache_storage),
+      precision=int8).logits)(params, tokens)
   # two jitted programs: float32 accumulation order only; the int8 cache moves the
   # logits by more than 100x the bound.
   np.testing.assert_allclose(np.asarray(logits_q), np.asarray(by_hand), rtol=0, atol=1e-5)
