@@ -23,6 +23,7 @@ of every weight per decode step); `hk.scan` over hand-stacked params would redo 
 """
 import dataclasses
 import functools
+import warnings
 from typing import NamedTuple, Optional
 
 import chex
@@ -30,7 +31,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from attnprec import layout, platforms
+from attnprec import layout, platforms, xla_env
 from attnprec.cache import KVCache, LayerCache, StackedKVCache
 from attnprec.config import ModelConfig
 from attnprec.contract import CausalMask
@@ -235,6 +236,28 @@ class Decoder(hk.Module):
     return x_BxTxD, (None if cache is None else StackedKVCache(stack=stack))
 
 
+def check_jax_numerics(precision: Precision) -> None:
+  """At every trace of the model: jax's process-wide default matmul precision (set by
+  JAX_DEFAULT_MATMUL_PRECISION, `jax.config.update` or the `jax.default_matmul_precision`
+  context) would set every dot the precision leaves at 'default' (and splash's dots,
+  which take no precision) without the precision line naming it: a UserError, as the
+  runners refuse the variable. A reduced-precision model traced on XLA:CPU with excess
+  precision on is warned about once (`xla_env.excess_precision_note`)."""
+  from jax._src import config as jax_config
+  default = jax_config.default_matmul_precision.value
+  if default is not None:
+    raise UserError(
+        f"jax's default matmul precision is set to {default!r} (JAX_DEFAULT_MATMUL_PRECISION, "
+        f"jax.config.update('jax_default_matmul_precision', ...) or the "
+        f"jax.default_matmul_precision context): it would set every dot that "
+        f"precision.matmul_precision / einsum_precision leave at 'default', unnamed on the "
+        f"precision line. Unset it and give Precision(matmul_precision=..., "
+        f"einsum_precision=...) instead.")
+  note = xla_env.excess_precision_note(jax.default_backend(), precision.dtype)
+  if note:
+    warnings.warn(note, stacklevel=3)
+
+
 def transformed(config: ModelConfig, remat: str = "none") -> hk.Transformed:
   """Pure init/apply for `config`; apply(params, tokens, positions=None, cache=None, *,
   precision, logits_at_B=None, lengths_B=None, hidden_only=False) -> Output. `precision` is a static,
@@ -243,6 +266,7 @@ def transformed(config: ModelConfig, remat: str = "none") -> hk.Transformed:
 
   def fn(tokens_BxT, positions_BxT=None, cache=None, *, precision: Precision,
          logits_at_B=None, lengths_B=None, hidden_only=False):
+    check_jax_numerics(precision)
     return Decoder(config, precision, remat)(tokens_BxT, positions_BxT, cache, logits_at_B,
                                              lengths_B, hidden_only)
 

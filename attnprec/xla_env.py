@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from typing import Optional
 
 FLAG = "--xla_allow_excess_precision=false"
 
@@ -31,6 +32,48 @@ def disable_excess_precision() -> None:
   flags = os.environ.get("XLA_FLAGS", "")
   if "--xla_allow_excess_precision" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} {FLAG}".strip()
+
+
+# XLA_FLAGS as they were when `import attnprec` found JAX's backend already started (XLA
+# read its flags then, before the package could add FLAG); None when the package set
+# them first.
+_FLAGS_AT_IMPORT = None
+
+
+def note_backend_started_before_import() -> None:
+  global _FLAGS_AT_IMPORT
+  _FLAGS_AT_IMPORT = os.environ.get("XLA_FLAGS", "")
+
+
+def excess_precision_allowed(flags=None) -> bool:
+  """Whether XLA_FLAGS (or `flags`) leave XLA:CPU's excess precision on (a bare boolean
+  flag reads as true; no setting is XLA's default, on)."""
+  flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+  values = [f.split("=", 1)[1].lower() if "=" in f else "true" for f in flags.split()
+            if f.startswith("--xla_allow_excess_precision")]
+  return not values or values[-1] not in ("false", "0")
+
+
+_WARNED = []
+
+
+def excess_precision_note(backend: str, compute_dtype: str) -> Optional[str]:
+  """A warning, once per process, for a reduced-precision (non-float32) model traced on
+  XLA:CPU while excess precision is on (XLA_FLAGS chose it, or JAX started before
+  `import attnprec` could turn it off): its bf16 roundings may be dropped. None
+  otherwise."""
+  if backend != "cpu" or compute_dtype == "float32" or _WARNED:
+    return None
+  flags = os.environ.get("XLA_FLAGS", "") if _FLAGS_AT_IMPORT is None else _FLAGS_AT_IMPORT
+  if not excess_precision_allowed(flags):
+    return None
+  _WARNED.append(True)
+  why = ("JAX started its backend before attnprec was imported" if _FLAGS_AT_IMPORT is
+         not None and FLAG not in flags else "XLA_FLAGS allow it")
+  return (f"XLA:CPU excess precision is on in this process ({why}): XLA may drop the "
+          f"{compute_dtype} roundings the precision flags control, so these numbers are "
+          f"not those of a {compute_dtype} model. Import attnprec before running anything "
+          f"in jax, or start Python with XLA_FLAGS={FLAG} (docs/precision.md).")
 
 
 def flags_for(setting: str, flags: str = "") -> str:
@@ -135,6 +178,12 @@ NUMERICS_ENV = {
                                     "precision.einsum_precision (per phase) instead",
     "JAX_ENABLE_X64": "turns on jax's 64-bit types, which the project's programs, tests "
                       "and measurements never use",
+    "JAX_DEFAULT_PRNG_IMPL": "replaces the random number generator behind every seed "
+                             "(parameters, batches, sampling): a seed would no longer give "
+                             "the numbers it gives everywhere else, and a checkpoint written "
+                             "under one generator would not resume under the other",
+    "JAX_THREEFRY_PARTITIONABLE": "changes the random bits jax's threefry generator draws "
+                                  "for a seed (parameters, batches, sampling)",
 }
 
 

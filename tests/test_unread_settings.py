@@ -255,8 +255,52 @@ def test_environment_settings_that_change_numbers_unnamed_are_refused():
     xla_env.check_environment({**base, "JAX_ENABLE_X64": "1"}, prog="decode")
   xla_env.check_environment({**base, "JAX_ENABLE_X64": "1"}, prog="inspect")
   xla_env.check_environment({**base, "JAX_ENABLE_X64": "0"}, prog="decode")
+  with pytest.raises(UserError, match="JAX_DEFAULT_PRNG_IMPL='rbg' is set: it replaces the "
+                                      "random number generator behind every seed"):
+    xla_env.check_environment({**base, "JAX_DEFAULT_PRNG_IMPL": "rbg"}, prog="train")
   assert "(--xla_allow_excess_precision=true)" in xla_env.describe(
       "--xla_allow_excess_precision")
+
+
+def test_the_python_api_refuses_a_default_matmul_precision_and_names_excess_precision(
+    monkeypatch):
+  """What the runners refuse from the environment, the model refuses (or names) when it
+  is traced from Python: jax's default matmul precision however it was set (here the
+  context manager), and excess precision left on for a bf16 model on XLA:CPU (a warning,
+  once per process; float32 models are not affected)."""
+  import warnings
+  import jax
+  import jax.numpy as jnp
+  from attnprec import xla_env
+  from attnprec.config import ModelConfig
+  from attnprec.model import init_params, transformed
+  from attnprec.precision import Precision
+  config = ModelConfig(vocab_size=16, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                       head_dim=8, mlp_hidden=32, max_seq_len=16)
+  params = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
+
+  def trace(dtype):
+    return jax.eval_shape(lambda p: transformed(config).apply(
+        p, jnp.zeros((1, 4), jnp.int32), precision=Precision(dtype=dtype)), params)
+
+  with jax.default_matmul_precision("bfloat16"):
+    with pytest.raises(UserError, match="jax's default matmul precision is set to "
+                                        "'bfloat16'"):
+      trace("float32")
+  monkeypatch.setattr(xla_env, "_WARNED", [])
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    trace("bfloat16")                          # this process runs with FLAG: no warning
+    monkeypatch.setattr(xla_env, "_FLAGS_AT_IMPORT", "")   # as if jax started first
+    trace("float32")
+    trace("bfloat16")
+    trace("bfloat16")                          # once per process
+  notes = [str(w.message) for w in caught if "excess precision" in str(w.message)]
+  assert len(notes) == 1 and notes[0].startswith(
+      "XLA:CPU excess precision is on in this process (JAX started its backend before "
+      "attnprec was imported)"), notes
+  assert xla_env.excess_precision_allowed("--xla_allow_excess_precision")
+  assert not xla_env.excess_precision_allowed(xla_env.FLAG)
 
 
 def test_a_platform_without_a_backend_is_bad_input(tmp_path):
