@@ -282,7 +282,8 @@ def _figures(res: dict):
   ax.set_ylabel("decode attention error (rel L2, worst layer)")
   ax.set_title(f"cost vs error at {res['reference']['per_length'][-1]['label']}", fontsize=10)
   ax.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize=8, loc="best")
+  if ax.get_legend_handles_labels()[0]:     # every configuration exact: nothing plotted
+    ax.legend(fontsize=8, loc="best")
   if exact:
     times = ", ".join(f"{c['name']} {c['time_ratio']:.2f}x" for c in res["configs"]
                       if c["name"] in exact)
@@ -303,7 +304,8 @@ def _figures(res: dict):
   ax.set_ylabel("decode attention error (rel L2)")
   ax.set_title(f"error by layer at {res['reference']['per_length'][-1]['label']}", fontsize=10)
   ax.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize=8)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=8)
   if exact_note:
     ax.set_title(f"error by layer at {res['reference']['per_length'][-1]['label']}\n"
                  f"({exact_note})", fontsize=9)
