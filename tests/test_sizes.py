@@ -391,6 +391,11 @@ def test_records_without_a_header_are_refused_naming_the_file(tmp_path):
      "per_length[-1].nll is nan, not a finite number"),
     (lambda res: res["configs"][0]["per_length"][-1].update(decode_attn_rel_l2=[]),
      "decode_attn_rel_l2 is [], not a list of per-layer errors"),
+    (lambda res: res["configs"][0]["per_length"][-1].update(logits_kl=-0.5),
+     "per_length[-1].logits_kl is -0.5, below 0 (it cannot be negative)"),
+    (lambda res: res["reference"]["per_length"][-1].update(nll=-3.0),
+     "reference.per_length[-1].nll is -3.0, below 0"),
+    (lambda res: res.update(bogus=1), "it has the key 'bogus', which a study does not write"),
 ])
 def test_a_study_results_file_edited_or_cut_is_refused_naming_the_field(tmp_path, edit,
                                                                       says):

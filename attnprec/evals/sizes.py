@@ -73,10 +73,29 @@ def _read(run_dir: str, what: str) -> dict:
   return obj
 
 
-def _finite(x, where: str) -> Optional[str]:
+def _finite(x, where: str, at_least: Optional[float] = None) -> Optional[str]:
+  """None if x is a finite number (>= `at_least` when given), else what is wrong."""
   if not readback.is_finite_number(x):
     return f"{where} is {x!r}, not a finite number"
+  if at_least is not None and x < at_least:
+    return f"{where} is {x!r}, below {at_least:g} (it cannot be negative)"
   return None
+
+
+# The top-level keys each runner writes into results.json (`study.sweep.run`,
+# `humaneval_eval.write_report`, `retrieval_eval.write_report`, plus `runs.provenance`):
+# a key outside them was not written by that runner.
+RESULT_KEYS = {
+    "study": frozenset({"model", "model_arg", "kind", "config", "query_scale_multiplier",
+                        "logit_offset", "key_offset", "offset_stats", "backend", "xla_flags",
+                        "settings", "text", "reference", "configs", "timing", "provenance"}),
+    "HumanEval run": frozenset({"reference", "baseline", "presets", "comparisons", "task",
+                                "model", "max_new_tokens", "xla", "sandbox_protections",
+                                "code_versions", "mixed_code", "provenance"}),
+    "retrieval run": frozenset({"task", "model", "first_token", "kernel", "reference",
+                                "baseline", "alpha", "lengths", "pooled", "by_position",
+                                "departure", "code_versions", "mixed_code", "provenance"}),
+}
 
 
 def _schema_problem(obj, what: str) -> Optional[str]:
@@ -84,6 +103,15 @@ def _schema_problem(obj, what: str) -> Optional[str]:
   all there, with finite figures."""
   if not isinstance(obj, dict):
     return f"a JSON {type(obj).__name__}, not an object"
+  why = _shape_problem(obj, what)
+  unknown = sorted(set(obj) - RESULT_KEYS.get(what, set(obj)))
+  if why or not unknown:
+    return why
+  return (f"it has the key {_short(unknown[0])}, which a {what} does not write (it "
+          f"writes {', '.join(sorted(RESULT_KEYS[what]))})")
+
+
+def _shape_problem(obj: dict, what: str) -> Optional[str]:
   if what == "study":
     if not isinstance(obj.get("settings"), dict):
       return "'settings' is missing or not an object"
@@ -96,8 +124,9 @@ def _schema_problem(obj, what: str) -> Optional[str]:
               and isinstance(c["per_length"][-1], dict)):
         return f"configs[{i}] has no name or no per_length rows"
       last = c["per_length"][-1]
-      for key in ("logits_kl", "decode_logits_kl", "nll"):
-        why = _finite(last.get(key), f"configs[{i}] ({c['name']}).per_length[-1].{key}")
+      for key in ("logits_kl", "decode_logits_kl", "nll"):    # a KL and an NLL are >= 0
+        why = _finite(last.get(key), f"configs[{i}] ({c['name']}).per_length[-1].{key}",
+                      at_least=0.0)
         if why:
           return why
       layers = last.get("decode_attn_rel_l2")
@@ -105,14 +134,15 @@ def _schema_problem(obj, what: str) -> Optional[str]:
         return (f"configs[{i}] ({c['name']}).per_length[-1].decode_attn_rel_l2 is "
                 f"{_short(layers)}, not a list of per-layer errors")
       for j, v in enumerate(layers):
-        why = _finite(v, f"configs[{i}] ({c['name']}).per_length[-1].decode_attn_rel_l2[{j}]")
+        why = _finite(v, f"configs[{i}] ({c['name']}).per_length[-1].decode_attn_rel_l2[{j}]",
+                      at_least=0.0)
         if why:
           return why
     ref = obj.get("reference")
     rows = ref.get("per_length") if isinstance(ref, dict) else None
     if not (isinstance(rows, list) and rows and isinstance(rows[-1], dict)):
       return "'reference' has no per_length rows"
-    return _finite(rows[-1].get("nll"), "reference.per_length[-1].nll")
+    return _finite(rows[-1].get("nll"), "reference.per_length[-1].nll", at_least=0.0)
   if not isinstance(obj.get("reference"), str):
     return "'reference' (the reference preset's name) is missing"
   if what.startswith("retrieval"):
