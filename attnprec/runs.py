@@ -618,9 +618,15 @@ def read_metrics(path: str):
   return records, text
 
 
+# What a training's metrics line holds (`train.train`: the update's metrics, the step,
+# the steps skipped so far, the throughput, and at an eval step the eval's metrics).
+METRIC_KEYS = frozenset({"step", "loss", "accuracy", "grad_norm", "param_norm",
+                         "skipped_steps", "tokens_per_s", "eval_loss", "eval_accuracy"})
+
+
 def _metrics_problem(obj: dict, last_step: int) -> Optional[str]:
-  """What is wrong with one metrics record after a record of step `last_step`: a 'step'
-  that is not an integer above it (steps count from 1, once each, in order), a value
+  """What is wrong with one metrics record after a record of step `last_step`: a key
+  outside METRIC_KEYS, a 'step' that is not an integer above it (steps count from 1, once each, in order), a value
   that is not a number, or a non-finite one in a run that skipped no step (a training
   writes non-finite figures only for steps it skipped: `skipped_steps` > 0)."""
   step = obj.get("step")
@@ -631,6 +637,10 @@ def _metrics_problem(obj: dict, last_step: int) -> Optional[str]:
             f"logged once, in order, from 1)")
   if step > INT_MAX:
     return f"its 'step' is {step}, past the most steps a training runs ({INT_MAX})"
+  unknown = sorted(set(obj) - METRIC_KEYS)
+  if unknown:
+    return (f"its {unknown[0]!r} is not a figure a training logs (it logs "
+            f"{', '.join(sorted(METRIC_KEYS))})")
   skipped = obj.get("skipped_steps", 0)
   for key, value in obj.items():
     if not readback.is_number(value):

@@ -152,6 +152,8 @@ def test_integers_past_int32_and_text_that_is_not_utf8_are_refused_by_rule():
     ('{"step": 1, "loss": 2.0, "eval_accuracy": 7}\n', "its 'eval_accuracy' is 7, not a"),
     ('{"step": 1, "loss": -1.0}\n', "its 'loss' is -1.0, not a loss"),
     ('{"step": 9007199254740993, "loss": 2}\n', "past the most steps a training runs"),
+    ('{"step": 1, "loss": 2.0, "bogus": 1}\n', "line 1: its 'bogus' is not a figure a "
+                                                "training logs"),
 ])
 def test_a_metrics_file_that_is_not_a_trainings_is_an_error(tmp_path, content, says):
   from attnprec import plotting, runs
@@ -230,7 +232,7 @@ def test_a_key_given_twice_in_a_file_a_run_reads_back_is_refused(tmp_path):
 def test_metrics_without_any_loss_are_not_plotted(tmp_path):
   """Records a training did not write (no loss in any): refused, not an empty plot."""
   from attnprec import plotting
-  (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "foo": 3}\n')
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "grad_norm": 3}\n')
   with pytest.raises(UserError, match="holds no 'loss' in any of its 2 records"):
     plotting.plot_run(str(tmp_path))
   assert not (tmp_path / "metrics.png").exists()
