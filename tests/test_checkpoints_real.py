@@ -4,14 +4,16 @@ transformers (5.x, torch CPU, float32, eager attention) is the independent refer
 own GGUF loader, q/k un-permutation, norm conversion, config defaults, tokenizer builder
 and model code. Per model (one test each, so each model is loaded once):
 
-* logits over 256 tokens of real text (Python stdlib docstrings, present on every
-  machine): max abs diff <= 1e-3 (measured ~1e-4-3e-4 over logits of magnitude ~10-40;
-  both sides are float32 over the same dequantized weights; the residue is summation
-  order over 18-30 layers);
-* 64 greedy tokens identical: transformers' full-forward logits over the prompt + our
-  greedy continuation must have exactly that continuation's argmax at every step, and so
-  must ours. By induction this is the same as running each side's greedy loop (each
-  would pick the same token at each step), in one forward pass instead of 64;
+* logits over one sequence of 256 tokens: a 32-token prompt of real text (Python stdlib
+  docstrings, present on every machine), our 64 greedy tokens after it, then the text's
+  own tokens 96..255: max abs diff <= 1e-3 at every position and the same argmax
+  (measured ~1e-4-3e-4 over logits of magnitude ~10-40; both sides are float32 over the
+  same dequantized weights; the residue is summation order over 18-30 layers);
+* 64 greedy tokens identical: transformers' full-forward logits over that sequence must
+  have exactly our greedy continuation's argmax at every step of it, and so must ours. By
+  induction this is the same as running each side's greedy loop (each would pick the
+  same token at each step), in one forward pass instead of 64 (causal: what follows the
+  continuation does not change its logits);
 * the public `checkpoints.generate` (built on `attnprec.decoding.generate`: cached
   prefill + scan decode) gives the same 64 tokens, cut at the tokenizer's end token; a
   text prompt (the prompt's own text) gives what its token ids give (on SmolLM2 only:
@@ -82,41 +84,59 @@ def text_lines(limit=400):
   return lines[:limit]
 
 
-class _NumpyReadingWholeFiles:
-  """numpy, except that `memmap(path, mode='r')` is the file's bytes read into memory:
-  the same uint8 array, whose slices gguf.GGUFReader's parse takes ~4x faster (a
-  memmap's `__getitem__` costs ~1 us: 12.7M of them parse Gemma 3's metadata)."""
+def _numpy_reading_whole_files(file_bytes):
+  """numpy, except that `memmap(path, mode='r')` is `file_bytes(path)`, the file's bytes
+  read into memory: the same uint8 array, whose slices gguf.GGUFReader's parse takes ~4x
+  faster (a memmap's `__getitem__` costs ~1 us: 12.7M of them parse Gemma 3's metadata).
+  A module object holding numpy's names (not a proxy with `__getattr__`, which cost a
+  Python call on each of the parse's ~1.4M `np.` look-ups)."""
+  def memmap(path, mode="r", **kwargs):
+    assert mode == "r" and kwargs in ({}, {"dtype": np.uint8}), (mode, kwargs)
+    return file_bytes(path)
 
-  def __getattr__(self, name):
-    return getattr(np, name)
-
-  @staticmethod
-  def memmap(path, mode="r"):
-    assert mode == "r", mode
-    return np.fromfile(path, dtype=np.uint8)
+  module = types.ModuleType("numpy_reading_whole_files")
+  module.__dict__.update(vars(np))
+  module.memmap = memmap
+  return module
 
 
 @contextlib.contextmanager
 def one_gguf_parse():
-  """transformers opens a GGUF with gguf.GGUFReader once for the tokenizer, once for the
-  config and once for the weights; on Gemma 3's 262k-token vocabulary each parse takes
-  ~10 s. Share one reader per file (the file's content is unchanged), parsed from the
-  file's bytes in memory (`_NumpyReadingWholeFiles`), and transformers' metadata read
+  """transformers opens a GGUF with gguf.GGUFReader once for the config and once for the
+  weights, and with its own reader (`integrations.gguf.reader`) for the tokenizer; on
+  Gemma 3's 262k-token vocabulary each parse takes ~10 s. Read each file's bytes once
+  into memory (read-only, as the readers' memory maps are; the file is unchanged) and
+  share one gguf.GGUFReader per file, parsed from those bytes. transformers' metadata read
   (`load_gguf_checkpoint(..., return_tensors=False)`: every field's values parsed in
-  Python, twice per model) once per file, each caller given its own copy. transformers'
-  weight-name map also builds gguf's `TensorNameMap(arch, n_blocks)` once per module of
-  the model (~400 times, ~14 s per model); it is a pure function of its two arguments
-  and is only read, so one map per (arch, n_blocks) is shared."""
+  Python) runs once per file, each caller given its own copy of the "config" entry, the
+  only one its two callers (the model's and the tokenizer's config) read; the weights'
+  call (`return_tensors=True`) parses the same fields of the same shared reader again,
+  so `_gguf_parse_value`, a pure function of a field part and its types, keeps each
+  part's value. transformers' weight-name map also builds gguf's
+  `TensorNameMap(arch, n_blocks)` once per module of the model (~400 times, ~14 s per
+  model); it is a pure function of its two arguments and is only read, so one map per
+  (arch, n_blocks) is shared."""
   from gguf import gguf_reader
   from transformers import modeling_gguf_pytorch_utils as tf_gguf
-  readers, metadata = {}, {}
+  from transformers.integrations.gguf import reader as tf_reader
+  files, readers, metadata, values = {}, {}, {}, {}
   original, original_metadata = gguf.GGUFReader, tf_gguf.load_gguf_checkpoint
+  original_parse = tf_gguf._gguf_parse_value
+
+  def file_bytes(path):
+    if str(path) not in files:
+      data = np.fromfile(path, dtype=np.uint8)
+      data.flags.writeable = False
+      files[str(path)] = data
+    return files[str(path)]
+
+  numpy_reading_whole_files = _numpy_reading_whole_files(file_bytes)
 
   def shared(path, *args, **kwargs):
     key = (str(path), args, tuple(sorted(kwargs.items())))
     if key not in readers:
       with pytest.MonkeyPatch.context() as m:
-        m.setattr(gguf_reader, "np", _NumpyReadingWholeFiles())
+        m.setattr(gguf_reader, "np", numpy_reading_whole_files)
         readers[key] = original(path, *args, **kwargs)
     return readers[key]
 
@@ -125,11 +145,19 @@ def one_gguf_parse():
       return original_metadata(path, return_tensors, *args, **kwargs)
     if str(path) not in metadata:
       metadata[str(path)] = original_metadata(path, return_tensors=False)
-    return copy.deepcopy(metadata[str(path)])
+    return {"config": copy.deepcopy(metadata[str(path)]["config"])}
+
+  def parse_once(part, data_type):
+    key = (id(part), tuple(data_type) if isinstance(data_type, list) else data_type)
+    if key not in values:        # the part itself kept too, so that its id stays its own
+      values[key] = (part, original_parse(part, data_type))
+    return values[key][1]
 
   with pytest.MonkeyPatch.context() as m:
     m.setattr(gguf, "GGUFReader", shared)
     m.setattr(tf_gguf, "load_gguf_checkpoint", shared_metadata)
+    m.setattr(tf_gguf, "_gguf_parse_value", parse_once)
+    m.setattr(tf_reader, "_mapped", file_bytes)
     m.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
     yield
 
@@ -187,27 +215,30 @@ def compute(name):
   prompt = ids[:PROMPT]
   # Our greedy continuation (cached prefill + scan decode), cut at the end token; then
   # all NEW tokens, if it stopped before them.
-  tok = ckpt.tokenizer
   ours = checkpoints.generate(ckpt, [prompt], precision=Precision(), max_new_tokens=NEW)
   ours_new = ours.tokens[0]
   if ours.stopped[0]:
     ours_new = checkpoints.generate(ckpt, [prompt], precision=Precision(),
                                     max_new_tokens=NEW, eos_id=-1).tokens[0]
   assert len(ours_new) == NEW
-  # Same [1, T] shape as the logits (one compiled program); padding after the sequence
-  # does not change causal logits before it.
-  forced = prompt + ours_new + [0] * (T - PROMPT - NEW)
+  # One [1, T] sequence feeds both checks: the prompt, our continuation, then the real
+  # text again after it, so the logits are compared over all T positions in one forward
+  # pass per side (and at T = 256 our prefill runs the blockwise kernel under
+  # kernel='auto'); causal logits at a position do not depend on what follows it.
+  forced = prompt + ours_new + ids[PROMPT + NEW:]
+  assert len(forced) == T
   with torch.no_grad():
-    both = tf_model(torch.tensor([ids, forced])).logits.numpy()
+    ref_logits = tf_model(torch.tensor([forced])).logits.numpy()
   # transformers' greedy choice after each prefix of our continuation: equal to ours at
   # every step exactly when its greedy `generate` would give our 64 tokens (by
   # induction), in one forward pass instead of 64 decode steps.
-  ref_new = both[1, PROMPT - 1:PROMPT - 1 + NEW].argmax(-1).tolist()
+  ref_new = ref_logits[0, PROMPT - 1:PROMPT - 1 + NEW].argmax(-1).tolist()
   return types.SimpleNamespace(
       name=name, ckpt=ckpt, path=path, tf_tok=tf_tok, ids=ids, prompt=prompt,
-      ref_logits=both[:1], ref_new=ref_new, ours=ours, ours_new=ours_new,
-      logits=np.asarray(checkpoints.logits(ckpt, np.array([ids]))),
-      forced_logits=np.asarray(checkpoints.logits(ckpt, np.array([forced]))))
+      forced=forced, ref_logits=ref_logits, ref_new=ref_new, ours=ours, ours_new=ours_new,
+      # check_finite=False: a NaN or Inf logit fails check_logits anyway (the max abs
+      # difference is then NaN or Inf), without the five extra programs of the check.
+      logits=np.asarray(checkpoints.logits(ckpt, np.array([forced]), check_finite=False)))
 
 
 def check_logits(real):
@@ -219,7 +250,7 @@ def check_logits(real):
 
 
 def check_greedy_64_tokens(real):
-  steps_MxV = real.forced_logits[0, PROMPT - 1:PROMPT - 1 + NEW]
+  steps_MxV = real.logits[0, PROMPT - 1:PROMPT - 1 + NEW]
   ours = steps_MxV.argmax(-1).tolist()
   top2 = np.sort(steps_MxV, -1)[:, -2:]
   print(f"{real.name}: smallest top-1/top-2 logit gap {float((top2[:, 1] - top2[:, 0]).min()):.3f}")
