@@ -164,14 +164,29 @@ def first_nonfinite_stage(config, params, tokens_BxT, precision) -> Optional[str
 def logits_problem(logits) -> "Tuple[int, int, Tuple[int, ...]]":
   """(NaN count, Inf count, index of the first non-finite value) of a logits array
   (on device or host); the index is () when every value is finite."""
-  import jax.numpy as jnp
-  x = jnp.asarray(logits)
-  bad = ~jnp.isfinite(x)
-  nan, inf = int(jnp.isnan(x).sum()), int(jnp.isinf(x).sum())
+  shape = np.shape(logits)
+  nan, inf, first = (int(v) for v in _nonfinite_stats()(logits))
   if not (nan or inf):
     return 0, 0, ()
-  first = np.unravel_index(int(jnp.argmax(bad.reshape(-1))), x.shape)
-  return nan, inf, tuple(int(i) for i in first)
+  return nan, inf, tuple(int(i) for i in np.unravel_index(first, shape))
+
+
+_STATS = []
+
+
+def _nonfinite_stats():
+  """One jitted program (NaN count, Inf count, flat index of the first non-finite value),
+  compiled once per shape, where five eager ops compiled five."""
+  if not _STATS:
+    import jax
+    import jax.numpy as jnp
+
+    def stats(x):
+      flat = jnp.asarray(x).reshape(-1)
+      return (jnp.isnan(flat).sum(), jnp.isinf(flat).sum(),
+              jnp.argmax(~jnp.isfinite(flat)))
+    _STATS.append(jax.jit(stats))
+  return _STATS[0]
 
 
 class Where(NamedTuple):
