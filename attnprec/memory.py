@@ -37,6 +37,29 @@ def batch_bytes(config: ModelConfig, batch: int, queries: int, keys: int) -> int
   return int(cache + attention + hidden + logits)
 
 
+def weights_floor(config: ModelConfig) -> int:
+  """A floor of the model's parameter count, from its dimensions alone (no trace: a
+  model too large to build is refused before it is built): the embedding, and per layer
+  the q/k/v/o projections and two MLP matrices (a gated MLP has a third; norms and
+  biases are left out)."""
+  d, h = config.d_model, config.head_dim
+  attn = d * h * (2 * config.num_heads + 2 * config.num_kv_heads)
+  return int(config.vocab_size * d + config.num_layers * (attn + 2 * d * config.mlp_hidden))
+
+
+def train_state_bytes(config: ModelConfig) -> int:
+  """A floor of what a training holds besides its batch: float32 params, their
+  gradients and Adam's two moments."""
+  return 4 * 4 * weights_floor(config)
+
+
+def model_setting(config: ModelConfig) -> str:
+  """The dimensions that size a model, as gin settings, for an error naming them."""
+  return (f"the model (model.d_model = {config.d_model}, model.mlp_hidden = "
+          f"{config.mlp_hidden}, model.num_layers = {config.num_layers}, model.vocab_size = "
+          f"{config.vocab_size}, model.num_heads = {config.num_heads})")
+
+
 def check_fits(what: str, needed: int, *, total: Optional[int] = None,
                holding: str = "the KV cache, one layer's attention logits and "
                               "activations, in float32") -> None:

@@ -54,7 +54,7 @@ class TrainState(NamedTuple):
 @gin.configurable("optimizer")
 @checks.validated("optimizer", learning_rate=checks.number(gt=0),
                   warmup_steps=checks.integer(min=0), total_steps=checks.at_least(1),
-                  end_value_ratio=checks.number(ge=0), weight_decay=checks.number(ge=0),
+                  end_value_ratio=checks.number(ge=0, le=1), weight_decay=checks.number(ge=0),
                   clip_norm=checks.number(gt=0), b1=checks.number(ge=0, lt=1),
                   b2=checks.number(ge=0, lt=1), eps=checks.number(gt=0))
 def make_optimizer(*, learning_rate: float = 3e-3, warmup_steps: int = 100,
@@ -254,10 +254,18 @@ def train(*, config: ModelConfig, precision: Precision, task, run_dir: str,
                                 ("train.eval_batch", eval_batch)])
   # A batch that surely does not fit is refused with its estimate before anything runs
   # (a forward pass's floor; a train step keeps more for its backward pass).
+  # The model alone first (its params, gradients and Adam's moments): a model too large
+  # is named as such, not as a batch to lower.
+  state_bytes = memory.train_state_bytes(config)
+  memory.check_fits(memory.model_setting(config), state_bytes,
+                    holding="its float32 params, gradients and Adam's two moments")
   T = task.train_batch(batch_rng(seed, 0), 1)[0].shape[1]
   for name, b in (("train.batch_size", batch_size), ("train.eval_batch", eval_batch)):
     memory.check_fits(f"{name} = {b} (sequences of {T} tokens)",
-                      memory.batch_bytes(config, b, T, T))
+                      memory.batch_bytes(config, b, T, T) + state_bytes,
+                      holding="the model's params, gradients and Adam's moments, and the "
+                              "batch's KV cache, one layer's attention logits and "
+                              "activations, in float32")
   runs.check_writable(run_dir)
   optimizer = make_optimizer(total_steps=steps)
   optimizer_settings = optimizer_args()

@@ -92,6 +92,30 @@ def test_a_request_too_large_for_the_machine_is_refused_with_its_estimate(tmp_pa
     memory.check_fits("x", 2 ** 30, total=2 ** 30)
 
 
+def test_a_model_too_large_to_train_is_named_not_its_batch(tmp_path):
+  """A model whose params, gradients and Adam moments alone exceed the machine is refused
+  naming the model's dimensions (it was 'train.batch_size = 8 ... Lower it'), before it is
+  built; the floor it uses is below the real parameter count (no false refusal)."""
+  import jax
+  import numpy as np
+  from test_train_utils import train_in_process
+  from attnprec import memory
+  from attnprec.config import ModelConfig
+  from attnprec.model import param_shapes
+  with pytest.raises(UserError, match=r"the model \(model.d_model = 2000000000, "
+                                      r"model.mlp_hidden = 64, .*\) needs at least "
+                                      r"[\d.]+ GiB for one batch \(its float32 params"):
+    train_in_process(tmp_path / "big", ["model.d_model = 2000000000"])
+  assert not (tmp_path / "big").exists()
+  for act in ("silu", "gelu"):
+    config = ModelConfig(vocab_size=100, d_model=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, mlp_hidden=96, max_seq_len=64,
+                         activation=act)
+    real = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes(config)))
+    # a floor (a gated MLP's third matrix, norms and biases left out), not far below
+    assert 0.75 * real <= memory.weights_floor(config) <= real, (act, real)
+
+
 def test_auto_decodes_with_the_platforms_kernel_in_the_program_lowered_for_it():
   """kernel='auto' traced for a TPU (the audit's --platform=tpu on this machine): its
   decode step holds the dense kernel (no online softmax), on XLA:CPU the blockwise one."""
@@ -472,3 +496,13 @@ def test_a_float64_batch_larger_than_the_batch_is_refused(tmp_path):
     study(run_dir=str(tmp_path / "s"), model="recall-tiny", presets=("bf16",),
           pair_counts=(2,), batch=4, float64_batch=7, logit_positions=8, progress=False)
   assert not os.listdir(tmp_path / "s")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_an_output_directory_where_nothing_can_be_created_says_so():
+  """/proc exists but takes no new directory: the error says nothing can be created
+  there (it said "'/proc': No such file or directory")."""
+  from attnprec import runs
+  with pytest.raises(UserError, match=r"--run_dir='/proc/attnprec_x' is not writable: "
+                                      r"nothing can be created in '/proc'"):
+    runs.check_output_dir("/proc/attnprec_x")
