@@ -189,7 +189,8 @@ def check_output_dir(path: str, *, flag: str = "--run_dir") -> str:
   try:
     os.rmdir(tempfile.mkdtemp(dir=probe_in, prefix=".write-probe-"))
   except OSError as e:
-    raise UserError(f"{flag}={path!r} is not writable: {probe_in!r}: {e.strerror}. Choose "
+    raise UserError(f"{flag}={path!r} is not writable: nothing can be created in "
+                    f"{probe_in!r} (creating a directory there failed: {e.strerror}). Choose "
                     f"a writable path with {flag}.") from None
   return path
 
@@ -690,8 +691,14 @@ def load_checkpoint(run_dir: str):
     with np.load(params_path) as z:
       params: Dict[str, Dict[str, np.ndarray]] = {}
       for key in z.files:
-        module, name = key.split("//")
-        params.setdefault(module, {})[name] = z[key]
+        parts = key.split("//")
+        if len(parts) != 2 or not all(parts):
+          raise UserError(
+              f"{params_path!r} holds an array named {key!r}, not a parameter a training "
+              f"saves (each is 'module//name', e.g. 'decoder/embed//embeddings'). It was "
+              f"edited or written by other code; remove that array, or train into a new "
+              f"directory.")
+        params.setdefault(parts[0], {})[parts[1]] = z[parts[0] + "//" + parts[1]]
   except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
     raise UserError(f"Cannot read {params_path!r}: {e}. The file is corrupt or truncated.") \
         from None

@@ -149,6 +149,11 @@ bad_bindings = st.one_of(
     st.tuples(st.just("TopP.p"), st.one_of(non_positive_numbers, not_finite,
                                            st.floats(min_value=1.0, exclude_min=True,
                                                      allow_infinity=False).map(repr))),
+    st.tuples(st.just("optimizer.end_value_ratio"),
+              st.one_of(st.floats(max_value=0, exclude_max=True,
+                                  allow_infinity=False).map(repr), not_finite,
+                        st.floats(min_value=1.0, exclude_min=True,
+                                  allow_infinity=False).map(repr))),
     st.tuples(st.sampled_from(["precision.dtype", "train/precision.dtype",
                                "decode/precision.dtype"]),
               identifiers.filter(lambda s: s not in DTYPES).map(repr)),
@@ -781,6 +786,18 @@ def test_api_empty_model_files_are_refused(tmp_path):
   run = _fake_run(tmp_path, {})
   (run / "params.npz").write_bytes(b"")
   api_refused(lambda: checkpoints.load(run), "params.npz is empty (0 bytes)")
+
+
+def test_api_a_params_array_named_otherwise_than_a_training_names_it_is_named(tmp_path):
+  """An array in params.npz whose name is not 'module//name' (it was 'not enough values
+  to unpack')."""
+  from attnprec import checkpoints
+  run = _fake_run(tmp_path, {})
+  with np.load(run / "params.npz") as z:
+    arrays = {k: z[k] for k in z.files}
+  np.savez(run / "params.npz", **arrays, **{"bogus/w": np.zeros(2, np.float32)})
+  api_refused(lambda: checkpoints.load(run), "holds an array named 'bogus/w', not a "
+                                             "parameter a training saves")
 
 
 # ----------------------------------------------------------------------------- hostile files
