@@ -213,6 +213,8 @@ def run_attention(args):
       memory_seq_lens=args.memory_seq_lens,
       decode_seq_lens=args.decode_seq_lens or bench.DEFAULT_DECODE_SEQ_LENS,
       kernels=args.kernels or bench.KERNELS, presets=args.presets,
+      memory_presets=args.presets if args.presets_given else bench.DEFAULT_MEMORY_PRESETS,
+      decode_presets=args.presets if args.presets_given else bench.DEFAULT_DECODE_PRESETS,
       include_torch=not args.no_torch)
   runs.write_json(args.out, "results.json", result, provenance=True)
   table = bench.to_markdown(result)
@@ -393,7 +395,10 @@ def _parse(argv):
       f"{','.join(map(str, tpu_bench.DEFAULT_TRAIN_SEQ_LENS))})")
   add("--flag_rows", default=",".join(tpu_bench.FLAG_ROWS),
       help=f"tpu_attention suite: the flag settings, from {','.join(tpu_bench.FLAG_ROWS)}")
-  add("--presets", default=",".join(bench.PRESETS), help="attention suite: precision presets")
+  add("--presets", default=",".join(bench.PRESETS),
+      help="attention suite: precision presets, for every section (not given: all for the "
+           f"forward sweep, {','.join(bench.DEFAULT_MEMORY_PRESETS)} for memory, "
+           f"{','.join(bench.DEFAULT_DECODE_PRESETS)} for decode)")
   add("--no_torch", action="store_true", help="skip the transformers / torch baselines")
   add("--no_flag_phases", action="store_true",
       help="model suite: skip the cost of the flags per phase (its train step holds the "
@@ -445,6 +450,9 @@ def _parse(argv):
         f"--suite={args.suite} does not read {', '.join('--' + k for k in unread)}; "
         f"the options it reads: {', '.join('--' + k for k in READS[args.suite])} "
         f"(and --suite, --out). Drop them, or choose the suite that reads them.")
+  # --presets given: every section of the attention suite runs those presets (the
+  # memory and decode sections run their own defaults otherwise)
+  args.presets_given = given.get("presets", marker) is not marker
   if args.no_torch and given.get("torch_dtypes", marker) is not marker:
     raise UserError(f"--torch_dtypes={','.join(args.torch_dtypes)} names the dtypes of the "
                     f"torch baselines, which --no_torch skips: it would not be read. Drop "

@@ -494,3 +494,29 @@ def test_an_attention_length_past_the_machine_is_refused_with_its_estimate():
                                         rf"[0-9.]+ GiB.*its q, k and v in float32"):
       bench.run_attention_bench(**{option: (2 ** 40,)}, include_torch=False,
                                 progress=False)
+
+
+class _Stop(Exception):
+  pass
+
+
+@pytest.mark.parametrize("argv,memory,decode", [
+    ([], ("fp32_attention", "fp32"), ("bf16", "fp32_attention", "fp32")),
+    (["--presets=fp32"], ("fp32",), ("fp32",)),
+])
+def test_the_attention_suite_runs_the_presets_given_in_every_section(tmp_path, monkeypatch,
+                                                                    argv, memory, decode):
+  """`--presets` names what every section of the attention suite runs (the memory and
+  decode sections used to run their defaults whatever it said, while results.json listed
+  only the presets given); the bench records each section's presets."""
+  from test_train_utils import load_runner
+  runner = load_runner("bench.py")
+  seen = {}
+
+  def stop(**kwargs):
+    seen.update(kwargs)
+    raise _Stop
+  monkeypatch.setattr(runner.bench, "run_attention_bench", stop)
+  with pytest.raises(_Stop):
+    runner.main(["--suite=attention", "--no_torch", f"--out={tmp_path / 'b'}"] + argv)
+  assert tuple(seen["memory_presets"]) == memory and tuple(seen["decode_presets"]) == decode

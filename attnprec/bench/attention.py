@@ -215,7 +215,8 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
   """
   from tqdm.auto import tqdm
   kernels, presets = list(kernels), list(presets)
-  for name in presets:
+  memory_presets, decode_presets = list(memory_presets), list(decode_presets)
+  for name in presets + memory_presets + decode_presets:
     if name not in PRESETS:
       raise UserError(f"Unknown preset {name!r}; valid: {list(PRESETS)}.")
   for name in kernels:
@@ -227,6 +228,7 @@ def run_attention_bench(*, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, batch: in
   t_start = time.perf_counter()
   result = dict(config=dict(batch=B, heads=N, kv_heads=K, head_dim=H, causal=True,
                             seq_lens=list(seq_lens), presets={p: PRESETS[p] for p in presets},
+                            memory_presets=memory_presets, decode_presets=decode_presets,
                             matmul_size=matmul_size,
                             flop_convention="4*B*N*T*S*H/2 (causal: visible pairs only)",
                             xla_flags=os.environ.get("XLA_FLAGS", ""),
