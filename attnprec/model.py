@@ -243,8 +243,7 @@ def check_jax_numerics(precision: Precision) -> None:
   which take no precision) without the precision line naming it: a UserError, as the
   runners refuse the variable. A reduced-precision model traced on XLA:CPU with excess
   precision on is warned about once (`xla_env.excess_precision_note`)."""
-  from jax._src import config as jax_config
-  default = jax_config.default_matmul_precision.value
+  default = jax.config.jax_default_matmul_precision     # the context's value too
   if default is not None:
     raise UserError(
         f"jax's default matmul precision is set to {default!r} (JAX_DEFAULT_MATMUL_PRECISION, "

@@ -45,13 +45,19 @@ def note_backend_started_before_import() -> None:
   _FLAGS_AT_IMPORT = os.environ.get("XLA_FLAGS", "")
 
 
-def excess_precision_allowed(flags=None) -> bool:
-  """Whether XLA_FLAGS (or `flags`) leave XLA:CPU's excess precision on (a bare boolean
-  flag reads as true; no setting is XLA's default, on)."""
-  flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+def _excess_precision_value(flags: str) -> Optional[str]:
+  """The last --xla_allow_excess_precision value in `flags`, lower case (a bare boolean
+  flag means true, as XLA reads it); None when not set."""
   values = [f.split("=", 1)[1].lower() if "=" in f else "true" for f in flags.split()
             if f.startswith("--xla_allow_excess_precision")]
-  return not values or values[-1] not in ("false", "0")
+  return values[-1] if values else None
+
+
+def excess_precision_allowed(flags=None) -> bool:
+  """Whether XLA_FLAGS (or `flags`) leave XLA:CPU's excess precision on (no setting is
+  XLA's default, on)."""
+  flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+  return _excess_precision_value(flags) not in ("false", "0")
 
 
 _WARNED = []
@@ -121,16 +127,14 @@ def describe(flags=None) -> str:
   whether the user's XLA_FLAGS chose it), the dot library setting, and every flag of
   NUMERICS_FLAGS the user set (run as given, outside what the project measured)."""
   flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
-  # a bare boolean flag (no '=') means true, as XLA reads it
-  values = [f.split("=", 1)[1].lower() if "=" in f else "true" for f in flags.split()
-            if f.startswith("--xla_allow_excess_precision")]
-  if not values:
+  value = _excess_precision_value(flags)
+  if value is None:
     excess = "excess precision allowed (XLA's default: some bf16 roundings may be dropped)"
-  elif values[-1] in ("false", "0"):
+  elif value in ("false", "0"):
     excess = "excess precision disabled"
   else:
     excess = ("excess precision ALLOWED by your XLA_FLAGS (--xla_allow_excess_precision="
-              f"{values[-1]}): XLA:CPU may drop bf16 roundings the precision flags control")
+              f"{value}): XLA:CPU may drop bf16 roundings the precision flags control")
   line = f"XLA: {excess}; dot library: {in_force(flags)}"
   other = numerics_flags(flags)
   if other:

@@ -20,6 +20,7 @@
 * `decode_with_template`: `decoding.decode_with_template` plus a per-slot finite flag
   (for the recall eval and the study; `decoding.generate` has its own `finite_B`).
 """
+import functools
 from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -171,22 +172,18 @@ def logits_problem(logits) -> "Tuple[int, int, Tuple[int, ...]]":
   return nan, inf, tuple(int(i) for i in np.unravel_index(first, shape))
 
 
-_STATS = []
-
-
+@functools.lru_cache(maxsize=None)
 def _nonfinite_stats():
   """One jitted program (NaN count, Inf count, flat index of the first non-finite value),
-  compiled once per shape, where five eager ops compiled five."""
-  if not _STATS:
-    import jax
-    import jax.numpy as jnp
+  compiled once per shape, where five eager ops compiled five (jax imported on first
+  use, as the rest of this module does)."""
+  import jax
+  import jax.numpy as jnp
 
-    def stats(x):
-      flat = jnp.asarray(x).reshape(-1)
-      return (jnp.isnan(flat).sum(), jnp.isinf(flat).sum(),
-              jnp.argmax(~jnp.isfinite(flat)))
-    _STATS.append(jax.jit(stats))
-  return _STATS[0]
+  def stats(x):
+    flat = jnp.asarray(x).reshape(-1)
+    return jnp.isnan(flat).sum(), jnp.isinf(flat).sum(), jnp.argmax(~jnp.isfinite(flat))
+  return jax.jit(stats)
 
 
 class Where(NamedTuple):
