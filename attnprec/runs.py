@@ -560,6 +560,9 @@ class MetricsWriter:
   def write(self, record: Dict[str, Any]) -> None:
     """Appends one line; a failed append is cut back off (WriteError), so the log never
     holds half a record."""
+    unknown = sorted(set(record) - METRIC_KEYS)
+    if unknown:     # what is written is what the read-back schema accepts
+      raise ValueError(f"metrics keys {unknown} are not in runs.METRIC_KEYS")
     line = json.dumps(record, default=_jsonable) + "\n"
     size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
     try:

@@ -152,6 +152,9 @@ def test_job_runs_resumes_and_checks_before_loading(tiny_model, tmp_path, capsys
                                                           "assertion"}
   for name in ("results.json", "results.md", "humaneval.png"):
     assert os.path.getsize(os.path.join(run_dir, name)) > 0
+  from attnprec.evals import sizes         # what sizes reads back is what this run wrote
+  with open(os.path.join(run_dir, "results.json")) as f:
+    assert sizes._schema_problem(json.load(f), "HumanEval run") is None
   lines = open(os.path.join(run_dir, "items.jsonl")).read().splitlines()
   assert len(lines) == 1 + 6
   humaneval_eval.humaneval_eval(**kw)                    # resumes: nothing new to decode

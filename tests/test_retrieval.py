@@ -343,6 +343,8 @@ def test_the_job_writes_records_and_report_and_resumes(tok, params, tmp_path):
   assert sum(r["compile_seconds"] > 0 for r in recs) <= 2 * 2   # first item of each run
   summary = json.loads((run_dir / "results.json").read_text())
   assert sorted(summary["lengths"]) == ["1024", "768"]
+  from attnprec.evals import sizes         # what sizes reads back is what this run wrote
+  assert sizes._schema_problem(summary, "retrieval run") is None
   comp = summary["lengths"]["768"]["comparisons"]
   assert [(c["a"], c["b"]) for c in comp] == [("bf16", "highest")]
   assert set(summary["departure"]["bf16"]) == {"vs_reference", "vs_baseline"}

@@ -137,6 +137,8 @@ def test_tiny_sweep_end_to_end(tmp_path):
       assert (out_dir / name).read_bytes()[:8] == PNG
   saved = json.loads((out_dir / "results.json").read_text())
   assert [c["name"] for c in saved["configs"]] == ["bf16", "fp32"]
+  from attnprec.evals import sizes         # what sizes reads back is what this run wrote
+  assert sizes._schema_problem(saved, "study") is None
   bf16, fp32 = (c["per_length"] for c in saved["configs"])
   for r in fp32:   # fp32 / DEFAULT vs the fp32 / HIGHEST reference: identical on CPU
     assert max(r["prefill_attn_rel_l2"] + r["decode_attn_rel_l2"]) == 0
